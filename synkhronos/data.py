@@ -1,0 +1,248 @@
+"""``Data``: arrays in OS shared memory that every process maps.
+
+The master owns every segment. A worker maps a Data segment the first time a
+command names it (by Data id and segment generation) and drops its mapping
+when the master announces a reallocation or ``free_memory()``.
+"""
+
+import numpy as np
+
+from . import lifecycle
+from .shmem import GrowableSegment, SegmentMirror
+from .transport import DTYPES, dtype_code
+
+__all__ = ["Data", "data", "DataMirrors", "condition_value"]
+
+
+def condition_value(value, dtype, ndim, force_cast=False, what="value"):
+    """Return ``value`` as a numpy array of ``dtype``, checking ndim and safe casting.
+
+    Raises
+    ------
+    TypeError
+        If ``value`` has the wrong number of dimensions, or its dtype does not
+        up-cast safely to ``dtype`` and ``force_cast`` is False.
+    """
+    arr = np.asarray(value)
+    if arr.ndim != ndim:
+        raise TypeError(f"{what} has ndim {arr.ndim}, expected ndim {ndim} "
+                        f"(shape {arr.shape}); reshape it or use a Data of the right ndim")
+    if arr.dtype != dtype:
+        if not force_cast and not np.can_cast(arr.dtype, dtype, casting="safe"):
+            raise TypeError(f"{what} has dtype {arr.dtype}, which does not cast safely to {dtype}; "
+                            f"convert it first or pass force_cast=True")
+        arr = arr.astype(dtype)
+    return arr
+
+
+def _check_oversize(oversize):
+    if not 1 <= oversize <= 2:
+        raise ValueError(f"oversize must be between 1 and 2, got {oversize}")
+
+
+class Data:
+    """An array in shared memory, readable by every process of the runtime.
+
+    Create with :func:`data`, not directly. Indexing reads and writes the
+    master's view (``d[3:5] = x``); ``d.data`` is that numpy view.
+    """
+
+    def __init__(self, runtime, data_id, dtype, ndim, minibatch=False, name=None):
+        self._rt = runtime
+        self.id = data_id
+        self._dtype = np.dtype(dtype)
+        dtype_code(self._dtype)  # rejects unsupported dtypes early
+        self._ndim = int(ndim)
+        self.minibatch = bool(minibatch)
+        self.name = name
+        self._segment = GrowableSegment(f"{runtime.prefix}_d{data_id}")
+        self._shape = None
+
+    # --- properties -------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def ndim(self):
+        return self._ndim
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def size(self):
+        return 0 if self._shape is None else int(np.prod(self._shape, dtype=np.int64))
+
+    @property
+    def alloc_size(self):
+        """Number of items the current allocation can hold."""
+        return self._segment.nbytes // self._dtype.itemsize
+
+    @property
+    def gen(self):
+        return self._segment.gen
+
+    @property
+    def data(self):
+        """The numpy view of the master's shared memory (None before allocation)."""
+        if self._shape is None:
+            return None
+        self._rt.check_open()
+        return self._segment.segment.array(self._dtype, self._shape)
+
+    def __len__(self):
+        if self._shape is None:
+            raise TypeError(f"{self!r} holds no value yet; call set_value() or set_shape() first")
+        return self._shape[0] if self._ndim else 1
+
+    def __getitem__(self, key):
+        return self._view_or_raise()[key]
+
+    def __setitem__(self, key, value):
+        self._view_or_raise()[key] = value
+
+    def __repr__(self):
+        return f"Data(name={self.name!r}, dtype={self._dtype}, shape={self._shape}, minibatch={self.minibatch})"
+
+    def _view_or_raise(self):
+        view = self.data
+        if view is None:
+            raise TypeError(f"{self!r} holds no value yet; call set_value() or set_shape() first")
+        return view
+
+    # --- values -----------------------------------------------------------------------------
+    def condition_data(self, value, force_cast=False):
+        """Return ``value`` as an array this Data can hold (dtype and ndim checked)."""
+        return condition_value(value, self._dtype, self._ndim, force_cast, what=f"value for {self!r}")
+
+    def set_value(self, value, force_cast=False, oversize=1):
+        """Write ``value``, reshaping the view if it fits, else reallocating.
+
+        A reallocation makes a new segment of ``prod(shape) * oversize`` items
+        and writes only the new value into it.
+        """
+        _check_oversize(oversize)
+        value = self.condition_data(value, force_cast)
+        self._resize(value.shape, oversize)
+        self.data[...] = value
+
+    def set_length(self, length, oversize=1):
+        """Change the number of rows; existing rows are kept, added rows are zero."""
+        _check_oversize(oversize)
+        if self._ndim == 0:
+            raise TypeError("set_length() needs a Data with ndim >= 1")
+        if int(length) < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        old = None if self._shape is None else np.array(self.data)
+        self._resize((int(length),) + tuple(self._shape[1:] if self._shape else (0,) * (self._ndim - 1)),
+                     oversize)
+        view = self.data
+        view[...] = 0
+        if old is not None:
+            keep = min(len(old), len(view))
+            view[:keep] = old[:keep]
+
+    def set_shape(self, shape, oversize=1):
+        """Set a new shape of the same ndim; the contents are zero afterwards."""
+        _check_oversize(oversize)
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != self._ndim:
+            raise ValueError(f"set_shape() must keep ndim {self._ndim}, got shape {shape}")
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape entries must be >= 0, got {shape}")
+        self._resize(shape, oversize)
+        self.data[...] = 0
+
+    def free_memory(self):
+        """Release the shared memory in the master and every worker."""
+        self._rt.check_open()
+        self._segment.free()
+        self._shape = None
+        self._rt.announce_data_drop([self.id])
+
+    def _resize(self, shape, oversize):
+        self._rt.check_open()
+        needed = int(np.prod(shape, dtype=np.int64)) * self._dtype.itemsize
+        had = self._segment.segment is not None
+        if self._segment.ensure(needed, oversize=oversize) and had:
+            self._rt.announce_data_drop([self.id])
+        self._shape = tuple(shape)
+
+    def _release(self):
+        """Unlink at runtime close (workers are already gone)."""
+        self._segment.free()
+        self._shape = None
+
+
+def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
+         force_cast=False, oversize=1, name=None):
+    """Make a :class:`Data` in shared memory visible to every process.
+
+    Parameters
+    ----------
+    value : array_like, optional
+        Initial contents (allocates and writes).
+    var : pytensor Variable, optional
+        Takes dtype and ndim from this variable's type.
+    dtype, ndim : optional
+        Used when neither ``var`` nor ``value`` fixes them.
+    shape : tuple of int, optional
+        Allocate this shape (zeros) without a value.
+    minibatch : bool
+        The Data holds only a batch: row 0 stands for the lowest batch index.
+    force_cast : bool
+        Allow unsafe casts of ``value`` to the dtype.
+    oversize : float
+        Allocate this factor (1 to 2) more than needed, to grow without reallocating.
+    name : str, optional
+
+    Returns
+    -------
+    Data
+
+    Examples
+    --------
+    >>> x_dat = synk.data(np.zeros((100, 5), "float32"))     # doctest: +SKIP
+    >>> y_dat = synk.data(var=y, shape=(100,))                 # doctest: +SKIP
+    """
+    rt = lifecycle.current()
+    _check_oversize(oversize)
+    if var is not None:
+        dtype, ndim = var.type.dtype, var.type.ndim
+    elif value is not None:
+        value = np.asarray(value)
+        dtype = dtype or value.dtype
+        ndim = value.ndim if ndim is None else ndim
+    elif dtype is not None and shape is not None:
+        ndim = len(shape) if ndim is None else ndim
+    if dtype is None or ndim is None:
+        raise TypeError("data() needs var=, value=, or dtype= with ndim= or shape= to know its "
+                        "dtype and ndim")
+    d = rt.new_data(dtype, ndim, minibatch=minibatch, name=name)
+    if value is not None:
+        d.set_value(value, force_cast=force_cast, oversize=oversize)
+    elif shape is not None:
+        d.set_shape(shape, oversize=oversize)
+    return d
+
+
+class DataMirrors:
+    """A worker's mappings of the master's Data segments."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.mirrors = {}
+
+    def view(self, data_id, gen, code, shape):
+        mirror = self.mirrors.get(data_id)
+        if mirror is None:
+            mirror = self.mirrors[data_id] = SegmentMirror(f"{self.prefix}_d{data_id}")
+        return mirror.get(gen).array(DTYPES[code], shape)
+
+    def drop(self, data_ids):
+        for data_id in data_ids:
+            mirror = self.mirrors.pop(int(data_id), None)
+            if mirror is not None:
+                mirror.release()

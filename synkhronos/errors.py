@@ -1,0 +1,49 @@
+"""Exception types raised by synkhronos."""
+
+__all__ = ["SynkError", "WorkerError"]
+
+
+class SynkError(RuntimeError):
+    """Base class of the runtime errors synkhronos raises itself."""
+
+
+class WorkerError(SynkError):
+    """A worker process failed: it raised an exception, or it died.
+
+    Parameters
+    ----------
+    rank : int
+        Rank of the failing process.
+    how : str
+        ``"raised"`` when the worker raised an exception and is still alive
+        (the runtime stays usable), ``"died"`` when the process ended (the
+        runtime has been shut down; call ``fork()`` again).
+    exc_type : str
+        Qualified name of the worker's exception type, or the way the process
+        ended (e.g. ``"killed by SIGKILL"``).
+    message : str
+        The worker's exception message.
+    worker_traceback : str
+        The traceback formatted in the worker process.
+
+    Examples
+    --------
+    >>> try:                                                # doctest: +SKIP
+    ...     f(x_dat)
+    ... except synk.WorkerError as e:
+    ...     print(e.rank, e.exc_type, e.worker_traceback)
+    """
+
+    def __init__(self, rank, how, exc_type, message, worker_traceback=""):
+        self.rank = rank
+        self.how = how
+        self.exc_type = exc_type
+        self.message = message
+        self.worker_traceback = worker_traceback
+        text = f"rank {rank} {how}: {exc_type}: {message}"
+        if worker_traceback:
+            text += f"\n--- traceback in rank {rank} ---\n{worker_traceback.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.how, self.exc_type, self.message, self.worker_traceback))

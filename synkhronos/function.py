@@ -1,0 +1,521 @@
+"""``synk.function``: record a PyTensor graph, ship it, compile it everywhere, call it.
+
+A :class:`Function` lives in the master. Its :class:`FunctionSpec` (the
+symbolic graph and modes) is cloudpickled to the workers by ``distribute()``;
+every process compiles it with PyTensor's JAX backend into a
+:class:`CompiledFunction`. A call is validated in the master, encoded as
+integers into the control block (:class:`CallPlan`), and run by every process
+with :func:`run_share` on its own rows; the master reduces the results.
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Variable
+from pytensor.graph.traversal import ancestors
+
+from . import lifecycle
+from .data import Data, condition_value
+from .reduce import Accumulator, check_output_mode, check_update_mode, reduce_ranks
+from .scatter import Batch, check_num_slices, chunk, parse_batch
+from .transport import dtype_code
+
+__all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share"]
+
+JAX_MODE = "JAX"
+
+
+# ------------------------------------------------------------------------------------------------
+# Recording
+# ------------------------------------------------------------------------------------------------
+
+def _normalize_outputs(outputs):
+    """Return ([(var, mode)], bare) from the user's ``outputs``."""
+    if outputs is None:
+        return [], False
+    bare = isinstance(outputs, Variable) or (isinstance(outputs, tuple) and len(outputs) == 2
+                                             and isinstance(outputs[0], Variable)
+                                             and not isinstance(outputs[1], Variable))
+    items = [outputs] if bare else list(outputs)
+    pairs = []
+    for item in items:
+        if isinstance(item, Variable):
+            var, mode = item, "avg"
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Variable):
+            var, mode = item
+        else:
+            raise TypeError(f"each output must be a variable or a (variable, mode) pair, got {item!r}")
+        pairs.append((var, check_output_mode(var, mode)))
+    return pairs, bare
+
+
+def _normalize_updates(updates):
+    """Return [(shared, new_value, mode)] from a list of pairs/triples or a dict."""
+    if updates is None:
+        return []
+    items = list(updates.items()) if isinstance(updates, dict) else list(updates)
+    triples = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
+                            f"got {item!r}")
+        shared, value = item[0], item[1]
+        mode = item[2] if len(item) == 3 else "avg"
+        if not isinstance(shared, SharedVariable):
+            raise TypeError(f"update target {shared!r} is not a shared variable")
+        triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
+    return triples
+
+
+def _check_inputs(inputs, what):
+    inputs = [] if inputs is None else list(inputs)
+    for var in inputs:
+        if not isinstance(var, Variable) or isinstance(var, SharedVariable) or var.owner is not None:
+            raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
+                            f"got {var!r}")
+    return inputs
+
+
+def shared_variables(graph_vars):
+    """All shared variables the graph of ``graph_vars`` depends on, in a stable order."""
+    return [v for v in ancestors(graph_vars) if isinstance(v, SharedVariable)]
+
+
+@dataclass
+class FunctionSpec:
+    """Everything a process needs to compile a Function; this is what gets shipped."""
+
+    fid: int
+    name: str
+    inputs: list
+    bcast_inputs: list
+    outputs: list          # [(var, mode)]
+    updates: list          # [(shared, value, mode)]
+    givens: list
+    sliceable_shareds: list
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def all_inputs(self):
+        return self.inputs + self.bcast_inputs
+
+    def graph_vars(self):
+        return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
+                + [g[1] for g in self.givens])
+
+
+class CompiledFunction:
+    """A FunctionSpec compiled for this process's device (lazily for the slice variant)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.output_modes = [m for _, m in spec.outputs]
+        self._with_updates = self._compile(updates=True)
+        self._no_updates = None
+
+    def _compile(self, updates):
+        spec = self.spec
+        outputs = [v for v, _ in spec.outputs]
+        kwargs = dict(spec.kwargs)
+        kwargs.setdefault("mode", JAX_MODE)
+        if updates:
+            upd = [(s, v) for s, v, _ in spec.updates]
+        else:
+            outputs = outputs + [v for _, v, _ in spec.updates]
+            upd = []
+        return pytensor.function(spec.all_inputs, outputs, updates=upd, givens=spec.givens,
+                                 on_unused_input="ignore", **kwargs)
+
+    def run(self, args):
+        """Run once, applying updates."""
+        return self._with_updates(*args)
+
+    def run_deferred(self, args):
+        """Run once without applying updates; return (outputs, new update values)."""
+        if self._no_updates is None:
+            self._no_updates = self._compile(updates=False)
+        out = self._no_updates(*args)
+        n = len(self.spec.outputs)
+        return out[:n], out[n:]
+
+    def apply(self, values):
+        """Store accumulated update values into the shared variables, on the device."""
+        for (shared, _, _), value in zip(self.spec.updates, values):
+            shared.container.storage[0] = value.astype(shared.type.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# One call: the plan, its encoding, and the per-rank computation
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class InputRef:
+    """Where one input's rows live: a Data segment generation, shape and row offset."""
+
+    data_id: int
+    gen: int
+    code: int
+    offset: int
+    shape: tuple
+
+
+@dataclass
+class CallPlan:
+    """A validated call, as every process needs it."""
+
+    fid: int
+    num_slices: int
+    batch: Batch
+    subset: list
+    scattered: list        # [InputRef]
+    bcast: list            # [InputRef]
+    index_gen: int = 0
+
+    def encode(self, args):
+        """Write the plan into the int64 array ``args``; return the number used."""
+        head = [self.fid, self.num_slices, self.batch.total, int(self.batch.is_range),
+                self.batch.start, self.batch.stop, self.index_gen, len(self.subset),
+                len(self.scattered), len(self.bcast)]
+        items = head + list(self.subset)
+        for ref in self.scattered + self.bcast:
+            items += [ref.data_id, ref.gen, ref.code, ref.offset, len(ref.shape), *ref.shape]
+        if len(items) > len(args):
+            raise ValueError(f"call needs {len(items)} control words, more than {len(args)}")
+        args[:len(items)] = items
+        return len(items)
+
+    @classmethod
+    def decode(cls, args, index_lookup):
+        """Read a plan written by :meth:`encode`; ``index_lookup(gen, n)`` returns indices."""
+        fid, k, total, is_range, start, stop, index_gen, n_subset, n_scat, n_bcast = (
+            int(a) for a in args[:10])
+        pos = 10
+        subset = [int(a) for a in args[pos:pos + n_subset]]
+        pos += n_subset
+        refs = []
+        for _ in range(n_scat + n_bcast):
+            data_id, gen, code, offset, ndim = (int(a) for a in args[pos:pos + 5])
+            refs.append(InputRef(data_id, gen, code, offset, tuple(int(s) for s in args[pos + 5:pos + 5 + ndim])))
+            pos += 5 + ndim
+        batch = (Batch(total, start, stop) if is_range
+                 else Batch(total, indices=index_lookup(index_gen, total)))
+        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], index_gen)
+
+
+def _rows(view, batch, a, b, offset):
+    """Rows at batch positions [a, b) of one input: a zero-copy view for ranges."""
+    if batch.is_range:
+        return view[batch.start + a - offset:batch.start + b - offset]
+    return np.take(view, batch.indices[a:b] - offset, axis=0)
+
+
+def run_share(compiled, plan, rank, n_ranks, view_of):
+    """Compute this rank's share of a call.
+
+    Parameters
+    ----------
+    compiled : CompiledFunction
+    plan : CallPlan
+    rank, n_ranks : int
+    view_of : callable
+        ``view_of(InputRef)`` returns the numpy view of that input's Data.
+
+    Returns
+    -------
+    rows : int
+        Rows this rank computed (1 for a function with no scattered inputs; 0 if
+        its share was empty, in which case nothing ran).
+    outputs : list
+        Per selected output, the rank's accumulation over its slices (device arrays).
+    """
+    import jax.numpy as jnp
+
+    scattered = [view_of(ref) for ref in plan.scattered]
+    bcast = [view_of(ref) for ref in plan.bcast]
+    spec = compiled.spec
+    if plan.scattered:
+        lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
+        n_slices = plan.num_slices
+    else:
+        lo, hi, n_slices = 0, 1, 1
+    if hi == lo:
+        return 0, []
+    outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
+    defer = n_slices > 1 and spec.updates
+    upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates] if defer else []
+    rows = 0
+    for s in range(n_slices):
+        a, b = chunk(lo, hi, n_slices, s)
+        if b == a:
+            continue
+        args = [_rows(v, plan.batch, a, b, ref.offset) for v, ref in zip(scattered, plan.scattered)]
+        args += bcast
+        n = (b - a) if plan.scattered else 1
+        if defer:
+            values, new = compiled.run_deferred(args)
+            for acc, v in zip(upds, new):
+                acc.add(v, n)
+        else:
+            values = compiled.run(args)
+        for acc, i in zip(outs, plan.subset):
+            acc.add(values[i], n)
+        rows += n
+    if defer:
+        compiled.apply([acc.result() for acc in upds])
+    return rows, [acc.result() for acc in outs]
+
+
+# ------------------------------------------------------------------------------------------------
+# The user's Function
+# ------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+class Function:
+    """A data-parallel PyTensor function, made by :func:`function`.
+
+    Call it like the PyTensor function it wraps, with :class:`Data` or numpy
+    arguments; see :meth:`__call__`.
+    """
+
+    def __init__(self, runtime, spec, bare):
+        self._rt = runtime
+        self.spec = spec
+        self._bare = bare
+        self._scratch = {}
+        self._reference = None
+        self.compiled = None
+        self.shipped = False
+
+    @property
+    def name(self):
+        return self.spec.name
+
+    @property
+    def output_modes(self):
+        return [m for _, m in self.spec.outputs]
+
+    @property
+    def update_modes(self):
+        return [m for _, _, m in self.spec.updates]
+
+    def __repr__(self):
+        return f"synk.Function({self.name!r})"
+
+    # --- single process reference ---------------------------------------------------------
+    def as_pytensor(self, *args):
+        """Run the plain single-process PyTensor function in the master on numpy inputs.
+
+        Updates apply to the master's copies of the shared variables only.
+        """
+        if self._reference is None:
+            spec = self.spec
+            kwargs = dict(spec.kwargs)
+            kwargs.setdefault("mode", JAX_MODE)
+            self._reference = pytensor.function(
+                spec.all_inputs, [v for v, _ in spec.outputs],
+                updates=[(s, v) for s, v, _ in spec.updates], givens=spec.givens,
+                on_unused_input="ignore", **kwargs)
+        out = [np.asarray(o) for o in self._reference(*args)]
+        return out[0] if self._bare else out
+
+    as_theano = as_pytensor
+
+    def build_inputs(self, *values, force_cast=False, oversize=1., minibatch=False):
+        """Make one :class:`Data` per input (scattered, then broadcast) from ``values``."""
+        from .data import data
+        all_inputs = self.spec.all_inputs
+        if len(values) != len(all_inputs):
+            raise TypeError(f"{self.name} has {len(all_inputs)} inputs, got {len(values)} values")
+        return [data(value=v, var=var, force_cast=force_cast, oversize=oversize,
+                     minibatch=minibatch and i < len(self.spec.inputs))
+                for i, (var, v) in enumerate(zip(all_inputs, values))]
+
+    # --- calling ---------------------------------------------------------------------------
+    def __call__(self, *args, batch=None, batch_s=None, num_slices=1, output_subset=None, **kwargs):
+        """Run on every device and return the reduced outputs.
+
+        Parameters
+        ----------
+        *args : Data or numpy arrays
+            One per input (scattered inputs first, then ``bcast_inputs``), or by
+            input name as keywords.
+        batch : int, slice, or sequence of int, optional
+            Rows of the scattered inputs to use: ``n`` means ``[0, n)``.
+        batch_s : optional
+            Rows of the sliceable shared variables (see ``sliceable_shareds``).
+        num_slices : int
+            Each rank computes its share in this many slices and accumulates.
+        output_subset : list of int, optional
+            Indices of the outputs to compute and return.
+        """
+        rt = lifecycle.current()
+        if rt is not self._rt:
+            raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
+                               f"build it again after fork()")
+        plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
+        rt.ensure_shipped()
+        results = rt.run_call(self, plan)
+        outputs = self._reduce(plan, results)
+        return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _plan(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+        spec = self.spec
+        num_slices = check_num_slices(num_slices)
+        if batch_s is not None and not spec.sliceable_shareds:
+            raise TypeError(f"batch_s was given but {self.name} has no sliceable_shareds; "
+                            f"pass sliceable_shareds= to synk.function to slice shared variables")
+        if batch_s is not None:
+            raise NotImplementedError("batch_s on sliceable shareds is not available yet")
+        subset = self._subset(output_subset)
+        datas = [self._as_data(i, v) for i, v in enumerate(self._collect_args(args, kwargs))]
+        n_scat = len(spec.inputs)
+        names = [self._input_name(i) for i in range(n_scat)]
+        batch_plan, offsets = parse_batch(batch, datas[:n_scat], names)
+        if n_scat and batch_plan.total == 0:
+            raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
+                             f"give at least one row")
+        if n_scat and spec.updates and batch_plan.total < self._rt.n_parallel:
+            raise ValueError(f"{self.name} has updates but the batch has {batch_plan.total} rows for "
+                             f"{self._rt.n_parallel} devices: a device with no rows would skip its "
+                             f"updates and its state would drift; give at least one row per device")
+
+        def ref(d, offset):
+            return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
+
+        return CallPlan(spec.fid, num_slices, batch_plan, subset,
+                        [ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
+                        [ref(d, 0) for d in datas[n_scat:]])
+
+    def _subset(self, output_subset):
+        n = len(self.spec.outputs)
+        if output_subset is None:
+            return list(range(n))
+        subset = list(output_subset)
+        for i in subset:
+            if not isinstance(i, (int, np.integer)) or not 0 <= i < n:
+                raise ValueError(f"output_subset entry {i!r} is not an output index in [0, {n})")
+        return [int(i) for i in subset]
+
+    def _input_name(self, i):
+        var = self.spec.all_inputs[i]
+        return var.name if var.name else f"input {i}"
+
+    def _collect_args(self, args, kwargs):
+        all_inputs = self.spec.all_inputs
+        names = [self._input_name(i) for i in range(len(all_inputs))]
+        if len(args) > len(all_inputs):
+            raise TypeError(f"{self.name} takes {len(all_inputs)} inputs {names}, got {len(args)} "
+                            f"positional arguments")
+        values = list(args) + [_MISSING] * (len(all_inputs) - len(args))
+        for key, value in kwargs.items():
+            matches = [i for i, v in enumerate(all_inputs) if v.name == key]
+            if not matches:
+                raise TypeError(f"{self.name} has no input named {key!r}; its inputs are {names}")
+            if values[matches[0]] is not _MISSING:
+                raise TypeError(f"input {key!r} of {self.name} was given twice")
+            values[matches[0]] = value
+        missing = [names[i] for i, v in enumerate(values) if v is _MISSING]
+        if missing:
+            raise TypeError(f"{self.name} is missing inputs {missing}")
+        return values
+
+    def _as_data(self, i, value):
+        var = self.spec.all_inputs[i]
+        name = self._input_name(i)
+        if isinstance(value, Data):
+            if value._rt is not self._rt:
+                raise ValueError(f"Data for input {name!r} belongs to a closed runtime; "
+                                 f"make it again with synk.data() after fork()")
+            if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
+                raise TypeError(f"input {name!r} expects dtype {var.type.dtype} and ndim "
+                                f"{var.type.ndim}, got Data with dtype {value.dtype} and ndim "
+                                f"{value.ndim}")
+            if value.shape is None:
+                raise TypeError(f"Data for input {name!r} holds no value; set_value() it first")
+            if i < len(self.spec.inputs) and value.ndim == 0:
+                raise TypeError(f"scattered input {name!r} is 0-d and cannot be split by rows; "
+                                f"make it a bcast_input")
+            return value
+        arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}")
+        scratch = self._scratch.get(i)
+        if scratch is None:
+            scratch = self._scratch[i] = self._rt.new_data(var.type.dtype, var.type.ndim,
+                                                           name=f"{self.name}:{name}")
+        scratch.set_value(arr, oversize=1 if scratch.alloc_size >= arr.size else 1.25)
+        return scratch
+
+    def _reduce(self, plan, results):
+        """Reduce per-rank results ``[(rank, rows, outputs)]`` (master first) across ranks."""
+        computed = [(rows, outs) for _, rows, outs in results if rows > 0]
+        reduced = []
+        for j, i in enumerate(plan.subset):
+            mode = self.spec.outputs[i][1]
+            values = [np.asarray(outs[j]) for _, outs in computed]
+            reduced.append(reduce_ranks(mode, values, [rows for rows, _ in computed]))
+        return reduced
+
+
+def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
+             sliceable_shareds=None, name=None, **kwargs):
+    """Build a data-parallel function over every device of the runtime.
+
+    Parameters
+    ----------
+    inputs : list of Variable
+        Scattered inputs: split along axis 0 across devices.
+    outputs : Variable, (Variable, mode), or a list of those
+        Modes: ``"avg"`` (default, weighted by rows), ``"sum"``, ``"prod"``,
+        ``"min"``, ``"max"``, ``"gather"`` (concatenate in rank order), ``None``
+        (the master's own result).
+    bcast_inputs : list of Variable, optional
+        Inputs given whole to every device.
+    updates : list of (shared, value[, mode]) or dict
+        Applied locally on every device; the mode matters with ``num_slices > 1``.
+    givens : optional
+        As in :func:`pytensor.function`.
+    sliceable_shareds : list of SharedVariable, optional
+        Shared variables holding per-device data that ``batch_s`` indexes.
+    name : str, optional
+    **kwargs
+        Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
+
+    Returns
+    -------
+    Function
+
+    Examples
+    --------
+    >>> f = synk.function([x, y], [(loss, "avg"), (err, "sum")])     # doctest: +SKIP
+    >>> loss, err = f(x_dat, y_dat, batch=idx, num_slices=4)         # doctest: +SKIP
+    """
+    rt = lifecycle.current()
+    inputs = _check_inputs(inputs, "inputs")
+    bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
+    seen = set()
+    for var in inputs + bcast_inputs:
+        if id(var) in seen:
+            raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
+        seen.add(id(var))
+    pairs, bare = _normalize_outputs(outputs)
+    triples = _normalize_updates(updates)
+    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
+    sliceable = list(sliceable_shareds or [])
+    spec = FunctionSpec(rt.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
+                        sliceable, kwargs)
+    spec.name = name or f"synk_function_{spec.fid}"
+    used = set(shared_variables(spec.graph_vars()) + [s for s, _, _ in triples]
+               + [g[0] for g in givens])
+    for var in sliceable:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
+        if var not in used:
+            raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
+    f = Function(rt, spec, bare)
+    f.compiled = CompiledFunction(spec)  # compile errors surface here, in the master
+    rt.register_function(f)
+    return f

@@ -1,0 +1,451 @@
+"""fork / distribute / close: the one global runtime, its processes and its commands.
+
+``fork()`` starts one worker process per extra device (the master is itself a
+rank), all of them joining the JAX multi-process runtime. The :class:`Runtime`
+owns every shared-memory segment and every process; ``close()`` (also run at
+exit) stops and joins the workers and unlinks the segments.
+"""
+
+import atexit
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+
+from . import devices
+from .control import ControlBlock, Op, Status
+from .errors import WorkerError
+from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
+from .transport import read_pickle, unpack_arrays, write_bytes, write_pickle
+
+__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "current", "Runtime"]
+
+_runtime = None
+_closed_once = False
+_user_environment = {}   # the variables fork() changed in this process, to restore at close
+
+
+def current():
+    """Return the running :class:`Runtime`, or raise if fork() has not run."""
+    if _runtime is None:
+        if _closed_once:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+        raise RuntimeError("synkhronos is not running; call synk.fork() first")
+    return _runtime
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code):
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _ShipPickler(cloudpickle.Pickler):
+    """Pickles functions for the workers.
+
+    Shared variables the workers already hold travel as references (their
+    uid), so every function in a worker uses the same variable objects no
+    matter when it was shipped; device arrays travel as numpy arrays.
+    """
+
+    def __init__(self, file, uid_of_shipped):
+        super().__init__(file, protocol=5)
+        self._uid_of_shipped = uid_of_shipped
+
+    def persistent_id(self, obj):
+        uid = self._uid_of_shipped(obj)
+        return None if uid is None else ("shared", uid)
+
+    def reducer_override(self, obj):
+        if type(obj).__module__.startswith("jaxlib") and hasattr(obj, "__array__"):
+            return np.asarray, (np.asarray(obj),)
+        return super().reducer_override(obj)
+
+
+class Runtime:
+    """Processes, segments and registries of one fork() ... close() session."""
+
+    def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers):
+        self.n_parallel = n_parallel
+        self.master_rank = master_rank
+        self.platform = platform
+        self.threads = threads
+        self.timeout = timeout
+        self.profile_workers = profile_workers
+        self.prefix = new_prefix()
+        self.worker_ranks = [r for r in range(n_parallel) if r != master_rank]
+        self.procs = {}
+        self.functions = []
+        self._shared_vars = {}     # id(var) -> (uid, var)
+        self._shipped_uids = set()
+        self._datas = {}
+        self._next_data_id = 0
+        self.ctl = None
+        self.payload = GrowableSegment(f"{self.prefix}_p")
+        self.indices = GrowableSegment(f"{self.prefix}_ix")
+        self.results = {r: SegmentMirror(f"{self.prefix}_r{r}") for r in self.worker_ranks}
+        self.is_open = False
+
+    # --- start and stop ---------------------------------------------------------------------
+    def start(self):
+        self.ctl = ControlBlock(f"{self.prefix}_ctl", self.n_parallel, create=True)
+        self.is_open = True
+        port = _free_port()
+        for rank in self.worker_ranks:
+            self.procs[rank] = self._launch(rank, port)
+        self._wait_done(self.worker_ranks, what="start-up")
+        devices.initialize_process(self.master_rank, self.n_parallel, port, self.platform, self.timeout)
+
+    def _launch(self, rank, port):
+        env = devices.configure_environment(dict(os.environ), self.platform, self.threads)
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([package_parent] + [p for p in sys.path if p])
+        env["SYNK_WORKER"] = json.dumps(dict(
+            prefix=self.prefix, rank=rank, n_ranks=self.n_parallel, master_pid=os.getpid(),
+            port=port, platform=self.platform, timeout=self.timeout,
+            profile=bool(self.profile_workers)))
+        return subprocess.Popen([sys.executable, "-m", "synkhronos.worker"], env=env,
+                                stdin=subprocess.DEVNULL)
+
+    def stop(self):
+        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime."""
+        if not self.is_open:
+            return
+        try:
+            if all(p.poll() is None for p in self.procs.values()):
+                self.ctl.post_command(Op.STOP, self.worker_ranks)
+                try:
+                    self._wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 10)
+                except Exception:
+                    pass
+        finally:
+            self._reap_workers()
+            self._release_segments()
+            self._detach_shared_values()
+            self.is_open = False
+            try:
+                devices.shutdown_process()
+            except Exception:
+                pass
+
+    def _reap_workers(self):
+        deadline = time.time() + 5
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _release_segments(self):
+        for d in list(self._datas.values()):
+            d._release()
+        self.payload.free()
+        self.indices.free()
+        for rank, mirror in self.results.items():
+            mirror.release()
+            gen = int(self.ctl.status[rank, ControlBlock.RESULT_GEN])
+            for g in range(max(1, gen - 1), gen + 2):
+                unlink(f"{self.prefix}_r{rank}g{g}")
+        self.ctl.unlink()
+
+    def _detach_shared_values(self):
+        """Move the master's shared values to numpy so they outlive the JAX backend."""
+        for _, var in self._shared_vars.values():
+            value = var.container.storage[0]
+            if not isinstance(value, np.ndarray):
+                var.container.storage[0] = np.asarray(value)
+
+    def check_open(self):
+        if not self.is_open:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+
+    # --- commands ---------------------------------------------------------------------------
+    def command(self, opcode, ranks=None, local=None):
+        """Run command ``opcode`` on ``ranks`` (default: all workers) and ``local()`` here.
+
+        Every addressed rank finishes before this returns or raises, so a failure
+        never leaves the control channel half-way through a command.
+        """
+        self.check_open()
+        ranks = self.worker_ranks if ranks is None else ranks
+        self.ctl.post_command(opcode, ranks)
+        local_error = local_result = None
+        try:
+            local_result = local() if local is not None else None
+        except KeyboardInterrupt:
+            self._abort()
+            raise
+        except Exception as e:
+            local_error = e
+        self._wait_done(ranks, what=f"command {opcode}")
+        if local_error is not None:
+            raise local_error
+        for rank in ranks:
+            if self.ctl.status[rank, ControlBlock.STATE] == Status.ERROR:
+                exc_type, message, tb = self.read_result_pickle(rank)
+                raise WorkerError(rank, "raised", exc_type, message, tb)
+        return local_result
+
+    def _wait_done(self, ranks, what, deadline=None):
+        def check():
+            dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
+            if dead:
+                rank, code = next(iter(dead.items()))
+                self._abort()
+                raise WorkerError(rank, "died", _describe_exit(code),
+                                  f"worker process ended during {what}; the runtime was shut down, "
+                                  f"call synk.fork() to start again")
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"workers did not finish {what} in time")
+        try:
+            for _ in ranks:
+                self.ctl.done.wait(check)
+        except KeyboardInterrupt:
+            self._abort()
+            raise
+
+    def _abort(self):
+        """Tear everything down after a fault (dead worker, Ctrl-C)."""
+        global _runtime
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        self.stop()
+        if _runtime is self:
+            _runtime = None
+
+    def read_result_pickle(self, rank):
+        seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
+        return read_pickle(seg, int(self.ctl.status[rank, ControlBlock.RESULT_NBYTES]))
+
+    def read_result_arrays(self, rank):
+        seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
+        return [np.array(a) for a in unpack_arrays(seg.mm)]
+
+    # --- registries -------------------------------------------------------------------------
+    def next_function_id(self):
+        return len(self.functions)
+
+    def register_function(self, f):
+        self.functions.append(f)
+        from .function import shared_variables
+        spec = f.spec
+        for var in shared_variables(spec.graph_vars()) + [s for s, _, _ in spec.updates]:
+            self.uid_of(var)
+
+    def uid_of(self, var):
+        entry = self._shared_vars.get(id(var))
+        if entry is None:
+            entry = self._shared_vars[id(var)] = (len(self._shared_vars), var)
+        return entry[0]
+
+    def shared_by_uid(self, uid):
+        for u, var in self._shared_vars.values():
+            if u == uid:
+                return var
+        raise KeyError(uid)
+
+    def new_data(self, dtype, ndim, minibatch=False, name=None):
+        from .data import Data
+        self.check_open()
+        d = Data(self, self._next_data_id, dtype, ndim, minibatch=minibatch, name=name)
+        self._datas[d.id] = d
+        self._next_data_id += 1
+        return d
+
+    def announce_data_drop(self, data_ids):
+        self.ctl.args[0] = len(data_ids)
+        self.ctl.args[1:1 + len(data_ids)] = data_ids
+        self.command(Op.DROP_DATA)
+
+    def data_view(self, ref):
+        d = self._datas[ref.data_id]
+        return d._segment.segment.array(d.dtype, ref.shape)
+
+    # --- shipping functions -----------------------------------------------------------------
+    def ensure_shipped(self):
+        pending = [f for f in self.functions if not f.shipped]
+        if pending:
+            self.ship(pending, sync_values=False)
+
+    def ship(self, functions, sync_values):
+        """Send ``functions`` to every worker, which compiles them.
+
+        With ``sync_values``, every shared variable the workers already hold is
+        set to the master's value.
+        """
+        new_shared, values = {}, {}
+        for f in functions:
+            for var in self._shared_vars_of(f):
+                uid = self.uid_of(var)
+                if uid not in self._shipped_uids:
+                    new_shared[uid] = var
+        if sync_values:
+            for uid, var in self._shared_vars.values():
+                if uid in self._shipped_uids:
+                    values[uid] = np.asarray(var.get_value(borrow=True))
+        buf = io.BytesIO()
+        shipped = self._shipped_uids
+
+        def uid_of_shipped(obj):
+            entry = self._shared_vars.get(id(obj))
+            return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
+
+        _ShipPickler(buf, uid_of_shipped).dump(
+            dict(functions=[f.spec for f in functions], shared=new_shared, values=values))
+        nbytes = write_bytes(self.payload, buf.getvalue())
+        self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
+        self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
+        self.command(Op.SHIP)
+        self._shipped_uids.update(new_shared)
+        for f in functions:
+            f.shipped = True
+
+    def _shared_vars_of(self, f):
+        from .function import shared_variables
+        spec = f.spec
+        return shared_variables(spec.graph_vars()) + [s for s, _, _ in spec.updates]
+
+    # --- calls ------------------------------------------------------------------------------
+    def run_call(self, f, plan):
+        """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
+        from .function import run_share
+        if not plan.batch.is_range:
+            idx = plan.batch.indices
+            self.indices.ensure(idx.nbytes, oversize=1.5)
+            self.indices.segment.array(np.int64, idx.shape)[...] = idx
+            plan.index_gen = self.indices.gen
+        plan.encode(self.ctl.args)
+
+        def local():
+            rows, outs = run_share(f.compiled, plan, self.master_rank, self.n_parallel, self.data_view)
+            return rows, [np.asarray(o) for o in outs]
+
+        rows, outs = self.command(Op.CALL, local=local)
+        results = {self.master_rank: (rows, outs)}
+        for rank in self.worker_ranks:
+            w_rows = int(self.ctl.status[rank, ControlBlock.ROWS])
+            results[rank] = (w_rows, self.read_result_arrays(rank) if w_rows else [])
+        return [(rank, *results[rank]) for rank in range(self.n_parallel)]
+
+
+def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
+         threads_per_device=None, timeout=60, **options):
+    """Start one process per device; the calling process becomes rank ``master_rank``.
+
+    Parameters
+    ----------
+    n_parallel : int, optional
+        Number of devices (processes). Default: every GPU, or on a machine
+        without accelerators one CPU device per available core.
+    master_rank : int
+        The rank of the calling process.
+    platform : {"cpu", "gpu", None}
+        JAX platform; default: GPU if a JAX GPU plugin finds one, else CPU.
+    profile_workers : bool
+        Run every worker under cProfile, writing ``synk_profile_rank{r}.prof``.
+    threads_per_device : int, optional
+        CPU threads each process may use (XLA and BLAS pools); default
+        ``cores // n_parallel``, at least 1.
+    timeout : float
+        Seconds allowed for the JAX runtime to connect all processes.
+
+    Returns
+    -------
+    int
+        The number of devices in use.
+
+    Examples
+    --------
+    >>> import synkhronos as synk
+    >>> n = synk.fork(2)            # doctest: +SKIP
+    """
+    global _runtime
+    if options:
+        raise TypeError(f"fork() got unknown options {sorted(options)}")
+    if _runtime is not None:
+        raise RuntimeError("fork() was already called; call synk.close() before forking again")
+    if devices.backend_exists():
+        raise RuntimeError("a JAX backend (device context) already exists in this process, so it "
+                           "cannot join the multi-process runtime; call synk.fork() before anything "
+                           "runs a JAX computation or compiles a JAX-mode PyTensor function")
+    platform = platform or devices.default_platform()
+    if n_parallel is None:
+        n_parallel = devices.count_devices(platform)
+    n_parallel = int(n_parallel)
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be >= 1, got {n_parallel}")
+    if not 0 <= master_rank < n_parallel:
+        raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
+    cores = devices.count_devices("cpu")
+    threads = threads_per_device or max(1, cores // n_parallel)
+    _user_environment.update({k: os.environ.get(k) for k in devices.ENV_VARS
+                              if k not in _user_environment})
+    devices.configure_environment(os.environ, platform, threads)
+    rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers)
+    _runtime = rt
+    try:
+        rt.start()
+    except BaseException:
+        rt._abort()
+        _runtime = None
+        _restore_environment()
+        raise
+    return n_parallel
+
+
+def distribute():
+    """Ship every function to the workers and make their shared values equal the master's."""
+    rt = current()
+    rt.ship([f for f in rt.functions if not f.shipped], sync_values=True)
+
+
+def close():
+    """Stop and join the workers and free every shared-memory segment (idempotent)."""
+    global _runtime, _closed_once
+    rt, _runtime = _runtime, None
+    if rt is not None:
+        _closed_once = True
+        rt.stop()
+        _restore_environment()
+
+
+def _restore_environment():
+    for key, value in _user_environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _user_environment.clear()
+
+
+def get_n_devices(platform=None):
+    """Number of devices ``fork()`` would use, counted without creating a context here."""
+    return devices.count_devices(platform)
+
+
+def get_n_gpu():
+    """Number of GPUs, counted without creating a context here."""
+    return devices.count_devices("gpu") if devices._has_gpu_plugin() else 0
+
+
+atexit.register(close)

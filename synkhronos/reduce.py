@@ -1,0 +1,99 @@
+"""Output and update modes: accumulating over slices in a rank, reducing across ranks.
+
+``"avg"`` is weighted by the rows each slice and each rank really computed,
+so the mean over an uneven split equals the mean over the whole batch.
+"""
+
+import numpy as np
+
+__all__ = ["OUTPUT_MODES", "UPDATE_MODES", "check_output_mode", "check_update_mode",
+           "Accumulator", "reduce_ranks"]
+
+OUTPUT_MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
+UPDATE_MODES = ("avg", "sum", "prod", "min", "max", None)
+
+
+def _is_integer(dtype):
+    return np.issubdtype(np.dtype(dtype), np.integer) or np.dtype(dtype) == np.bool_
+
+
+def check_output_mode(var, mode):
+    """Validate ``mode`` for output ``var``; return it."""
+    if mode not in OUTPUT_MODES:
+        raise ValueError(f"output mode {mode!r} for {var} is not one of {list(OUTPUT_MODES)}")
+    if mode == "avg" and _is_integer(var.type.dtype):
+        raise TypeError(f"output {var} has integer dtype {var.type.dtype}, which 'avg' cannot "
+                        f"average exactly; use 'sum' (and divide yourself) or cast it to float")
+    if mode == "gather" and var.type.ndim == 0:
+        raise TypeError(f"output {var} is 0-d; 'gather' concatenates along axis 0, so give it "
+                        f"at least one dimension (e.g. pt.shape_padleft) or choose another mode")
+    return mode
+
+
+def check_update_mode(shared, mode):
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"update mode {mode!r} for {shared} is not one of {list(UPDATE_MODES)}")
+    return mode
+
+
+class Accumulator:
+    """Accumulates one value over the slices a rank computes.
+
+    Works on device arrays (jax) or numpy alike: only ``+``, ``*`` and the
+    ``xp`` module's minimum/maximum/concatenate are used.
+    """
+
+    def __init__(self, mode, xp):
+        self.mode = mode
+        self.xp = xp
+        self.value = None
+        self.parts = []
+        self.rows = 0
+
+    def add(self, value, rows):
+        mode, xp = self.mode, self.xp
+        if mode == "gather":
+            self.parts.append(value)
+        elif self.value is None:
+            self.value = value * rows if mode == "avg" else value
+        elif mode == "avg":
+            self.value = self.value + value * rows
+        elif mode == "sum":
+            self.value = self.value + value
+        elif mode == "prod":
+            self.value = self.value * value
+        elif mode == "min":
+            self.value = xp.minimum(self.value, value)
+        elif mode == "max":
+            self.value = xp.maximum(self.value, value)
+        else:  # None: the last slice's value
+            self.value = value
+        self.rows += rows
+
+    def result(self):
+        if self.mode == "gather":
+            return self.parts[0] if len(self.parts) == 1 else self.xp.concatenate(self.parts, axis=0)
+        if self.mode == "avg":
+            return self.value / self.rows
+        return self.value
+
+
+def reduce_ranks(mode, values, rows):
+    """Reduce per-rank results (numpy) in rank order; ``rows`` weights ``"avg"``.
+
+    ``values`` holds only the ranks that computed something; for mode None the
+    caller passes the master's result first.
+    """
+    if mode is None:
+        return values[0]
+    if mode == "gather":
+        return np.concatenate(values, axis=0)
+    if mode == "avg":
+        total = sum(rows)
+        out = sum(v * (r / total) for v, r in zip(values, rows))
+        return np.asarray(out, dtype=np.result_type(values[0]))
+    combine = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[mode]
+    out = values[0]
+    for v in values[1:]:
+        out = combine(out, v)
+    return np.asarray(out)

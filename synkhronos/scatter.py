@@ -1,0 +1,147 @@
+"""Who computes which rows: the ``batch`` argument, its split across ranks, and slices.
+
+The master validates a batch completely before any process is woken. Rows of
+a batch are split into ``n`` near-equal contiguous chunks, rank ``r`` taking
+positions ``[T*r//n, T*(r+1)//n)`` of the ``T`` batch positions; each rank then
+splits its chunk the same way into ``num_slices`` slices. Every process gathers
+its own rows from shared memory.
+"""
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Batch", "parse_batch", "split_bounds", "chunk", "check_num_slices"]
+
+
+def split_bounds(total, parts):
+    """Boundaries of ``parts`` near-equal contiguous chunks of ``total`` items.
+
+    Examples
+    --------
+    >>> split_bounds(7, 2).tolist()
+    [0, 3, 7]
+    """
+    return (np.arange(parts + 1, dtype=np.int64) * total) // parts
+
+
+def chunk(lo, hi, parts, index):
+    """Positions ``[a, b)`` of chunk ``index`` when ``[lo, hi)`` is split into ``parts``."""
+    bounds = split_bounds(hi - lo, parts)
+    return lo + int(bounds[index]), lo + int(bounds[index + 1])
+
+
+@dataclass
+class Batch:
+    """A validated batch: either the row range ``[start, stop)`` or explicit ``indices``."""
+
+    total: int
+    start: int = 0
+    stop: int = 0
+    indices: np.ndarray = None
+
+    @property
+    def is_range(self):
+        return self.indices is None
+
+    def lowest(self):
+        if self.total == 0:
+            return 0
+        return self.start if self.is_range else int(self.indices.min())
+
+    def highest(self):
+        """The largest row index the batch touches (-1 if empty)."""
+        if self.total == 0:
+            return -1
+        return self.stop - 1 if self.is_range else int(self.indices.max())
+
+
+def check_num_slices(num_slices):
+    """Validate ``num_slices`` (an int >= 1)."""
+    try:
+        k = operator.index(num_slices)
+    except TypeError:
+        raise TypeError(f"num_slices must be an int >= 1, got {num_slices!r}") from None
+    if k < 1:
+        raise ValueError(f"num_slices must be >= 1, got {k}")
+    return k
+
+
+def _as_index_array(batch):
+    idx = np.asarray(batch)
+    if idx.size == 0:
+        return idx.astype(np.int64).reshape(0)
+    if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer)):
+        raise TypeError(f"batch as explicit indices must be a 1-D list or array of ints, "
+                        f"got {idx.dtype} with shape {idx.shape}")
+    return idx.astype(np.int64, copy=False)
+
+
+def _batch_from_spec(batch, length):
+    """Turn the user's ``batch`` into a Batch; ``length`` bounds int and open slices."""
+    if isinstance(batch, bool):
+        raise TypeError("batch must be an int, a slice, or a list/array of indices, not a bool")
+    if isinstance(batch, (int, np.integer)):
+        n = int(batch)
+        if n < 0:
+            raise ValueError(f"batch={n}: an int batch is a row count and must be >= 0")
+        return Batch(total=n, start=0, stop=n)
+    if isinstance(batch, slice):
+        if batch.step not in (None, 1):
+            raise ValueError(f"batch slice {batch} has a step; use explicit indices "
+                             f"(e.g. np.arange(start, stop, step)) instead")
+        start = 0 if batch.start is None else operator.index(batch.start)
+        stop = length if batch.stop is None else operator.index(batch.stop)
+        if start < 0 or stop < 0:
+            raise ValueError(f"batch slice {batch} has a negative bound; use non-negative row numbers")
+        if stop < start:
+            raise ValueError(f"batch slice {batch} has stop < start")
+        return Batch(total=stop - start, start=start, stop=stop)
+    if isinstance(batch, (list, tuple, np.ndarray)):
+        idx = _as_index_array(batch)
+        if idx.size and idx.min() < 0:
+            bad = int(idx[np.argmax(idx < 0)])
+            raise IndexError(f"batch index {bad} is negative; indices must be row numbers >= 0")
+        return Batch(total=len(idx), indices=idx)
+    raise TypeError(f"batch must be None, an int, a slice, or a list/array of indices, "
+                    f"got {type(batch).__name__}")
+
+
+def parse_batch(batch, datas, names):
+    """Validate ``batch`` against the scattered inputs' Data; return (Batch, offsets).
+
+    Parameters
+    ----------
+    batch : None, int, slice, or sequence of int
+    datas : list of Data
+        The scattered inputs.
+    names : list of str
+        Their names, for messages.
+
+    Returns
+    -------
+    Batch, list of int
+        The batch and, per input, the row number that its row 0 stands for
+        (non-zero only for ``minibatch=True`` Data).
+    """
+    lengths = [len(d) for d in datas]
+    if batch is None:
+        if len(set(lengths)) > 1:
+            listing = ", ".join(f"{n}: {L}" for n, L in zip(names, lengths))
+            raise ValueError(f"scattered inputs have different lengths ({listing}); "
+                             f"make them equal or pass batch= to choose rows")
+        total = lengths[0] if lengths else 0
+        return Batch(total=total, start=0, stop=total), [0] * len(datas)
+    spec = _batch_from_spec(batch, min(lengths) if lengths else 0)
+    low, high = spec.lowest(), spec.highest()
+    offsets = []
+    for d, name, length in zip(datas, names, lengths):
+        offset = low if d.minibatch else 0
+        if high - offset >= length:
+            where = f"{high}" + (f" (row {high - offset} of minibatch Data starting at {offset})"
+                                  if d.minibatch else "")
+            raise IndexError(f"batch index {where} is out of range for input {name!r} "
+                             f"with {length} rows")
+        offsets.append(offset)
+    return spec, offsets

@@ -1,0 +1,165 @@
+"""Named POSIX shared-memory segments, and growable segments addressed by generation.
+
+Every segment of one runtime is named ``<prefix>_<kind><generation>`` where the
+prefix holds 64 random bits, so names cannot be guessed from outside the
+process group; segments are created with owner-only permissions (0600).
+
+We map segments with :mod:`mmap` over ``_posixshmem`` (what
+:class:`multiprocessing.shared_memory.SharedMemory` uses underneath) instead of
+``SharedMemory`` itself, because on Python 3.12 ``SharedMemory`` registers even
+*attached* segments with the resource tracker (which then unlinks the master's
+segments when a worker exits), and its ``close()`` fails while numpy views of
+the buffer are alive. Here a mapping is released when its last view dies.
+"""
+
+import mmap
+import os
+import secrets
+from multiprocessing import resource_tracker
+
+import _posixshmem
+import numpy as np
+
+__all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "unlink"]
+
+_ALIGN = 64
+
+
+def new_prefix():
+    """Return a fresh, unguessable name prefix for one runtime's segments."""
+    return f"synk_{os.getpid()}_{secrets.token_hex(8)}"
+
+
+def unlink(name, tracked=False):
+    """Unlink segment ``name``; a segment already gone is not an error."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        return False
+    finally:
+        if tracked:
+            _unregister(name)
+    return True
+
+
+def _unregister(name):
+    try:
+        resource_tracker.unregister("/" + name, "shared_memory")
+    except Exception:  # the tracker may already be gone at interpreter exit
+        pass
+
+
+class Segment:
+    """One mapped shared-memory segment.
+
+    Parameters
+    ----------
+    name : str
+        Segment name without the leading slash.
+    size : int
+        Size in bytes; required with ``create=True``.
+    create : bool
+        Create the segment (it must not exist) instead of attaching to it.
+    track : bool
+        Register a created segment with the resource tracker, which unlinks it
+        if this process dies without cleaning up. Only the process that owns a
+        segment tracks it.
+    """
+
+    def __init__(self, name, size=None, create=False, track=True):
+        self.name = name
+        self.tracked = create and track
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
+        try:
+            if create:
+                size = max(int(size), 1)
+                os.ftruncate(fd, size)
+            else:
+                size = os.fstat(fd).st_size
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        if self.tracked:
+            resource_tracker.register("/" + name, "shared_memory")
+
+    def array(self, dtype, shape, offset=0):
+        """Return a numpy view of ``shape`` items of ``dtype`` at byte ``offset``."""
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self.mm, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def release(self):
+        """Drop this process's mapping (freed once no view of it remains)."""
+        self.mm = None
+
+    def unlink(self):
+        """Remove the segment's name; mappings stay valid until released."""
+        unlink(self.name, tracked=self.tracked)
+        self.tracked = False
+
+
+class GrowableSegment:
+    """A segment owned by one process that is replaced by a larger one when needed.
+
+    Each replacement bumps ``gen``; readers in other processes learn the
+    generation from the control block and re-attach (see :class:`SegmentMirror`).
+
+    Parameters
+    ----------
+    base : str
+        Name prefix; the segment of generation ``g`` is ``f"{base}g{g}"``.
+    track : bool
+        Whether created segments are registered with the resource tracker.
+    """
+
+    def __init__(self, base, track=True):
+        self.base = base
+        self.track = track
+        self.gen = 0
+        self.segment = None
+
+    def name(self, gen=None):
+        return f"{self.base}g{self.gen if gen is None else gen}"
+
+    @property
+    def nbytes(self):
+        return 0 if self.segment is None else self.segment.size
+
+    def ensure(self, nbytes, oversize=1.0):
+        """Make the segment hold at least ``nbytes``; return True if it was replaced."""
+        if self.segment is not None and self.segment.size >= nbytes:
+            return False
+        self.free()
+        self.gen += 1
+        size = -(-int(max(nbytes, 1) * oversize) // _ALIGN) * _ALIGN
+        self.segment = Segment(self.name(), size, create=True, track=self.track)
+        return True
+
+    def free(self):
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment.release()
+            self.segment = None
+
+
+class SegmentMirror:
+    """The reading side of a :class:`GrowableSegment` in another process."""
+
+    def __init__(self, base):
+        self.base = base
+        self.gen = None
+        self.segment = None
+
+    def get(self, gen):
+        """Return the attached segment of generation ``gen``."""
+        if gen != self.gen:
+            self.release()
+            self.segment = Segment(f"{self.base}g{gen}")
+            self.gen = gen
+        return self.segment
+
+    def release(self):
+        if self.segment is not None:
+            self.segment.release()
+        self.segment, self.gen = None, None

@@ -1,0 +1,94 @@
+"""Moving arrays and small Python objects through shared memory without per-call pickling.
+
+Arrays are packed as an int64 header (count, then per array: dtype code, ndim,
+shape, byte offset, byte size) followed by their bytes, 64-byte aligned.
+Pickling is kept for the cold paths only: shipping functions, errors, values
+of shared variables.
+"""
+
+import pickle
+
+import numpy as np
+
+__all__ = ["DTYPES", "dtype_code", "packed_nbytes", "pack_arrays", "unpack_arrays",
+           "write_pickle", "write_bytes", "read_pickle"]
+
+DTYPES = [np.dtype(t) for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                "uint32", "uint64", "float16", "float32", "float64",
+                                "complex64", "complex128")]
+_CODES = {dt: i for i, dt in enumerate(DTYPES)}
+_ALIGN = 64
+
+
+def dtype_code(dtype):
+    """Return the small integer that stands for ``dtype`` in the control block."""
+    try:
+        return _CODES[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"dtype {np.dtype(dtype)} is not supported by synkhronos; "
+                        f"use one of {[str(d) for d in DTYPES]}") from None
+
+
+def _align(n):
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(arrays):
+    header_items = 1 + sum(4 + a.ndim for a in arrays)
+    offset = _align(8 * header_items)
+    offsets = []
+    for a in arrays:
+        offsets.append(offset)
+        offset = _align(offset + a.nbytes)
+    return header_items, offsets, offset
+
+
+def packed_nbytes(arrays):
+    """Bytes needed to pack ``arrays``."""
+    return _layout(arrays)[2]
+
+
+def pack_arrays(buffer, arrays):
+    """Write ``arrays`` (numpy) into ``buffer`` (a writable mmap); return bytes used."""
+    header_items, offsets, total = _layout(arrays)
+    header = np.frombuffer(buffer, np.int64, header_items)
+    header[0] = len(arrays)
+    pos = 1
+    for a, off in zip(arrays, offsets):
+        header[pos:pos + 2] = dtype_code(a.dtype), a.ndim
+        header[pos + 2:pos + 2 + a.ndim] = a.shape
+        header[pos + 2 + a.ndim:pos + 4 + a.ndim] = off, a.nbytes
+        pos += 4 + a.ndim
+        np.frombuffer(buffer, a.dtype, a.size, off).reshape(a.shape)[...] = a
+    return total
+
+
+def unpack_arrays(buffer):
+    """Return views of the arrays packed in ``buffer`` (copy them before reuse)."""
+    count = int(np.frombuffer(buffer, np.int64, 1)[0])
+    arrays, pos = [], 1
+    for _ in range(count):
+        head = np.frombuffer(buffer, np.int64, 2, 8 * pos)
+        code, ndim = int(head[0]), int(head[1])
+        rest = np.frombuffer(buffer, np.int64, ndim + 2, 8 * (pos + 2))
+        shape, off = tuple(int(s) for s in rest[:ndim]), int(rest[ndim])
+        dtype = DTYPES[code]
+        arrays.append(np.frombuffer(buffer, dtype, int(np.prod(shape, dtype=np.int64)), off).reshape(shape))
+        pos += 4 + ndim
+    return arrays
+
+
+def write_pickle(growable, obj):
+    """Pickle ``obj`` into a GrowableSegment, growing it if needed; return the byte count."""
+    return write_bytes(growable, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def write_bytes(growable, blob):
+    """Copy ``blob`` into a GrowableSegment, growing it if needed; return the byte count."""
+    growable.ensure(len(blob), oversize=1.5)
+    growable.segment.mm[:len(blob)] = blob
+    return len(blob)
+
+
+def read_pickle(segment, nbytes):
+    return pickle.loads(segment.mm[:nbytes])

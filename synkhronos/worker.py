@@ -1,0 +1,183 @@
+"""The worker process: wait for a command, run it, report, repeat.
+
+Started by the master as ``python -m synkhronos.worker`` with its settings in
+the ``SYNK_WORKER`` environment variable. A worker ignores SIGINT (the master
+handles Ctrl-C and stops the workers) and exits on its own when the master
+process goes away.
+"""
+
+import cProfile
+import ctypes
+import ctypes.util
+import io
+import json
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+import numpy as np
+
+from . import devices
+from .control import ControlBlock, Op, Status
+from .data import DataMirrors
+from .shmem import GrowableSegment, SegmentMirror
+from .transport import pack_arrays, packed_nbytes, write_pickle
+
+_PR_SET_PDEATHSIG = 1
+
+
+class MasterGone(SystemExit):
+    """Raised in a worker whose master process has ended."""
+
+
+class _ShipUnpickler(pickle.Unpickler):
+    def __init__(self, file, shared):
+        super().__init__(file)
+        self._shared = shared
+
+    def persistent_load(self, pid):
+        kind, uid = pid
+        return self._shared[uid]
+
+
+class Worker:
+    """State of one worker: its rank, the control block, functions, shared vars, Data views."""
+
+    def __init__(self, cfg):
+        self.rank = cfg["rank"]
+        self.n_ranks = cfg["n_ranks"]
+        self.master_pid = cfg["master_pid"]
+        prefix = cfg["prefix"]
+        self.ctl = ControlBlock(f"{prefix}_ctl", self.n_ranks)
+        self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=False)
+        self.payload = SegmentMirror(f"{prefix}_p")
+        self.index = SegmentMirror(f"{prefix}_ix")
+        self.datas = DataMirrors(prefix)
+        self.functions = {}
+        self.shared = {}
+        self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
+                         Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
+                         Op.STOP: lambda: None}
+
+    def check_master(self):
+        if os.getppid() != self.master_pid:
+            raise MasterGone(3)
+
+    def serve(self):
+        """The command loop; returns after STOP."""
+        go = self.ctl.go[self.rank]
+        while True:
+            go.wait(self.check_master, slice_=0.5)
+            opcode = int(self.ctl.header[ControlBlock.OPCODE])
+            try:
+                rows = self.handlers[opcode]()
+                self.report(Status.OK, rows or 0)
+            except Exception as e:
+                self.report_error(e)
+            self.ctl.done.post()
+            if opcode == Op.STOP:
+                return
+
+    def report(self, state, rows=0, nbytes=0):
+        self.ctl.set_status(self.rank, state, self.result.gen, nbytes, rows)
+
+    def report_error(self, e):
+        tb = traceback.format_exc()
+        nbytes = write_pickle(self.result, (f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb))
+        self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
+
+    def write_arrays(self, arrays):
+        self.result.ensure(packed_nbytes(arrays), oversize=1.5)
+        return pack_arrays(self.result.segment.mm, arrays)
+
+    def payload_object(self):
+        gen = int(self.ctl.header[ControlBlock.PAYLOAD_GEN])
+        nbytes = int(self.ctl.header[ControlBlock.PAYLOAD_NBYTES])
+        blob = self.payload.get(gen).mm[:nbytes]
+        return _ShipUnpickler(io.BytesIO(blob), self.shared).load()
+
+    # --- handlers ---------------------------------------------------------------------------
+    def ship(self):
+        from .function import CompiledFunction
+        payload = self.payload_object()
+        self.shared.update(payload["shared"])
+        for uid, value in payload["values"].items():
+            self.shared[uid].set_value(value)
+        for spec in payload["functions"]:
+            self.functions[spec.fid] = CompiledFunction(spec)
+
+    def call(self):
+        from .function import CallPlan, run_share
+        plan = CallPlan.decode(self.ctl.args, self.index_view)
+        rows, outs = run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
+        if rows:
+            self.write_arrays([np.asarray(o) for o in outs])
+        return rows
+
+    def index_view(self, gen, n):
+        return self.index.get(gen).array(np.int64, (n,))
+
+    def data_view(self, ref):
+        return self.datas.view(ref.data_id, ref.gen, ref.code, ref.shape)
+
+    def drop_data(self):
+        n = int(self.ctl.args[0])
+        self.datas.drop(self.ctl.args[1:1 + n])
+
+    def get_shared(self):
+        uids = self.payload_object()
+        self.write_arrays([np.asarray(self.shared[uid].get_value(borrow=True)) for uid in uids])
+
+    def set_shared(self):
+        for uid, value in self.payload_object().items():
+            self.shared[uid].set_value(value)
+
+    def cleanup(self):
+        self.result.free()
+
+
+def _die_with_parent():
+    """Ask Linux to SIGTERM this process when the master dies (best effort)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except Exception:
+        pass
+
+
+def _exit_on_sigterm(signum, frame):
+    raise MasterGone(4)
+
+
+def main():
+    cfg = json.loads(os.environ["SYNK_WORKER"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    worker = Worker(cfg)
+    if os.getppid() != worker.master_pid:
+        return 3
+    profiler = cProfile.Profile() if cfg["profile"] else None
+    try:
+        worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
+        devices.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
+                                   cfg["timeout"])
+        if profiler:
+            profiler.enable()
+        worker.serve()
+    finally:
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(f"synk_profile_rank{worker.rank}.prof")
+        worker.cleanup()
+    try:
+        devices.shutdown_process()
+    except Exception:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
