@@ -85,7 +85,9 @@ class Worker:
 
     def report_error(self, e):
         tb = traceback.format_exc()
-        nbytes = write_pickle(self.result, (f"{type(e).__module__}.{type(e).__qualname__}", str(e), tb))
+        module = type(e).__module__
+        name = type(e).__qualname__ if module == "builtins" else f"{module}.{type(e).__qualname__}"
+        nbytes = write_pickle(self.result, (name, str(e), tb))
         self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
 
     def write_arrays(self, arrays):

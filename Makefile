@@ -1,0 +1,33 @@
+# make demo  - set up .venv (Python >= 3.12 found automatically) and run the main demo
+# make test  - set up .venv and run the test suite
+# make bench - set up .venv and run the benchmarks
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: all venv test demo bench clean
+
+all: test
+
+$(STAMP): pyproject.toml setup.py
+	@PYBIN=$$(sh tools/find_python.sh) || exit 1; \
+	if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then \
+		echo "creating $(VENV) with $$PYBIN"; rm -rf $(VENV); "$$PYBIN" -m venv $(VENV) || exit 1; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,demo]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) demos/demo_quickstart.py
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,58 @@
+"""Shared fixtures: one 2-process runtime for the whole session (forking costs ~3 s)."""
+
+import os
+
+import numpy as np
+import pytest
+
+import synkhronos as synk
+from synkhronos import lifecycle
+
+N_PARALLEL = 2
+
+
+def synk_segments():
+    """Names of synkhronos shared-memory segments currently in /dev/shm."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("synk_"))
+
+
+def child_pids(pid=None):
+    """PIDs of live (non-zombie excluded? no: all) children of ``pid`` (default: this process)."""
+    pid = pid or os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append((int(entry), fields[0]))
+    return out
+
+
+def worker_children():
+    """Child processes that are synkhronos workers (resource trackers excluded)."""
+    rt = lifecycle._runtime
+    return [p for p, _ in child_pids() if rt is None or p in {w.pid for w in rt.procs.values()}]
+
+
+@pytest.fixture
+def synk2():
+    """A running 2-device runtime (re-forked if a test closed it)."""
+    if lifecycle._runtime is None:
+        synk.fork(N_PARALLEL)
+    yield lifecycle.current()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_at_end():
+    yield
+    synk.close()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

@@ -1,0 +1,49 @@
+"""Test helpers: a reference run that leaves the master's state alone, and a failing op."""
+
+import jax
+import numpy as np
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.link.jax.dispatch import jax_funcify
+import pytensor.tensor as pt
+
+
+def reference(f, *arrays):
+    """``f.as_pytensor(*arrays)`` with the master's shared values restored afterwards."""
+    targets = [s for s, _, _ in f.spec.updates]
+    saved = [np.array(s.get_value()) for s in targets]
+    try:
+        return f.as_pytensor(*arrays)
+    finally:
+        for s, v in zip(targets, saved):
+            s.set_value(v)
+
+
+def close(a, b, rtol=1e-10, atol=1e-12):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def _check_rows(values):
+    if np.any(np.asarray(values) < 0):
+        raise ValueError("RaiseIfNegative saw a negative value")
+    return np.asarray(values)
+
+
+class RaiseIfNegative(Op):
+    """Identity that raises ValueError when its input holds a negative value."""
+
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        outputs[0][0] = _check_rows(inputs[0])
+
+
+@jax_funcify.register(RaiseIfNegative)
+def _jax_raise_if_negative(op, **kwargs):
+    def check(x):
+        return jax.pure_callback(_check_rows, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return check

@@ -1,0 +1,138 @@
+"""Every misuse raises a clear exception before any process works, and the runtime stays usable."""
+
+import os
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from helpers import RaiseIfNegative, close
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def fx(synk2, rng):
+    x, b = pt.matrix("x"), pt.vector("b")
+    f = synk.function([x], [(x.sum(0), "sum")], bcast_inputs=[b], name="fx")
+    X, B = rng.normal(size=(6, 3)), rng.normal(size=3)
+    return f, synk.data(X), synk.data(B), X
+
+
+def _sum_ok(f, xd, bd, X):
+    close(f(xd, bd)[0], X.sum(0))
+
+
+CALL_MISUSE = [
+    ("wrong dtype", lambda f, xd, bd: f(synk.data(np.zeros((6, 3), "float32")), bd), TypeError, "dtype"),
+    ("wrong ndim", lambda f, xd, bd: f(synk.data(np.zeros(6)), bd), TypeError, "ndim"),
+    ("too many args", lambda f, xd, bd: f(xd, bd, bd), TypeError, "takes 2 inputs"),
+    ("missing arg", lambda f, xd, bd: f(xd), TypeError, "missing"),
+    ("unknown name", lambda f, xd, bd: f(xd, bd, nope=bd), TypeError, "no input named 'nope'"),
+    ("given twice", lambda f, xd, bd: f(xd, bd, b=bd), TypeError, "twice"),
+    ("int batch too big", lambda f, xd, bd: f(xd, bd, batch=7), IndexError, "6"),
+    ("index out of range", lambda f, xd, bd: f(xd, bd, batch=[0, 9, 1]), IndexError, "9"),
+    ("negative index", lambda f, xd, bd: f(xd, bd, batch=[0, -1]), IndexError, "-1"),
+    ("slice past end", lambda f, xd, bd: f(xd, bd, batch=slice(2, 10)), IndexError, "out of range"),
+    ("slice step", lambda f, xd, bd: f(xd, bd, batch=slice(0, 6, 2)), ValueError, "step"),
+    ("float indices", lambda f, xd, bd: f(xd, bd, batch=[0.5, 1.0]), TypeError, "ints"),
+    ("negative int batch", lambda f, xd, bd: f(xd, bd, batch=-2), ValueError, ">= 0"),
+    ("empty batch", lambda f, xd, bd: f(xd, bd, batch=[]), ValueError, "no rows"),
+    ("num_slices 0", lambda f, xd, bd: f(xd, bd, num_slices=0), ValueError, "num_slices"),
+    ("num_slices float", lambda f, xd, bd: f(xd, bd, num_slices=1.5), TypeError, "num_slices"),
+    ("batch_s without sliceables", lambda f, xd, bd: f(xd, bd, batch_s=slice(0, 2)), TypeError, "sliceable"),
+    ("bad output_subset", lambda f, xd, bd: f(xd, bd, output_subset=[3]), ValueError, "output_subset"),
+    ("unsafe numpy cast", lambda f, xd, bd: f(np.zeros((6, 3), "complex128"), bd), TypeError, "cast"),
+    ("unequal lengths", None, ValueError, "different lengths"),
+]
+
+
+@pytest.mark.parametrize("case", CALL_MISUSE, ids=[c[0] for c in CALL_MISUSE])
+def test_call_misuse(fx, case, synk2):
+    f, xd, bd, X = fx
+    _, call, exc, match = case
+    if call is None:  # two scattered inputs of different lengths, no batch
+        x, y = pt.matrix("x2"), pt.vector("y2")
+        g = synk.function([x, y], (x.sum() + y.sum(), "sum"))
+        with pytest.raises(exc, match=match):
+            g(np.zeros((6, 2)), np.zeros(5))
+    else:
+        with pytest.raises(exc, match=match):
+            call(f, xd, bd)
+    _sum_ok(f, xd, bd, X)
+
+
+BUILD_MISUSE = [
+    ("bad output mode", lambda x, w: synk.function([x], [(x.sum(), "median")]), ValueError, "median"),
+    ("int avg", lambda x, w: synk.function([x], [(x.shape[0], "avg")]), TypeError, "integer"),
+    ("gather 0-d", lambda x, w: synk.function([x], [(x.sum(), "gather")]), TypeError, "0-d"),
+    ("bad update mode", lambda x, w: synk.function([x], updates=[(w, w + 1, "gather")]), ValueError, "update mode"),
+    ("update not shared", lambda x, w: synk.function([x], updates=[(x, x + 1)]), TypeError, "shared"),
+    ("shared as input", lambda x, w: synk.function([w], x.sum()), TypeError, "symbolic input"),
+    ("unused sliceable", lambda x, w: synk.function([x], x.sum(), sliceable_shareds=[
+        pytensor.shared(np.zeros(2))]), ValueError, "not used"),
+    ("duplicate input", lambda x, w: synk.function([x], x.sum(), bcast_inputs=[x]), ValueError, "more than once"),
+    ("bad output", lambda x, w: synk.function([x], ["loss"]), TypeError, "output"),
+]
+
+
+@pytest.mark.parametrize("case", BUILD_MISUSE, ids=[c[0] for c in BUILD_MISUSE])
+def test_build_misuse(fx, case):
+    f, xd, bd, X = fx
+    _, build, exc, match = case
+    x, w = pt.matrix("xm"), pytensor.shared(np.zeros(3), name="wm")
+    with pytest.raises(exc, match=match):
+        build(x, w)
+    _sum_ok(f, xd, bd, X)
+
+
+def test_updates_with_fewer_rows_than_devices(fx, synk2):
+    f, xd, bd, X = fx
+    w = pytensor.shared(np.zeros(3), name="w_few")
+    x = pt.matrix("x")
+    g = synk.function([x], (x.sum(), "sum"), updates=[(w, w + x.sum(0))])
+    with pytest.raises(ValueError, match="at least one row per device"):
+        g(X, batch=1)
+    # without updates, a device with no rows simply contributes nothing
+    h = synk.function([x], [(x.sum(0), "sum"), (x.mean(0), "avg"), (x.sum(0), None)])
+    out = h(X, batch=[4])
+    for got in out:
+        close(got, X[4])
+    _sum_ok(f, xd, bd, X)
+
+
+def test_worker_exception_reaches_master_with_traceback(fx, synk2):
+    f, xd, bd, X = fx
+    x = pt.matrix("x")
+    g = synk.function([x], (RaiseIfNegative()(x).sum(), "sum"))
+    data = np.ones((6, 2))
+    data[5, 1] = -1.0                        # only rank 1's rows hold a negative value
+    with pytest.raises(synk.WorkerError) as info:
+        g(data)
+    err = info.value
+    assert err.rank == 1 and err.how == "raised"
+    assert "RaiseIfNegative saw a negative value" in str(err)
+    assert "Traceback" in err.worker_traceback
+    close(g(np.ones((6, 2))), 12.0)
+    _sum_ok(f, xd, bd, X)
+
+
+def test_worker_side_failure_to_map_data(fx, synk2):
+    f, xd, bd, X = fx
+    d = synk.data(np.ones((4, 3)))
+    os.unlink("/dev/shm/" + d._segment.name())   # the master keeps its mapping; workers cannot map it
+    with pytest.raises(synk.WorkerError, match="rank 1 raised: FileNotFoundError"):
+        f(d, bd)
+    _sum_ok(f, xd, bd, X)
+
+
+def test_error_in_every_rank_is_raised_once(fx, synk2):
+    f, xd, bd, X = fx
+    x, b = pt.matrix("x"), pt.vector("b")
+    g = synk.function([x], (x @ b, "gather"), bcast_inputs=[b])
+    with pytest.raises(Exception):
+        g(np.ones((4, 3)), np.ones(5))           # shapes do not align in any rank
+    close(g(np.ones((4, 3)), np.ones(3)), 3.0)
+    _sum_ok(f, xd, bd, X)

@@ -1,0 +1,162 @@
+"""Distributed functions against the single-process PyTensor function (as_pytensor)."""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from helpers import close, reference
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def model(synk2, rng):
+    """Scattered x, broadcast b; every output mode."""
+    x = pt.matrix("x")
+    b = pt.vector("b")
+    z = x @ b
+    outputs = [(z.mean(), "avg"), (x.sum(0), "sum"), ((1 + 0.1 * x).prod(0), "prod"),
+               (x.min(0), "min"), (x.max(0), "max"), (z, "gather"), (z.mean(), None)]
+    f = synk.function([x], outputs, bcast_inputs=[b], name="modes")
+    X = rng.normal(size=(7, 3))
+    B = rng.normal(size=3)
+    return f, X, B
+
+
+def check_all_but_none(out, ref):
+    for got, want in zip(out[:-1], ref[:-1]):
+        close(got, want)
+
+
+def test_every_output_mode_on_an_uneven_split(model):
+    f, X, B = model
+    out = f(synk.data(X), synk.data(B))
+    check_all_but_none(out, reference(f, X, B))
+    # 7 rows on 2 devices: the master (rank 0) computed rows [0, 3).
+    close(out[-1], reference(f, X[:3], B)[-1])
+    # An equally weighted average of the two ranks' means would be wrong by far more than the tolerance.
+    z = X @ B
+    assert abs((z[:3].mean() + z[3:].mean()) / 2 - out[0]) > 1e-3
+
+
+@pytest.mark.parametrize("batch", [5, slice(2, 7), [6, 0, 3, 3, 1], np.array([4, 1, 2, 6, 5, 0, 3])],
+                         ids=["int", "slice", "list", "shuffled"])
+def test_batch_forms(model, batch):
+    f, X, B = model
+    rows = np.arange(len(X))[slice(0, batch) if isinstance(batch, int) else batch]
+    out = f(synk.data(X), synk.data(B), batch=batch)
+    check_all_but_none(out, reference(f, X[rows], B))
+
+
+@pytest.mark.parametrize("num_slices", [1, 3, 4])
+def test_num_slices_on_outputs(model, num_slices, rng):
+    f, _, B = model
+    X = rng.normal(size=(23, 3))
+    idx = rng.permutation(23)[:19]
+    out = f(synk.data(X), synk.data(B), batch=idx, num_slices=num_slices)
+    check_all_but_none(out, reference(f, X[idx], B))
+
+
+def test_minibatch_data(model):
+    f, X, B = model
+    big = np.vstack([X, X * 2, X * 3])           # the full data set, 21 rows
+    mb = synk.data(big[7:14], minibatch=True)     # holds only rows 7..13
+    out = f(mb, synk.data(B), batch=slice(7, 14))
+    check_all_but_none(out, reference(f, big[7:14], B))
+    idx = [13, 8, 9, 7]
+    out = f(mb, synk.data(B), batch=idx)
+    check_all_but_none(out, reference(f, big[idx], B))
+
+
+def test_numpy_arguments_and_names(model):
+    f, X, B = model
+    ref = reference(f, X, B)
+    check_all_but_none(f(X, B), ref)
+    check_all_but_none(f(b=B, x=X), ref)
+    check_all_but_none(f(synk.data(X), b=B), ref)
+    # a float32 array up-casts safely to the float64 input
+    check_all_but_none(f(X.astype("float32"), B), reference(f, X.astype("float32").astype("float64"), B))
+
+
+def test_output_subset_and_bare_output(synk2, rng):
+    x = pt.matrix("x")
+    f = synk.function([x], [(x.sum(), "sum"), (x.max(), "max"), (x.mean(), "avg")])
+    X = rng.normal(size=(9, 2))
+    s, m = f(X, output_subset=[0, 2])
+    close(s, X.sum())
+    close(m, X.mean())
+    g = synk.function([x], (x.sum(0), "sum"))
+    out = g(X)
+    assert isinstance(out, np.ndarray) and out.shape == (2,)
+    close(out, X.sum(0))
+    h = synk.function([x], x.mean())
+    close(h(X), X.mean())
+
+
+def test_state_evolves_identically_on_every_rank(synk2):
+    w = pytensor.shared(np.array([1.0, -2.0, 0.5]), name="w_state")
+    v = pytensor.shared(np.zeros(3), name="v_state")
+    step = synk.function([], updates=[(v, 0.9 * v + w), (w, w - 0.1 * (0.9 * v + w))])
+    synk.distribute()
+    w_np, v_np = np.array([1.0, -2.0, 0.5]), np.zeros(3)
+    for _ in range(5):
+        step()
+        v_np = 0.9 * v_np + w_np
+        w_np = w_np - 0.1 * v_np
+    for rank in range(synk2.n_parallel):
+        close(synk.get_value(rank, w), w_np)
+        close(synk.get_value(rank, v), v_np)
+    # the master's copy stays on the device between calls
+    assert not isinstance(w.container.storage[0], np.ndarray)
+
+
+@pytest.mark.parametrize("num_slices", [1, 3, 4])
+def test_updates_with_slices_apply_once_from_original_values(synk2, rng, num_slices):
+    x = pt.matrix("x")
+    v_avg = pytensor.shared(np.ones(2), name="v_avg")
+    v_sum = pytensor.shared(np.ones(2), name="v_sum")
+    v_max = pytensor.shared(np.ones(2), name="v_max")
+    g = x.mean(0)
+    f = synk.function([x], (x.sum(), "sum"),
+                      updates=[(v_avg, 0.9 * v_avg + g, "avg"), (v_sum, 0.9 * v_sum + g, "sum"),
+                               (v_max, 0.9 * v_max + x.max(0), "max")])
+    X = rng.normal(size=(11, 2))
+    f(X, num_slices=num_slices)
+    for rank, (lo, hi) in enumerate([(0, 5), (5, 11)]):
+        rows = X[lo:hi]
+        slices = [rows[(len(rows) * k) // num_slices:(len(rows) * (k + 1)) // num_slices]
+                  for k in range(num_slices)]
+        slices = [s for s in slices if len(s)]
+        close(synk.get_value(rank, v_avg), 0.9 + rows.mean(0))
+        close(synk.get_value(rank, v_sum), sum(0.9 + s.mean(0) for s in slices))
+        close(synk.get_value(rank, v_max), 0.9 + rows.max(0))
+
+
+def test_functions_after_distribute_share_state(synk2, rng):
+    w = pytensor.shared(np.zeros(2), name="w_late")
+    x = pt.matrix("x")
+    inc = synk.function([], updates=[(w, w + 1)])
+    synk.distribute()
+    inc()
+    inc()
+    # built after distribute(): shipped on its first call, and it sees the same w on every rank
+    read = synk.function([x], [(x.sum() * 0 + w.sum(), "sum")])
+    X = rng.normal(size=(4, 2))
+    close(read(X), 2 * 4.0)  # each of 2 ranks holds w = [2, 2]
+    fresh = pytensor.shared(np.full(2, 5.0), name="fresh_late")
+    late = synk.function([], [(fresh.sum() + w.sum(), "avg")])
+    close(late(), 14.0)
+
+
+def test_distribute_again_syncs_master_values(synk2):
+    w = pytensor.shared(np.zeros(3), name="w_sync")
+    inc = synk.function([], updates=[(w, w + 1)])
+    synk.distribute()
+    inc()
+    synk.set_value(1, w, np.full(3, 7.0))
+    close(synk.get_value(1, w), 7.0)
+    w.set_value(np.full(3, -1.0))
+    synk.distribute()
+    close(synk.get_value(1, w), -1.0)
