@@ -450,13 +450,21 @@ class Function:
         return scratch
 
     def _reduce(self, plan, results):
-        """Reduce per-rank results ``[(rank, rows, outputs)]`` (master first) across ranks."""
-        computed = [(rows, outs) for _, rows, outs in results if rows > 0]
+        """Reduce per-rank results ``[(rank, rows, outputs)]`` (in rank order) across ranks.
+
+        Ranks that computed no rows are left out. Mode None takes the master's
+        result, or the lowest computing rank's if the master had no rows.
+        """
+        computed = [(rank, rows, outs) for rank, rows, outs in results if rows > 0]
+        own = next((c for c in computed if c[0] == self._rt.master_rank), computed[0])
         reduced = []
         for j, i in enumerate(plan.subset):
             mode = self.spec.outputs[i][1]
-            values = [np.asarray(outs[j]) for _, outs in computed]
-            reduced.append(reduce_ranks(mode, values, [rows for rows, _ in computed]))
+            if mode is None:
+                reduced.append(own[2][j])
+                continue
+            values = [outs[j] for _, _, outs in computed]
+            reduced.append(reduce_ranks(mode, values, [rows for _, rows, _ in computed]))
         return reduced
 
 

@@ -410,6 +410,11 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         _runtime = None
         _restore_environment()
         raise
+    # atexit runs handlers last-in first-out: registering now (after JAX registered its own
+    # clean-up, which shuts the distributed runtime down) stops our workers before JAX's
+    # shutdown barrier waits for them.
+    atexit.unregister(close)
+    atexit.register(close)
     return n_parallel
 
 
@@ -447,5 +452,3 @@ def get_n_gpu():
     """Number of GPUs, counted without creating a context here."""
     return devices.count_devices("gpu") if devices._has_gpu_plugin() else 0
 
-
-atexit.register(close)

@@ -81,11 +81,9 @@ class Accumulator:
 def reduce_ranks(mode, values, rows):
     """Reduce per-rank results (numpy) in rank order; ``rows`` weights ``"avg"``.
 
-    ``values`` holds only the ranks that computed something; for mode None the
-    caller passes the master's result first.
+    ``values`` holds only the ranks that computed something (mode None is
+    resolved by the caller, which knows which rank is the master).
     """
-    if mode is None:
-        return values[0]
     if mode == "gather":
         return np.concatenate(values, axis=0)
     if mode == "avg":

@@ -1,0 +1,120 @@
+"""fork / close / distribute lifecycle: re-forking, clean shutdown, no leaks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos import lifecycle
+from conftest import N_PARALLEL, child_pids, synk_segments
+from helpers import close
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(code, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_second_fork_raises(synk2):
+    with pytest.raises(RuntimeError, match="already called"):
+        synk.fork(2)
+
+
+def test_close_leaves_nothing_and_fork_works_again(synk2, rng):
+    prefix = synk2.prefix
+    workers = [p.pid for p in synk2.procs.values()]
+    x = pt.matrix("x")
+    f = synk.function([x], (x.sum(0), "sum"))
+    d = synk.data(rng.normal(size=(5, 2)))
+    f(d)
+    assert any(n.startswith(prefix) for n in synk_segments())
+    synk.close()
+    synk.close()                                   # harmless
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+    alive = {pid for pid, state in child_pids() if state != "Z"}
+    assert not alive & set(workers)
+    for what in (lambda: f(d), lambda: synk.data(np.zeros(2)), lambda: synk.function([x], x.sum()),
+                 lambda: d.set_value(np.zeros((1, 2)))):
+        with pytest.raises(RuntimeError, match="closed"):
+            what()
+    assert synk.fork(N_PARALLEL) == N_PARALLEL     # again, in the same process
+    g = synk.function([x], (x.sum(0), "sum"))
+    X = rng.normal(size=(5, 2))
+    close(g(X), X.sum(0))
+
+
+def test_fork_after_a_jax_computation_raises():
+    out = run_script("""
+        import jax.numpy as jnp, synkhronos as synk
+        jnp.ones(2).sum().block_until_ready()
+        try:
+            synk.fork(2)
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+    """)
+    assert "RuntimeError: a JAX backend" in out.stdout, out.stderr
+    assert "before anything runs a JAX computation" in out.stdout
+
+
+def test_counting_devices_creates_no_context():
+    out = run_script("""
+        import synkhronos as synk
+        from synkhronos import devices
+        print(synk.get_n_devices(), synk.get_n_gpu(), devices.backend_exists())
+    """)
+    n, n_gpu, exists = out.stdout.split()
+    assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
+
+
+def test_function_before_fork_and_exit_cleanup():
+    out = run_script("""
+        import os, numpy as np, pytensor.tensor as pt, synkhronos as synk
+        x = pt.vector("x")
+        try:
+            synk.function([x], x.sum())
+        except RuntimeError as e:
+            print("before fork:", e)
+        synk.fork(2)
+        f = synk.function([x], (x.sum(), "sum"))
+        print("sum", float(f(np.arange(5.0))))
+        print("prefix", synk.lifecycle.current().prefix)
+        # no close(): the atexit hook must clean up
+    """)
+    assert "before fork: synkhronos is not running; call synk.fork() first" in out.stdout, out.stderr
+    assert "sum 10.0" in out.stdout, out.stderr
+    prefix = out.stdout.split("prefix ")[1].split()[0]
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
+def test_bad_fork_arguments():
+    out = run_script("""
+        import synkhronos as synk
+        for kwargs in ({"n_parallel": 0}, {"n_parallel": 2, "master_rank": 2}, {"bogus": 1}):
+            try:
+                synk.fork(**kwargs)
+            except (ValueError, TypeError) as e:
+                print(type(e).__name__, e)
+        print(synk.fork(2, master_rank=1))
+        import numpy as np, pytensor.tensor as pt
+        x = pt.vector("x")
+        f = synk.function([x], [(x.sum(), "sum"), (x, None)])
+        s, own = f(np.arange(6.0))
+        print(float(s), own.tolist())
+        synk.close()
+    """)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("ValueError n_parallel must be >= 1"), out.stderr
+    assert lines[1].startswith("ValueError master_rank must be in [0, 2)")
+    assert lines[2].startswith("TypeError fork() got unknown options ['bogus']")
+    assert lines[3] == "2"
+    # with master_rank=1 the master computes the second half of the rows
+    assert lines[4] == "15.0 [3.0, 4.0, 5.0]"
