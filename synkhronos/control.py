@@ -56,6 +56,11 @@ class Op:
     GET_SHARED = 5    # payload: shared-variable uids -> result: their values
     SET_SHARED = 6    # payload: {uid: value} for one rank
 
+    @classmethod
+    def name(cls, opcode):
+        return next((k.lower() for k, v in vars(cls).items() if v == opcode and k.isupper()),
+                    str(opcode))
+
 
 class Status:
     """Per-rank status codes written by a rank after a command."""

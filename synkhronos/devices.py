@@ -18,7 +18,8 @@ import sys
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "shutdown_process", "ENV_VARS"]
 
-ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+            "TF_CPP_MIN_LOG_LEVEL")
 _GPU_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "jax-rocm7-plugin", "jax-rocm60-plugin")
 
 
@@ -85,6 +86,9 @@ def configure_environment(env, platform, threads):
     env["XLA_FLAGS"] = flags.strip()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
+    # XLA's C++ warnings (e.g. one per process about the recoverable-task mode we enable)
+    # would drown the user's output; errors still show. Set it yourself to see everything.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
@@ -93,6 +97,8 @@ def initialize_process(rank, n_ranks, port, platform, timeout):
     import jax
     jax.config.update("jax_platforms", platform)
     jax.config.update("jax_enable_x64", True)
+    # A dead worker must become an exception in the master, not a process abort.
+    jax.config.update("jax_enable_recoverability", True)
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"

@@ -102,6 +102,13 @@ class FunctionSpec:
     def all_inputs(self):
         return self.inputs + self.bcast_inputs
 
+    def pytensor_kwargs(self):
+        """Keyword arguments for every ``pytensor.function`` built from this spec."""
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("mode", JAX_MODE)
+        kwargs.setdefault("on_unused_input", "ignore")
+        return kwargs
+
     def graph_vars(self):
         return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
                 + [g[1] for g in self.givens])
@@ -119,15 +126,13 @@ class CompiledFunction:
     def _compile(self, updates):
         spec = self.spec
         outputs = [v for v, _ in spec.outputs]
-        kwargs = dict(spec.kwargs)
-        kwargs.setdefault("mode", JAX_MODE)
         if updates:
             upd = [(s, v) for s, v, _ in spec.updates]
         else:
             outputs = outputs + [v for _, v, _ in spec.updates]
             upd = []
         return pytensor.function(spec.all_inputs, outputs, updates=upd, givens=spec.givens,
-                                 on_unused_input="ignore", **kwargs)
+                                 **spec.pytensor_kwargs())
 
     def run(self, args):
         """Run once, applying updates."""
@@ -314,12 +319,10 @@ class Function:
         """
         if self._reference is None:
             spec = self.spec
-            kwargs = dict(spec.kwargs)
-            kwargs.setdefault("mode", JAX_MODE)
             self._reference = pytensor.function(
                 spec.all_inputs, [v for v, _ in spec.outputs],
                 updates=[(s, v) for s, v, _ in spec.updates], givens=spec.givens,
-                on_unused_input="ignore", **kwargs)
+                **spec.pytensor_kwargs())
         out = [np.asarray(o) for o in self._reference(*args)]
         return out[0] if self._bare else out
 

@@ -196,7 +196,7 @@ class Runtime:
             raise
         except Exception as e:
             local_error = e
-        self._wait_done(ranks, what=f"command {opcode}")
+        self._wait_done(ranks, what=f"a {Op.name(opcode)} command")
         if local_error is not None:
             raise local_error
         for rank in ranks:

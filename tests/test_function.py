@@ -160,3 +160,17 @@ def test_distribute_again_syncs_master_values(synk2):
     w.set_value(np.full(3, -1.0))
     synk.distribute()
     close(synk.get_value(1, w), -1.0)
+
+
+def test_givens_dict_updates_and_kwargs(synk2, rng):
+    x = pt.matrix("x")
+    scale = pt.scalar("scale")
+    w = pytensor.shared(np.ones(2), name="w_givens")
+    from collections import OrderedDict
+    f = synk.function([x], (x.sum(0) * scale, "sum"), givens={scale: w.sum()},
+                      updates=OrderedDict([(w, w * 2)]), name="given", on_unused_input="ignore")
+    assert f.name == "given" and f.output_modes == ["sum"] and f.update_modes == ["avg"]
+    X = rng.normal(size=(6, 2))
+    close(f(X), X.sum(0) * 2)
+    close(f(X), X.sum(0) * 4)          # w doubled on both ranks
+    close(synk.get_value(1, w), 4.0)

@@ -118,3 +118,19 @@ def test_bad_fork_arguments():
     assert lines[3] == "2"
     # with master_rank=1 the master computes the second half of the rows
     assert lines[4] == "15.0 [3.0, 4.0, 5.0]"
+
+
+def test_profile_workers_writes_one_file_per_worker(tmp_path):
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import numpy as np, pytensor.tensor as pt, synkhronos as synk
+        synk.fork(2, profile_workers=True)
+        x = pt.vector("x")
+        f = synk.function([x], (x.sum(), "sum"))
+        f(np.arange(4.0))
+        synk.close()
+    """)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    import pstats
+    stats = pstats.Stats(str(tmp_path / "synk_profile_rank1.prof"))
+    assert any("run_share" in name for _, _, name in stats.stats)
