@@ -8,6 +8,7 @@ integers into the control block (:class:`CallPlan`), and run by every process
 with :func:`run_share` on its own rows; the master reduces the results.
 """
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,10 @@ from .transport import dtype_code
 __all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share"]
 
 JAX_MODE = "JAX"
+
+# PyTensor's JAX backend warns once per compiled graph that it drops shape assertions under
+# tracing; synkhronos compiles every graph in every process, which would repeat it n times.
+warnings.filterwarnings("ignore", message="Skipping Assert", category=UserWarning)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,18 +461,21 @@ class Function:
         """Reduce per-rank results ``[(rank, rows, outputs)]`` (in rank order) across ranks.
 
         Ranks that computed no rows are left out. Mode None takes the master's
-        result, or the lowest computing rank's if the master had no rows.
+        result, or the lowest computing rank's if the master had no rows. Each
+        output has the dtype of its symbolic variable.
         """
         computed = [(rank, rows, outs) for rank, rows, outs in results if rows > 0]
         own = next((c for c in computed if c[0] == self._rt.master_rank), computed[0])
         reduced = []
         for j, i in enumerate(plan.subset):
-            mode = self.spec.outputs[i][1]
+            var, mode = self.spec.outputs[i]
             if mode is None:
-                reduced.append(own[2][j])
-                continue
-            values = [outs[j] for _, _, outs in computed]
-            reduced.append(reduce_ranks(mode, values, [rows for _, rows, _ in computed]))
+                value = own[2][j]
+            else:
+                value = reduce_ranks(mode, [outs[j] for _, _, outs in computed],
+                                     [rows for _, rows, _ in computed])
+            # JAX may compute some reductions wider than the graph declares; return the declared dtype.
+            reduced.append(np.asarray(value).astype(var.type.dtype, copy=False))
         return reduced
 
 
