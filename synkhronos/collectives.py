@@ -1,34 +1,56 @@
 """Collectives on shared variables: moving device-resident state between ranks.
 
-Every shared variable must be known to some ``synk.function`` (the workers
-hold it only then). Variables are accepted as objects or by name.
+Each function takes one shared variable or a list, as objects or by name; every
+variable must be used by some ``synk.function`` (only then do the workers hold
+it). The master validates everything (shapes on every rank included) before
+any process enters a collective, so a wrong argument raises here and never
+leaves ranks waiting in a collective.
+
+Device collectives (all_reduce, reduce, broadcast, gather, all_gather) run on
+every process through :mod:`synkhronos.comm`; several variables of one dtype
+travel as one flat buffer, so one call makes one collective launch per dtype.
+``scatter`` and broadcasting a ``Data`` are host paths: every process reads its
+own rows from shared memory and puts them on its device.
 """
 
-import io
 import pickle
 
 import numpy as np
 
 from . import lifecycle
-from .control import ControlBlock, Op
-from .transport import write_bytes
+from .control import ControlBlock, Op, Words
+from .data import Data, condition_value
+from .scatter import Batch, chunk, parse_batch
+from .transport import dtype_code, write_bytes
 
-__all__ = ["get_value", "set_value", "resolve_shareds"]
+__all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+           "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds",
+           "run_collective", "shapes_of"]
 
+REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
+
+# collective kinds, as written into the control block
+_ALL_REDUCE, _BROADCAST, _GATHER, _READ_DATA = range(1, 5)
+# who keeps an all-reduce's or gather's result
+_KEEP_ALL, _KEEP_MASTER, _RETURN = range(3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments
+# ------------------------------------------------------------------------------------------------
 
 def resolve_shareds(shared_vars):
     """Return (list of shared variables, was_single) from one variable/name or a list."""
     rt = lifecycle.current()
     single = not isinstance(shared_vars, (list, tuple))
     items = [shared_vars] if single else list(shared_vars)
+    if not items:
+        raise ValueError("no shared variables given")
     known = {id(var): var for _, var in rt._shared_vars.values()}
-    by_name = {}
-    for var in known.values():
-        by_name.setdefault(var.name, []).append(var)
     out = []
     for item in items:
         if isinstance(item, str):
-            found = by_name.get(item, [])
+            found = [v for v in known.values() if v.name == item]
             if len(found) != 1:
                 raise ValueError(f"no shared variable named {item!r} is used by a synk.function"
                                  if not found else
@@ -39,14 +61,385 @@ def resolve_shareds(shared_vars):
         else:
             raise ValueError(f"shared variable {item} is not used by any synk.function, so the "
                              f"workers do not hold it; build a function that uses it first")
+    if len({id(v) for v in out}) != len(out):
+        raise ValueError("a shared variable is listed more than once")
     return out, single
 
 
 def _check_rank(rt, rank):
-    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < rt.n_parallel:
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < rt.n_parallel:
         raise ValueError(f"rank must be an int in [0, {rt.n_parallel}), got {rank!r}")
     return int(rank)
 
+
+def _check_op(op, vars_):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {list(REDUCE_OPS)}, got {op!r}")
+    if op == "avg":
+        for var in vars_:
+            if not np.issubdtype(np.dtype(var.type.dtype), np.floating) and \
+                    not np.issubdtype(np.dtype(var.type.dtype), np.complexfloating):
+                raise TypeError(f"op 'avg' cannot average {var} of dtype {var.type.dtype} exactly; "
+                                f"use 'sum'")
+    return op
+
+
+def _values_list(values, n, what):
+    values = [values] if n == 1 and not isinstance(values, (list, tuple)) else list(values)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} shared variables")
+    return values
+
+
+def _uids(rt, vars_):
+    return [rt.uid_of(v) for v in vars_]
+
+
+# ------------------------------------------------------------------------------------------------
+# The part every rank runs
+# ------------------------------------------------------------------------------------------------
+
+def shapes_of(values):
+    return [tuple(np.shape(v)) for v in values]
+
+
+def _store(var, value):
+    """Keep ``value`` (a device array) as ``var``'s value on this rank's device."""
+    var.container.storage[0] = value.astype(var.type.dtype)
+
+
+def _dtype_groups(vars_):
+    groups = {}
+    for i, var in enumerate(vars_):
+        groups.setdefault(var.type.dtype, []).append(i)
+    return groups.values()
+
+
+def _flat(values):
+    import jax.numpy as jnp
+    return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
+
+
+def _unflat(flat, shapes):
+    out, pos = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        out.append(flat[pos:pos + size].reshape(shape))
+        pos += size
+    return out
+
+
+def _rank_all_reduce(comm, vars_, words, rank, master_rank):
+    op, keep = words.get(), words.get()
+    op = REDUCE_OPS[op]
+    results = [None] * len(vars_)
+    for idx in _dtype_groups(vars_):
+        values = [vars_[i].container.storage[0] for i in idx]
+        shapes = shapes_of(values)
+        total = comm.all_reduce(_flat(values), "sum" if op == "avg" else op)
+        if op == "avg":
+            total = total / comm.n_ranks
+        for i, v in zip(idx, _unflat(total, shapes)):
+            results[i] = v
+    if keep == _KEEP_ALL or (keep == _KEEP_MASTER and rank == master_rank):
+        for var, v in zip(vars_, results):
+            _store(var, v)
+    return results if keep == _RETURN and rank == master_rank else []
+
+
+def _rank_broadcast(comm, vars_, words, rank, master_rank):
+    import jax.numpy as jnp
+    shapes = [tuple(words.get_list()) for _ in vars_]
+    for idx in _dtype_groups(vars_):
+        if rank == master_rank:
+            values = [vars_[i].container.storage[0] for i in idx]
+        else:
+            values = [jnp.zeros(shapes[i], vars_[i].type.dtype) for i in idx]
+        flat = comm.broadcast(_flat(values), master_rank)
+        for i, v in zip(idx, _unflat(flat, [shapes[i] for i in idx])):
+            _store(vars_[i], v)
+    return []
+
+
+def _rank_gather(comm, vars_, words, rank, master_rank):
+    """All-gather with zero padding to the longest rank; every rank trims by the known lengths."""
+    import jax.numpy as jnp
+    keep, nd_up = words.get(), words.get()
+    lengths = [words.get_list() for _ in vars_]   # per var: length on each rank (-1: 0-d)
+    results = [None] * len(vars_)
+    for idx in _dtype_groups(vars_):
+        padded = []
+        for i in idx:
+            v = jnp.asarray(vars_[i].container.storage[0])
+            longest = max(lengths[i])
+            if v.ndim and v.shape[0] < longest:
+                v = jnp.concatenate([v, jnp.zeros((longest - v.shape[0],) + v.shape[1:], v.dtype)])
+            padded.append(v)
+        stacked = comm.all_gather(_flat(padded))
+        shapes = shapes_of(padded)
+        per_rank = [_unflat(stacked[r], shapes) for r in range(comm.n_ranks)]
+        for j, i in enumerate(idx):
+            parts = [per_rank[r][j] if lengths[i][r] < 0 else per_rank[r][j][:lengths[i][r]]
+                     for r in range(comm.n_ranks)]
+            results[i] = jnp.stack(parts) if nd_up else jnp.concatenate(parts)
+    if keep == _KEEP_ALL:
+        for var, v in zip(vars_, results):
+            _store(var, v)
+        return []
+    return results if rank == master_rank else []
+
+
+def _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
+    """Every rank puts rows of a Data (all of them, or its chunk) on its device."""
+    import jax
+    from .function import InputRef, _rows
+    chunked = words.get()
+    device = jax.local_devices()[0]
+    for var in vars_:
+        data_id, gen, code, *shape = words.get_list()
+        is_range, start, stop, total, index_gen = (words.get() for _ in range(5))
+        view = view_of(InputRef(data_id, gen, code, 0, tuple(shape)))
+        if not shape:
+            rows = np.array(view)
+        else:
+            batch = (Batch(total, start, stop) if is_range
+                     else Batch(total, indices=index_lookup(index_gen, total)))
+            a, b = chunk(0, total, n_ranks, rank) if chunked else (0, total)
+            rows = np.array(_rows(view, batch, a, b, 0))
+        _store(var, jax.device_put(rows, device))
+    return []
+
+
+def run_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup):
+    """Run this rank's part of the collective encoded in ``words``; the master gets results."""
+    kind = words.get()
+    vars_ = [var_of(uid) for uid in words.get_list()]
+    if kind == _ALL_REDUCE:
+        return _rank_all_reduce(comm, vars_, words, rank, master_rank)
+    if kind == _BROADCAST:
+        return _rank_broadcast(comm, vars_, words, rank, master_rank)
+    if kind == _GATHER:
+        return _rank_gather(comm, vars_, words, rank, master_rank)
+    if kind == _READ_DATA:
+        return _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
+    raise ValueError(f"unknown collective kind {kind}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The master's side
+# ------------------------------------------------------------------------------------------------
+
+def _run(rt, words_fill):
+    """Encode a collective with ``words_fill(Words)`` and run it on every rank."""
+    rt.ensure_shipped()
+    words_fill(Words(rt.ctl.args))
+
+    def local():
+        words = Words(rt.ctl.args)
+        return run_collective(rt.comm, words, rt.master_rank, rt.n_parallel, rt.master_rank,
+                              rt.shared_by_uid, rt.data_view, rt.index_view)
+    return [np.asarray(v) for v in rt.command(Op.COLLECTIVE, local=local)]
+
+
+def _all_shapes(rt, vars_):
+    """Per variable, its shape on every rank (one round trip)."""
+    rt.ensure_shipped()
+    Words(rt.ctl.args).put_list(_uids(rt, vars_))
+    own = shapes_of(v.container.storage[0] for v in vars_)
+    rt.command(Op.GET_SHAPES)
+    per_rank = {rt.master_rank: own}
+    for rank in rt.worker_ranks:
+        per_rank[rank] = [tuple(int(s) for s in a) for a in rt.read_result_arrays(rank)]
+    return [[per_rank[r][i] for r in range(rt.n_parallel)] for i in range(len(vars_))]
+
+
+def get_shapes(shared_vars):
+    """Shape of each variable on every rank: a list over ranks (a list of those for a list).
+
+    Examples
+    --------
+    >>> synk.get_shapes(w)            # doctest: +SKIP
+    [(5, 3), (6, 3)]
+    """
+    rt = lifecycle.current()
+    vars_, single = resolve_shareds(shared_vars)
+    shapes = _all_shapes(rt, vars_)
+    return shapes[0] if single else shapes
+
+
+def get_lengths(shared_vars):
+    """Length (axis 0) of each variable on every rank, like :func:`get_shapes`."""
+    shapes = get_shapes(shared_vars)
+    single = not isinstance(shared_vars, (list, tuple))
+    lengths = [[s[0] if s else 1 for s in per_var] for per_var in ([shapes] if single else shapes)]
+    return lengths[0] if single else lengths
+
+
+def _require_equal_shapes(vars_, shapes, what):
+    for var, per_rank in zip(vars_, shapes):
+        if len(set(per_rank)) > 1:
+            raise ValueError(f"{what} needs {var} to have the same shape on every rank, but the "
+                             f"shapes are {per_rank} (rank order)")
+
+
+def all_reduce(shared_vars, op="avg"):
+    """Reduce across ranks; every rank's copy becomes the result.
+
+    Parameters
+    ----------
+    shared_vars : shared variable, name, or list of them
+    op : {"avg", "sum", "prod", "min", "max"}
+
+    Examples
+    --------
+    >>> synk.all_reduce(grad_shared, op="avg")     # doctest: +SKIP
+    """
+    _reduce(shared_vars, op, _KEEP_ALL)
+
+
+def reduce(shared_vars, op="avg", in_place=True):
+    """Reduce across ranks into the master.
+
+    With ``in_place=True`` the master's copy becomes the result (workers keep
+    theirs); with ``in_place=False`` the result is returned and no copy changes.
+    """
+    out = _reduce(shared_vars, op, _KEEP_MASTER if in_place else _RETURN)
+    return None if in_place else out
+
+
+def _reduce(shared_vars, op, keep):
+    rt = lifecycle.current()
+    vars_, single = resolve_shareds(shared_vars)
+    _check_op(op, vars_)
+    _require_equal_shapes(vars_, _all_shapes(rt, vars_), f"{op} reduction")
+    out = _run(rt, lambda w: w.put(_ALL_REDUCE).put_list(_uids(rt, vars_))
+               .put(REDUCE_OPS.index(op), keep))
+    if keep == _RETURN:
+        return out[0] if single else out
+
+
+def broadcast(shared_vars, values=None):
+    """Copy the master's value(s) to every rank, optionally setting them first.
+
+    ``values`` may be numpy arrays or :class:`Data`; a Data value is read from
+    shared memory by every rank itself.
+    """
+    rt = lifecycle.current()
+    vars_, single = resolve_shareds(shared_vars)
+    if values is not None:
+        values = _values_list(values, len(vars_), "values")
+        if all(isinstance(v, Data) for v in values):
+            return _read_data(rt, vars_, values, None, chunked=False)
+        for var, value in zip(vars_, values):
+            value = value.data if isinstance(value, Data) else value
+            var.set_value(condition_value(value, var.type.dtype, var.type.ndim,
+                                          what=f"value for {var}"))
+    shapes = shapes_of(v.container.storage[0] for v in vars_)
+
+    def fill(w):
+        w.put(_BROADCAST).put_list(_uids(rt, vars_))
+        for shape in shapes:
+            w.put_list(shape)
+    _run(rt, fill)
+
+
+def scatter(shared_vars, values, batch=None):
+    """Split each value along axis 0 across ranks (near-equal contiguous chunks).
+
+    Parameters
+    ----------
+    shared_vars : shared variable, name, or list of them
+    values : numpy array or Data, or a list of them (one per variable)
+    batch : int, slice or sequence of int, optional
+        Rows of every value to scatter (as ``batch`` in a function call).
+    """
+    rt = lifecycle.current()
+    vars_, _ = resolve_shareds(shared_vars)
+    values = _values_list(values, len(vars_), "values")
+    datas = []
+    for i, (var, value) in enumerate(zip(vars_, values)):
+        if isinstance(value, Data):
+            if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
+                raise TypeError(f"Data for {var} has dtype {value.dtype} and ndim {value.ndim}; "
+                                f"expected {var.type.dtype} and {var.type.ndim}")
+            datas.append(value)
+        else:
+            arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"value for {var}")
+            if arr.ndim == 0:
+                raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
+            datas.append(rt.scratch_data(("scatter", i), arr))
+    _read_data(rt, vars_, datas, batch, chunked=True)
+
+
+def _read_data(rt, vars_, datas, batch, chunked):
+    plans = []
+    for var, d in zip(vars_, datas):
+        if d.shape is None:
+            raise TypeError(f"Data for {var} holds no value")
+        if d.ndim == 0:
+            if chunked:
+                raise TypeError(f"cannot scatter a 0-d Data to {var}; use broadcast")
+            b = Batch(total=0)
+        else:
+            b, _ = parse_batch(batch, [d], [str(var)])
+        plans.append((d, b))
+    index_gen = 0
+    with_indices = [b for _, b in plans if not b.is_range]
+    if with_indices:
+        index_gen = rt.write_indices(with_indices[0].indices)
+
+    def fill(w):
+        w.put(_READ_DATA).put_list(_uids(rt, vars_)).put(int(chunked))
+        for d, b in plans:
+            w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
+            w.put(int(b.is_range), b.start, b.stop, b.total, index_gen)
+    _run(rt, fill)
+
+
+def gather(shared_vars, nd_up=1):
+    """Collect every rank's copy in the master, in rank order.
+
+    ``nd_up=1`` stacks on a new leading axis (shapes must be equal); ``nd_up=0``
+    concatenates along axis 0 (lengths may differ). Nothing is changed.
+    """
+    rt = lifecycle.current()
+    vars_, single = resolve_shareds(shared_vars)
+    if nd_up not in (0, 1):
+        raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
+    out = _gather(rt, vars_, _RETURN, nd_up)
+    return out[0] if single else out
+
+
+def all_gather(shared_vars):
+    """Every rank's copy becomes the concatenation (axis 0) of all ranks' copies."""
+    rt = lifecycle.current()
+    vars_, _ = resolve_shareds(shared_vars)
+    _gather(rt, vars_, _KEEP_ALL, 0)
+
+
+def _gather(rt, vars_, keep, nd_up):
+    shapes = _all_shapes(rt, vars_)
+    if nd_up:
+        _require_equal_shapes(vars_, shapes, "gather with nd_up=1")
+    else:
+        for var, per_rank in zip(vars_, shapes):
+            if any(len(s) == 0 for s in per_rank):
+                raise ValueError(f"{var} is 0-d on some rank, so it cannot be concatenated; "
+                                 f"use gather(..., nd_up=1)")
+            if len({s[1:] for s in per_rank}) > 1:
+                raise ValueError(f"{var} has different trailing shapes across ranks {per_rank}; "
+                                 f"only axis 0 may differ")
+
+    def fill(w):
+        w.put(_GATHER).put_list(_uids(rt, vars_)).put(keep, nd_up)
+        for per_rank in shapes:
+            w.put_list(s[0] if s else -1 for s in per_rank)
+    return _run(rt, fill)
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank's copy (host paths)
+# ------------------------------------------------------------------------------------------------
 
 def _send_payload(rt, obj):
     nbytes = write_bytes(rt.payload, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -68,7 +461,7 @@ def get_value(rank, shared_vars):
     if rank == rt.master_rank:
         values = [np.array(v.get_value()) for v in vars_]
     else:
-        _send_payload(rt, [rt.uid_of(v) for v in vars_])
+        _send_payload(rt, _uids(rt, vars_))
         rt.command(Op.GET_SHARED, ranks=[rank])
         values = rt.read_result_arrays(rank)
     return values[0] if single else values
@@ -81,22 +474,18 @@ def set_value(rank, shared_vars, values, batch=None):
     """
     rt = lifecycle.current()
     rank = _check_rank(rt, rank)
-    vars_, single = resolve_shareds(shared_vars)
-    values = [values] if single else list(values)
-    if len(values) != len(vars_):
-        raise ValueError(f"got {len(values)} values for {len(vars_)} shared variables")
+    vars_, _ = resolve_shareds(shared_vars)
+    values = _values_list(values, len(vars_), "values")
     arrays = []
     for var, value in zip(vars_, values):
-        value = value.data if hasattr(value, "minibatch") else value
-        arr = np.asarray(value)
+        arr = np.asarray(value.data if isinstance(value, Data) else value)
         if batch is not None:
-            arr = arr[batch if not isinstance(batch, int) else slice(0, batch)]
-        arrays.append(var.type.filter(arr, allow_downcast=False) if arr.dtype != var.type.dtype
-                      else arr)
+            arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
+        arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}"))
     rt.ensure_shipped()
     if rank == rt.master_rank:
         for var, arr in zip(vars_, arrays):
             var.set_value(arr)
     else:
-        _send_payload(rt, {rt.uid_of(v): a for v, a in zip(vars_, arrays)})
+        _send_payload(rt, dict(zip(_uids(rt, vars_), arrays)))
         rt.command(Op.SET_SHARED, ranks=[rank])

@@ -24,7 +24,7 @@ import numpy as np
 
 from .shmem import Segment
 
-__all__ = ["ControlBlock", "Op", "Status"]
+__all__ = ["ControlBlock", "Op", "Status", "Words"]
 
 ARGS = 1 << 16
 _HEADER = 16
@@ -55,6 +55,8 @@ class Op:
     DROP_DATA = 4     # args: data ids whose mappings to release
     GET_SHARED = 5    # payload: shared-variable uids -> result: their values
     SET_SHARED = 6    # payload: {uid: value} for one rank
+    COLLECTIVE = 7    # args: see collectives.CollectivePlan
+    GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
 
     @classmethod
     def name(cls, opcode):
@@ -67,6 +69,46 @@ class Status:
     IDLE = 0
     OK = 1
     ERROR = 2         # result segment holds a pickled (type, message, traceback)
+
+
+class Words:
+    """Sequential reader/writer of integers in the command's int64 ``args`` array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> args = np.zeros(8, np.int64)
+    >>> Words(args).put(3).put_list([7, 8])
+    ... # doctest: +ELLIPSIS
+    <...Words object at ...>
+    >>> r = Words(args); r.get(), r.get_list()
+    (3, [7, 8])
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.pos = 0
+
+    def put(self, *values):
+        n = len(values)
+        if self.pos + n > len(self.args):
+            raise ValueError(f"command needs more than {len(self.args)} control words")
+        self.args[self.pos:self.pos + n] = values
+        self.pos += n
+        return self
+
+    def put_list(self, values):
+        values = list(values)
+        return self.put(len(values), *values)
+
+    def get(self):
+        self.pos += 1
+        return int(self.args[self.pos - 1])
+
+    def get_list(self):
+        n = self.get()
+        self.pos += n
+        return [int(v) for v in self.args[self.pos - n:self.pos]]
 
 
 class Semaphore:
@@ -145,7 +187,7 @@ class ControlBlock:
                 sem.init()
 
     # header fields
-    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN = range(5)
+    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK = range(6)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 

@@ -20,7 +20,7 @@ from pytensor.graph.traversal import ancestors
 
 from . import lifecycle
 from .data import Data, condition_value
-from .reduce import Accumulator, check_output_mode, check_update_mode, reduce_ranks
+from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .scatter import Batch, check_num_slices, chunk, parse_batch
 from .transport import dtype_code
 

@@ -102,11 +102,14 @@ class Runtime:
         self.payload = GrowableSegment(f"{self.prefix}_p")
         self.indices = GrowableSegment(f"{self.prefix}_ix")
         self.results = {r: SegmentMirror(f"{self.prefix}_r{r}") for r in self.worker_ranks}
+        self._scratch = {}
+        self._comm = None
         self.is_open = False
 
     # --- start and stop ---------------------------------------------------------------------
     def start(self):
         self.ctl = ControlBlock(f"{self.prefix}_ctl", self.n_parallel, create=True)
+        self.ctl.header[ControlBlock.MASTER_RANK] = self.master_rank
         self.is_open = True
         port = _free_port()
         for rank in self.worker_ranks:
@@ -272,6 +275,30 @@ class Runtime:
         self._next_data_id += 1
         return d
 
+    def scratch_data(self, key, value):
+        """A runtime-owned Data holding ``value`` (staging numpy values for the workers)."""
+        d = self._scratch.get(key)
+        if d is None or d.dtype != value.dtype or d.ndim != value.ndim:
+            d = self._scratch[key] = self.new_data(value.dtype, value.ndim, name=f"scratch:{key}")
+        d.set_value(value, oversize=1 if d.alloc_size >= value.size else 1.25)
+        return d
+
+    def write_indices(self, idx):
+        """Put batch indices where every rank reads them; return the segment generation."""
+        self.indices.ensure(idx.nbytes, oversize=1.5)
+        self.indices.segment.array(np.int64, idx.shape)[...] = idx
+        return self.indices.gen
+
+    def index_view(self, gen, n):
+        return self.indices.segment.array(np.int64, (n,))
+
+    @property
+    def comm(self):
+        if self._comm is None:
+            from .comm import make_comm
+            self._comm = make_comm()
+        return self._comm
+
     def announce_data_drop(self, data_ids):
         self.ctl.args[0] = len(data_ids)
         self.ctl.args[1:1 + len(data_ids)] = data_ids
@@ -330,10 +357,7 @@ class Runtime:
         """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
         from .function import run_share
         if not plan.batch.is_range:
-            idx = plan.batch.indices
-            self.indices.ensure(idx.nbytes, oversize=1.5)
-            self.indices.segment.array(np.int64, idx.shape)[...] = idx
-            plan.index_gen = self.indices.gen
+            plan.index_gen = self.write_indices(plan.batch.indices)
         plan.encode(self.ctl.args)
 
         def local():

@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 
 from . import devices
-from .control import ControlBlock, Op, Status
+from .control import ControlBlock, Op, Status, Words
 from .data import DataMirrors
 from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
@@ -57,8 +57,10 @@ class Worker:
         self.datas = DataMirrors(prefix)
         self.functions = {}
         self.shared = {}
+        self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
+                         Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
                          Op.STOP: lambda: None}
 
     def check_master(self):
@@ -135,6 +137,21 @@ class Worker:
     def set_shared(self):
         for uid, value in self.payload_object().items():
             self.shared[uid].set_value(value)
+
+    def collective(self):
+        from .collectives import run_collective
+        if self._comm is None:
+            from .comm import make_comm
+            self._comm = make_comm()
+        run_collective(self._comm, Words(self.ctl.args), self.rank, self.n_ranks,
+                       int(self.ctl.header[ControlBlock.MASTER_RANK]), self.shared.__getitem__,
+                       self.data_view, self.index_view)
+
+    def get_shapes(self):
+        from .collectives import shapes_of
+        uids = Words(self.ctl.args).get_list()
+        shapes = shapes_of(self.shared[uid].container.storage[0] for uid in uids)
+        self.write_arrays([np.array(s, dtype=np.int64) for s in shapes])
 
     def cleanup(self):
         self.result.free()
