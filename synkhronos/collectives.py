@@ -21,6 +21,7 @@ from . import lifecycle
 from .control import ControlBlock, Op, Words
 from .data import Data, condition_value
 from .scatter import Batch, chunk, parse_batch
+from .function import put_batch
 from .transport import dtype_code, write_bytes
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
@@ -192,19 +193,17 @@ def _rank_gather(comm, vars_, words, rank, master_rank):
 def _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
     """Every rank puts rows of a Data (all of them, or its chunk) on its device."""
     import jax
-    from .function import InputRef, _rows
-    chunked = words.get()
+    from .function import InputRef, _rows, get_batch
+    chunked, index_gen = words.get(), words.get()
     device = jax.local_devices()[0]
     for var in vars_:
         data_id, gen, code, *shape = words.get_list()
-        is_range, start, stop, total, index_gen = (words.get() for _ in range(5))
+        batch = get_batch(words, index_lookup, index_gen)
         view = view_of(InputRef(data_id, gen, code, 0, tuple(shape)))
         if not shape:
             rows = np.array(view)
         else:
-            batch = (Batch(total, start, stop) if is_range
-                     else Batch(total, indices=index_lookup(index_gen, total)))
-            a, b = chunk(0, total, n_ranks, rank) if chunked else (0, total)
+            a, b = chunk(0, batch.total, n_ranks, rank) if chunked else (0, batch.total)
             rows = np.array(_rows(view, batch, a, b, 0))
         _store(var, jax.device_put(rows, device))
     return []
@@ -383,16 +382,15 @@ def _read_data(rt, vars_, datas, batch, chunked):
         else:
             b, _ = parse_batch(batch, [d], [str(var)])
         plans.append((d, b))
-    index_gen = 0
     with_indices = [b for _, b in plans if not b.is_range]
-    if with_indices:
-        index_gen = rt.write_indices(with_indices[0].indices)
+    # every batch here comes from the same ``batch``, so one copy of its indices serves all
+    index_gen = rt.write_indices(with_indices[:1]) if with_indices else 0
 
     def fill(w):
-        w.put(_READ_DATA).put_list(_uids(rt, vars_)).put(int(chunked))
+        w.put(_READ_DATA).put_list(_uids(rt, vars_)).put(int(chunked), index_gen)
         for d, b in plans:
             w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
-            w.put(int(b.is_range), b.start, b.stop, b.total, index_gen)
+            put_batch(w, b)
     _run(rt, fill)
 
 

@@ -16,12 +16,14 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
+from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
 
 from . import lifecycle
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
-from .scatter import Batch, check_num_slices, chunk, parse_batch
+from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
+from .control import Words
 from .transport import dtype_code
 
 __all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share"]
@@ -120,13 +122,27 @@ class FunctionSpec:
 
 
 class CompiledFunction:
-    """A FunctionSpec compiled for this process's device (lazily for the slice variant)."""
+    """A FunctionSpec compiled for this process's device (lazily for the slice variant).
+
+    Sliceable shared variables are replaced (through ``givens``) by extra
+    symbolic inputs, so each call can feed them the rows ``batch_s`` selects
+    from the device-resident value.
+    """
 
     def __init__(self, spec):
         self.spec = spec
         self.output_modes = [m for _, m in spec.outputs]
+        self.sliced_inputs = [s.type(name=f"{s.name or 'shared'}[batch_s]")
+                              for s in spec.sliceable_shareds]
         self._with_updates = self._compile(updates=True)
         self._no_updates = None
+
+    def _givens(self):
+        if not self.sliced_inputs:
+            return self.spec.givens
+        replace = dict(zip(self.spec.sliceable_shareds, self.sliced_inputs))
+        user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
+        return user + list(replace.items())
 
     def _compile(self, updates):
         spec = self.spec
@@ -136,8 +152,8 @@ class CompiledFunction:
         else:
             outputs = outputs + [v for _, v, _ in spec.updates]
             upd = []
-        return pytensor.function(spec.all_inputs, outputs, updates=upd, givens=spec.givens,
-                                 **spec.pytensor_kwargs())
+        return pytensor.function(spec.all_inputs + self.sliced_inputs, outputs, updates=upd,
+                                 givens=self._givens(), **spec.pytensor_kwargs())
 
     def run(self, args):
         """Run once, applying updates."""
@@ -172,9 +188,25 @@ class InputRef:
     shape: tuple
 
 
+def put_batch(words, batch):
+    """Encode a Batch (its indices live in the index segment at ``batch.index_offset``)."""
+    words.put(batch.total, int(batch.is_range), batch.start, batch.stop, batch.index_offset)
+
+
+def get_batch(words, index_lookup, index_gen):
+    total, is_range, start, stop, offset = (words.get() for _ in range(5))
+    if is_range:
+        return Batch(total, start, stop)
+    return Batch(total, indices=index_lookup(index_gen, offset, total), index_offset=offset)
+
+
 @dataclass
 class CallPlan:
-    """A validated call, as every process needs it."""
+    """A validated call, as every process needs it.
+
+    ``sliced`` holds, per rank, the Batch of rows of the sliceable shared
+    variables that rank uses (empty when the function has none).
+    """
 
     fid: int
     num_slices: int
@@ -182,44 +214,46 @@ class CallPlan:
     subset: list
     scattered: list        # [InputRef]
     bcast: list            # [InputRef]
+    sliced: list = field(default_factory=list)
     index_gen: int = 0
 
+    def index_arrays(self):
+        """Batches whose explicit indices must be written to the index segment."""
+        return [b for b in [self.batch] + self.sliced if not b.is_range]
+
     def encode(self, args):
-        """Write the plan into the int64 array ``args``; return the number used."""
-        head = [self.fid, self.num_slices, self.batch.total, int(self.batch.is_range),
-                self.batch.start, self.batch.stop, self.index_gen, len(self.subset),
-                len(self.scattered), len(self.bcast)]
-        items = head + list(self.subset)
+        """Write the plan into the int64 array ``args``."""
+        w = Words(args).put(self.fid, self.num_slices, self.index_gen)
+        w.put_list(self.subset)
+        put_batch(w, self.batch)
+        w.put(len(self.scattered), len(self.bcast))
         for ref in self.scattered + self.bcast:
-            items += [ref.data_id, ref.gen, ref.code, ref.offset, len(ref.shape), *ref.shape]
-        if len(items) > len(args):
-            raise ValueError(f"call needs {len(items)} control words, more than {len(args)}")
-        args[:len(items)] = items
-        return len(items)
+            w.put(ref.data_id, ref.gen, ref.code, ref.offset).put_list(ref.shape)
+        w.put(len(self.sliced))
+        for b in self.sliced:
+            put_batch(w, b)
 
     @classmethod
     def decode(cls, args, index_lookup):
-        """Read a plan written by :meth:`encode`; ``index_lookup(gen, n)`` returns indices."""
-        fid, k, total, is_range, start, stop, index_gen, n_subset, n_scat, n_bcast = (
-            int(a) for a in args[:10])
-        pos = 10
-        subset = [int(a) for a in args[pos:pos + n_subset]]
-        pos += n_subset
+        """Read a plan written by :meth:`encode`; ``index_lookup(gen, start, n)`` returns indices."""
+        w = Words(args)
+        fid, k, index_gen = w.get(), w.get(), w.get()
+        subset = w.get_list()
+        batch = get_batch(w, index_lookup, index_gen)
+        n_scat, n_bcast = w.get(), w.get()
         refs = []
         for _ in range(n_scat + n_bcast):
-            data_id, gen, code, offset, ndim = (int(a) for a in args[pos:pos + 5])
-            refs.append(InputRef(data_id, gen, code, offset, tuple(int(s) for s in args[pos + 5:pos + 5 + ndim])))
-            pos += 5 + ndim
-        batch = (Batch(total, start, stop) if is_range
-                 else Batch(total, indices=index_lookup(index_gen, total)))
-        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], index_gen)
+            data_id, gen, code, offset = (w.get() for _ in range(4))
+            refs.append(InputRef(data_id, gen, code, offset, tuple(w.get_list())))
+        sliced = [get_batch(w, index_lookup, index_gen) for _ in range(w.get())]
+        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], sliced, index_gen)
 
 
 def _rows(view, batch, a, b, offset):
-    """Rows at batch positions [a, b) of one input: a zero-copy view for ranges."""
+    """Rows at batch positions [a, b) of a numpy or device array: a view for ranges."""
     if batch.is_range:
         return view[batch.start + a - offset:batch.start + b - offset]
-    return np.take(view, batch.indices[a:b] - offset, axis=0)
+    return view[batch.indices[a:b] - offset]
 
 
 def run_share(compiled, plan, rank, n_ranks, view_of):
@@ -246,13 +280,18 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     scattered = [view_of(ref) for ref in plan.scattered]
     bcast = [view_of(ref) for ref in plan.bcast]
     spec = compiled.spec
+    sliceables = [s.container.storage[0] for s in spec.sliceable_shareds]
+    sliced = plan.sliced[rank] if plan.sliced else None
     if plan.scattered:
         lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
         n_slices = plan.num_slices
+    elif sliced is not None:
+        lo, hi, n_slices = 0, sliced.total, plan.num_slices
     else:
         lo, hi, n_slices = 0, 1, 1
     if hi == lo:
         return 0, []
+    counts_rows = bool(plan.scattered) or sliced is not None
     outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
     defer = n_slices > 1 and spec.updates
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates] if defer else []
@@ -263,7 +302,8 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
             continue
         args = [_rows(v, plan.batch, a, b, ref.offset) for v, ref in zip(scattered, plan.scattered)]
         args += bcast
-        n = (b - a) if plan.scattered else 1
+        args += [_rows(v, sliced, a - lo, b - lo, 0) for v in sliceables]
+        n = (b - a) if counts_rows else 1
         if defer:
             values, new = compiled.run_deferred(args)
             for acc, v in zip(upds, new):
@@ -377,8 +417,6 @@ class Function:
         if batch_s is not None and not spec.sliceable_shareds:
             raise TypeError(f"batch_s was given but {self.name} has no sliceable_shareds; "
                             f"pass sliceable_shareds= to synk.function to slice shared variables")
-        if batch_s is not None:
-            raise NotImplementedError("batch_s on sliceable shareds is not available yet")
         subset = self._subset(output_subset)
         datas = [self._as_data(i, v) for i, v in enumerate(self._collect_args(args, kwargs))]
         n_scat = len(spec.inputs)
@@ -387,17 +425,42 @@ class Function:
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
-        if n_scat and spec.updates and batch_plan.total < self._rt.n_parallel:
-            raise ValueError(f"{self.name} has updates but the batch has {batch_plan.total} rows for "
-                             f"{self._rt.n_parallel} devices: a device with no rows would skip its "
-                             f"updates and its state would drift; give at least one row per device")
+        sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
+        rows = ([b.total for b in sliced] if sliced else
+                [hi - lo for lo, hi in (chunk(0, batch_plan.total, self._rt.n_parallel, r)
+                                        for r in range(self._rt.n_parallel))] if n_scat else [])
+        if spec.updates and rows and min(rows) == 0:
+            raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
+                             f"device: {rows}): it would skip its updates and its state would drift; "
+                             f"give at least one row per device")
 
         def ref(d, offset):
             return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
 
         return CallPlan(spec.fid, num_slices, batch_plan, subset,
                         [ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
-                        [ref(d, 0) for d in datas[n_scat:]])
+                        [ref(d, 0) for d in datas[n_scat:]], sliced)
+
+    def _plan_batch_s(self, batch_s, batch_plan):
+        """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""
+        sliceables = self.spec.sliceable_shareds
+        if not sliceables:
+            return []
+        from .collectives import _all_shapes
+        shapes = _all_shapes(self._rt, sliceables)
+        names = [str(s) for s in sliceables]
+        for name, per_rank in zip(names, shapes):
+            if any(len(shape) == 0 for shape in per_rank):
+                raise TypeError(f"sliceable shared {name} is 0-d on some rank; it needs rows")
+        sliced = parse_batch_s(batch_s, [[shape[0] for shape in per_rank] for per_rank in shapes],
+                               names)
+        if batch_plan is not None:
+            for rank, b in enumerate(sliced):
+                lo, hi = chunk(0, batch_plan.total, self._rt.n_parallel, rank)
+                if hi - lo != b.total:
+                    raise ValueError(f"rank {rank} gets {hi - lo} rows of the scattered inputs but "
+                                     f"{b.total} rows of the sliceable shareds; they must match")
+        return sliced
 
     def _subset(self, output_subset):
         n = len(self.spec.outputs)

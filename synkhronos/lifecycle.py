@@ -283,14 +283,23 @@ class Runtime:
         d.set_value(value, oversize=1 if d.alloc_size >= value.size else 1.25)
         return d
 
-    def write_indices(self, idx):
-        """Put batch indices where every rank reads them; return the segment generation."""
-        self.indices.ensure(idx.nbytes, oversize=1.5)
-        self.indices.segment.array(np.int64, idx.shape)[...] = idx
+    def write_indices(self, batches):
+        """Put the explicit indices of ``batches`` where every rank reads them.
+
+        Sets each batch's ``index_offset`` and returns the segment generation.
+        """
+        total = sum(len(b.indices) for b in batches)
+        self.indices.ensure(8 * total, oversize=1.5)
+        view = self.indices.segment.array(np.int64, (total,))
+        pos = 0
+        for b in batches:
+            view[pos:pos + len(b.indices)] = b.indices
+            b.index_offset = pos
+            pos += len(b.indices)
         return self.indices.gen
 
-    def index_view(self, gen, n):
-        return self.indices.segment.array(np.int64, (n,))
+    def index_view(self, gen, start, n):
+        return self.indices.segment.array(np.int64, (n,), offset=8 * start)
 
     @property
     def comm(self):
@@ -356,8 +365,8 @@ class Runtime:
     def run_call(self, f, plan):
         """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
         from .function import run_share
-        if not plan.batch.is_range:
-            plan.index_gen = self.write_indices(plan.batch.indices)
+        if plan.index_arrays():
+            plan.index_gen = self.write_indices(plan.index_arrays())
         plan.encode(self.ctl.args)
 
         def local():

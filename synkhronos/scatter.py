@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Batch", "parse_batch", "split_bounds", "chunk", "check_num_slices"]
+__all__ = ["Batch", "parse_batch", "parse_batch_s", "batch_from_spec", "split_bounds", "chunk",
+           "check_num_slices"]
 
 
 def split_bounds(total, parts):
@@ -40,6 +41,7 @@ class Batch:
     start: int = 0
     stop: int = 0
     indices: np.ndarray = None
+    index_offset: int = 0   # where ``indices`` start in the shared index segment
 
     @property
     def is_range(self):
@@ -78,7 +80,7 @@ def _as_index_array(batch):
     return idx.astype(np.int64, copy=False)
 
 
-def _batch_from_spec(batch, length):
+def batch_from_spec(batch, length):
     """Turn the user's ``batch`` into a Batch; ``length`` bounds int and open slices."""
     if isinstance(batch, bool):
         raise TypeError("batch must be an int, a slice, or a list/array of indices, not a bool")
@@ -133,7 +135,7 @@ def parse_batch(batch, datas, names):
                              f"make them equal or pass batch= to choose rows")
         total = lengths[0] if lengths else 0
         return Batch(total=total, start=0, stop=total), [0] * len(datas)
-    spec = _batch_from_spec(batch, min(lengths) if lengths else 0)
+    spec = batch_from_spec(batch, min(lengths) if lengths else 0)
     low, high = spec.lowest(), spec.highest()
     offsets = []
     for d, name, length in zip(datas, names, lengths):
@@ -145,3 +147,53 @@ def parse_batch(batch, datas, names):
                              f"with {length} rows")
         offsets.append(offset)
     return spec, offsets
+
+
+def _is_per_rank(batch_s, n_ranks):
+    """True if ``batch_s`` is a list with one slice / index list per rank."""
+    if not isinstance(batch_s, (list, tuple)) or not batch_s:
+        return False
+    forms = [isinstance(b, (slice, list, tuple, np.ndarray)) for b in batch_s]
+    if any(forms) and not all(forms):
+        raise TypeError("batch_s mixes slices/lists with plain ints; give one slice or index "
+                        "list for every device, or one index list for all")
+    if all(forms) and len(batch_s) != n_ranks:
+        raise ValueError(f"batch_s has {len(batch_s)} entries but there are {n_ranks} devices; "
+                         f"give exactly one slice or index list per device")
+    return all(forms)
+
+
+def parse_batch_s(batch_s, lengths, names):
+    """Validate ``batch_s`` against the sliceable shareds' lengths on every rank.
+
+    Parameters
+    ----------
+    batch_s : None, slice, sequence of int, or a list of one of those per rank
+    lengths : list of list of int
+        ``lengths[v][r]``: length of sliceable shared ``v`` on rank ``r``.
+    names : list of str
+
+    Returns
+    -------
+    list of Batch
+        The rows each rank uses.
+    """
+    n_ranks = len(lengths[0])
+    per_rank = batch_s if _is_per_rank(batch_s, n_ranks) else [batch_s] * n_ranks
+    batches = []
+    for rank, spec in enumerate(per_rank):
+        rank_lengths = [per_var[rank] for per_var in lengths]
+        if spec is None:
+            if len(set(rank_lengths)) > 1:
+                listing = ", ".join(f"{n}: {L}" for n, L in zip(names, rank_lengths))
+                raise ValueError(f"sliceable shareds have different lengths on rank {rank} "
+                                 f"({listing}); make them equal or pass batch_s=")
+            batches.append(Batch(total=rank_lengths[0], start=0, stop=rank_lengths[0]))
+            continue
+        b = batch_from_spec(spec, min(rank_lengths))
+        for name, length in zip(names, rank_lengths):
+            if b.highest() >= length:
+                raise IndexError(f"batch_s index {b.highest()} is out of range for sliceable "
+                                 f"shared {name!r} with {length} rows on rank {rank}")
+        batches.append(b)
+    return batches

@@ -120,8 +120,8 @@ class Worker:
             self.write_arrays([np.asarray(o) for o in outs])
         return rows
 
-    def index_view(self, gen, n):
-        return self.index.get(gen).array(np.int64, (n,))
+    def index_view(self, gen, start, n):
+        return self.index.get(gen).array(np.int64, (n,), offset=8 * start)
 
     def data_view(self, ref):
         return self.datas.view(ref.data_id, ref.gen, ref.code, ref.shape)
