@@ -6,7 +6,7 @@ import pytensor.tensor as pt
 from .. import collectives, lifecycle
 from ..function import function
 
-__all__ = ["make_train_function", "make_single_process_train_function"]
+__all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function"]
 
 
 def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
@@ -38,18 +38,61 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     >>> for idx in batches:                                                                   # doctest: +SKIP
     ...     batch_loss = train(x_dat, y_dat, batch=idx)
     """
+    f_grad, f_upd, grad_shared = _weighted_step(loss, params, x, update_rule, args, kwargs,
+                                                inputs=[x, y])
+
+    def train_minibatch(x_data, y_data, batch=None, num_slices=1):
+        rows = _batch_rows(x_data, batch, grad_shared.type.dtype)
+        batch_loss = f_grad(x_data, y_data, rows, batch=batch, num_slices=num_slices)
+        collectives.all_reduce(grad_shared, op="avg")
+        f_upd()
+        return batch_loss
+
+    train_minibatch.grad_shared = grad_shared
+    train_minibatch.functions = (f_grad, f_upd)
+    return train_minibatch
+
+
+def _weighted_step(loss, params, x, update_rule, args, kwargs, **function_kwargs):
+    """Gradient function (row-weighted flat gradient) and update function of one step."""
     grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
     (target, flat_grad), = grad_updates
     batch_rows = pt.scalar("batch_rows", dtype=grad_shared.type.dtype)
     n = lifecycle.current().n_parallel
     weight = pt.cast(x.shape[0], grad_shared.type.dtype) * n / batch_rows
-    f_grad = function([x, y], (loss, "avg"), bcast_inputs=[batch_rows],
-                      updates=[(target, flat_grad * weight, "sum")], name="train_grad")
+    inputs = function_kwargs.pop("inputs", [])
+    f_grad = function(inputs, (loss, "avg"), bcast_inputs=[batch_rows],
+                      updates=[(target, flat_grad * weight, "sum")], name="train_grad",
+                      **function_kwargs)
     f_upd = function([], updates=param_updates, name="train_update")
+    return f_grad, f_upd, grad_shared
 
-    def train_minibatch(x_data, y_data, batch=None, num_slices=1):
-        rows = _batch_rows(x_data, batch, grad_shared.type.dtype)
-        batch_loss = f_grad(x_data, y_data, rows, batch=batch, num_slices=num_slices)
+
+def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_rule, *args, **kwargs):
+    """Like :func:`make_train_function`, on data kept on the devices.
+
+    ``x_shared`` and ``y_shared`` hold each device's own rows (fill them with
+    ``synk.scatter``); they replace ``x`` and ``y`` in the graph. Returns
+    ``train_minibatch(batch_s=None, num_slices=1)``, where ``batch_s`` picks
+    rows of each device's data (e.g. one shuffled index array per device).
+
+    Examples
+    --------
+    >>> synk.scatter([x_sh, y_sh], [X_train, Y_train])                          # doctest: +SKIP
+    >>> train = make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.sgd, 0.1)  # doctest: +SKIP
+    >>> train(batch_s=[perm0[:64], perm1[:64]])                                # doctest: +SKIP
+    """
+    f_grad, f_upd, grad_shared = _weighted_step(
+        loss, params, x, update_rule, args, kwargs, givens=[(x, x_shared), (y, y_shared)],
+        sliceable_shareds=[x_shared, y_shared])
+
+    def train_minibatch(batch_s=None, num_slices=1):
+        import numpy as np
+        from ..scatter import parse_batch_s
+        lengths = collectives.get_lengths([x_shared, y_shared])
+        total = sum(b.total for b in parse_batch_s(batch_s, lengths, ["x", "y"]))
+        batch_loss = f_grad(np.asarray(total, grad_shared.type.dtype), batch_s=batch_s,
+                            num_slices=num_slices)
         collectives.all_reduce(grad_shared, op="avg")
         f_upd()
         return batch_loss

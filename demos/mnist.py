@@ -1,0 +1,262 @@
+"""Train a digit classifier on many devices, as in the original Synkhronos MNIST demos.
+
+Three variants of the same training:
+
+- ``single``: one process, plain PyTensor (JAX backend) on the full batch: the baseline;
+- ``cpu``:    data in shared memory (``synk.data``); every step, each device gathers its
+              own rows of a shuffled global batch (``batch=``);
+- ``device``: the training set is scattered once into device-resident shared variables
+              (``sliceable_shareds``); every step, each device takes a shuffled batch of
+              its own rows (``batch_s=``), global batch = per-device batch x devices.
+
+Models (pytensor-ml layers): ``mlp``, ``custom_mlp:DEPTH,WIDTH``, ``cnn``. The default data set is
+scikit-learn's bundled 8x8 handwritten digits (no network needed); ``--data`` takes real MNIST as
+a ``.npz`` (x_train, y_train, x_test, y_test) or a folder of the four IDX files.
+Validation runs with ``num_slices``; the loss/accuracy curves are saved as a PNG.
+
+Examples
+--------
+    python demos/mnist.py --variant cpu --devices 2
+    python demos/mnist.py --variant device --model cnn --epochs 5
+    python demos/mnist.py --variant single --model custom_mlp:3,256 --data mnist.npz
+"""
+
+import argparse
+import gzip
+import os
+import sys
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synkhronos import lifecycle
+from synkhronos.extensions import train, updates
+
+VARIANTS = ("single", "cpu", "device")
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+def _read_idx(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        raw = fh.read()
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _find(folder, stem):
+    for name in os.listdir(folder):
+        if name.startswith(stem):
+            return os.path.join(folder, name)
+    raise FileNotFoundError(f"no file starting with {stem!r} in {folder}")
+
+
+def load_data(path=None, seed=0):
+    """Return dict of train/val/test arrays: images flattened to float in [0, 1], int64 labels."""
+    if path is None:
+        from sklearn.datasets import load_digits
+        d = load_digits()
+        X, Y = d.data / 16.0, d.target.astype("int64")
+        order = np.random.default_rng(seed).permutation(len(X))
+        X, Y = X[order], Y[order]
+        n_test = len(X) // 5
+        x_train, y_train, x_test, y_test = X[n_test:], Y[n_test:], X[:n_test], Y[:n_test]
+        side = 8
+    else:
+        if path.endswith(".npz"):
+            z = np.load(path)
+            x_train, y_train, x_test, y_test = (z[k] for k in ("x_train", "y_train", "x_test", "y_test"))
+        else:
+            x_train, y_train = _read_idx(_find(path, "train-images")), _read_idx(_find(path, "train-labels"))
+            x_test, y_test = _read_idx(_find(path, "t10k-images")), _read_idx(_find(path, "t10k-labels"))
+        side = x_train.shape[1]
+        x_train = x_train.reshape(len(x_train), -1) / 255.0
+        x_test = x_test.reshape(len(x_test), -1) / 255.0
+        y_train, y_test = y_train.astype("int64"), y_test.astype("int64")
+    n_val = len(x_train) // 10
+    floatx = pytensor.config.floatX
+    return dict(x_train=x_train[n_val:].astype(floatx), y_train=y_train[n_val:],
+                x_val=x_train[:n_val].astype(floatx), y_val=y_train[:n_val],
+                x_test=x_test.astype(floatx), y_test=y_test, side=side)
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+
+def build_model(spec, side, n_classes=10, seed=0):
+    """Return (x, y, loss, accuracy, params) for model ``spec`` on ``side`` x ``side`` images."""
+    from pytensor_ml.activations import ReLU
+    from pytensor_ml.layers import Conv2D, Input, Linear, MaxPool2D, Sequential
+    from pytensor_ml.loss import CrossEntropy, supervised_loss
+    from pytensor_ml.pytensorf import collect_trainable_params
+
+    n_in = side * side
+    x = Input("x", shape=(None, n_in))
+    if spec == "mlp" or spec.startswith("custom_mlp"):
+        depth, width = (2, 128) if spec == "mlp" else (int(v) for v in spec.split(":")[1].split(","))
+        layers, prev = [], n_in
+        for i in range(depth):
+            layers += [Linear(f"h{i}", n_in=prev, n_out=width), ReLU()]
+            prev = width
+        logits = Sequential(*layers, Linear("out", n_in=prev, n_out=n_classes))(x)
+    elif spec == "cnn":
+        images = x.reshape((-1, side, side, 1))
+        k = 3 if side <= 8 else 5
+        features = Sequential(
+            Conv2D("conv1", in_channels=1, out_channels=16, kernel_size=k, padding="same"), ReLU(),
+            MaxPool2D("pool1", kernel_size=2),
+            Conv2D("conv2", in_channels=16, out_channels=32, kernel_size=k, padding="same"), ReLU(),
+            MaxPool2D("pool2", kernel_size=2))(images)
+        features = features.reshape((-1, 32 * (side // 4) ** 2))
+        n_feat = 32 * (side // 4) ** 2
+        logits = Sequential(Linear("fc", n_in=n_feat, n_out=64), ReLU(),
+                            Linear("out", n_in=64, n_out=n_classes))(features)
+    else:
+        raise ValueError(f"unknown model {spec!r}: use mlp, custom_mlp:DEPTH,WIDTH or cnn")
+    loss, y = supervised_loss(logits, CrossEntropy(expect_logits=True))
+    accuracy = pt.mean(pt.eq(pt.argmax(logits, axis=-1), y))
+    params = collect_trainable_params(loss)
+    rng = np.random.default_rng(seed)            # same init for every variant
+    for p in params:
+        v = p.get_value()
+        p.set_value((rng.normal(size=v.shape) * np.sqrt(2.0 / max(1, np.prod(v.shape[:-1])))
+                     if v.ndim > 1 else np.zeros_like(v)).astype(v.dtype))
+    return x, y, loss, accuracy, params
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+
+def _evaluators(variant, x, y, loss, accuracy, data):
+    if variant == "single":
+        f = pytensor.function([x, y], [loss, accuracy], mode="JAX")
+        return (lambda split: [float(v) for v in f(data[f"x_{split}"], data[f"y_{split}"])])
+    f_val = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name="evaluate")
+    store = {split: (synk.data(data[f"x_{split}"]), synk.data(data[f"y_{split}"]))
+             for split in ("val", "test")}
+    return lambda split: [float(v) for v in f_val(*store[split], num_slices=4)]
+
+
+def _stepper(variant, x, y, loss, params, data, lr, n_devices):
+    rule = updates.momentum
+    if variant == "single":
+        step = train.make_single_process_train_function(loss, params, x, y, rule, learning_rate=lr)
+        return lambda idx: step(data["x_train"][idx], data["y_train"][idx])
+    if variant == "cpu":
+        step = train.make_train_function(loss, params, x, y, rule, learning_rate=lr)
+        x_dat, y_dat = synk.data(data["x_train"]), synk.data(data["y_train"])
+        return lambda idx: step(x_dat, y_dat, batch=idx)
+    x_sh = pytensor.shared(data["x_train"][:1], name="x_device")
+    y_sh = pytensor.shared(data["y_train"][:1], name="y_device")
+    step = train.make_device_train_function(loss, params, x, y, x_sh, y_sh, rule, learning_rate=lr)
+    synk.scatter([x_sh, y_sh], [data["x_train"], data["y_train"]])
+    return step
+
+
+def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, data_path=None,
+        plot=None, seed=0, progress=True):
+    """Train and return a dict with per-epoch curves, test accuracy and mean epoch time."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}")
+    data = load_data(data_path, seed)
+    forked_here = False
+    if variant != "single" and lifecycle._runtime is None:
+        synk.fork(devices)
+        forked_here = True
+    n_devices = 1 if variant == "single" else lifecycle.current().n_parallel
+    x, y, loss, accuracy, params = build_model(model, data["side"], seed=seed)
+    step = _stepper(variant, x, y, loss, params, data, lr, n_devices)
+    evaluate = _evaluators(variant, x, y, loss, accuracy, data)
+    if variant != "single":
+        synk.distribute()
+        synk.broadcast(params)                   # every device starts from the master's init
+    rng = np.random.default_rng(seed + 1)
+    history = dict(train_loss=[], val_loss=[], val_acc=[], epoch_time=[])
+    n_train = len(data["x_train"])
+    steps_per_epoch = n_train // batch
+    if variant == "device":
+        lengths = synk.get_lengths("x_device")
+        local = batch // n_devices
+        steps_per_epoch = min(lengths) // local
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    for epoch in range(epochs):
+        t0 = time.time()
+        if variant == "device":
+            perms = [rng.permutation(n) for n in lengths]
+            batches = [[p[i * local:(i + 1) * local] for p in perms] for i in range(steps_per_epoch)]
+            do = lambda b: step(batch_s=b)                     # noqa: E731
+        else:
+            perm = rng.permutation(n_train)
+            batches = [perm[i * batch:(i + 1) * batch] for i in range(steps_per_epoch)]
+            do = step
+        it = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
+                  disable=not progress) if tqdm else batches
+        losses = [float(do(b)) for b in it]
+        history["epoch_time"].append(time.time() - t0)
+        v_loss, v_acc = evaluate("val")
+        history["train_loss"].append(float(np.mean(losses)))
+        history["val_loss"].append(v_loss)
+        history["val_acc"].append(v_acc)
+        if progress:
+            print(f"epoch {epoch + 1:3d}  train loss {history['train_loss'][-1]:.4f}  "
+                  f"val loss {v_loss:.4f}  val acc {v_acc:.4f}  {history['epoch_time'][-1]:.2f} s")
+    history["test_loss"], history["test_acc"] = evaluate("test")
+    history["params"] = [synk.get_value(0, p) if variant != "single" else p.get_value() for p in params]
+    if plot:
+        save_plot(history, plot, f"{model} / {variant} / {n_devices} device(s)")
+    if forked_here:
+        synk.close()
+    return history
+
+
+def save_plot(history, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    epochs = np.arange(1, len(history["val_loss"]) + 1)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(epochs, history["train_loss"], label="train")
+    a.plot(epochs, history["val_loss"], label="validation")
+    a.set_xlabel("epoch"), a.set_ylabel("loss"), a.legend()
+    b.plot(epochs, history["val_acc"], color="tab:green")
+    b.set_xlabel("epoch"), b.set_ylabel("validation accuracy")
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", choices=VARIANTS, default="cpu")
+    p.add_argument("--model", default="mlp", help="mlp, custom_mlp:DEPTH,WIDTH or cnn")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch", type=int, default=128, help="global batch size")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--data", default=None, help="MNIST .npz or IDX folder (default: bundled digits)")
+    p.add_argument("--plot", default="demos/output/mnist_curves.png")
+    args = p.parse_args(argv)
+    h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
+            args.plot)
+    print(f"test accuracy {h['test_acc']:.4f}  mean epoch time {np.mean(h['epoch_time']):.2f} s  "
+          f"({args.model}, {args.variant}, {1 if args.variant == 'single' else args.devices} device(s))")
+    print(f"curves saved to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
