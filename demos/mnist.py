@@ -92,62 +92,89 @@ def load_data(path=None, seed=0):
 # ------------------------------------------------------------------------------------------------
 
 def build_model(spec, side, n_classes=10, seed=0):
-    """Return (x, y, loss, accuracy, params) for model ``spec`` on ``side`` x ``side`` images."""
+    """Build model ``spec`` for ``side`` x ``side`` images.
+
+    Returns ``(make_graph, params, static)``: ``make_graph(rows)`` returns
+    ``(x, y, loss, accuracy)`` for a batch of ``rows`` rows, all graphs sharing
+    ``params``. ``static`` is True for models whose graph needs a fixed batch
+    size under JAX (pytensor-ml's convolutions trace only with concrete shapes),
+    so one graph is built per batch size used.
+    """
     from pytensor_ml.activations import ReLU
     from pytensor_ml.layers import Conv2D, Input, Linear, MaxPool2D, Sequential
     from pytensor_ml.loss import CrossEntropy, supervised_loss
     from pytensor_ml.pytensorf import collect_trainable_params
 
     n_in = side * side
-    x = Input("x", shape=(None, n_in))
     if spec == "mlp" or spec.startswith("custom_mlp"):
         depth, width = (2, 128) if spec == "mlp" else (int(v) for v in spec.split(":")[1].split(","))
         layers, prev = [], n_in
         for i in range(depth):
             layers += [Linear(f"h{i}", n_in=prev, n_out=width), ReLU()]
             prev = width
-        logits = Sequential(*layers, Linear("out", n_in=prev, n_out=n_classes))(x)
+        net = Sequential(*layers, Linear("out", n_in=prev, n_out=n_classes))
+        static = False
     elif spec == "cnn":
-        images = x.reshape((-1, side, side, 1))
         k = 3 if side <= 8 else 5
-        features = Sequential(
+        conv = Sequential(
             Conv2D("conv1", in_channels=1, out_channels=16, kernel_size=k, padding="same"), ReLU(),
             MaxPool2D("pool1", kernel_size=2),
             Conv2D("conv2", in_channels=16, out_channels=32, kernel_size=k, padding="same"), ReLU(),
-            MaxPool2D("pool2", kernel_size=2))(images)
-        features = features.reshape((-1, 32 * (side // 4) ** 2))
+            MaxPool2D("pool2", kernel_size=2))
         n_feat = 32 * (side // 4) ** 2
-        logits = Sequential(Linear("fc", n_in=n_feat, n_out=64), ReLU(),
-                            Linear("out", n_in=64, n_out=n_classes))(features)
+        head = Sequential(Linear("fc", n_in=n_feat, n_out=64), ReLU(),
+                          Linear("out", n_in=64, n_out=n_classes))
+
+        def net(x):
+            features = conv(x.reshape((x.type.shape[0], side, side, 1)))
+            return head(features.reshape((x.type.shape[0], n_feat)))
+        static = True
     else:
         raise ValueError(f"unknown model {spec!r}: use mlp, custom_mlp:DEPTH,WIDTH or cnn")
-    loss, y = supervised_loss(logits, CrossEntropy(expect_logits=True))
-    accuracy = pt.mean(pt.eq(pt.argmax(logits, axis=-1), y))
-    params = collect_trainable_params(loss)
+
+    def make_graph(rows=None):
+        x = Input("x", shape=(rows if static else None, n_in))
+        logits = net(x)
+        loss, y = supervised_loss(logits, CrossEntropy(expect_logits=True))
+        return x, y, loss, pt.mean(pt.eq(pt.argmax(logits, axis=-1), y))
+
+    params = collect_trainable_params(make_graph(1)[2])
     rng = np.random.default_rng(seed)            # same init for every variant
     for p in params:
         v = p.get_value()
         p.set_value((rng.normal(size=v.shape) * np.sqrt(2.0 / max(1, np.prod(v.shape[:-1])))
                      if v.ndim > 1 else np.zeros_like(v)).astype(v.dtype))
-    return x, y, loss, accuracy, params
+    return make_graph, params, static
 
 
 # ------------------------------------------------------------------------------------------------
 # Training
 # ------------------------------------------------------------------------------------------------
 
-def _evaluators(variant, x, y, loss, accuracy, data):
+def _evaluators(variant, make_graph, static, data, n_devices, num_slices=4):
+    """Return evaluate(split) -> (loss, accuracy) over the whole split."""
+    if static:  # equal slices everywhere: trim each split to a multiple of devices x slices
+        for split in ("val", "test"):
+            keep = len(data[f"x_{split}"]) // (n_devices * num_slices) * (n_devices * num_slices)
+            data[f"x_{split}"], data[f"y_{split}"] = data[f"x_{split}"][:keep], data[f"y_{split}"][:keep]
     if variant == "single":
-        f = pytensor.function([x, y], [loss, accuracy], mode="JAX")
-        return (lambda split: [float(v) for v in f(data[f"x_{split}"], data[f"y_{split}"])])
-    f_val = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name="evaluate")
-    store = {split: (synk.data(data[f"x_{split}"]), synk.data(data[f"y_{split}"]))
-             for split in ("val", "test")}
-    return lambda split: [float(v) for v in f_val(*store[split], num_slices=4)]
+        fns = {}
+        for split in ("val", "test"):
+            x, y, loss, accuracy = make_graph(len(data[f"x_{split}"]) if static else None)
+            fns[split] = pytensor.function([x, y], [loss, accuracy], mode="JAX")
+        return lambda split: [float(v) for v in fns[split](data[f"x_{split}"], data[f"y_{split}"])]
+    fns, store = {}, {}
+    for split in ("val", "test"):
+        rows = len(data[f"x_{split}"]) // (n_devices * num_slices) if static else None
+        x, y, loss, accuracy = make_graph(rows)
+        fns[split] = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name=f"evaluate_{split}")
+        store[split] = (synk.data(data[f"x_{split}"]), synk.data(data[f"y_{split}"]))
+    return lambda split: [float(v) for v in fns[split](*store[split], num_slices=num_slices)]
 
 
-def _stepper(variant, x, y, loss, params, data, lr, n_devices):
+def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
     rule = updates.momentum
+    x, y, loss, _ = make_graph((batch // n_devices) if static else None)
     if variant == "single":
         step = train.make_single_process_train_function(loss, params, x, y, rule, learning_rate=lr)
         return lambda idx: step(data["x_train"][idx], data["y_train"][idx])
@@ -173,9 +200,11 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         synk.fork(devices)
         forked_here = True
     n_devices = 1 if variant == "single" else lifecycle.current().n_parallel
-    x, y, loss, accuracy, params = build_model(model, data["side"], seed=seed)
-    step = _stepper(variant, x, y, loss, params, data, lr, n_devices)
-    evaluate = _evaluators(variant, x, y, loss, accuracy, data)
+    make_graph, params, static = build_model(model, data["side"], seed=seed)
+    if static and batch % n_devices:
+        raise ValueError(f"model {model} needs a batch ({batch}) divisible by the {n_devices} devices")
+    step = _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)
+    evaluate = _evaluators(variant, make_graph, static, data, n_devices)
     if variant != "single":
         synk.distribute()
         synk.broadcast(params)                   # every device starts from the master's init
