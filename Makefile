@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) demos/demo_quickstart.py
+	$(PY) demos/mnist.py --variant cpu --devices 2 --epochs 10
 
 bench: $(STAMP)
 	$(PY) -m bench

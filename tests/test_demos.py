@@ -1,0 +1,69 @@
+"""The digits training demo: three variants agree and reach 90% test accuracy."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "demos"))
+import mnist  # noqa: E402
+
+from helpers import close  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
+    runs = {v: mnist.run(v, "mlp", epochs=8, batch=128, lr=0.05, progress=False,
+                         plot=str(tmp_path / f"{v}.png") if v == "cpu" else None)
+            for v in mnist.VARIANTS}
+    for variant, h in runs.items():
+        assert h["test_acc"] >= 0.90, (variant, h["test_acc"])
+    # the shared-memory variant takes the same global batches as the single process:
+    # same curve, same parameters
+    close(runs["cpu"]["train_loss"], runs["single"]["train_loss"], rtol=1e-8)
+    for a, b in zip(runs["cpu"]["params"], runs["single"]["params"]):
+        close(a, b, rtol=1e-6, atol=1e-9)
+    # device data shuffles within each device, so it agrees statistically
+    assert abs(runs["device"]["test_acc"] - runs["single"]["test_acc"]) < 0.05
+    assert (tmp_path / "cpu.png").stat().st_size > 10_000
+
+
+def test_idx_and_npz_loaders(tmp_path, rng):
+    images = rng.integers(0, 256, size=(30, 4, 4), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=30).astype(np.uint8)
+
+    def idx(arr, code):
+        header = bytes([0, 0, code, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+        return header + arr.tobytes()
+    for stem, arr in (("train-images-idx3-ubyte", images), ("train-labels-idx1-ubyte", labels),
+                      ("t10k-images-idx3-ubyte", images[:10]), ("t10k-labels-idx1-ubyte", labels[:10])):
+        (tmp_path / stem).write_bytes(idx(arr, 8))
+    d = mnist.load_data(str(tmp_path))
+    assert d["side"] == 4 and d["x_train"].shape == (27, 16) and d["x_test"].shape == (10, 16)
+    close(d["x_val"][0] * 255, images[0].reshape(-1))
+    np.savez(tmp_path / "m.npz", x_train=images, y_train=labels, x_test=images[:5], y_test=labels[:5])
+    d = mnist.load_data(str(tmp_path / "m.npz"))
+    assert d["y_test"].dtype == np.int64 and len(d["x_test"]) == 5
+
+
+@pytest.mark.parametrize("script", ["mnist.py", "demo_quickstart.py", "demo_1.py", "resnet_synthetic.py"])
+def test_demo_scripts_have_help(script):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", script), "--help"],
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and "usage" in out.stdout
+
+
+@pytest.mark.parametrize("args", [["demo_1.py"], ["demo_2.py"], ["demo_3.py"], ["demo_4.py"], ["demo_5.py"],
+                                  ["resnet_synthetic.py", "--epochs", "1", "--train-size", "128"]],
+                         ids=lambda a: a[0])
+def test_tours_and_resnet_run_clean(args):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", args[0]), *args[1:]],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MISMATCH" not in out.stdout
