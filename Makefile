@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test demo bench clean
+.PHONY: all venv test demo bench docs clean
 
 all: test
 
@@ -31,3 +31,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+docs: $(STAMP)
+	$(PY) tools/gen_api_docs.py

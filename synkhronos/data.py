@@ -61,18 +61,22 @@ class Data:
     # --- properties -------------------------------------------------------------------------
     @property
     def dtype(self):
+        """The numpy dtype (fixed at creation)."""
         return self._dtype
 
     @property
     def ndim(self):
+        """The number of dimensions (fixed at creation)."""
         return self._ndim
 
     @property
     def shape(self):
+        """The current shape, or None before a value is set or after ``free_memory()``."""
         return self._shape
 
     @property
     def size(self):
+        """The number of items in the current shape."""
         return 0 if self._shape is None else int(np.prod(self._shape, dtype=np.int64))
 
     @property

@@ -343,14 +343,17 @@ class Function:
 
     @property
     def name(self):
+        """The function's name (given, or ``synk_function_<id>``)."""
         return self.spec.name
 
     @property
     def output_modes(self):
+        """The reduction mode of each output, in order."""
         return [m for _, m in self.spec.outputs]
 
     @property
     def update_modes(self):
+        """The accumulation mode of each update (used with ``num_slices > 1``)."""
         return [m for _, _, m in self.spec.updates]
 
     def __repr__(self):

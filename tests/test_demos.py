@@ -67,3 +67,10 @@ def test_tours_and_resnet_run_clean(args):
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MISMATCH" not in out.stdout
+
+
+def test_api_reference_is_current():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import gen_api_docs
+    with open(os.path.join(ROOT, "docs", "api.md")) as fh:
+        assert fh.read() == gen_api_docs.render(), "docs/api.md is stale: run `make docs`"
