@@ -211,17 +211,22 @@ def _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
 
 def run_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup):
     """Run this rank's part of the collective encoded in ``words``; the master gets results."""
+    import jax
     kind = words.get()
     vars_ = [var_of(uid) for uid in words.get_list()]
     if kind == _ALL_REDUCE:
-        return _rank_all_reduce(comm, vars_, words, rank, master_rank)
-    if kind == _BROADCAST:
-        return _rank_broadcast(comm, vars_, words, rank, master_rank)
-    if kind == _GATHER:
-        return _rank_gather(comm, vars_, words, rank, master_rank)
-    if kind == _READ_DATA:
-        return _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
-    raise ValueError(f"unknown collective kind {kind}")
+        out = _rank_all_reduce(comm, vars_, words, rank, master_rank)
+    elif kind == _BROADCAST:
+        out = _rank_broadcast(comm, vars_, words, rank, master_rank)
+    elif kind == _GATHER:
+        out = _rank_gather(comm, vars_, words, rank, master_rank)
+    elif kind == _READ_DATA:
+        out = _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
+    else:
+        raise ValueError(f"unknown collective kind {kind}")
+    # JAX dispatches asynchronously; a collective is finished (and its errors raised) when it returns.
+    jax.block_until_ready([v.container.storage[0] for v in vars_])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,9 +4,12 @@ Every process (master and workers) runs :func:`initialize_process` with its
 own rank. The same code serves CPU and GPU: only the JAX platform differs, and
 XLA picks the collective library (Gloo on CPU here, NCCL on NVIDIA GPUs).
 
-Precision policy: PyTensor's JAX backend turns on ``jax_enable_x64`` when it
-is imported, so int64/float64 graphs compute in 64 bit exactly as PyTensor
-specifies; we set it explicitly in every process so that all ranks agree.
+Precision policy: JAX computes in 64 bit only with ``jax_enable_x64``, and
+PyTensor's JAX backend ties that flag to ``pytensor.config.floatX`` (on for
+float64, off for float32) when it is first imported. synkhronos keeps the same
+rule but applies it in every process, from the master's current floatX, each
+time functions are compiled: ranks that disagreed would exchange buffers of
+different sizes in a collective.
 """
 
 import importlib.metadata
@@ -16,7 +19,7 @@ import subprocess
 import sys
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "shutdown_process", "ENV_VARS"]
+           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -92,11 +95,20 @@ def configure_environment(env, platform, threads):
     return env
 
 
-def initialize_process(rank, n_ranks, port, platform, timeout):
+def set_precision(float_x):
+    """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
+    import jax
+    import pytensor
+    import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
+    pytensor.config.floatX = float_x
+    jax.config.update("jax_enable_x64", float_x == "float64")
+
+
+def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"):
     """Join the JAX multi-process runtime as process ``rank`` with one local device."""
     import jax
     jax.config.update("jax_platforms", platform)
-    jax.config.update("jax_enable_x64", True)
+    set_precision(float_x)
     # A dead worker must become an exception in the master, not a process abort.
     jax.config.update("jax_enable_recoverability", True)
     if platform == "cpu":

@@ -19,7 +19,7 @@ from pytensor.graph.basic import Variable
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
 
-from . import lifecycle
+from . import devices, lifecycle
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
@@ -292,30 +292,29 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     if hi == lo:
         return 0, []
     counts_rows = bool(plan.scattered) or sliced is not None
-    outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
-    defer = n_slices > 1 and spec.updates
-    upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates] if defer else []
-    rows = 0
-    for s in range(n_slices):
-        a, b = chunk(lo, hi, n_slices, s)
-        if b == a:
-            continue
+    pieces = [(a, b) for a, b in (chunk(lo, hi, n_slices, s) for s in range(n_slices)) if b > a]
+
+    def args_for(a, b):
         args = [_rows(v, plan.batch, a, b, ref.offset) for v, ref in zip(scattered, plan.scattered)]
         args += bcast
         args += [_rows(v, sliced, a - lo, b - lo, 0) for v in sliceables]
+        return args
+
+    if len(pieces) == 1:  # the common case: no accumulation at all
+        values = compiled.run(args_for(lo, hi))
+        return (hi - lo) if counts_rows else 1, [values[i] for i in plan.subset]
+    outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
+    upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
+    for a, b in pieces:
         n = (b - a) if counts_rows else 1
-        if defer:
-            values, new = compiled.run_deferred(args)
-            for acc, v in zip(upds, new):
-                acc.add(v, n)
-        else:
-            values = compiled.run(args)
+        values, new = compiled.run_deferred(args_for(a, b)) if upds else (compiled.run(args_for(a, b)), [])
+        for acc, v in zip(upds, new):
+            acc.add(v, n)
         for acc, i in zip(outs, plan.subset):
             acc.add(values[i], n)
-        rows += n
-    if defer:
+    if upds:
         compiled.apply([acc.result() for acc in upds])
-    return rows, [acc.result() for acc in outs]
+    return hi - lo, [acc.result() for acc in outs]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -601,6 +600,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         if var not in used:
             raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
     f = Function(rt, spec, bare)
+    devices.set_precision(lifecycle.Runtime.float_x())   # the same rule every rank applies
     f.compiled = CompiledFunction(spec)  # compile errors surface here, in the master
     rt.register_function(f)
     return f

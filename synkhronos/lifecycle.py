@@ -83,8 +83,10 @@ class _ShipPickler(cloudpickle.Pickler):
 class Runtime:
     """Processes, segments and registries of one fork() ... close() session."""
 
-    def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers):
+    def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers,
+                 spin=0.0):
         self.n_parallel = n_parallel
+        self.spin = spin
         self.master_rank = master_rank
         self.platform = platform
         self.threads = threads
@@ -115,7 +117,8 @@ class Runtime:
         for rank in self.worker_ranks:
             self.procs[rank] = self._launch(rank, port)
         self._wait_done(self.worker_ranks, what="start-up")
-        devices.initialize_process(self.master_rank, self.n_parallel, port, self.platform, self.timeout)
+        devices.initialize_process(self.master_rank, self.n_parallel, port, self.platform, self.timeout,
+                                   self.float_x())
 
     def _launch(self, rank, port):
         env = devices.configure_environment(dict(os.environ), self.platform, self.threads)
@@ -123,10 +126,16 @@ class Runtime:
         env["PYTHONPATH"] = os.pathsep.join([package_parent] + [p for p in sys.path if p])
         env["SYNK_WORKER"] = json.dumps(dict(
             prefix=self.prefix, rank=rank, n_ranks=self.n_parallel, master_pid=os.getpid(),
-            port=port, platform=self.platform, timeout=self.timeout,
+            port=port, platform=self.platform, timeout=self.timeout, spin=self.spin,
+            float_x=self.float_x(),
             profile=bool(self.profile_workers)))
         return subprocess.Popen([sys.executable, "-m", "synkhronos.worker"], env=env,
                                 stdin=subprocess.DEVNULL)
+
+    @staticmethod
+    def float_x():
+        import pytensor
+        return pytensor.config.floatX
 
     def stop(self):
         """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime."""
@@ -221,7 +230,7 @@ class Runtime:
                 raise TimeoutError(f"workers did not finish {what} in time")
         try:
             for _ in ranks:
-                self.ctl.done.wait(check)
+                self.ctl.done.wait(check, spin=self.spin)
         except KeyboardInterrupt:
             self._abort()
             raise
@@ -347,7 +356,8 @@ class Runtime:
             return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
 
         _ShipPickler(buf, uid_of_shipped).dump(
-            dict(functions=[f.spec for f in functions], shared=new_shared, values=values))
+            dict(functions=[f.spec for f in functions], shared=new_shared, values=values,
+                 float_x=self.float_x()))
         nbytes = write_bytes(self.payload, buf.getvalue())
         self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
         self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
@@ -382,7 +392,7 @@ class Runtime:
 
 
 def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
-         threads_per_device=None, timeout=60, **options):
+         threads_per_device=None, timeout=60, spin_us=None, **options):
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     Parameters
@@ -401,6 +411,11 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         ``cores // n_parallel``, at least 1.
     timeout : float
         Seconds allowed for the JAX runtime to connect all processes.
+    spin_us : float, optional
+        Microseconds a waiting process polls before it sleeps. Polling keeps the
+        per-call latency low (a sleeping process takes ~60-80 us to wake); it
+        costs CPU only while idle between calls. Default 2000 when every process
+        has a core of its own, else 0.
 
     Returns
     -------
@@ -434,7 +449,10 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     _user_environment.update({k: os.environ.get(k) for k in devices.ENV_VARS
                               if k not in _user_environment})
     devices.configure_environment(os.environ, platform, threads)
-    rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers)
+    if spin_us is None:
+        spin_us = 2000 if n_parallel <= cores else 0
+    rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers,
+                 spin=float(spin_us) * 1e-6)
     _runtime = rt
     try:
         rt.start()

@@ -49,6 +49,7 @@ class Worker:
         self.rank = cfg["rank"]
         self.n_ranks = cfg["n_ranks"]
         self.master_pid = cfg["master_pid"]
+        self.spin = cfg["spin"]
         prefix = cfg["prefix"]
         self.ctl = ControlBlock(f"{prefix}_ctl", self.n_ranks)
         self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=False)
@@ -71,7 +72,7 @@ class Worker:
         """The command loop; returns after STOP."""
         go = self.ctl.go[self.rank]
         while True:
-            go.wait(self.check_master, slice_=0.5)
+            go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
             try:
                 rows = self.handlers[opcode]()
@@ -106,6 +107,7 @@ class Worker:
     def ship(self):
         from .function import CompiledFunction
         payload = self.payload_object()
+        devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
         for uid, value in payload["values"].items():
             self.shared[uid].set_value(value)
@@ -182,7 +184,7 @@ def main():
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
         devices.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
-                                   cfg["timeout"])
+                                   cfg["timeout"], cfg["float_x"])
         if profiler:
             profiler.enable()
         worker.serve()

@@ -110,8 +110,10 @@ def from_optim(transform, loss, params):
     """
     params = list(params)
     grad_updates, grad_shared, grads = flat_unflat_grads(loss, params)
-    param_updates = list(transform([g.astype(p.type.dtype) for g, p in zip(grads, params)],
-                                   params).items())
+    rule_updates = transform([g.astype(p.type.dtype) for g, p in zip(grads, params)], params)
+    # A rule computing in floatX (e.g. float64 rates) must still store each variable's own dtype.
+    param_updates = [(var, value if value.type.dtype == var.type.dtype else value.astype(var.type.dtype))
+                     for var, value in rule_updates.items()]
     return grad_updates, param_updates, grad_shared
 
 

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: ``python -m bench`` (or ``make bench``) writes bench/RESULTS.md and a plot."""

@@ -1,0 +1,32 @@
+"""Baseline (a): the MLP step in one process, plain PyTensor (JAX backend), full batch, all cores."""
+
+import sys
+import time
+
+import numpy as np
+import pytensor
+from pytensor_ml import optim
+
+from bench.common import emit
+from bench.mlp import LR, MOMENTUM, data, pytensor_graph
+
+
+def main(batches, steps):
+    x, y, loss, params = pytensor_graph()
+    step = pytensor.function([x, y], loss, updates=optim.sgd(LR, momentum=MOMENTUM)(loss, params),
+                             mode="JAX")
+    result = {}
+    for b in batches:
+        X, Y = data(b)
+        for _ in range(3):
+            step(X, Y)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = step(X, Y)
+        np.asarray(out)                      # JAX dispatch is asynchronous: wait for the last step
+        result[str(b)] = b * steps / (time.perf_counter() - t)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]))

@@ -1,0 +1,96 @@
+"""The synkhronos side of every benchmark, run in the master after fork()."""
+
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from bench.common import median_time
+from bench.mlp import LR, MOMENTUM, data, pytensor_graph
+from synkhronos.extensions import train, updates
+
+
+def call_overhead():
+    """Median per-call time through synkhronos vs the same compiled function called directly."""
+    x = pt.vector("x", dtype="float32")
+    tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny")
+    w = pytensor.shared(np.zeros(4, "float32"), name="w_empty")
+    empty = synk.function([], updates=[(w, w + 1)], name="empty")
+    synk.distribute()
+    X = np.arange(8, dtype="float32")
+    x_dat = synk.data(X)
+    direct_tiny = pytensor.function([x], (x * 2 + 1).sum(), mode="JAX")
+    w2 = pytensor.shared(np.zeros(4, "float32"))
+    direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
+    rows = []
+    for name, synk_call, direct_call in [
+            ("tiny function (8 rows, a few scalar ops)", lambda: tiny(x_dat), lambda: direct_tiny(X)),
+            ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]:
+        t_synk, t_direct = median_time(synk_call, 2000), median_time(direct_call, 2000)
+        rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6,
+                         ratio=t_synk / t_direct))
+    return rows
+
+
+def all_reduce(sizes_bytes, n):
+    """synk.all_reduce of float32 vectors beside a numpy copy of the same size."""
+    rows = []
+    for nbytes in sizes_bytes:
+        count = nbytes // 4
+        v = pytensor.shared(np.ones(count, "float32"), name=f"ar_{nbytes}")
+        synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
+        synk.distribute()
+        repeat = 50 if nbytes <= 1 << 20 else 10 if nbytes <= 50 << 20 else 5
+        t_ar = median_time(lambda: synk.all_reduce(v, op="sum"), repeat, warmup=2)
+        src, dst = np.ones(count, "float32"), np.empty(count, "float32")
+        t_copy = median_time(lambda: np.copyto(dst, src), repeat, warmup=2)
+        algbw = nbytes / t_ar / 1e9
+        busbw = algbw * 2 * (n - 1) / n
+        copybw = nbytes / t_copy / 1e9
+        rows.append(dict(bytes=nbytes, allreduce_ms=t_ar * 1e3, algbw_GBs=algbw, busbw_GBs=busbw,
+                         copy_ms=t_copy * 1e3, copy_GBs=copybw, bus_vs_copy=busbw / copybw))
+        v.set_value(np.zeros(1, "float32"))
+        synk.broadcast(v)                              # free the big buffers everywhere
+    return rows
+
+
+def training(batches, steps):
+    """Samples/s of the MLP step: gradient, one flat all-reduce, update."""
+    x, y, loss, params = pytensor_graph()
+    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=LR,
+                                     momentum=MOMENTUM)
+    synk.distribute()
+    result = {}
+    for b in batches:
+        X, Y = data(b)
+        x_dat, y_dat = synk.data(X), synk.data(Y)
+        for _ in range(3):
+            step(x_dat, y_dat)
+        t = time.perf_counter()
+        for _ in range(steps):
+            step(x_dat, y_dat)
+        result[str(b)] = b * steps / (time.perf_counter() - t)
+    return result
+
+
+def gathering(n_rows, batch):
+    """batch= with shuffled indices: every device gathers its rows vs the master gathering all."""
+    x = pt.matrix("x", dtype="float32")
+    f = synk.function([x], [(x[:, 0].sum(), "sum")], name="gather_rows")
+    synk.distribute()
+    X = np.random.default_rng(0).normal(size=(n_rows, 784)).astype("float32")
+    x_dat = synk.data(X)
+    rng = np.random.default_rng(1)
+    idx = rng.permutation(n_rows)[:batch]
+    staged = synk.data(X[idx])                        # the master-alone path stages into this
+    t_workers = median_time(lambda: f(x_dat, batch=idx), 50, warmup=3)
+
+    def master_alone():
+        staged.data[...] = np.take(X, idx, axis=0)   # master gathers every row itself
+        f(staged)
+    t_master = median_time(master_alone, 50, warmup=3)
+    check = np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
+    return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
+                speedup=t_master / t_workers, correct=bool(check))
