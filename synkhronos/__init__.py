@@ -13,12 +13,12 @@ Examples
 from .collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                           get_value, reduce, scatter, set_value)
 from .data import Data, data
-from .errors import SynkError, WorkerError
+from .errors import StallError, SynkError, WorkerError
 from .function import Function, function
 from .lifecycle import close, distribute, fork, get_n_devices, get_n_gpu
 
 __all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "function", "Function",
            "data", "Data", "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-           "get_value", "set_value", "get_lengths", "get_shapes", "SynkError", "WorkerError"]
+           "get_value", "set_value", "get_lengths", "get_shapes", "SynkError", "WorkerError", "StallError"]
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ from .transport import dtype_code, write_bytes
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds",
-           "run_collective", "shapes_of"]
+           "prepare_collective", "shapes_of"]
 
 REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
 
@@ -130,44 +130,57 @@ def _unflat(flat, shapes):
     return out
 
 
-def _rank_all_reduce(comm, vars_, words, rank, master_rank):
-    op, keep = words.get(), words.get()
-    op = REDUCE_OPS[op]
-    results = [None] * len(vars_)
-    for idx in _dtype_groups(vars_):
-        values = [vars_[i].container.storage[0] for i in idx]
-        shapes = shapes_of(values)
-        total = comm.all_reduce(_flat(values), "sum" if op == "avg" else op)
-        if op == "avg":
-            total = total / comm.n_ranks
-        for i, v in zip(idx, _unflat(total, shapes)):
-            results[i] = v
-    if keep == _KEEP_ALL or (keep == _KEEP_MASTER and rank == master_rank):
-        for var, v in zip(vars_, results):
-            _store(var, v)
-    return results if keep == _RETURN and rank == master_rank else []
+# Each ``_prepare_*`` reads the command and builds this rank's local buffers (anything that can
+# fail on one rank only happens here), then returns ``execute()``, which enters the device
+# collective. Every rank reports "prepared" before any rank executes, so a rank that fails to
+# prepare makes the others skip the collective instead of waiting in it forever.
+
+def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
+    op, keep = REDUCE_OPS[words.get()], words.get()
+    groups = [(idx, shapes_of(vars_[i].container.storage[0] for i in idx),
+               _flat([vars_[i].container.storage[0] for i in idx])) for idx in _dtype_groups(vars_)]
+
+    def execute():
+        results = [None] * len(vars_)
+        for idx, shapes, flat in groups:
+            total = comm.all_reduce(flat, "sum" if op == "avg" else op)
+            if op == "avg":
+                total = total / comm.n_ranks
+            for i, v in zip(idx, _unflat(total, shapes)):
+                results[i] = v
+        if keep == _KEEP_ALL or (keep == _KEEP_MASTER and rank == master_rank):
+            for var, v in zip(vars_, results):
+                _store(var, v)
+        return results if keep == _RETURN and rank == master_rank else []
+    return execute
 
 
-def _rank_broadcast(comm, vars_, words, rank, master_rank):
+def _prepare_broadcast(comm, vars_, words, rank, master_rank):
     import jax.numpy as jnp
     shapes = [tuple(words.get_list()) for _ in vars_]
+    groups = []
     for idx in _dtype_groups(vars_):
         if rank == master_rank:
             values = [vars_[i].container.storage[0] for i in idx]
         else:
             values = [jnp.zeros(shapes[i], vars_[i].type.dtype) for i in idx]
-        flat = comm.broadcast(_flat(values), master_rank)
-        for i, v in zip(idx, _unflat(flat, [shapes[i] for i in idx])):
-            _store(vars_[i], v)
-    return []
+        groups.append((idx, _flat(values)))
+
+    def execute():
+        for idx, flat in groups:
+            flat = comm.broadcast(flat, master_rank)
+            for i, v in zip(idx, _unflat(flat, [shapes[i] for i in idx])):
+                _store(vars_[i], v)
+        return []
+    return execute
 
 
-def _rank_gather(comm, vars_, words, rank, master_rank):
+def _prepare_gather(comm, vars_, words, rank, master_rank):
     """All-gather with zero padding to the longest rank; every rank trims by the known lengths."""
     import jax.numpy as jnp
     keep, nd_up = words.get(), words.get()
     lengths = [words.get_list() for _ in vars_]   # per var: length on each rank (-1: 0-d)
-    results = [None] * len(vars_)
+    groups = []
     for idx in _dtype_groups(vars_):
         padded = []
         for i in idx:
@@ -176,27 +189,33 @@ def _rank_gather(comm, vars_, words, rank, master_rank):
             if v.ndim and v.shape[0] < longest:
                 v = jnp.concatenate([v, jnp.zeros((longest - v.shape[0],) + v.shape[1:], v.dtype)])
             padded.append(v)
-        stacked = comm.all_gather(_flat(padded))
-        shapes = shapes_of(padded)
-        per_rank = [_unflat(stacked[r], shapes) for r in range(comm.n_ranks)]
-        for j, i in enumerate(idx):
-            parts = [per_rank[r][j] if lengths[i][r] < 0 else per_rank[r][j][:lengths[i][r]]
-                     for r in range(comm.n_ranks)]
-            results[i] = jnp.stack(parts) if nd_up else jnp.concatenate(parts)
-    if keep == _KEEP_ALL:
-        for var, v in zip(vars_, results):
-            _store(var, v)
-        return []
-    return results if rank == master_rank else []
+        groups.append((idx, shapes_of(padded), _flat(padded)))
+
+    def execute():
+        results = [None] * len(vars_)
+        for idx, shapes, flat in groups:
+            stacked = comm.all_gather(flat)
+            per_rank = [_unflat(stacked[r], shapes) for r in range(comm.n_ranks)]
+            for j, i in enumerate(idx):
+                parts = [per_rank[r][j] if lengths[i][r] < 0 else per_rank[r][j][:lengths[i][r]]
+                         for r in range(comm.n_ranks)]
+                results[i] = jnp.stack(parts) if nd_up else jnp.concatenate(parts)
+        if keep == _KEEP_ALL:
+            for var, v in zip(vars_, results):
+                _store(var, v)
+            return []
+        return results if rank == master_rank else []
+    return execute
 
 
-def _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
-    """Every rank puts rows of a Data (all of them, or its chunk) on its device."""
+def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
+    """Every rank puts rows of a Data (all of them, or its chunk) on its device (no collective)."""
     import jax
     from .function import InputRef, _rows, get_batch
     chunked, index_gen = words.get(), words.get()
     device = jax.local_devices()[0]
-    for var in vars_:
+    values = []
+    for _ in vars_:
         data_id, gen, code, *shape = words.get_list()
         batch = get_batch(words, index_lookup, index_gen)
         view = view_of(InputRef(data_id, gen, code, 0, tuple(shape)))
@@ -205,28 +224,41 @@ def _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
         else:
             a, b = chunk(0, batch.total, n_ranks, rank) if chunked else (0, batch.total)
             rows = np.array(_rows(view, batch, a, b, 0))
-        _store(var, jax.device_put(rows, device))
-    return []
+        values.append(jax.device_put(rows, device))
+
+    def execute():
+        for var, value in zip(vars_, values):
+            _store(var, value)
+        return []
+    return execute
 
 
-def run_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup):
-    """Run this rank's part of the collective encoded in ``words``; the master gets results."""
+def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup):
+    """Prepare this rank's part of the collective encoded in ``words``; return its ``execute()``.
+
+    ``execute()`` runs the collective, waits until it is finished on this
+    rank's device, and returns the results the master keeps (empty elsewhere).
+    """
     import jax
     kind = words.get()
     vars_ = [var_of(uid) for uid in words.get_list()]
     if kind == _ALL_REDUCE:
-        out = _rank_all_reduce(comm, vars_, words, rank, master_rank)
+        execute = _prepare_all_reduce(comm, vars_, words, rank, master_rank)
     elif kind == _BROADCAST:
-        out = _rank_broadcast(comm, vars_, words, rank, master_rank)
+        execute = _prepare_broadcast(comm, vars_, words, rank, master_rank)
     elif kind == _GATHER:
-        out = _rank_gather(comm, vars_, words, rank, master_rank)
+        execute = _prepare_gather(comm, vars_, words, rank, master_rank)
     elif kind == _READ_DATA:
-        out = _rank_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
+        execute = _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
     else:
         raise ValueError(f"unknown collective kind {kind}")
-    # JAX dispatches asynchronously; a collective is finished (and its errors raised) when it returns.
-    jax.block_until_ready([v.container.storage[0] for v in vars_])
-    return out
+
+    def execute_and_wait():
+        out = execute()
+        # JAX dispatches asynchronously; a collective is finished (its errors raised) on return.
+        jax.block_until_ready([v.container.storage[0] for v in vars_])
+        return out
+    return execute_and_wait
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,11 +270,10 @@ def _run(rt, words_fill):
     rt.ensure_shipped()
     words_fill(Words(rt.ctl.args))
 
-    def local():
-        words = Words(rt.ctl.args)
-        return run_collective(rt.comm, words, rt.master_rank, rt.n_parallel, rt.master_rank,
-                              rt.shared_by_uid, rt.data_view, rt.index_view)
-    return [np.asarray(v) for v in rt.command(Op.COLLECTIVE, local=local)]
+    def local_prepare():
+        return prepare_collective(rt.comm, Words(rt.ctl.args), rt.master_rank, rt.n_parallel,
+                                  rt.master_rank, rt.shared_by_uid, rt.data_view, rt.index_view)
+    return [np.asarray(v) for v in rt.collective_command(local_prepare)]
 
 
 def _all_shapes(rt, vars_):

@@ -24,7 +24,7 @@ import numpy as np
 
 from .shmem import Segment
 
-__all__ = ["ControlBlock", "Op", "Status", "Words"]
+__all__ = ["ControlBlock", "Op", "Status", "Decision", "Words"]
 
 ARGS = 1 << 16
 _HEADER = 16
@@ -69,6 +69,13 @@ class Status:
     IDLE = 0
     OK = 1
     ERROR = 2         # result segment holds a pickled (type, message, traceback)
+    PREPARED = 3      # a collective's local buffers are ready; waiting for the go-ahead
+
+
+class Decision:
+    """The master's word to ranks that prepared a collective."""
+    SKIP = 0
+    GO = 1
 
 
 class Words:
@@ -187,7 +194,7 @@ class ControlBlock:
                 sem.init()
 
     # header fields
-    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK = range(6)
+    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT = range(8)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 
@@ -195,6 +202,10 @@ class ControlBlock:
         """Publish the command already written to ``args`` to ``ranks``."""
         self.header[self.OPCODE] = opcode
         self.header[self.SEQ] += 1
+        self.release(ranks)
+
+    def release(self, ranks):
+        """Let ``ranks`` go on (a new command, or the next phase of one)."""
         for r in ranks:
             self.status[r, self.STATE] = Status.IDLE
             self.go[r].post()

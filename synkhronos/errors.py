@@ -1,6 +1,6 @@
 """Exception types raised by synkhronos."""
 
-__all__ = ["SynkError", "WorkerError"]
+__all__ = ["SynkError", "WorkerError", "StallError"]
 
 
 class SynkError(RuntimeError):
@@ -47,3 +47,29 @@ class WorkerError(SynkError):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.how, self.exc_type, self.message, self.worker_traceback))
+
+
+class StallError(SynkError):
+    """Some ranks did not reach or finish a command (or collective) within the stall timeout.
+
+    The runtime has been shut down (a rank stuck in a collective cannot be
+    recovered); call ``fork()`` again.
+
+    Parameters
+    ----------
+    what : str
+        What was being waited for.
+    arrived, missing : list of int
+        Ranks that did and did not get there.
+    timeout : float
+        The stall timeout, in seconds (``fork(stall_timeout=...)``).
+    """
+
+    def __init__(self, what, arrived, missing, timeout):
+        self.what, self.arrived, self.missing, self.timeout = what, arrived, missing, timeout
+        super().__init__(f"{what} stalled: ranks {arrived} arrived, ranks {missing} did not within "
+                         f"{timeout:g} s (fork(stall_timeout=...)); the runtime was shut down, "
+                         f"call synk.fork() to start again")
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.arrived, self.missing, self.timeout))

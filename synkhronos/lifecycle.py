@@ -20,8 +20,10 @@ import cloudpickle
 import numpy as np
 
 from . import devices
-from .control import ControlBlock, Op, Status
-from .errors import WorkerError
+import threading
+
+from .control import ControlBlock, Decision, Op, Status
+from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
 from .transport import read_pickle, unpack_arrays, write_bytes, write_pickle
 
@@ -84,8 +86,9 @@ class Runtime:
     """Processes, segments and registries of one fork() ... close() session."""
 
     def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers,
-                 spin=0.0):
+                 spin=0.0, stall_timeout=600.0):
         self.n_parallel = n_parallel
+        self.stall_timeout = stall_timeout
         self.spin = spin
         self.master_rank = master_rank
         self.platform = platform
@@ -145,7 +148,7 @@ class Runtime:
             if all(p.poll() is None for p in self.procs.values()):
                 self.ctl.post_command(Op.STOP, self.worker_ranks)
                 try:
-                    self._wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 10)
+                    self._wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 5)
                 except Exception:
                     pass
         finally:
@@ -200,24 +203,84 @@ class Runtime:
         self.check_open()
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
-        local_error = local_result = None
+        local_result, local_error = self._run_local(local)
+        self._wait_done(ranks, what=f"a {Op.name(opcode)} command")
+        if local_error is not None:
+            raise local_error
+        self._raise_worker_errors(ranks)
+        return local_result
+
+    def collective_command(self, local_prepare):
+        """Run a collective in two phases: every rank prepares, then (if all could) executes.
+
+        A rank that fails to prepare makes every rank skip the collective, so no
+        rank waits in it for a peer that will never come; the runtime stays usable.
+        The execution is watched: a dead rank, or one that does not finish within
+        the stall timeout, shuts the runtime down with an error instead of a hang.
+        """
+        self.check_open()
+        ranks = self.worker_ranks
+        self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
+        self.ctl.post_command(Op.COLLECTIVE, ranks)
+        execute, local_error = self._run_local(local_prepare)
+        self._wait_done(ranks, what="preparing a collective")
+        failed = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] == Status.ERROR]
+        go = local_error is None and not failed
+        self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
+        self.ctl.release(ranks)
+        if not go:
+            self._wait_done(ranks, what="skipping a collective")
+            if local_error is not None:
+                raise local_error
+            self._raise_worker_errors(ranks)
+        result = self._run_watched(execute, ranks, what="a collective")
+        self._raise_worker_errors(ranks)
+        return result
+
+    def _run_local(self, fn):
+        """Run this rank's part; Ctrl-C tears the runtime down, other errors are returned."""
         try:
-            local_result = local() if local is not None else None
+            return (fn() if fn is not None else None), None
         except KeyboardInterrupt:
             self._abort()
             raise
         except Exception as e:
-            local_error = e
-        self._wait_done(ranks, what=f"a {Op.name(opcode)} command")
-        if local_error is not None:
-            raise local_error
+            return None, e
+
+    def _run_watched(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers."""
+        box = {}
+
+        def target():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                box["error"] = e
+        thread = threading.Thread(target=target, name="synk-collective", daemon=True)
+        thread.start()
+        deadline = time.time() + self.stall_timeout
+        # no spinning here: a spinning main thread would hold the GIL the collective thread needs
+        self._wait_done(ranks, what=what, deadline=deadline, spin=0)
+        thread.join(max(0.0, deadline - time.time()))
+        if thread.is_alive():
+            self._abort()
+            raise StallError(what, arrived=sorted(ranks), missing=[self.master_rank],
+                             timeout=self.stall_timeout)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _raise_worker_errors(self, ranks):
         for rank in ranks:
             if self.ctl.status[rank, ControlBlock.STATE] == Status.ERROR:
                 exc_type, message, tb = self.read_result_pickle(rank)
                 raise WorkerError(rank, "raised", exc_type, message, tb)
-        return local_result
 
-    def _wait_done(self, ranks, what, deadline=None):
+    def _wait_done(self, ranks, what, deadline=None, spin=None):
+        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""
+        spin = self.spin if spin is None else spin
+        deadline = deadline or time.time() + self.stall_timeout
+
         def check():
             dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
             if dead:
@@ -226,14 +289,22 @@ class Runtime:
                 raise WorkerError(rank, "died", _describe_exit(code),
                                   f"worker process ended during {what}; the runtime was shut down, "
                                   f"call synk.fork() to start again")
-            if deadline is not None and time.time() > deadline:
-                raise TimeoutError(f"workers did not finish {what} in time")
+            if time.time() > deadline:
+                arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
+                missing = [r for r in ranks if r not in arrived]
+                self._abort()
+                raise StallError(what, arrived=sorted(arrived + [self.master_rank]), missing=missing,
+                                 timeout=self.stall_timeout)
         try:
             for _ in ranks:
-                self.ctl.done.wait(check, spin=self.spin)
+                self.ctl.done.wait(check, spin=spin)
         except KeyboardInterrupt:
             self._abort()
             raise
+
+    def inject_collective_fault(self, rank):
+        """Testing hook: make worker ``rank`` raise while preparing the next collective."""
+        self.ctl.header[ControlBlock.FAULT] = rank + 1
 
     def _abort(self):
         """Tear everything down after a fault (dead worker, Ctrl-C)."""
@@ -392,7 +463,7 @@ class Runtime:
 
 
 def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
-         threads_per_device=None, timeout=60, spin_us=None, **options):
+         threads_per_device=None, timeout=60, spin_us=None, stall_timeout=600, **options):
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     Parameters
@@ -411,6 +482,11 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         ``cores // n_parallel``, at least 1.
     timeout : float
         Seconds allowed for the JAX runtime to connect all processes.
+    stall_timeout : float
+        Seconds the master waits for every rank to finish a command or reach a
+        collective before it raises :class:`StallError` (naming the ranks that
+        arrived and those that did not) and shuts the runtime down. Set it above
+        your longest single call.
     spin_us : float, optional
         Microseconds a waiting process polls before it sleeps. Polling keeps the
         per-call latency low (a sleeping process takes ~60-80 us to wake); it
@@ -451,8 +527,10 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     devices.configure_environment(os.environ, platform, threads)
     if spin_us is None:
         spin_us = 2000 if n_parallel <= cores else 0
+    if not stall_timeout or stall_timeout <= 0:
+        raise ValueError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
     rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers,
-                 spin=float(spin_us) * 1e-6)
+                 spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout))
     _runtime = rt
     try:
         rt.start()

@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 
 from . import devices
-from .control import ControlBlock, Op, Status, Words
+from .control import ControlBlock, Decision, Op, Status, Words
 from .data import DataMirrors
 from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
@@ -141,13 +141,35 @@ class Worker:
             self.shared[uid].set_value(value)
 
     def collective(self):
-        from .collectives import run_collective
+        """Prepare, report, wait for the master's decision, then execute (or skip)."""
+        from .collectives import prepare_collective
         if self._comm is None:
             from .comm import make_comm
             self._comm = make_comm()
-        run_collective(self._comm, Words(self.ctl.args), self.rank, self.n_ranks,
-                       int(self.ctl.header[ControlBlock.MASTER_RANK]), self.shared.__getitem__,
-                       self.data_view, self.index_view)
+        error = None
+        try:
+            self._maybe_injected_fault()
+            execute = prepare_collective(
+                self._comm, Words(self.ctl.args), self.rank, self.n_ranks,
+                int(self.ctl.header[ControlBlock.MASTER_RANK]), self.shared.__getitem__,
+                self.data_view, self.index_view)
+            self.ctl.set_status(self.rank, Status.PREPARED)
+        except Exception as e:
+            error = e
+            self.report_error(e)
+        self.ctl.done.post()
+        self.ctl.go[self.rank].wait(self.check_master, spin=self.spin, slice_=0.5)
+        if self.ctl.header[ControlBlock.DECISION] != Decision.GO:
+            if error is not None:
+                raise error
+            return 0
+        execute()
+        return 0
+
+    def _maybe_injected_fault(self):
+        if int(self.ctl.header[ControlBlock.FAULT]) == self.rank + 1:
+            self.ctl.header[ControlBlock.FAULT] = 0
+            raise RuntimeError(f"fault injected for testing in rank {self.rank}")
 
     def get_shapes(self):
         from .collectives import shapes_of
