@@ -106,7 +106,9 @@ def shapes_of(values):
 
 def _store(var, value):
     """Keep ``value`` (a device array) as ``var``'s value on this rank's device."""
-    var.container.storage[0] = value.astype(var.type.dtype)
+    if value.dtype != np.dtype(var.type.dtype):
+        value = value.astype(var.type.dtype)
+    var.container.storage[0] = value
 
 
 def _dtype_groups(vars_):
@@ -116,20 +118,6 @@ def _dtype_groups(vars_):
     return groups.values()
 
 
-def _flat(values):
-    import jax.numpy as jnp
-    return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
-
-
-def _unflat(flat, shapes):
-    out, pos = [], 0
-    for shape in shapes:
-        size = int(np.prod(shape, dtype=np.int64))
-        out.append(flat[pos:pos + size].reshape(shape))
-        pos += size
-    return out
-
-
 # Each ``_prepare_*`` reads the command and builds this rank's local buffers (anything that can
 # fail on one rank only happens here), then returns ``execute()``, which enters the device
 # collective. Every rank reports "prepared" before any rank executes, so a rank that fails to
@@ -137,17 +125,14 @@ def _unflat(flat, shapes):
 
 def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
     op, keep = REDUCE_OPS[words.get()], words.get()
-    groups = [(idx, shapes_of(vars_[i].container.storage[0] for i in idx),
-               _flat([vars_[i].container.storage[0] for i in idx])) for idx in _dtype_groups(vars_)]
+    groups = [(idx, [vars_[i].container.storage[0] for i in idx]) for idx in _dtype_groups(vars_)]
 
     def execute():
         results = [None] * len(vars_)
-        for idx, shapes, flat in groups:
-            total = comm.all_reduce(flat, "sum" if op == "avg" else op)
-            if op == "avg":
-                total = total / comm.n_ranks
-            for i, v in zip(idx, _unflat(total, shapes)):
-                results[i] = v
+        for idx, values in groups:
+            reduced = comm.all_reduce(values, "sum" if op == "avg" else op)
+            for i, v in zip(idx, reduced):
+                results[i] = v / comm.n_ranks if op == "avg" else v
         if keep == _KEEP_ALL or (keep == _KEEP_MASTER and rank == master_rank):
             for var, v in zip(vars_, results):
                 _store(var, v)
@@ -164,12 +149,11 @@ def _prepare_broadcast(comm, vars_, words, rank, master_rank):
             values = [vars_[i].container.storage[0] for i in idx]
         else:
             values = [jnp.zeros(shapes[i], vars_[i].type.dtype) for i in idx]
-        groups.append((idx, _flat(values)))
+        groups.append((idx, values))
 
     def execute():
-        for idx, flat in groups:
-            flat = comm.broadcast(flat, master_rank)
-            for i, v in zip(idx, _unflat(flat, [shapes[i] for i in idx])):
+        for idx, values in groups:
+            for i, v in zip(idx, comm.broadcast(values, master_rank)):
                 _store(vars_[i], v)
         return []
     return execute
@@ -189,15 +173,13 @@ def _prepare_gather(comm, vars_, words, rank, master_rank):
             if v.ndim and v.shape[0] < longest:
                 v = jnp.concatenate([v, jnp.zeros((longest - v.shape[0],) + v.shape[1:], v.dtype)])
             padded.append(v)
-        groups.append((idx, shapes_of(padded), _flat(padded)))
+        groups.append((idx, padded))
 
     def execute():
         results = [None] * len(vars_)
-        for idx, shapes, flat in groups:
-            stacked = comm.all_gather(flat)
-            per_rank = [_unflat(stacked[r], shapes) for r in range(comm.n_ranks)]
-            for j, i in enumerate(idx):
-                parts = [per_rank[r][j] if lengths[i][r] < 0 else per_rank[r][j][:lengths[i][r]]
+        for idx, padded in groups:
+            for i, stacked in zip(idx, comm.all_gather(padded)):
+                parts = [stacked[r] if lengths[i][r] < 0 else stacked[r][:lengths[i][r]]
                          for r in range(comm.n_ranks)]
                 results[i] = jnp.stack(parts) if nd_up else jnp.concatenate(parts)
         if keep == _KEEP_ALL:
@@ -265,9 +247,14 @@ def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of,
 # The master's side
 # ------------------------------------------------------------------------------------------------
 
-def _run(rt, words_fill):
-    """Encode a collective with ``words_fill(Words)`` and run it on every rank."""
+def _run(rt, words_fill, reserve=0):
+    """Encode a collective with ``words_fill(Words)`` and run it on every rank.
+
+    ``reserve``: the largest per-rank buffer (bytes) the collective moves.
+    """
     rt.ensure_shipped()
+    if reserve and hasattr(rt.comm, "reserve"):
+        rt.comm.reserve(reserve)
     words_fill(Words(rt.ctl.args))
 
     def local_prepare():
@@ -310,6 +297,12 @@ def get_lengths(shared_vars):
     return lengths[0] if single else lengths
 
 
+def _group_bytes(vars_, sizes):
+    """Largest total byte size over the dtype groups, given each variable's item count."""
+    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize for i in idx)
+               for idx in _dtype_groups(vars_))
+
+
 def _require_equal_shapes(vars_, shapes, what):
     for var, per_rank in zip(vars_, shapes):
         if len(set(per_rank)) > 1:
@@ -346,9 +339,11 @@ def _reduce(shared_vars, op, keep):
     rt = lifecycle.current()
     vars_, single = resolve_shareds(shared_vars)
     _check_op(op, vars_)
-    _require_equal_shapes(vars_, _all_shapes(rt, vars_), f"{op} reduction")
+    shapes = _all_shapes(rt, vars_)
+    _require_equal_shapes(vars_, shapes, f"{op} reduction")
+    sizes = [int(np.prod(per_rank[0], dtype=np.int64)) for per_rank in shapes]
     out = _run(rt, lambda w: w.put(_ALL_REDUCE).put_list(_uids(rt, vars_))
-               .put(REDUCE_OPS.index(op), keep))
+               .put(REDUCE_OPS.index(op), keep), reserve=_group_bytes(vars_, sizes))
     if keep == _RETURN:
         return out[0] if single else out
 
@@ -375,7 +370,8 @@ def broadcast(shared_vars, values=None):
         w.put(_BROADCAST).put_list(_uids(rt, vars_))
         for shape in shapes:
             w.put_list(shape)
-    _run(rt, fill)
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    _run(rt, fill, reserve=_group_bytes(vars_, sizes))
 
 
 def scatter(shared_vars, values, batch=None):
@@ -468,7 +464,8 @@ def _gather(rt, vars_, keep, nd_up):
         w.put(_GATHER).put_list(_uids(rt, vars_)).put(keep, nd_up)
         for per_rank in shapes:
             w.put_list(s[0] if s else -1 for s in per_rank)
-    return _run(rt, fill)
+    padded = [max(int(np.prod(s, dtype=np.int64)) for s in per_rank) for per_rank in shapes]
+    return _run(rt, fill, reserve=_group_bytes(vars_, padded))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Layout (all in one segment created by the master)::
     status   int64[n, 8]      per rank: state, result generation, result size, kind
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
+    barrier  sem_t[n]         rank -> rank: the shared-memory collectives' barrier
 
 Semaphores are process-shared POSIX semaphores (futexes) placed inside the
 segment. A waiter spins briefly on ``sem_trywait`` before blocking: a spin
@@ -180,7 +181,7 @@ class ControlBlock:
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
         sem_offset = -(-int_bytes // _SEM_SLOT) * _SEM_SLOT
-        size = sem_offset + _SEM_SLOT * (n_ranks + 1)
+        size = sem_offset + _SEM_SLOT * (2 * n_ranks + 1)
         self.segment = Segment(name, size, create=create)
         self.header = self.segment.array(np.int64, (_HEADER,))
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)
@@ -189,12 +190,13 @@ class ControlBlock:
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.segment.mm, sem_offset))
         self.go = [Semaphore(base + _SEM_SLOT * r) for r in range(n_ranks)]
         self.done = Semaphore(base + _SEM_SLOT * n_ranks)
+        self.barrier = [Semaphore(base + _SEM_SLOT * (n_ranks + 1 + r)) for r in range(n_ranks)]
         if create:
-            for sem in self.go + [self.done]:
+            for sem in self.go + [self.done] + self.barrier:
                 sem.init()
 
     # header fields
-    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT = range(8)
+    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN = range(9)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 

@@ -86,8 +86,9 @@ class Runtime:
     """Processes, segments and registries of one fork() ... close() session."""
 
     def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers,
-                 spin=0.0, stall_timeout=600.0):
+                 spin=0.0, stall_timeout=600.0, collectives="jax"):
         self.n_parallel = n_parallel
+        self.comm_kind = collectives
         self.stall_timeout = stall_timeout
         self.spin = spin
         self.master_rank = master_rank
@@ -130,6 +131,7 @@ class Runtime:
         env["SYNK_WORKER"] = json.dumps(dict(
             prefix=self.prefix, rank=rank, n_ranks=self.n_parallel, master_pid=os.getpid(),
             port=port, platform=self.platform, timeout=self.timeout, spin=self.spin,
+            comm=self.comm_kind,
             float_x=self.float_x(),
             profile=bool(self.profile_workers)))
         return subprocess.Popen([sys.executable, "-m", "synkhronos.worker"], env=env,
@@ -175,6 +177,8 @@ class Runtime:
             d._release()
         self.payload.free()
         self.indices.free()
+        if self._comm is not None and hasattr(self._comm, "release"):
+            self._comm.release()
         for rank, mirror in self.results.items():
             mirror.release()
             gen = int(self.ctl.status[rank, ControlBlock.RESULT_GEN])
@@ -383,9 +387,13 @@ class Runtime:
 
     @property
     def comm(self):
+        """This process's collective implementation (built on first use)."""
         if self._comm is None:
             from .comm import make_comm
-            self._comm = make_comm()
+            self._comm = make_comm(self.comm_kind, ctl=self.ctl, prefix=self.prefix,
+                                   rank=self.master_rank, n_ranks=self.n_parallel,
+                                   master_rank=self.master_rank, check=self.check_open,
+                                   spin=self.spin)
         return self._comm
 
     def announce_data_drop(self, data_ids):
@@ -463,7 +471,8 @@ class Runtime:
 
 
 def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
-         threads_per_device=None, timeout=60, spin_us=None, stall_timeout=600, **options):
+         threads_per_device=None, timeout=60, spin_us=None, stall_timeout=600, collectives=None,
+         **options):
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     Parameters
@@ -487,6 +496,10 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         collective before it raises :class:`StallError` (naming the ranks that
         arrived and those that did not) and shuts the runtime down. Set it above
         your longest single call.
+    collectives : {"shm", "jax", None}
+        How collectives on shared variables travel: ``"jax"`` through the JAX
+        runtime (Gloo on CPU, NCCL on GPU), ``"shm"`` through shared memory (CPU
+        only, near memory bandwidth). Default: ``"shm"`` on CPU, else ``"jax"``.
     spin_us : float, optional
         Microseconds a waiting process polls before it sleeps. Polling keeps the
         per-call latency low (a sleeping process takes ~60-80 us to wake); it
@@ -529,8 +542,14 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         spin_us = 2000 if n_parallel <= cores else 0
     if not stall_timeout or stall_timeout <= 0:
         raise ValueError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
+    from .comm import KINDS, default_kind
+    collectives = collectives or default_kind(platform)
+    if collectives not in KINDS or (collectives == "shm" and platform != "cpu"):
+        raise ValueError(f"collectives must be one of {list(KINDS)} ('shm' only on CPU), "
+                         f"got {collectives!r}")
     rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers,
-                 spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout))
+                 spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
+                 collectives=collectives)
     _runtime = rt
     try:
         rt.start()

@@ -50,6 +50,8 @@ class Worker:
         self.n_ranks = cfg["n_ranks"]
         self.master_pid = cfg["master_pid"]
         self.spin = cfg["spin"]
+        self.comm_kind = cfg["comm"]
+        self.prefix = cfg["prefix"]
         prefix = cfg["prefix"]
         self.ctl = ControlBlock(f"{prefix}_ctl", self.n_ranks)
         self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=False)
@@ -145,7 +147,10 @@ class Worker:
         from .collectives import prepare_collective
         if self._comm is None:
             from .comm import make_comm
-            self._comm = make_comm()
+            self._comm = make_comm(self.comm_kind, ctl=self.ctl, prefix=self.prefix, rank=self.rank,
+                                   n_ranks=self.n_ranks, master_rank=int(self.ctl.header[
+                                       ControlBlock.MASTER_RANK]), check=self.check_master,
+                                   spin=self.spin)
         error = None
         try:
             self._maybe_injected_fault()
@@ -179,6 +184,8 @@ class Worker:
 
     def cleanup(self):
         self.result.free()
+        if self._comm is not None and hasattr(self._comm, "release"):
+            self._comm.release()
 
 
 def _die_with_parent():

@@ -47,6 +47,19 @@ def synk2():
     yield lifecycle.current()
 
 
+@pytest.fixture(scope="module", params=["shm", "jax"])
+def comm_kind(request):
+    """Run a module's tests under each collective implementation (both on CPU)."""
+    rt = lifecycle._runtime
+    if rt is not None and rt.comm_kind != request.param:
+        synk.close()
+    if lifecycle._runtime is None:
+        synk.fork(N_PARALLEL, collectives=request.param)
+    yield request.param
+    if lifecycle._runtime is not None and lifecycle._runtime.comm_kind != "shm":
+        synk.close()   # leave the default runtime for the next modules
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_at_end():
     yield

@@ -15,7 +15,7 @@ _unique = itertools.count()
 
 
 @pytest.fixture
-def held(synk2, rng):
+def held(comm_kind, synk2, rng):
     """Three shared variables of two dtypes, with rank-specific values on 2 ranks."""
     a = pytensor.shared(np.zeros((3, 2)), name=f"c_a{next(_unique)}")  # names are looked up
     b = pytensor.shared(np.zeros(4, "float32"), name="c_b")
@@ -106,7 +106,7 @@ def test_gather_and_all_gather_unequal_lengths(held, rng):
         close(synk.get_value(rank, c), np.concatenate([values[0][2], values[1][2]]))
 
 
-def test_large_all_reduce_is_exact(synk2):
+def test_large_all_reduce_is_exact(comm_kind, synk2):
     big = pytensor.shared(np.zeros(3_000_000, "float32"), name="big")
     synk.function([], [(big.sum(), "sum")])
     ones = np.ones(3_000_000, "float32")
@@ -154,7 +154,7 @@ def test_unequal_shapes_all_reduce_is_refused_before_any_collective(held, rng):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def sliced(synk2, rng):
+def sliced(comm_kind, synk2, rng):
     s = pytensor.shared(np.zeros((1, 3)), name="s_rows")
     t = pytensor.shared(np.zeros(1), name="t_rows")
     w = pt.vector("w")

@@ -1,28 +1,45 @@
 """Collective implementations behind one interface.
 
-Every implementation works on one flat array per rank, of equal length on
-every rank, and is called by every rank at once:
+Every implementation takes a list of arrays of one dtype (the same shapes on
+every rank), is called by every rank at once, and returns a list of device
+arrays, one per input, in one launch for the whole list:
 
-- ``all_reduce(x, op)`` with op in ``sum``, ``prod``, ``min``, ``max``: every
-  rank gets the element-wise reduction;
-- ``all_gather(x)``: every rank gets the ``(n_ranks, len(x))`` stack, in rank order;
-- ``broadcast(x, root)``: every rank gets root's ``x``.
+- ``all_reduce(values, op)`` with op in ``sum``, ``prod``, ``min``, ``max``:
+  the element-wise reduction across ranks;
+- ``all_gather(values)``: each value stacked across ranks, shape ``(n_ranks, *shape)``;
+- ``broadcast(values, root)``: root's values.
 
 :class:`~synkhronos.comm.jax_runtime.JaxComm` runs them as jitted ``shard_map``
 programs over the JAX multi-process runtime (Gloo on CPU, NCCL on NVIDIA
 GPUs). It is the path accelerators use and the test suite runs it on CPU.
+:class:`~synkhronos.comm.shm.ShmComm` is the CPU-only path through shared
+memory, the default on CPU because it runs near memory bandwidth.
+
+Both may also define ``reserve(nbytes)``, which the master calls before a
+collective so that buffers of ``nbytes`` per rank fit.
 """
 
 from .jax_runtime import JaxComm
+from .shm import ShmComm
 
-__all__ = ["JaxComm", "make_comm"]
+__all__ = ["JaxComm", "ShmComm", "make_comm", "KINDS", "default_kind"]
 
-_KINDS = {"jax": JaxComm}
+KINDS = ("jax", "shm")
 
 
-def make_comm(kind="jax"):
-    """Return the collective implementation named ``kind``."""
-    try:
-        return _KINDS[kind]()
-    except KeyError:
-        raise ValueError(f"unknown collective implementation {kind!r}; choose from {sorted(_KINDS)}") from None
+def default_kind(platform):
+    """Shared memory on CPU, the JAX runtime (NCCL on NVIDIA GPUs) elsewhere."""
+    return "shm" if platform == "cpu" else "jax"
+
+
+def make_comm(kind, **shm_context):
+    """Return the collective implementation named ``kind`` ("jax" or "shm").
+
+    ``shm_context`` holds what :class:`ShmComm` needs (control block, prefix,
+    ranks, liveness check); the JAX runtime needs nothing.
+    """
+    if kind == "jax":
+        return JaxComm()
+    if kind == "shm":
+        return ShmComm(**shm_context)
+    raise ValueError(f"unknown collective implementation {kind!r}; choose from {list(KINDS)}")

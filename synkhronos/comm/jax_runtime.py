@@ -62,11 +62,27 @@ class JaxComm:
         out = self._program(key, body)(glob).addressable_data(0)[0]
         return out.astype(jnp.bool_) if bool_input else out
 
-    def all_reduce(self, x, op):
-        return self._run(op, _BODIES[op], x)
+    def all_reduce(self, values, op):
+        return _unflat(self._run(op, _BODIES[op], _flat(values)), values)
 
-    def all_gather(self, x):
-        return self._run("gather", _BODIES["gather"], x)
+    def all_gather(self, values):
+        stacked = self._run("gather", _BODIES["gather"], _flat(values))
+        per_rank = [_unflat(stacked[r], values) for r in range(self.n_ranks)]
+        return [jnp.stack([per_rank[r][i] for r in range(self.n_ranks)]) for i in range(len(values))]
 
-    def broadcast(self, x, root):
-        return self._run(("bcast", root), _psum_from_root(root), x)
+    def broadcast(self, values, root):
+        return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
+
+
+def _flat(values):
+    """One flat device vector of ``values`` (one collective launch for all of them)."""
+    return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
+
+
+def _unflat(flat, like):
+    out, pos = [], 0
+    for v in like:
+        size = int(np.prod(np.shape(v), dtype=np.int64))
+        out.append(flat[pos:pos + size].reshape(np.shape(v)))
+        pos += size
+    return out
