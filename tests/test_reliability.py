@@ -1,0 +1,217 @@
+"""Faults become prompt, clear errors; nothing is left behind; the machine stays closed.
+
+These tests kill, stop and interrupt real processes.
+"""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos import lifecycle
+from conftest import N_PARALLEL, child_pids, synk_segments
+from helpers import close
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def assert_clean(prefix, worker_pids, within=10.0):
+    """No worker alive or zombie, no segment of ``prefix``, within ``within`` seconds."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = {pid for pid, _ in child_pids()} & set(worker_pids)
+        left = [n for n in synk_segments() if n.startswith(prefix)]
+        if not alive and not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"left behind: processes {alive}, segments {left}")
+
+
+def heavy_function():
+    x = pt.matrix("x")
+    w = pt.matrix("w")
+    return synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w], name="heavy")
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-call", "mid-collective"])
+def test_killed_worker_becomes_worker_error(synk2, when):
+    rt = synk2
+    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
+    victim = rt.procs[1].pid
+    f = heavy_function()
+    v = pytensor.shared(np.ones(1000), name=f"v_kill_{when}")
+    synk.function([], [(v.sum(), "sum")])
+    X, W = np.ones((4000, 600)), np.ones((600, 600)) * 1e-3
+    synk.distribute()
+    if when == "idle":
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.2)
+        call = lambda: f(X, W)                                  # noqa: E731
+    elif when == "mid-call":
+        threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
+        call = lambda: [f(X, W, num_slices=40) for _ in range(100)]   # noqa: E731
+    else:  # the worker is frozen, then killed, while the master waits in the collective
+        os.kill(victim, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+        call = lambda: synk.all_reduce(v)                       # noqa: E731
+    t0 = time.time()
+    with pytest.raises(synk.WorkerError) as info:
+        call()
+    assert time.time() - t0 < 10
+    assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
+    assert lifecycle._runtime is None
+    assert_clean(prefix, pids)
+    synk.fork(N_PARALLEL)                                       # usable again in the same script
+    x = pt.vector("x")
+    close(synk.function([x], (x.sum(), "sum"))(np.arange(4.0)), 6.0)
+
+
+def test_worker_raising_in_a_collective_keeps_runtime_usable(synk2):
+    v = pytensor.shared(np.ones(3), name="v_fault")
+    synk.function([], [(v.sum(), "sum")])
+    synk.set_value(1, v, np.full(3, 5.0))
+    synk2.inject_collective_fault(1)
+    with pytest.raises(synk.WorkerError) as info:
+        synk.all_reduce(v, op="sum")
+    assert info.value.rank == 1 and info.value.how == "raised"
+    assert "fault injected" in str(info.value) and "Traceback" in info.value.worker_traceback
+    close(synk.get_value(0, v), 1.0)                            # nobody entered the collective
+    synk.all_reduce(v, op="sum")
+    close(synk.get_value(1, v), 6.0)
+
+
+@pytest.mark.parametrize("what", ["collective", "call"])
+def test_stall_names_the_ranks(what):
+    if lifecycle._runtime is not None:
+        synk.close()
+    synk.fork(N_PARALLEL, stall_timeout=2)
+    rt = lifecycle.current()
+    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
+    v = pytensor.shared(np.ones(3), name=f"v_stall_{what}")
+    x = pt.vector("x")
+    f = synk.function([x], [(x.sum() + v.sum(), "sum")])
+    f(np.ones(4))
+    os.kill(rt.procs[1].pid, signal.SIGSTOP)
+    t0 = time.time()
+    with pytest.raises(synk.StallError) as info:
+        synk.all_reduce(v) if what == "collective" else f(np.ones(4))
+    assert 1.5 < time.time() - t0 < 10
+    assert info.value.arrived == [0] and info.value.missing == [1]
+    assert "ranks [0] arrived, ranks [1] did not" in str(info.value)
+    assert_clean(prefix, pids)
+    synk.fork(N_PARALLEL)
+
+
+def _script(code):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _read_ready(proc):
+    line = proc.stdout.readline()
+    prefix, *pids = line.split()
+    return prefix, [int(p) for p in pids]
+
+
+MASTER = """
+    import sys, time, numpy as np, pytensor.tensor as pt, synkhronos as synk
+    synk.fork(2)
+    rt = synk.lifecycle.current()
+    x, w = pt.matrix("x"), pt.matrix("w")
+    f = synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w])
+    d = synk.data(np.ones((100, 10)))
+    f(np.ones((8, 10)), np.ones((10, 10)))
+    print(rt.prefix, *[p.pid for p in rt.procs.values()], flush=True)
+    X, W = np.ones((4000, 600)), np.ones((600, 600)) * 1e-3
+    while True:
+        f(X, W, num_slices=40)
+"""
+
+
+def _pid_alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_master_killed_workers_exit_and_memory_is_freed():
+    proc = _script(MASTER)
+    prefix, pids = _read_ready(proc)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and (any(_pid_alive(p) for p in pids)
+                                      or any(n.startswith(prefix) for n in synk_segments())):
+        time.sleep(0.1)
+    assert not any(_pid_alive(p) for p in pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
+def test_ctrl_c_during_a_long_call():
+    proc = _script(MASTER)
+    prefix, pids = _read_ready(proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert "KeyboardInterrupt" in err and proc.returncode != 0
+    assert not any(_pid_alive(p) for p in pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Security
+# ------------------------------------------------------------------------------------------------
+
+def _socket_inodes(pid):
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(link[8:-1])
+    return out
+
+
+def test_listens_on_loopback_only_and_segments_are_private(synk2):
+    v = pytensor.shared(np.ones(3), name="v_security")
+    synk.function([], [(v.sum(), "sum")])
+    for kind in ("shm", "jax"):
+        synk.all_reduce(v) if kind == synk2.comm_kind else None
+    pids = [os.getpid()] + [p.pid for p in synk2.procs.values()]
+    inodes = set().union(*[_socket_inodes(p) for p in pids])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and fields[3] == "0A":          # LISTEN
+                listening.append(fields[1].split(":")[0])
+    assert listening, "expected the JAX coordination service to listen"
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    assert set(listening) <= loopback, listening
+    mine = [n for n in synk_segments() if n.startswith(synk2.prefix)]
+    assert mine
+    token = synk2.prefix.split("_")[-1]
+    assert len(token) == 16 and int(token, 16) >= 0                 # 64 random bits
+    for name in mine:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
+        assert mode == 0o600, (name, oct(mode))
