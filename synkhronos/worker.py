@@ -54,7 +54,9 @@ class Worker:
         self.prefix = cfg["prefix"]
         prefix = cfg["prefix"]
         self.ctl = ControlBlock(f"{prefix}_ctl", self.n_ranks)
-        self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=False)
+        # Tracked by this worker's resource tracker (a separate process), which unlinks it even
+        # when this process is aborted (e.g. by JAX's coordination client once the master is gone).
+        self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=True)
         self.payload = SegmentMirror(f"{prefix}_p")
         self.index = SegmentMirror(f"{prefix}_ix")
         self.datas = DataMirrors(prefix)
