@@ -138,6 +138,8 @@ def parse_batch(batch, datas, names):
     spec = batch_from_spec(batch, min(lengths) if lengths else 0)
     low, high = spec.lowest(), spec.highest()
     offsets = []
+    # a range is checked by its stop even when empty: slice(5, 5) of 3 rows is out of range
+    high = spec.stop - 1 if spec.is_range else high
     for d, name, length in zip(datas, names, lengths):
         offset = low if d.minibatch else 0
         if high - offset >= length:
