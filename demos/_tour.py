@@ -24,10 +24,13 @@ class Checker:
         return 1 if self.failed else 0
 
 
-def parse(doc, argv=None):
+def start(doc, argv=None):
+    """Parse the tour's arguments and fork; return (number of devices, a Checker)."""
+    import synkhronos as synk
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=2, help="number of devices (processes)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    return synk.fork(args.devices), Checker()
 
 
 def run(main):

@@ -13,13 +13,11 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
-from _tour import Checker, parse, run
+from _tour import run, start
 
 
 def main(argv=None):
-    args = parse(__doc__, argv)
-    synk.fork(args.devices)
-    check = Checker()
+    n, check = start(__doc__, argv)
     x, w = pt.matrix("x"), pt.vector("w")          # x is scattered, w goes whole to every device
     z = x @ w
     f = synk.function([x], [(z.mean(), "avg"), (z.sum(), "sum"), (z.max(), "max"), (z.min(), "min"),

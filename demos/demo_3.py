@@ -13,13 +13,11 @@ import pytensor
 
 import synkhronos as synk
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
-from _tour import Checker, parse, run
+from _tour import run, start
 
 
 def main(argv=None):
-    args = parse(__doc__, argv)
-    n = synk.fork(args.devices)
-    check = Checker()
+    n, check = start(__doc__, argv)
     w = pytensor.shared(np.zeros(3), name="w")
     rows = pytensor.shared(np.zeros((1, 2)), name="rows")
     synk.function([], [(w.sum() + rows.sum(), "sum")])     # the workers hold what a function uses

@@ -13,13 +13,11 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
-from _tour import Checker, parse, run
+from _tour import run, start
 
 
 def main(argv=None):
-    args = parse(__doc__, argv)
-    synk.fork(args.devices)
-    check = Checker()
+    n, check = start(__doc__, argv)
     x = pt.matrix("x")
     f = synk.function([x], [(x.mean(0), "avg"), (x.max(0), "max"), (x, "gather")])
     X = np.random.default_rng(1).normal(size=(50, 3))

@@ -14,13 +14,11 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
-from _tour import Checker, parse, run
+from _tour import run, start
 
 
 def main(argv=None):
-    args = parse(__doc__, argv)
-    n = synk.fork(args.devices)
-    check = Checker()
+    n, check = start(__doc__, argv)
     s = pytensor.shared(np.zeros((1, 3)), name="s")
     w = pt.vector("w")
     f = synk.function([], [(s @ w, "gather")], bcast_inputs=[w], sliceable_shareds=[s])

@@ -1,10 +1,12 @@
 """Training helpers built on the flattened-gradient rules of :mod:`.updates`."""
 
+import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
 from .. import collectives, lifecycle
 from ..function import function
+from ..scatter import batch_from_spec, parse_batch_s
 
 __all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function"]
 
@@ -38,34 +40,45 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     >>> for idx in batches:                                                                   # doctest: +SKIP
     ...     batch_loss = train(x_dat, y_dat, batch=idx)
     """
-    f_grad, f_upd, grad_shared = _weighted_step(loss, params, x, update_rule, args, kwargs,
-                                                inputs=[x, y])
+    step = _WeightedStep(loss, params, x, update_rule, args, kwargs, inputs=[x, y])
 
     def train_minibatch(x_data, y_data, batch=None, num_slices=1):
-        rows = _batch_rows(x_data, batch, grad_shared.type.dtype)
-        batch_loss = f_grad(x_data, y_data, rows, batch=batch, num_slices=num_slices)
-        collectives.all_reduce(grad_shared, op="avg")
-        f_upd()
+        rows = len(x_data) if batch is None else batch_from_spec(batch, len(x_data)).total
+        return step(rows, x_data, y_data, batch=batch, num_slices=num_slices)
+
+    return step.expose(train_minibatch)
+
+
+class _WeightedStep:
+    """Gradient function (row-weighted flat gradient), one all-reduce, update function.
+
+    Each device scales its local mean gradient by ``n_devices * its_rows /
+    batch_rows``; the average over devices is then the full-batch gradient.
+    """
+
+    def __init__(self, loss, params, x, update_rule, args, kwargs, inputs=(), **function_kwargs):
+        grad_updates, param_updates, self.grad_shared = update_rule(loss, params, *args, **kwargs)
+        (target, flat_grad), = grad_updates
+        dtype = self.grad_shared.type.dtype
+        batch_rows = pt.scalar("batch_rows", dtype=dtype)
+        weight = pt.cast(x.shape[0], dtype) * lifecycle.current().n_parallel / batch_rows
+        self.f_grad = function(list(inputs), (loss, "avg"), bcast_inputs=[batch_rows],
+                               updates=[(target, flat_grad * weight, "sum")], name="train_grad",
+                               **function_kwargs)
+        self.f_upd = function([], updates=param_updates, name="train_update")
+
+    def __call__(self, batch_rows, *data, **call_kwargs):
+        rows = np.asarray(batch_rows, dtype=self.grad_shared.type.dtype)
+        batch_loss = self.f_grad(*data, rows, **call_kwargs)
+        collectives.all_reduce(self.grad_shared, op="avg")
+        self.f_upd()
         return batch_loss
 
-    train_minibatch.grad_shared = grad_shared
-    train_minibatch.functions = (f_grad, f_upd)
-    return train_minibatch
-
-
-def _weighted_step(loss, params, x, update_rule, args, kwargs, **function_kwargs):
-    """Gradient function (row-weighted flat gradient) and update function of one step."""
-    grad_updates, param_updates, grad_shared = update_rule(loss, params, *args, **kwargs)
-    (target, flat_grad), = grad_updates
-    batch_rows = pt.scalar("batch_rows", dtype=grad_shared.type.dtype)
-    n = lifecycle.current().n_parallel
-    weight = pt.cast(x.shape[0], grad_shared.type.dtype) * n / batch_rows
-    inputs = function_kwargs.pop("inputs", [])
-    f_grad = function(inputs, (loss, "avg"), bcast_inputs=[batch_rows],
-                      updates=[(target, flat_grad * weight, "sum")], name="train_grad",
-                      **function_kwargs)
-    f_upd = function([], updates=param_updates, name="train_update")
-    return f_grad, f_upd, grad_shared
+    def expose(self, train_minibatch):
+        """Give the user's step function handles on what it runs."""
+        train_minibatch.grad_shared = self.grad_shared
+        train_minibatch.functions = (self.f_grad, self.f_upd)
+        return train_minibatch
 
 
 def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_rule, *args, **kwargs):
@@ -82,32 +95,15 @@ def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_ru
     >>> train = make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.sgd, 0.1)  # doctest: +SKIP
     >>> train(batch_s=[perm0[:64], perm1[:64]])                                # doctest: +SKIP
     """
-    f_grad, f_upd, grad_shared = _weighted_step(
-        loss, params, x, update_rule, args, kwargs, givens=[(x, x_shared), (y, y_shared)],
-        sliceable_shareds=[x_shared, y_shared])
+    step = _WeightedStep(loss, params, x, update_rule, args, kwargs,
+                         givens=[(x, x_shared), (y, y_shared)], sliceable_shareds=[x_shared, y_shared])
 
     def train_minibatch(batch_s=None, num_slices=1):
-        import numpy as np
-        from ..scatter import parse_batch_s
         lengths = collectives.get_lengths([x_shared, y_shared])
-        total = sum(b.total for b in parse_batch_s(batch_s, lengths, ["x", "y"]))
-        batch_loss = f_grad(np.asarray(total, grad_shared.type.dtype), batch_s=batch_s,
-                            num_slices=num_slices)
-        collectives.all_reduce(grad_shared, op="avg")
-        f_upd()
-        return batch_loss
+        rows = sum(b.total for b in parse_batch_s(batch_s, lengths, ["x", "y"]))
+        return step(rows, batch_s=batch_s, num_slices=num_slices)
 
-    train_minibatch.grad_shared = grad_shared
-    train_minibatch.functions = (f_grad, f_upd)
-    return train_minibatch
-
-
-def _batch_rows(x_data, batch, dtype):
-    """Number of rows ``batch`` selects (validated again, fully, by the call itself)."""
-    import numpy as np
-    from ..scatter import batch_from_spec
-    total = len(x_data) if batch is None else batch_from_spec(batch, len(x_data)).total
-    return np.asarray(total, dtype=dtype)
+    return step.expose(train_minibatch)
 
 
 def make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs):
