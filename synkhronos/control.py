@@ -93,9 +93,12 @@ class Words:
     (3, [7, 8])
     """
 
+    _READ_AHEAD = 256
+
     def __init__(self, args):
         self.args = args
         self.pos = 0
+        self._cache = None   # reading: Python ints of args[:len(_cache)], fetched in blocks
 
     def put(self, *values):
         n = len(values)
@@ -109,14 +112,19 @@ class Words:
         values = list(values)
         return self.put(len(values), *values)
 
+    def _ints(self, n):
+        end = self.pos + n
+        if self._cache is None or end > len(self._cache):
+            self._cache = self.args[:max(end, self._READ_AHEAD)].tolist()
+        out = self._cache[self.pos:end]
+        self.pos = end
+        return out
+
     def get(self):
-        self.pos += 1
-        return int(self.args[self.pos - 1])
+        return self._ints(1)[0]
 
     def get_list(self):
-        n = self.get()
-        self.pos += n
-        return [int(v) for v in self.args[self.pos - n:self.pos]]
+        return self._ints(self.get())
 
 
 class Semaphore:

@@ -21,16 +21,19 @@ def split_bounds(total, parts):
 
     Examples
     --------
-    >>> split_bounds(7, 2).tolist()
+    >>> split_bounds(7, 2)
     [0, 3, 7]
     """
-    return (np.arange(parts + 1, dtype=np.int64) * total) // parts
+    return [total * i // parts for i in range(parts + 1)]
 
 
 def chunk(lo, hi, parts, index):
-    """Positions ``[a, b)`` of chunk ``index`` when ``[lo, hi)`` is split into ``parts``."""
-    bounds = split_bounds(hi - lo, parts)
-    return lo + int(bounds[index]), lo + int(bounds[index + 1])
+    """Positions ``[a, b)`` of chunk ``index`` when ``[lo, hi)`` is split into ``parts``.
+
+    Plain integer arithmetic: this runs on every call in every process.
+    """
+    size = hi - lo
+    return lo + size * index // parts, lo + size * (index + 1) // parts
 
 
 @dataclass

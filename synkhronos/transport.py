@@ -51,14 +51,11 @@ def packed_nbytes(arrays):
 def pack_arrays(buffer, arrays):
     """Write ``arrays`` (numpy) into ``buffer`` (a writable mmap); return bytes used."""
     header_items, offsets, total = _layout(arrays)
-    header = np.frombuffer(buffer, np.int64, header_items)
-    header[0] = len(arrays)
-    pos = 1
+    header = [len(arrays)]
     for a, off in zip(arrays, offsets):
-        header[pos:pos + 2] = dtype_code(a.dtype), a.ndim
-        header[pos + 2:pos + 2 + a.ndim] = a.shape
-        header[pos + 2 + a.ndim:pos + 4 + a.ndim] = off, a.nbytes
-        pos += 4 + a.ndim
+        header += [dtype_code(a.dtype), a.ndim, *a.shape, off, a.nbytes]
+    np.frombuffer(buffer, np.int64, header_items)[:] = header
+    for a, off in zip(arrays, offsets):
         np.frombuffer(buffer, a.dtype, a.size, off).reshape(a.shape)[...] = a
     return total
 
@@ -66,14 +63,19 @@ def pack_arrays(buffer, arrays):
 def unpack_arrays(buffer):
     """Return views of the arrays packed in ``buffer`` (copy them before reuse)."""
     count = int(np.frombuffer(buffer, np.int64, 1)[0])
+    if count == 0:
+        return []
+    # one read of the header (it is short), then plain Python ints
+    header = np.frombuffer(buffer, np.int64, min(len(buffer) // 8, 1 + count * 36)).tolist()
     arrays, pos = [], 1
     for _ in range(count):
-        head = np.frombuffer(buffer, np.int64, 2, 8 * pos)
-        code, ndim = int(head[0]), int(head[1])
-        rest = np.frombuffer(buffer, np.int64, ndim + 2, 8 * (pos + 2))
-        shape, off = tuple(int(s) for s in rest[:ndim]), int(rest[ndim])
-        dtype = DTYPES[code]
-        arrays.append(np.frombuffer(buffer, dtype, int(np.prod(shape, dtype=np.int64)), off).reshape(shape))
+        code, ndim = header[pos], header[pos + 1]
+        shape = tuple(header[pos + 2:pos + 2 + ndim])
+        off = header[pos + 2 + ndim]
+        size = 1
+        for s in shape:
+            size *= s
+        arrays.append(np.frombuffer(buffer, DTYPES[code], size, off).reshape(shape))
         pos += 4 + ndim
     return arrays
 
