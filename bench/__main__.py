@@ -10,7 +10,6 @@ import argparse
 import os
 import platform
 import subprocess
-import sys
 import time
 
 import numpy as np

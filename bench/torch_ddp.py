@@ -4,7 +4,6 @@ Runs in its own virtualenv (PyTorch is not a dependency of synkhronos).
 """
 
 import json
-import os
 import socket
 import sys
 import time

@@ -12,7 +12,6 @@ Examples
 """
 
 import argparse
-import os
 import sys
 import time
 

@@ -20,8 +20,8 @@ import numpy as np
 from . import lifecycle
 from .control import ControlBlock, Op, Words
 from .data import Data, condition_value
-from .scatter import Batch, chunk, parse_batch
 from .function import put_batch
+from .scatter import Batch, chunk, parse_batch
 from .transport import dtype_code, write_bytes
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",

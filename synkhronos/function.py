@@ -20,10 +20,10 @@ from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
 
 from . import devices, lifecycle
+from .control import Words
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
-from .control import Words
 from .transport import dtype_code
 
 __all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share"]

@@ -14,18 +14,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import cloudpickle
 import numpy as np
 
 from . import devices
-import threading
-
 from .control import ControlBlock, Decision, Op, Status
 from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
-from .transport import read_pickle, unpack_arrays, write_bytes, write_pickle
+from .transport import read_pickle, unpack_arrays, write_bytes
 
 __all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "current", "Runtime"]
 

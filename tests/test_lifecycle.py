@@ -10,7 +10,6 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import lifecycle
 from conftest import N_PARALLEL, child_pids, synk_segments
 from helpers import close
 
