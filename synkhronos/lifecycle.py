@@ -532,13 +532,6 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         raise ValueError(f"n_parallel must be >= 1, got {n_parallel}")
     if not 0 <= master_rank < n_parallel:
         raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
-    cores = devices.count_devices("cpu")
-    threads = threads_per_device or max(1, cores // n_parallel)
-    _user_environment.update({k: os.environ.get(k) for k in devices.ENV_VARS
-                              if k not in _user_environment})
-    devices.configure_environment(os.environ, platform, threads)
-    if spin_us is None:
-        spin_us = 2000 if n_parallel <= cores else 0
     if not stall_timeout or stall_timeout <= 0:
         raise ValueError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
     from .comm import KINDS, default_kind
@@ -546,6 +539,14 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     if collectives not in KINDS or (collectives == "shm" and platform != "cpu"):
         raise ValueError(f"collectives must be one of {list(KINDS)} ('shm' only on CPU), "
                          f"got {collectives!r}")
+    cores = devices.count_devices("cpu")
+    threads = threads_per_device or max(1, cores // n_parallel)
+    if spin_us is None:
+        spin_us = 2000 if n_parallel <= cores else 0
+    # everything is validated: only now touch this process's environment
+    _user_environment.update({k: os.environ.get(k) for k in devices.ENV_VARS
+                              if k not in _user_environment})
+    devices.configure_environment(os.environ, platform, threads)
     rt = Runtime(n_parallel, master_rank, platform, threads, timeout, profile_workers,
                  spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
                  collectives=collectives)

@@ -97,7 +97,8 @@ def test_function_before_fork_and_exit_cleanup():
 def test_bad_fork_arguments():
     out = run_script("""
         import synkhronos as synk
-        for kwargs in ({"n_parallel": 0}, {"n_parallel": 2, "master_rank": 2}, {"bogus": 1}):
+        for kwargs in ({"n_parallel": 0}, {"n_parallel": 2, "master_rank": 2}, {"bogus": 1},
+                       {"n_parallel": 2, "collectives": "mpi"}, {"n_parallel": 2, "stall_timeout": 0}):
             try:
                 synk.fork(**kwargs)
             except (ValueError, TypeError) as e:
@@ -114,9 +115,11 @@ def test_bad_fork_arguments():
     assert lines[0].startswith("ValueError n_parallel must be >= 1"), out.stderr
     assert lines[1].startswith("ValueError master_rank must be in [0, 2)")
     assert lines[2].startswith("TypeError fork() got unknown options ['bogus']")
-    assert lines[3] == "2"
+    assert lines[3].startswith("ValueError collectives must be one of ['jax', 'shm']")
+    assert lines[4].startswith("ValueError stall_timeout must be a positive number")
+    assert lines[5] == "2"
     # with master_rank=1 the master computes the second half of the rows
-    assert lines[4] == "15.0 [3.0, 4.0, 5.0]"
+    assert lines[6] == "15.0 [3.0, 4.0, 5.0]"
 
 
 def test_profile_workers_writes_one_file_per_worker(tmp_path):
