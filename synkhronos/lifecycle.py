@@ -100,6 +100,7 @@ class Runtime:
         self.procs = {}
         self.functions = []
         self._shared_vars = {}     # id(var) -> (uid, var)
+        self._shared_by_uid = {}   # uid -> var
         self._shipped_uids = set()
         self._datas = {}
         self._next_data_id = 0
@@ -339,16 +340,15 @@ class Runtime:
             self.uid_of(var)
 
     def uid_of(self, var):
+        """The stable id under which every process knows shared variable ``var``."""
         entry = self._shared_vars.get(id(var))
         if entry is None:
             entry = self._shared_vars[id(var)] = (len(self._shared_vars), var)
+            self._shared_by_uid[entry[0]] = var
         return entry[0]
 
     def shared_by_uid(self, uid):
-        for u, var in self._shared_vars.values():
-            if u == uid:
-                return var
-        raise KeyError(uid)
+        return self._shared_by_uid[uid]
 
     def new_data(self, dtype, ndim, minibatch=False, name=None):
         from .data import Data
