@@ -13,16 +13,15 @@ travel as one flat buffer, so one call makes one collective launch per dtype.
 own rows from shared memory and puts them on its device.
 """
 
-import pickle
 
 import numpy as np
 
 from . import lifecycle
-from .control import ControlBlock, Op, Words
+from .control import Op, Words
 from .data import Data, condition_value
 from .function import put_batch
 from .scatter import Batch, chunk, parse_batch
-from .transport import dtype_code, write_bytes
+from .transport import dtype_code
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds",
@@ -472,12 +471,6 @@ def _gather(rt, vars_, keep, nd_up):
 # One rank's copy (host paths)
 # ------------------------------------------------------------------------------------------------
 
-def _send_payload(rt, obj):
-    nbytes = write_bytes(rt.payload, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-    rt.ctl.header[ControlBlock.PAYLOAD_GEN] = rt.payload.gen
-    rt.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
-
-
 def get_value(rank, shared_vars):
     """Return the value(s) of shared variable(s) on device ``rank`` (master included).
 
@@ -492,7 +485,7 @@ def get_value(rank, shared_vars):
     if rank == rt.master_rank:
         values = [np.array(v.get_value()) for v in vars_]
     else:
-        _send_payload(rt, _uids(rt, vars_))
+        rt.send_pickled(_uids(rt, vars_))
         rt.command(Op.GET_SHARED, ranks=[rank])
         values = rt.read_result_arrays(rank)
     return values[0] if single else values
@@ -518,5 +511,5 @@ def set_value(rank, shared_vars, values, batch=None):
         for var, arr in zip(vars_, arrays):
             var.set_value(arr)
     else:
-        _send_payload(rt, dict(zip(_uids(rt, vars_), arrays)))
+        rt.send_pickled(dict(zip(_uids(rt, vars_), arrays)))
         rt.command(Op.SET_SHARED, ranks=[rank])

@@ -120,6 +120,10 @@ class FunctionSpec:
         return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
                 + [g[1] for g in self.givens])
 
+    def shared_variables(self):
+        """Every shared variable the function reads or updates (the workers must hold them)."""
+        return shared_variables(self.graph_vars()) + [s for s, _, _ in self.updates]
+
 
 class CompiledFunction:
     """A FunctionSpec compiled for this process's device (lazily for the slice variant).
@@ -596,8 +600,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     spec = FunctionSpec(rt.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
                         sliceable, kwargs)
     spec.name = name or f"synk_function_{spec.fid}"
-    used = set(shared_variables(spec.graph_vars()) + [s for s, _, _ in triples]
-               + [g[0] for g in givens])
+    used = set(spec.shared_variables() + [g[0] for g in givens])
     for var in sliceable:
         if not isinstance(var, SharedVariable):
             raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")

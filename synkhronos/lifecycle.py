@@ -10,6 +10,7 @@ import atexit
 import io
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -334,9 +335,7 @@ class Runtime:
 
     def register_function(self, f):
         self.functions.append(f)
-        from .function import shared_variables
-        spec = f.spec
-        for var in shared_variables(spec.graph_vars()) + [s for s, _, _ in spec.updates]:
+        for var in f.spec.shared_variables():
             self.uid_of(var)
 
     def uid_of(self, var):
@@ -395,6 +394,16 @@ class Runtime:
                                    spin=self.spin)
         return self._comm
 
+    def send_payload(self, blob):
+        """Put pickled bytes where the next command's workers read them."""
+        nbytes = write_bytes(self.payload, blob)
+        self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
+        self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
+
+    def send_pickled(self, obj):
+        """:meth:`send_payload` for a plain picklable object."""
+        self.send_payload(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
     def announce_data_drop(self, data_ids):
         self.ctl.args[0] = len(data_ids)
         self.ctl.args[1:1 + len(data_ids)] = data_ids
@@ -418,7 +427,7 @@ class Runtime:
         """
         new_shared, values = {}, {}
         for f in functions:
-            for var in self._shared_vars_of(f):
+            for var in f.spec.shared_variables():
                 uid = self.uid_of(var)
                 if uid not in self._shipped_uids:
                     new_shared[uid] = var
@@ -436,18 +445,11 @@ class Runtime:
         _ShipPickler(buf, uid_of_shipped).dump(
             dict(functions=[f.spec for f in functions], shared=new_shared, values=values,
                  float_x=self.float_x()))
-        nbytes = write_bytes(self.payload, buf.getvalue())
-        self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
-        self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
+        self.send_payload(buf.getvalue())
         self.command(Op.SHIP)
         self._shipped_uids.update(new_shared)
         for f in functions:
             f.shipped = True
-
-    def _shared_vars_of(self, f):
-        from .function import shared_variables
-        spec = f.spec
-        return shared_variables(spec.graph_vars()) + [s for s, _, _ in spec.updates]
 
     # --- calls ------------------------------------------------------------------------------
     def run_call(self, f, plan):

@@ -113,8 +113,7 @@ class Worker:
         payload = self.payload_object()
         devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
-        for uid, value in payload["values"].items():
-            self.shared[uid].set_value(value)
+        self._set_values(payload["values"])
         for spec in payload["functions"]:
             self.functions[spec.fid] = CompiledFunction(spec)
 
@@ -141,7 +140,10 @@ class Worker:
         self.write_arrays([np.asarray(self.shared[uid].get_value(borrow=True)) for uid in uids])
 
     def set_shared(self):
-        for uid, value in self.payload_object().items():
+        self._set_values(self.payload_object())
+
+    def _set_values(self, values):
+        for uid, value in values.items():
             self.shared[uid].set_value(value)
 
     def collective(self):
