@@ -19,6 +19,7 @@ import numpy as np
 from . import lifecycle
 from .control import Op, Words
 from .data import Data, condition_value
+from .devices import to_device
 from .function import put_batch
 from .scatter import Batch, chunk, parse_batch
 from .transport import dtype_code
@@ -191,21 +192,19 @@ def _prepare_gather(comm, vars_, words, rank, master_rank):
 
 def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
     """Every rank puts rows of a Data (all of them, or its chunk) on its device (no collective)."""
-    import jax
     from .function import InputRef, _rows, get_batch
     chunked, index_gen = words.get(), words.get()
-    device = jax.local_devices()[0]
     values = []
     for _ in vars_:
         data_id, gen, code, *shape = words.get_list()
         batch = get_batch(words, index_lookup, index_gen)
         view = view_of(InputRef(data_id, gen, code, 0, tuple(shape)))
         if not shape:
-            rows = np.array(view)
+            rows = view
         else:
             a, b = chunk(0, batch.total, n_ranks, rank) if chunked else (0, batch.total)
-            rows = np.array(_rows(view, batch, a, b, 0))
-        values.append(jax.device_put(rows, device))
+            rows = _rows(view, batch, a, b, 0)
+        values.append(to_device(rows))
 
     def execute():
         for var, value in zip(vars_, values):

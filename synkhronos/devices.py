@@ -18,8 +18,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision"]
+           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -102,6 +104,39 @@ def set_precision(float_x):
     import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
     pytensor.config.floatX = float_x
     jax.config.update("jax_enable_x64", float_x == "float64")
+
+
+def to_device(host):
+    """A device array with the values of ``host``, sharing no memory with it.
+
+    ``host`` may be reused as soon as this returns (a shared-memory slot, say).
+    The values are copied once, into a private 64-byte aligned buffer, which the
+    CPU client then adopts without a second copy; on a GPU, ``device_put`` copies
+    that buffer to the device.
+
+    Parameters
+    ----------
+    host : array_like
+
+    Returns
+    -------
+    jax.Array
+        On this process's (only) local device.
+    """
+    from .transport import aligned_empty
+    host = np.asarray(host)
+    private = aligned_empty(host.shape, host.dtype)
+    np.copyto(private, host)
+    return adopt(private)
+
+
+def adopt(private):
+    """Hand ``private`` (from :func:`~synkhronos.transport.aligned_empty`, never written again) to the device.
+
+    On CPU the device array is a view of ``private`` and keeps it alive.
+    """
+    import jax
+    return jax.device_put(private, jax.local_devices()[0])
 
 
 def keep_freed_memory_for_reuse(max_bytes=1 << 30):

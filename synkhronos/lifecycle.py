@@ -111,6 +111,7 @@ class Runtime:
         self.results = {r: SegmentMirror(f"{self.prefix}_r{r}") for r in self.worker_ranks}
         self._scratch = {}
         self._comm = None
+        self._collective_watch = None
         self.is_open = False
 
     # --- start and stop ---------------------------------------------------------------------
@@ -238,7 +239,10 @@ class Runtime:
             if local_error is not None:
                 raise local_error
             self._raise_worker_errors(ranks)
-        result = self._run_watched(execute, ranks, what="a collective")
+        if getattr(self.comm, "calls_check_while_waiting", False):
+            result = self._run_inline_watched(execute, ranks, what="a collective")
+        else:
+            result = self._run_watched(execute, ranks, what="a collective")
         self._raise_worker_errors(ranks)
         return result
 
@@ -252,8 +256,35 @@ class Runtime:
         except Exception as e:
             return None, e
 
+    def _run_inline_watched(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) here; its waits call the watch.
+
+        For collectives whose every wait returns to Python between slices (shared
+        memory): no thread to start and join, and the GIL never changes hands.
+        """
+        self._collective_watch = self._watch(ranks, what, time.time() + self.stall_timeout)
+        try:
+            result = fn()
+        except KeyboardInterrupt:
+            self._abort()
+            raise
+        finally:
+            self._collective_watch = None
+        self._wait_done(ranks, what=what)
+        return result
+
+    def check_during_collective(self):
+        """The check the master's collective waits call: peers alive, not stalled, still open."""
+        self.check_open()
+        if self._collective_watch is not None:
+            self._collective_watch()
+
     def _run_watched(self, fn, ranks, what):
-        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers."""
+        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
+
+        For collectives that block inside native code (the JAX runtime): only
+        another thread can notice a dead or stalled peer meanwhile.
+        """
         box = {}
 
         def target():
@@ -284,8 +315,16 @@ class Runtime:
     def _wait_done(self, ranks, what, deadline=None, spin=None):
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""
         spin = self.spin if spin is None else spin
-        deadline = deadline or time.time() + self.stall_timeout
+        check = self._watch(ranks, what, deadline or time.time() + self.stall_timeout)
+        try:
+            for _ in ranks:
+                self.ctl.done.wait(check, spin=spin)
+        except KeyboardInterrupt:
+            self._abort()
+            raise
 
+    def _watch(self, ranks, what, deadline):
+        """A check that raises (after shutting the runtime down) if a rank died or ``deadline`` passed."""
         def check():
             dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
             if dead:
@@ -300,12 +339,7 @@ class Runtime:
                 self._abort()
                 raise StallError(what, arrived=sorted(arrived + [self.master_rank]), missing=missing,
                                  timeout=self.stall_timeout)
-        try:
-            for _ in ranks:
-                self.ctl.done.wait(check, spin=spin)
-        except KeyboardInterrupt:
-            self._abort()
-            raise
+        return check
 
     def inject_collective_fault(self, rank):
         """Testing hook: make worker ``rank`` raise while preparing the next collective."""
@@ -390,7 +424,7 @@ class Runtime:
             from .comm import make_comm
             self._comm = make_comm(self.comm_kind, ctl=self.ctl, prefix=self.prefix,
                                    rank=self.master_rank, n_ranks=self.n_parallel,
-                                   master_rank=self.master_rank, check=self.check_open,
+                                   master_rank=self.master_rank, check=self.check_during_collective,
                                    spin=self.spin)
         return self._comm
 

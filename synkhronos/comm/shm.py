@@ -15,7 +15,9 @@ its own ``n - 1`` times. Every wait is sliced, with a liveness check.
 
 import numpy as np
 
+from ..devices import adopt, to_device
 from ..shmem import GrowableSegment, SegmentMirror
+from ..transport import aligned_empty
 
 __all__ = ["ShmComm"]
 
@@ -39,6 +41,9 @@ class ShmComm:
     """
 
     name = "shm"
+    #: every wait returns to Python between slices and calls ``check``, so the master
+    #: can run its part inline instead of in a watched thread
+    calls_check_while_waiting = True
 
     def __init__(self, ctl, prefix, rank, n_ranks, master_rank, check, spin=0.0):
         self.ctl, self.rank, self.n_ranks = ctl, rank, n_ranks
@@ -98,13 +103,8 @@ class ShmComm:
         return hosts, offsets, slots
 
     @staticmethod
-    def _to_device(array):
-        import jax
-        # a private copy first: the slot is overwritten by the next collective
-        return jax.device_put(np.array(array), jax.local_devices()[0])
-
-    def _read(self, flat, hosts, offsets):
-        return [self._to_device(flat[a:b].reshape(h.shape))
+    def _read(flat, hosts, offsets):
+        return [to_device(flat[a:b].reshape(h.shape))
                 for h, a, b in zip(hosts, offsets[:-1], offsets[1:])]
 
     def all_reduce(self, values, op):
@@ -123,8 +123,12 @@ class ShmComm:
     def all_gather(self, values):
         hosts, offsets, slots = self._publish(values)
         self.barrier()
-        out = [self._to_device(np.stack([slots[r][a:b].reshape(h.shape) for r in range(self.n_ranks)]))
-               for h, a, b in zip(hosts, offsets[:-1], offsets[1:])]
+        out = []
+        for h, a, b in zip(hosts, offsets[:-1], offsets[1:]):
+            stacked = aligned_empty((self.n_ranks,) + h.shape, h.dtype)
+            for r in range(self.n_ranks):
+                stacked[r] = slots[r][a:b].reshape(h.shape)
+            out.append(adopt(stacked))
         self.barrier()
         return out
 
