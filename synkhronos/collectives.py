@@ -296,8 +296,11 @@ def get_lengths(shared_vars):
 
 
 def _group_bytes(vars_, sizes):
-    """Largest total byte size over the dtype groups, given each variable's item count."""
-    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize for i in idx)
+    """Largest byte size over the dtype groups, given each variable's item count.
+
+    Each variable may start on a 64-byte boundary in a group's flat buffer.
+    """
+    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
                for idx in _dtype_groups(vars_))
 
 

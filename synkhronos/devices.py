@@ -20,8 +20,10 @@ import sys
 
 import numpy as np
 
+from .transport import BufferPool
+
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt"]
+           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -106,6 +108,9 @@ def set_precision(float_x):
     jax.config.update("jax_enable_x64", float_x == "float64")
 
 
+_HOST_POOL = BufferPool()
+
+
 def to_device(host):
     """A device array with the values of ``host``, sharing no memory with it.
 
@@ -123,15 +128,19 @@ def to_device(host):
     jax.Array
         On this process's (only) local device.
     """
-    from .transport import aligned_empty
     host = np.asarray(host)
-    private = aligned_empty(host.shape, host.dtype)
+    private = private_empty(host.shape, host.dtype)
     np.copyto(private, host)
     return adopt(private)
 
 
+def private_empty(shape, dtype):
+    """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds."""
+    return _HOST_POOL.empty(shape, dtype)
+
+
 def adopt(private):
-    """Hand ``private`` (from :func:`~synkhronos.transport.aligned_empty`, never written again) to the device.
+    """Hand ``private`` (from :func:`private_empty`, never written again) to the device.
 
     On CPU the device array is a view of ``private`` and keeps it alive.
     """

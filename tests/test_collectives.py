@@ -116,6 +116,37 @@ def test_large_all_reduce_is_exact(comm_kind, synk2):
     assert np.all(synk.get_value(1, big) == 3.0) and np.all(synk.get_value(0, big) == 3.0)
 
 
+def test_all_reduce_of_one_dtype_group_crossing_chunk_bounds(comm_kind, synk2, rng):
+    """Several float32 variables travel as one flat buffer whose chunks split them unevenly."""
+    shapes = [(7,), (1000,), (5, 3), (300_001,), ()]
+    vars_ = [pytensor.shared(np.zeros(s, "float32"), name=f"g{next(_unique)}") for s in shapes]
+    synk.function([], [(sum(v.sum() for v in vars_), "sum")])
+    for op, combine in [("sum", np.add), ("max", np.maximum)]:
+        values = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(2)]
+        for rank in range(2):
+            synk.set_value(rank, vars_, values[rank])
+        synk.all_reduce(vars_, op=op)
+        for rank in range(2):
+            for var, v0, v1 in zip(vars_, *values):
+                got = synk.get_value(rank, var)
+                assert got.shape == np.shape(v0)
+                np.testing.assert_array_equal(got, combine(v0, v1))
+
+
+def test_a_held_all_reduce_result_is_never_overwritten(comm_kind, synk2):
+    """Results live in reused host buffers: one still referenced must not be reused."""
+    big = pytensor.shared(np.zeros(600_000, "float32"), name=f"h{next(_unique)}")
+    synk.function([], [(big.sum(), "sum")])
+    synk.set_value(0, big, np.ones(600_000, "float32"))
+    synk.set_value(1, big, np.ones(600_000, "float32"))
+    synk.all_reduce(big, op="sum")
+    kept = big.get_value(borrow=True)                 # the master's result, still referenced
+    for step in range(3):
+        synk.all_reduce(big, op="sum")
+    np.testing.assert_array_equal(np.asarray(kept), 2.0)
+    np.testing.assert_array_equal(synk.get_value(1, big), 16.0)
+
+
 COLLECTIVE_MISUSE = [
     ("unknown variable", lambda v: synk.all_reduce(pytensor.shared(np.zeros(2), name="stray")),
      ValueError, "not used by any synk.function"),

@@ -1,12 +1,14 @@
 """CPU collectives through shared memory: every process of one machine reads its peers' buffers.
 
-Each rank copies its flat buffer into its slot of one shared segment; after a
-barrier, rank ``r`` reduces the ``r``-th chunk across all slots (a
-reduce-scatter, written in place into slot 0); after a second barrier every
-rank copies the whole result out; a third barrier keeps the slots untouched
-until everyone has read them. Each byte moves a few times through memory, so
-this runs near memory bandwidth where Gloo over loopback reaches a few percent
-of it (see bench/RESULTS.md).
+All-reduce is a reduce-scatter then an all-gather through one shared segment
+with a slot per rank: rank ``r`` publishes the parts of its values that its
+peers reduce, reduces chunk ``r`` across the slots into a private result and
+publishes that chunk, then copies the peers' reduced chunks into its result.
+Gather and broadcast publish whole values. Results are private, 64-byte
+aligned host buffers that the CPU device adopts without another copy, reused
+once no device array holds them. Each byte moves a few times through memory,
+so this runs at a good fraction of memory bandwidth where Gloo over loopback
+reaches a few percent of it (see bench/RESULTS.md).
 
 The barrier is all-to-all over one process-shared semaphore per rank, kept in
 the control block: rank ``r`` posts every peer's semaphore once, then takes
@@ -15,9 +17,8 @@ its own ``n - 1`` times. Every wait is sliced, with a liveness check.
 
 import numpy as np
 
-from ..devices import adopt, to_device
+from ..devices import adopt, private_empty, to_device
 from ..shmem import GrowableSegment, SegmentMirror
-from ..transport import aligned_empty
 
 __all__ = ["ShmComm"]
 
@@ -89,55 +90,88 @@ class ShmComm:
 
     # --- collectives ------------------------------------------------------------------------
     def _layout(self, values):
+        """Host views of ``values``, their 64-byte aligned offsets in one flat buffer, the slots."""
         hosts = [np.asarray(v) for v in values]    # a CPU device array is viewed, not copied
-        sizes = [h.size for h in hosts]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        dtype = hosts[0].dtype if hosts else np.float32
-        return hosts, offsets, self._slots(dtype, int(offsets[-1]))
-
-    def _publish(self, values):
-        hosts, offsets, slots = self._layout(values)
-        mine = slots[self.rank]
-        for h, a, b in zip(hosts, offsets[:-1], offsets[1:]):
-            mine[a:b] = h.reshape(-1)
-        return hosts, offsets, slots
+        dtype = hosts[0].dtype if hosts else np.dtype(np.float32)
+        per_line = max(1, 64 // dtype.itemsize)
+        offsets, end = [], 0
+        for h in hosts:
+            offsets.append(end)
+            end = -(-(end + h.size) // per_line) * per_line
+        return hosts, offsets, end, self._slots(dtype, end)
 
     @staticmethod
-    def _read(flat, hosts, offsets):
-        return [to_device(flat[a:b].reshape(h.shape))
-                for h, a, b in zip(hosts, offsets[:-1], offsets[1:])]
+    def _pieces(hosts, offsets, lo, hi):
+        """(flat part of a value, start, stop) for every value overlapping flat range [lo, hi)."""
+        for h, a in zip(hosts, offsets):
+            start, stop = max(a, lo), min(a + h.size, hi)
+            if start < stop:
+                yield h.reshape(-1)[start - a:stop - a], start, stop
+
+    def _chunk_bounds(self, total, dtype):
+        per_line = max(1, 64 // np.dtype(dtype).itemsize)
+        bounds = [total * q // self.n_ranks // per_line * per_line for q in range(self.n_ranks)]
+        return bounds + [total]
+
+    @staticmethod
+    def _adopt_parts(flat, hosts, offsets):
+        return [adopt(flat[a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
 
     def all_reduce(self, values, op):
-        hosts, offsets, slots = self._publish(values)
+        """Reduce-scatter then all-gather through the slots; each rank's result is private.
+
+        Rank ``r`` reduces chunk ``r``, so it publishes only the other chunks of
+        its values, reads its own chunk straight from its values, and writes the
+        reduced chunk into its slot (a region no peer reads in that phase). Per
+        rank that is about 2.5 reads and 2 writes of the buffer, the least for a
+        result each rank owns.
+        """
+        hosts, offsets, total, slots = self._layout(values)
+        dtype = slots[0].dtype
+        bounds = self._chunk_bounds(total, dtype)
+        peers = [q for q in range(self.n_ranks) if q != self.rank]
+        mine = slots[self.rank]
+        for q in peers:
+            for part, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
+                mine[a:b] = part
         self.barrier()
-        total = int(offsets[-1])
-        lo, hi = total * self.rank // self.n_ranks, total * (self.rank + 1) // self.n_ranks
+        out = private_empty((total,), dtype)
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
         combine = _COMBINE[op]
-        for q in range(1, self.n_ranks):
-            combine(slots[0][lo:hi], slots[q][lo:hi], out=slots[0][lo:hi])
+        for part, a, b in self._pieces(hosts, offsets, lo, hi):
+            combine(part, slots[peers[0]][a:b], out=out[a:b])
+            for q in peers[1:]:
+                combine(out[a:b], slots[q][a:b], out=out[a:b])
+            mine[a:b] = out[a:b]
         self.barrier()
-        out = self._read(slots[0], hosts, offsets)
+        for q in peers:
+            for _, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
+                out[a:b] = slots[q][a:b]
         self.barrier()
-        return out
+        return self._adopt_parts(out, hosts, offsets)
 
     def all_gather(self, values):
-        hosts, offsets, slots = self._publish(values)
+        hosts, offsets, total, slots = self._layout(values)
+        self._publish(hosts, offsets, slots[self.rank])
         self.barrier()
         out = []
-        for h, a, b in zip(hosts, offsets[:-1], offsets[1:]):
-            stacked = aligned_empty((self.n_ranks,) + h.shape, h.dtype)
+        for h, a in zip(hosts, offsets):
+            stacked = private_empty((self.n_ranks,) + h.shape, h.dtype)
             for r in range(self.n_ranks):
-                stacked[r] = slots[r][a:b].reshape(h.shape)
+                stacked[r] = slots[r][a:a + h.size].reshape(h.shape)
             out.append(adopt(stacked))
         self.barrier()
         return out
 
     def broadcast(self, values, root):
+        hosts, offsets, total, slots = self._layout(values)
         if self.rank == root:
-            hosts, offsets, slots = self._publish(values)
-        else:
-            hosts, offsets, slots = self._layout(values)
+            self._publish(hosts, offsets, slots[root])
         self.barrier()
-        out = self._read(slots[root], hosts, offsets)
+        out = [to_device(slots[root][a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
         self.barrier()
         return out
+
+    def _publish(self, hosts, offsets, slot):
+        for part, a, b in self._pieces(hosts, offsets, 0, len(slot)):
+            slot[a:b] = part
