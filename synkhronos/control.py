@@ -61,8 +61,11 @@ class Op:
 
     @classmethod
     def name(cls, opcode):
-        return next((k.lower() for k, v in vars(cls).items() if v == opcode and k.isupper()),
-                    str(opcode))
+        names = cls.__dict__.get("_names")
+        if names is None:
+            names = {v: k.lower() for k, v in vars(cls).items() if k.isupper()}
+            cls._names = names
+        return names.get(opcode, str(opcode))
 
 
 class Status:
@@ -204,7 +207,8 @@ class ControlBlock:
                 sem.init()
 
     # header fields
-    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN = range(9)
+    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN, \
+        PLAN_ID = range(10)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 

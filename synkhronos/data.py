@@ -243,7 +243,7 @@ class DataMirrors:
         mirror = self.mirrors.get(data_id)
         if mirror is None:
             mirror = self.mirrors[data_id] = SegmentMirror(f"{self.prefix}_d{data_id}")
-        return mirror.get(gen).array(DTYPES[code], shape)
+        return mirror.get(gen).view(DTYPES[code], shape)
 
     def drop(self, data_ids):
         for data_id in data_ids:

@@ -198,7 +198,12 @@ class InputRef:
 
 def put_batch(words, batch):
     """Encode a Batch (its indices live in the index segment at ``batch.index_offset``)."""
-    words.put(batch.total, int(batch.is_range), batch.start, batch.stop, batch.index_offset)
+    words.put(*_batch_words([], batch))
+
+
+def _batch_words(words, batch):
+    words += [batch.total, int(batch.is_range), batch.start, batch.stop, batch.index_offset]
+    return words
 
 
 def get_batch(words, index_lookup, index_gen):
@@ -229,17 +234,17 @@ class CallPlan:
         """Batches whose explicit indices must be written to the index segment."""
         return [b for b in [self.batch] + self.sliced if not b.is_range]
 
-    def encode(self, args):
-        """Write the plan into the int64 array ``args``."""
-        w = Words(args).put(self.fid, self.num_slices, self.index_gen)
-        w.put_list(self.subset)
-        put_batch(w, self.batch)
-        w.put(len(self.scattered), len(self.bcast))
+    def encode(self):
+        """The plan as a list of ints (for :meth:`decode` from the control block's args)."""
+        words = [self.fid, self.num_slices, self.index_gen, len(self.subset), *self.subset]
+        _batch_words(words, self.batch)
+        words += [len(self.scattered), len(self.bcast)]
         for ref in self.scattered + self.bcast:
-            w.put(ref.data_id, ref.gen, ref.code, ref.offset).put_list(ref.shape)
-        w.put(len(self.sliced))
+            words += [ref.data_id, ref.gen, ref.code, ref.offset, len(ref.shape), *ref.shape]
+        words.append(len(self.sliced))
         for b in self.sliced:
-            put_batch(w, b)
+            _batch_words(words, b)
+        return words
 
     @classmethod
     def decode(cls, args, index_lookup):
@@ -347,6 +352,8 @@ class Function:
         self._reference = None
         self.compiled = None
         self.shipped = False
+        self._input_names = [var.name if var.name else f"input {i}"
+                             for i, var in enumerate(spec.all_inputs)]
 
     @property
     def name(self):
@@ -430,7 +437,7 @@ class Function:
         subset = self._subset(output_subset)
         datas = [self._as_data(i, v) for i, v in enumerate(self._collect_args(args, kwargs))]
         n_scat = len(spec.inputs)
-        names = [self._input_name(i) for i in range(n_scat)]
+        names = self._input_names[:n_scat]
         batch_plan, offsets = parse_batch(batch, datas[:n_scat], names)
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
@@ -483,12 +490,13 @@ class Function:
         return [int(i) for i in subset]
 
     def _input_name(self, i):
-        var = self.spec.all_inputs[i]
-        return var.name if var.name else f"input {i}"
+        return self._input_names[i]
 
     def _collect_args(self, args, kwargs):
         all_inputs = self.spec.all_inputs
-        names = [self._input_name(i) for i in range(len(all_inputs))]
+        if not kwargs and len(args) == len(all_inputs):
+            return args
+        names = self._input_names
         if len(args) > len(all_inputs):
             raise TypeError(f"{self.name} takes {len(all_inputs)} inputs {names}, got {len(args)} "
                             f"positional arguments")

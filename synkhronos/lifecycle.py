@@ -112,6 +112,8 @@ class Runtime:
         self._scratch = {}
         self._comm = None
         self._collective_watch = None
+        self._plan_ids = {}        # encoded plan -> id (see _publish_plan)
+        self._next_plan_id = 0
         self.is_open = False
 
     # --- start and stop ---------------------------------------------------------------------
@@ -445,7 +447,7 @@ class Runtime:
 
     def data_view(self, ref):
         d = self._datas[ref.data_id]
-        return d._segment.segment.array(d.dtype, ref.shape)
+        return d._segment.segment.view(d.dtype, ref.shape)
 
     # --- shipping functions -----------------------------------------------------------------
     def ensure_shipped(self):
@@ -486,12 +488,34 @@ class Runtime:
             f.shipped = True
 
     # --- calls ------------------------------------------------------------------------------
+    _PLAN_CACHE = 256
+
+    def _publish_plan(self, words):
+        """Name the call's plan by an id; write its words only the first time.
+
+        Training calls the same function on the same data layout over and over:
+        workers keep the decoded plans of the last ``_PLAN_CACHE`` ids, so a
+        repeated plan costs them one header read instead of a decode.
+        """
+        key = tuple(words)
+        plan_id = self._plan_ids.get(key)
+        if plan_id is None:
+            if len(words) > len(self.ctl.args):
+                raise ValueError(f"this call needs {len(words)} control words, more than the "
+                                 f"{len(self.ctl.args)} there are; use fewer inputs or index arrays")
+            if len(self._plan_ids) >= self._PLAN_CACHE:
+                self._plan_ids.clear()
+            self._next_plan_id += 1
+            plan_id = self._plan_ids[key] = self._next_plan_id
+            self.ctl.args[:len(words)] = words
+        self.ctl.header[ControlBlock.PLAN_ID] = plan_id
+
     def run_call(self, f, plan):
         """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
         from .function import run_share
         if plan.index_arrays():
             plan.index_gen = self.write_indices(plan.index_arrays())
-        plan.encode(self.ctl.args)
+        self._publish_plan(plan.encode())
 
         def local():
             rows, outs = run_share(f.compiled, plan, self.master_rank, self.n_parallel, self.data_view)

@@ -12,6 +12,7 @@ segments when a worker exits), and its ``close()`` fails while numpy views of
 the buffer are alive. Here a mapping is released when its last view dies.
 """
 
+import math
 import mmap
 import os
 import secrets
@@ -81,17 +82,32 @@ class Segment:
         finally:
             os.close(fd)
         self.size = size
+        self._views = {}
         if self.tracked:
             resource_tracker.register("/" + name, "shared_memory")
 
     def array(self, dtype, shape, offset=0):
         """Return a numpy view of ``shape`` items of ``dtype`` at byte ``offset``."""
-        count = int(np.prod(shape, dtype=np.int64))
-        return np.frombuffer(self.mm, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return np.frombuffer(self.mm, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+
+    def view(self, dtype, shape):
+        """Like :meth:`array` at offset 0, kept for the next call with the same dtype and shape.
+
+        Every function call views its input Data this way; the few views a
+        segment is seen through are remembered instead of built each time.
+        """
+        key = (dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 8:
+                self._views.clear()
+            view = self._views[key] = self.array(dtype, shape)
+        return view
 
     def release(self):
         """Drop this process's mapping (freed once no view of it remains)."""
         self.mm = None
+        self._views = {}
 
     def unlink(self):
         """Remove the segment's name; mappings stay valid until released."""

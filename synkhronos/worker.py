@@ -26,6 +26,7 @@ from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
 
 _PR_SET_PDEATHSIG = 1
+_PLAN_CACHE = 256         # as Runtime._PLAN_CACHE: the master never names an older plan
 
 
 class MasterGone(SystemExit):
@@ -62,6 +63,7 @@ class Worker:
         self.datas = DataMirrors(prefix)
         self.functions = {}
         self.shared = {}
+        self.plans = {}            # plan id -> CallPlan (see Runtime._publish_plan)
         self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
@@ -118,12 +120,23 @@ class Worker:
             self.functions[spec.fid] = CompiledFunction(spec)
 
     def call(self):
-        from .function import CallPlan, run_share
-        plan = CallPlan.decode(self.ctl.args, self.index_view)
+        from .function import run_share
+        plan = self.plan()
         rows, outs = run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
         if rows:
             self.write_arrays([np.asarray(o) for o in outs])
         return rows
+
+    def plan(self):
+        """The call's plan: decoded from args the first time its id is seen, then from the cache."""
+        from .function import CallPlan
+        plan_id = int(self.ctl.header[ControlBlock.PLAN_ID])
+        plan = self.plans.get(plan_id)
+        if plan is None:
+            plan = self.plans[plan_id] = CallPlan.decode(self.ctl.args, self.index_view)
+            if len(self.plans) > _PLAN_CACHE:       # ids only grow: drop the oldest
+                del self.plans[min(self.plans)]
+        return plan
 
     def index_view(self, gen, start, n):
         return self.index.get(gen).array(np.int64, (n,), offset=8 * start)
