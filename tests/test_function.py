@@ -50,6 +50,27 @@ def test_batch_forms(model, batch):
     check_all_but_none(out, reference(f, X[rows], B))
 
 
+def test_repeated_plans_read_the_current_indices_and_values(model, rng):
+    """Workers reuse a decoded plan when the call looks the same; what it points to may not be."""
+    f, X, B = model
+    x_dat, b_dat = synk.data(X), synk.data(B)
+    for _ in range(3):                    # same count of indices: the same plan each time
+        idx = rng.permutation(len(X))[:5]
+        check_all_but_none(f(x_dat, b_dat, batch=idx), reference(f, X[idx], B))
+    X2 = rng.normal(size=X.shape)         # same shape: same segment, same plan, new values
+    x_dat.set_value(X2)
+    check_all_but_none(f(x_dat, b_dat), reference(f, X2, B))
+
+
+def test_more_plans_than_the_cache_holds(synk2, rng):
+    x = pt.vector("x")
+    f = synk.function([x], [(x.sum(), "sum")], name="many_plans")
+    X = rng.normal(size=300)
+    x_dat = synk.data(X)
+    for n in list(range(2, 300)) + [2, 3, 299]:   # 298 distinct plans, then old ones again
+        close(f(x_dat, batch=n), X[:n].sum())
+
+
 @pytest.mark.parametrize("num_slices", [1, 3, 4])
 def test_num_slices_on_outputs(model, num_slices, rng):
     f, _, B = model
