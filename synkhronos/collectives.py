@@ -130,9 +130,8 @@ def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
     def execute():
         results = [None] * len(vars_)
         for idx, values in groups:
-            reduced = comm.all_reduce(values, "sum" if op == "avg" else op)
-            for i, v in zip(idx, reduced):
-                results[i] = v / comm.n_ranks if op == "avg" else v
+            for i, v in zip(idx, comm.all_reduce(values, op)):
+                results[i] = v
         if keep == _KEEP_ALL or (keep == _KEEP_MASTER and rank == master_rank):
             for var, v in zip(vars_, results):
                 _store(var, v)
@@ -237,6 +236,8 @@ def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of,
         out = execute()
         # JAX dispatches asynchronously; a collective is finished (its errors raised) on return.
         jax.block_until_ready([v.container.storage[0] for v in vars_])
+        if hasattr(comm, "refresh"):
+            comm.refresh()
         return out
     return execute_and_wait
 
@@ -245,14 +246,15 @@ def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of,
 # The master's side
 # ------------------------------------------------------------------------------------------------
 
-def _run(rt, words_fill, reserve=0):
+def _run(rt, words_fill, reserve=0, result_bytes=0):
     """Encode a collective with ``words_fill(Words)`` and run it on every rank.
 
-    ``reserve``: the largest per-rank buffer (bytes) the collective moves.
+    ``reserve``: the largest per-rank buffer (bytes) the collective moves;
+    ``result_bytes``: the size of its one all-reduce result, if it makes just one.
     """
     rt.ensure_shipped()
     if reserve and hasattr(rt.comm, "reserve"):
-        rt.comm.reserve(reserve)
+        rt.comm.reserve(reserve, result_bytes)
     words_fill(Words(rt.ctl.args))
 
     def local_prepare():
@@ -343,8 +345,11 @@ def _reduce(shared_vars, op, keep):
     shapes = _all_shapes(rt, vars_)
     _require_equal_shapes(vars_, shapes, f"{op} reduction")
     sizes = [int(np.prod(per_rank[0], dtype=np.int64)) for per_rank in shapes]
+    nbytes = _group_bytes(vars_, sizes)
+    one_launch = len(list(_dtype_groups(vars_))) == 1
     out = _run(rt, lambda w: w.put(_ALL_REDUCE).put_list(_uids(rt, vars_))
-               .put(REDUCE_OPS.index(op), keep), reserve=_group_bytes(vars_, sizes))
+               .put(REDUCE_OPS.index(op), keep), reserve=nbytes,
+               result_bytes=nbytes if one_launch else 0)
     if keep == _RETURN:
         return out[0] if single else out
 

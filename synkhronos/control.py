@@ -208,7 +208,7 @@ class ControlBlock:
 
     # header fields
     OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN, \
-        PLAN_ID = range(10)
+        PLAN_ID, RESULT_REGION = range(11)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 

@@ -147,6 +147,21 @@ def test_a_held_all_reduce_result_is_never_overwritten(comm_kind, synk2):
     np.testing.assert_array_equal(synk.get_value(1, big), 16.0)
 
 
+def test_results_stay_intact_when_more_are_held_than_there_are_shared_regions(comm_kind, synk2):
+    from synkhronos.comm.regions import MAX_REGIONS
+    big = pytensor.shared(np.zeros(300_000, "float32"), name=f"k{next(_unique)}")   # 1.2 MB
+    synk.function([], [(big.sum(), "sum")])
+    kept = []
+    for step in range(MAX_REGIONS + 3):
+        for rank in range(2):
+            synk.set_value(rank, big, np.full(300_000, step + rank, "float32"))
+        synk.all_reduce(big, op="avg")
+        kept.append(big.get_value(borrow=True))
+    for step, value in enumerate(kept):
+        np.testing.assert_array_equal(np.asarray(value), step + 0.5)
+    np.testing.assert_array_equal(synk.get_value(1, big), MAX_REGIONS + 2.5)
+
+
 COLLECTIVE_MISUSE = [
     ("unknown variable", lambda v: synk.all_reduce(pytensor.shared(np.zeros(2), name="stray")),
      ValueError, "not used by any synk.function"),

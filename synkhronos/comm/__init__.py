@@ -4,8 +4,8 @@ Every implementation takes a list of arrays of one dtype (the same shapes on
 every rank), is called by every rank at once, and returns a list of device
 arrays, one per input, in one launch for the whole list:
 
-- ``all_reduce(values, op)`` with op in ``sum``, ``prod``, ``min``, ``max``:
-  the element-wise reduction across ranks;
+- ``all_reduce(values, op)`` with op in ``sum``, ``avg``, ``prod``, ``min``, ``max``:
+  the element-wise reduction across ranks (``avg``: the sum divided by the number of ranks);
 - ``all_gather(values)``: each value stacked across ranks, shape ``(n_ranks, *shape)``;
 - ``broadcast(values, root)``: root's values.
 
@@ -15,8 +15,10 @@ GPUs). It is the path accelerators use and the test suite runs it on CPU.
 :class:`~synkhronos.comm.shm.ShmComm` is the CPU-only path through shared
 memory, the default on CPU because it runs near memory bandwidth.
 
-Both may also define ``reserve(nbytes)``, which the master calls before a
-collective so that buffers of ``nbytes`` per rank fit.
+Either may also define ``reserve(nbytes, result_bytes)``, which the master calls
+before a collective so that buffers of ``nbytes`` per rank fit (and, for
+``ShmComm``, to pick the shared region of a single all-reduce result), and
+``refresh()``, which every rank calls after a collective.
 """
 
 from .jax_runtime import JaxComm

@@ -25,6 +25,7 @@ def _psum_from_root(root):
 
 _BODIES = {
     "sum": lambda a: jax.lax.psum(a, _AXIS),
+    "avg": lambda a: jax.lax.pmean(a, _AXIS),
     "max": lambda a: jax.lax.pmax(a, _AXIS),
     "min": lambda a: jax.lax.pmin(a, _AXIS),
     "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS, tiled=True), axis=0, keepdims=True),

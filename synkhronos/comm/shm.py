@@ -19,6 +19,7 @@ import numpy as np
 
 from ..devices import adopt, private_empty, to_device
 from ..shmem import GrowableSegment, SegmentMirror
+from .regions import SharedResults
 
 __all__ = ["ShmComm"]
 
@@ -52,14 +53,33 @@ class ShmComm:
         base = f"{prefix}_cm"
         self.owner = GrowableSegment(base) if rank == master_rank else None
         self.mirror = None if self.owner else SegmentMirror(base)
+        self.results = SharedResults(prefix, rank, n_ranks, master_rank)
 
     # --- buffers ----------------------------------------------------------------------------
-    def reserve(self, nbytes):
-        """Master, before the command: make every slot hold ``nbytes``."""
+    def reserve(self, nbytes, result_bytes=0):
+        """Master, before the command: make every slot hold ``nbytes``.
+
+        ``result_bytes``: the size of the one all-reduce result this collective
+        makes, which then goes to a shared region (0: no shared result).
+        """
         from ..control import ControlBlock
         slot = -(-int(nbytes) // 64) * 64
         if self.owner.ensure(slot * self.n_ranks, oversize=1.25):
             self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
+        self.ctl.header[ControlBlock.RESULT_REGION] = (
+            self.results.choose(int(result_bytes)) if result_bytes else -1)
+
+    def refresh(self):
+        """After a collective: let go of the shared results no array of this rank holds."""
+        self.results.refresh()
+
+    def _result_buffer(self, dtype, count):
+        """Where this all-reduce's result goes: the shared region the master picked, or private."""
+        from ..control import ControlBlock
+        region = int(self.ctl.header[ControlBlock.RESULT_REGION])
+        if region >= 0 and count * np.dtype(dtype).itemsize <= self.results.sizes[region]:
+            return self.results.array(region, dtype, count), True
+        return private_empty((count,), dtype), False
 
     def _slots(self, dtype, count):
         from ..control import ControlBlock
@@ -79,6 +99,7 @@ class ShmComm:
             self.owner.free()
         else:
             self.mirror.release()
+        self.results.release()
 
     # --- synchronization --------------------------------------------------------------------
     def barrier(self):
@@ -118,13 +139,15 @@ class ShmComm:
         return [adopt(flat[a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
 
     def all_reduce(self, values, op):
-        """Reduce-scatter then all-gather through the slots; each rank's result is private.
+        """Reduce-scatter, then all-gather through shared memory.
 
         Rank ``r`` reduces chunk ``r``, so it publishes only the other chunks of
-        its values, reads its own chunk straight from its values, and writes the
-        reduced chunk into its slot (a region no peer reads in that phase). Per
-        rank that is about 2.5 reads and 2 writes of the buffer, the least for a
-        result each rank owns.
+        its values and reads its own chunk straight from its values. With a
+        shared result region every rank writes its reduced chunk there and
+        every device adopts the whole region: per rank about 1.5 reads and 1
+        write of the buffer. Without one, each rank also publishes its reduced
+        chunk and copies its peers' into a private result (2.5 reads, 2 writes).
+        ``op="avg"`` divides each chunk by the number of ranks as it is reduced.
         """
         hosts, offsets, total, slots = self._layout(values)
         dtype = slots[0].dtype
@@ -134,21 +157,29 @@ class ShmComm:
         for q in peers:
             for part, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
                 mine[a:b] = part
+        out, shared = self._result_buffer(dtype, total)
         self.barrier()
-        out = private_empty((total,), dtype)
+        self._reduce_chunk(hosts, offsets, slots, peers, out, bounds, op)
+        if not shared:
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            mine[lo:hi] = out[lo:hi]
+        self.barrier()
+        if not shared:
+            for q in peers:
+                for _, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
+                    out[a:b] = slots[q][a:b]
+            self.barrier()    # peers read this rank's slot until here
+        return self._adopt_parts(out, hosts, offsets)
+
+    def _reduce_chunk(self, hosts, offsets, slots, peers, out, bounds, op):
+        combine = _COMBINE["sum" if op == "avg" else op]
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        combine = _COMBINE[op]
         for part, a, b in self._pieces(hosts, offsets, lo, hi):
             combine(part, slots[peers[0]][a:b], out=out[a:b])
             for q in peers[1:]:
                 combine(out[a:b], slots[q][a:b], out=out[a:b])
-            mine[a:b] = out[a:b]
-        self.barrier()
-        for q in peers:
-            for _, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
-                out[a:b] = slots[q][a:b]
-        self.barrier()
-        return self._adopt_parts(out, hosts, offsets)
+            if op == "avg":
+                np.divide(out[a:b], self.n_ranks, out=out[a:b])
 
     def all_gather(self, values):
         hosts, offsets, total, slots = self._layout(values)

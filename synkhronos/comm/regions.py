@@ -1,0 +1,108 @@
+"""All-reduce results in shared memory, adopted by every rank's CPU device without a copy.
+
+An all-reduce result is the same on every rank, so the ranks can share one
+copy: each writes its reduced chunk into a shared *region* and every rank's
+device array views the whole region. That removes the all-gather copy into
+a private buffer, the largest memory pass of the shared-memory all-reduce.
+
+A region is reused only when no rank still holds a view of it. Each rank
+tracks its own views through the reference count of the region's mapping
+(a device array that adopted a view keeps the mapping alive) and publishes a
+*held* flag per region in a shared table. The master picks the region for the
+next all-reduce while the workers are idle, from flags every rank refreshed
+after its last collective; a stale flag only ever says "held", so a region in
+use is never picked. When every region is held (the program keeps many
+results alive), the all-reduce falls back to private results.
+"""
+
+import sys
+
+import numpy as np
+
+from ..shmem import Segment
+
+__all__ = ["SharedResults", "MAX_REGIONS", "MIN_REGION_BYTES"]
+
+MAX_REGIONS = 16
+#: smaller results are private: malloc reuses small buffers without page faults
+MIN_REGION_BYTES = 1 << 20
+
+
+class SharedResults:
+    """The region table and this rank's mappings of the regions.
+
+    Parameters
+    ----------
+    prefix : str
+        The runtime's segment prefix.
+    rank, n_ranks, master_rank : int
+    """
+
+    def __init__(self, prefix, rank, n_ranks, master_rank):
+        self.prefix, self.rank = prefix, rank
+        self.is_master = rank == master_rank
+        self.table_segment = Segment(f"{prefix}_rt", 8 * (n_ranks + 2) * MAX_REGIONS,
+                                     create=self.is_master)
+        table = self.table_segment.array(np.int64, (n_ranks + 2, MAX_REGIONS))
+        self.held, self.sizes, self.gens = table[:n_ranks], table[n_ranks], table[n_ranks + 1]
+        self.mapped = {}            # region -> (gen, Segment) mapped in this process
+
+    def _name(self, region, gen):
+        return f"{self.prefix}_rr{region}g{gen}"
+
+    # --- the master, while workers are idle --------------------------------------------------
+    def choose(self, nbytes):
+        """Pick (making it if needed) a region for a result of ``nbytes``; -1 for a private result."""
+        if nbytes < MIN_REGION_BYTES:
+            return -1
+        self.refresh()
+        free = [r for r in range(MAX_REGIONS) if not self.held[:, r].any()]
+        for r in free:
+            if nbytes <= self.sizes[r] <= 2 * nbytes:
+                return r
+        if not free:
+            return -1
+        region = next((r for r in free if self.sizes[r] == 0), free[0])
+        self._make(region, nbytes)
+        return region
+
+    def _make(self, region, nbytes):
+        if region in self.mapped:
+            self._unmap(region)
+        gen = int(self.gens[region]) + 1
+        size = -(-nbytes // (1 << 16)) * (1 << 16)
+        self.mapped[region] = (gen, Segment(self._name(region, gen), size, create=True))
+        self.gens[region], self.sizes[region] = gen, size
+
+    # --- every rank --------------------------------------------------------------------------
+    def array(self, region, dtype, count):
+        """A fresh view of ``count`` items at the start of ``region``, marked held by this rank."""
+        gen = int(self.gens[region])
+        entry = self.mapped.get(region)
+        if entry is None or entry[0] != gen:
+            if entry is not None:
+                self._unmap(region)
+            entry = self.mapped[region] = (gen, Segment(self._name(region, gen)))
+        self.held[self.rank, region] = 1
+        return entry[1].array(dtype, (count,))
+
+    def refresh(self):
+        """Clear this rank's flag on every region none of its arrays views any more."""
+        for region, (_, segment) in self.mapped.items():
+            # referenced by the segment and getrefcount's argument only: no view is alive
+            if self.held[self.rank, region] and sys.getrefcount(segment.mm) <= 2:
+                self.held[self.rank, region] = 0
+
+    def _unmap(self, region):
+        _, segment = self.mapped.pop(region)
+        if self.is_master:         # the master made every region: its name goes too
+            segment.unlink()
+        segment.release()          # the mapping lives on while a view of it does
+
+    def release(self):
+        """Unmap everything; the master also removes the segments' names."""
+        for region in list(self.mapped):
+            self._unmap(region)
+        self.table_segment.release()
+        if self.is_master:
+            self.table_segment.unlink()
