@@ -43,3 +43,45 @@ def emit(result):
 
 def python():
     return sys.executable
+
+
+def _copy_in_step(nbytes, repeat, barrier, out):
+    src = np.ones(nbytes // 4, "float32")
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeat):
+        barrier.wait()
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    out.put(float(np.median(times)))
+
+
+def concurrent_copy_time(nbytes, processes=2, repeat=5):
+    """Median time of a numpy copy of ``nbytes`` while ``processes`` processes each copy at once.
+
+    Every rank of a host-memory collective moves bytes at the same time as its
+    peers, so this, not one process's copy, is the bandwidth each of them gets.
+    Runs in a fresh interpreter (no JAX threads to fork).
+    """
+    out = run_json([python(), "-m", "bench.common", str(nbytes), str(processes), str(repeat)])
+    return out["seconds"]
+
+
+def _concurrent_copy_main(nbytes, processes, repeat):
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_copy_in_step, args=(nbytes, repeat, barrier, out))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    times = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    emit({"seconds": float(np.mean(times))})
+
+
+if __name__ == "__main__":
+    _concurrent_copy_main(*map(int, sys.argv[1:4]))
