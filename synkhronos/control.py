@@ -28,6 +28,8 @@ from .shmem import Segment
 __all__ = ["ControlBlock", "Op", "Status", "Decision", "Words"]
 
 ARGS = 1 << 16
+#: decoded call plans a worker keeps; the master never names an older one (Runtime._publish_plan)
+PLAN_CACHE = 256
 _HEADER = 16
 _STATUS_FIELDS = 8
 _SEM_SLOT = 64

@@ -22,7 +22,7 @@ import cloudpickle
 import numpy as np
 
 from . import devices
-from .control import ControlBlock, Decision, Op, Status
+from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
 from .transport import read_pickle, unpack_arrays, write_bytes
@@ -488,26 +488,21 @@ class Runtime:
             f.shipped = True
 
     # --- calls ------------------------------------------------------------------------------
-    _PLAN_CACHE = 256
-
     def _publish_plan(self, words):
         """Name the call's plan by an id; write its words only the first time.
 
         Training calls the same function on the same data layout over and over:
-        workers keep the decoded plans of the last ``_PLAN_CACHE`` ids, so a
+        workers keep the decoded plans of the last ``PLAN_CACHE`` ids, so a
         repeated plan costs them one header read instead of a decode.
         """
         key = tuple(words)
         plan_id = self._plan_ids.get(key)
         if plan_id is None:
-            if len(words) > len(self.ctl.args):
-                raise ValueError(f"this call needs {len(words)} control words, more than the "
-                                 f"{len(self.ctl.args)} there are; use fewer inputs or index arrays")
-            if len(self._plan_ids) >= self._PLAN_CACHE:
+            Words(self.ctl.args).put(*words)
+            if len(self._plan_ids) >= PLAN_CACHE:
                 self._plan_ids.clear()
             self._next_plan_id += 1
             plan_id = self._plan_ids[key] = self._next_plan_id
-            self.ctl.args[:len(words)] = words
         self.ctl.header[ControlBlock.PLAN_ID] = plan_id
 
     def run_call(self, f, plan):

@@ -47,10 +47,18 @@ def aligned_empty(shape, dtype):
     0
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    nbytes = _nbytes(shape, dtype)
+    return _aligned_view(np.empty(nbytes + _ALIGN, np.uint8), shape, dtype, nbytes)
+
+
+def _nbytes(shape, dtype):
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def _aligned_view(owner, shape, dtype, nbytes):
+    """``shape``/``dtype`` view of ``owner`` (uint8, ``nbytes`` + 64 long) from its first 64-byte boundary."""
+    start = -owner.ctypes.data % _ALIGN
+    return owner[start:start + nbytes].view(dtype).reshape(shape)
 
 
 class BufferPool:
@@ -77,12 +85,10 @@ class BufferPool:
     def empty(self, shape, dtype):
         """An aligned array of ``shape``/``dtype`` in a buffer no one else refers to."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
         if nbytes < self.min_bytes:
             return aligned_empty(shape, dtype)
-        owner = self._free_owner(nbytes)
-        start = -owner.ctypes.data % _ALIGN
-        return owner[start:start + nbytes].view(dtype).reshape(shape)
+        return _aligned_view(self._free_owner(nbytes), shape, dtype, nbytes)
 
     def _free_owner(self, nbytes):
         for owner in self._owners:

@@ -20,13 +20,12 @@ import traceback
 import numpy as np
 
 from . import devices
-from .control import ControlBlock, Decision, Op, Status, Words
+from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .data import DataMirrors
 from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
 
 _PR_SET_PDEATHSIG = 1
-_PLAN_CACHE = 256         # as Runtime._PLAN_CACHE: the master never names an older plan
 
 
 class MasterGone(SystemExit):
@@ -134,7 +133,7 @@ class Worker:
         plan = self.plans.get(plan_id)
         if plan is None:
             plan = self.plans[plan_id] = CallPlan.decode(self.ctl.args, self.index_view)
-            if len(self.plans) > _PLAN_CACHE:       # ids only grow: drop the oldest
+            if len(self.plans) > PLAN_CACHE:       # ids only grow: drop the oldest
                 del self.plans[min(self.plans)]
         return plan
 

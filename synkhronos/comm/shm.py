@@ -17,6 +17,7 @@ its own ``n - 1`` times. Every wait is sliced, with a liveness check.
 
 import numpy as np
 
+from ..control import ControlBlock
 from ..devices import adopt, private_empty, to_device
 from ..shmem import GrowableSegment, SegmentMirror
 from .regions import SharedResults
@@ -62,7 +63,6 @@ class ShmComm:
         ``result_bytes``: the size of the one all-reduce result this collective
         makes, which then goes to a shared region (0: no shared result).
         """
-        from ..control import ControlBlock
         slot = -(-int(nbytes) // 64) * 64
         if self.owner.ensure(slot * self.n_ranks, oversize=1.25):
             self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
@@ -75,14 +75,12 @@ class ShmComm:
 
     def _result_buffer(self, dtype, count):
         """Where this all-reduce's result goes: the shared region the master picked, or private."""
-        from ..control import ControlBlock
         region = int(self.ctl.header[ControlBlock.RESULT_REGION])
         if region >= 0 and count * np.dtype(dtype).itemsize <= self.results.sizes[region]:
             return self.results.array(region, dtype, count), True
         return private_empty((count,), dtype), False
 
     def _slots(self, dtype, count):
-        from ..control import ControlBlock
         if self.owner is not None:
             segment = self.owner.segment
         else:
