@@ -4,7 +4,9 @@ Each function takes one shared variable or a list, as objects or by name; every
 variable must be used by some ``synk.function`` (only then do the workers hold
 it). The master validates everything (shapes on every rank included) before
 any process enters a collective, so a wrong argument raises here and never
-leaves ranks waiting in a collective.
+leaves ranks waiting in a collective. Reductions check shapes in the
+collective's prepare phase instead (no extra round trip per call): a rank
+whose shape differs from the master's makes every rank skip the collective.
 
 Device collectives (all_reduce, reduce, broadcast, gather, all_gather) run on
 every process through :mod:`synkhronos.comm`; several variables of one dtype
@@ -20,6 +22,7 @@ from . import lifecycle
 from .control import Op, Words
 from .data import Data, condition_value
 from .devices import to_device
+from .errors import WorkerError
 from .function import put_batch
 from .scatter import Batch, chunk, parse_batch
 from .transport import dtype_code
@@ -123,8 +126,16 @@ def _dtype_groups(vars_):
 # collective. Every rank reports "prepared" before any rank executes, so a rank that fails to
 # prepare makes the others skip the collective instead of waiting in it forever.
 
+class ShapeMismatch(ValueError):
+    """A rank's value has another shape than the master's (found while preparing a collective)."""
+
+
 def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
     op, keep = REDUCE_OPS[words.get()], words.get()
+    for var, expected in zip(vars_, [tuple(words.get_list()) for _ in vars_]):
+        own = tuple(np.shape(var.container.storage[0]))
+        if own != expected:
+            raise ShapeMismatch(f"{var} has shape {own} on rank {rank} but {expected} on the master")
     groups = [(idx, [vars_[i].container.storage[0] for i in idx]) for idx in _dtype_groups(vars_)]
 
     def execute():
@@ -339,17 +350,26 @@ def reduce(shared_vars, op="avg", in_place=True):
 
 
 def _reduce(shared_vars, op, keep):
+    """All-reduce / reduce with no shape round trip: the master sends its shapes and every rank
+    checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
     rt = lifecycle.current()
     vars_, single = resolve_shareds(shared_vars)
     _check_op(op, vars_)
-    shapes = _all_shapes(rt, vars_)
-    _require_equal_shapes(vars_, shapes, f"{op} reduction")
-    sizes = [int(np.prod(per_rank[0], dtype=np.int64)) for per_rank in shapes]
-    nbytes = _group_bytes(vars_, sizes)
+    rt.ensure_shipped()
+    own = shapes_of(v.container.storage[0] for v in vars_)
+    nbytes = _group_bytes(vars_, [int(np.prod(s, dtype=np.int64)) for s in own])
     one_launch = len(list(_dtype_groups(vars_))) == 1
-    out = _run(rt, lambda w: w.put(_ALL_REDUCE).put_list(_uids(rt, vars_))
-               .put(REDUCE_OPS.index(op), keep), reserve=nbytes,
-               result_bytes=nbytes if one_launch else 0)
+
+    def fill(w):
+        w.put(_ALL_REDUCE).put_list(_uids(rt, vars_)).put(REDUCE_OPS.index(op), keep)
+        for shape in own:
+            w.put_list(shape)
+    try:
+        out = _run(rt, fill, reserve=nbytes, result_bytes=nbytes if one_launch else 0)
+    except WorkerError as e:
+        if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
+            _require_equal_shapes(vars_, _all_shapes(rt, vars_), f"{op} reduction")
+        raise
     if keep == _RETURN:
         return out[0] if single else out
 

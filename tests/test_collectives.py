@@ -192,6 +192,12 @@ def test_unequal_shapes_all_reduce_is_refused_before_any_collective(held, rng):
     synk.set_value(1, a, rng.normal(size=(4, 2)))
     with pytest.raises(ValueError, match=r"\[\(3, 2\), \(4, 2\)\]"):
         synk.all_reduce(a)
+    with pytest.raises(ValueError, match="same shape on every rank"):
+        synk.reduce([b, a], op="sum", in_place=False)
+    assert synk.get_shapes(a) == [(3, 2), (4, 2)]       # nothing was half-done
+    synk.set_value(1, a, rng.normal(size=(2, 3)))      # same size, other shape: still refused
+    with pytest.raises(ValueError, match=r"\[\(3, 2\), \(2, 3\)\]"):
+        synk.all_reduce(a)
     synk.all_reduce(b, op="max")
 
 
