@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +23,35 @@ def median_time(fn, repeat=200, warmup=20):
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+def interleaved_medians(fns, rounds, calls):
+    """Median wall time (s) of each of ``fns``, timed in alternating blocks of ``calls`` calls."""
+    times = [[] for _ in fns]
+    for fn in fns:
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for fn, out in zip(fns, times):
+            for _ in range(calls):
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+    return [float(np.median(t)) for t in times]
+
+
+@contextlib.contextmanager
+def busy_peer(seconds=120):
+    """A second process calling the tiny benchmark function in a loop while the block runs."""
+    proc = subprocess.Popen([python(), "-m", "bench.busy_call", str(seconds)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench.busy_call did not start")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def run_json(cmd, env=None, timeout=900):

@@ -7,32 +7,43 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from bench.common import concurrent_copy_time, median_time
+from bench.busy_call import tiny_direct
+from bench.common import busy_peer, concurrent_copy_time, interleaved_medians, median_time
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.extensions import train, updates
 
 
-def call_overhead():
-    """Median per-call time through synkhronos vs the same compiled function called directly."""
+def call_overhead(rounds=20, calls=100):
+    """Median per-call time through synkhronos vs the same compiled function called directly.
+
+    The two are timed in alternating blocks of ``calls`` calls, so a slow
+    patch of a shared machine hits both alike; each figure is the median over
+    all calls. A third column times the direct call while another process
+    runs it at the same time (what every device of a synkhronos call does).
+    """
     x = pt.vector("x", dtype="float32")
     tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny")
     w = pytensor.shared(np.zeros(4, "float32"), name="w_empty")
     empty = synk.function([], updates=[(w, w + 1)], name="empty")
     synk.distribute()
-    X = np.arange(8, dtype="float32")
+    direct_tiny, X = tiny_direct()
     x_dat = synk.data(X)
-    direct_tiny = pytensor.function([x], (x * 2 + 1).sum(), mode="JAX")
     w2 = pytensor.shared(np.zeros(4, "float32"))
     direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
+    assert float(tiny(x_dat)[0]) == float(np.asarray(direct_tiny(X)))
+    cases = [
+        # the direct call returns a host value too, as a synkhronos call does
+        ("tiny function (8 rows, a few scalar ops)", lambda: tiny(x_dat),
+         lambda: np.asarray(direct_tiny(X))),
+        ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]
     rows = []
-    for name, synk_call, direct_call in [
-            # the direct call returns a host value too, as a synkhronos call does
-            ("tiny function (8 rows, a few scalar ops)", lambda: tiny(x_dat),
-             lambda: np.asarray(direct_tiny(X))),
-            ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]:
-        t_synk, t_direct = median_time(synk_call, 2000), median_time(direct_call, 2000)
+    for name, synk_call, direct_call in cases:
+        t_synk, t_direct = interleaved_medians([synk_call, direct_call], rounds, calls)
         rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6,
                          ratio=t_synk / t_direct))
+    with busy_peer():
+        t_busy, = interleaved_medians([cases[0][2]], rounds // 2, calls)
+    rows[0]["direct_busy_us"] = t_busy * 1e6
     return rows
 
 

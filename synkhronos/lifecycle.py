@@ -489,13 +489,13 @@ class Runtime:
 
     # --- calls ------------------------------------------------------------------------------
     def _publish_plan(self, words):
-        """Name the call's plan by an id; write its words only the first time.
+        """Name the call's plan (a tuple of ints) by an id; write its words only the first time.
 
         Training calls the same function on the same data layout over and over:
         workers keep the decoded plans of the last ``PLAN_CACHE`` ids, so a
         repeated plan costs them one header read instead of a decode.
         """
-        key = tuple(words)
+        key = words
         plan_id = self._plan_ids.get(key)
         if plan_id is None:
             Words(self.ctl.args).put(*words)
