@@ -105,7 +105,8 @@ def gathering(n_rows, batch):
     t_workers = median_time(lambda: f(x_dat, batch=idx), 50, warmup=3)
 
     def master_alone():
-        staged.data[...] = np.take(X, idx, axis=0)   # master gathers every row itself
+        # master gathers every row itself, the fastest way numpy offers (straight into shared memory)
+        np.take(X, idx, axis=0, out=staged.data, mode="clip")
         f(staged)
     t_master = median_time(master_alone, 50, warmup=3)
     check = np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
