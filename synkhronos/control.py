@@ -8,6 +8,8 @@ Layout (all in one segment created by the master)::
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
     barrier  sem_t[n]         rank -> rank: the shared-memory collectives' barrier
+    filled   sem_t[n, n]      rank r -> rank q: a chunk of the pipelined all-reduce is ready
+    freed    sem_t[n, n]      rank q -> rank r: that chunk's ring slot may be written again
 
 Semaphores are process-shared POSIX semaphores (futexes) placed inside the
 segment. A waiter spins briefly on ``sem_trywait`` before blocking: a spin
@@ -194,7 +196,7 @@ class ControlBlock:
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
         sem_offset = -(-int_bytes // _SEM_SLOT) * _SEM_SLOT
-        size = sem_offset + _SEM_SLOT * (2 * n_ranks + 1)
+        size = sem_offset + _SEM_SLOT * (2 * n_ranks + 1 + 2 * n_ranks * n_ranks)
         self.segment = Segment(name, size, create=create)
         self.header = self.segment.array(np.int64, (_HEADER,))
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)
@@ -204,8 +206,14 @@ class ControlBlock:
         self.go = [Semaphore(base + _SEM_SLOT * r) for r in range(n_ranks)]
         self.done = Semaphore(base + _SEM_SLOT * n_ranks)
         self.barrier = [Semaphore(base + _SEM_SLOT * (n_ranks + 1 + r)) for r in range(n_ranks)]
+        pipes = base + _SEM_SLOT * (2 * n_ranks + 1)
+        self.filled = [[Semaphore(pipes + _SEM_SLOT * (r * n_ranks + q)) for q in range(n_ranks)]
+                       for r in range(n_ranks)]
+        pipes += _SEM_SLOT * n_ranks * n_ranks
+        self.freed = [[Semaphore(pipes + _SEM_SLOT * (r * n_ranks + q)) for q in range(n_ranks)]
+                      for r in range(n_ranks)]
         if create:
-            for sem in self.go + [self.done] + self.barrier:
+            for sem in self.go + [self.done] + self.barrier + sum(self.filled + self.freed, []):
                 sem.init()
 
     # header fields

@@ -133,6 +133,30 @@ def test_all_reduce_of_one_dtype_group_crossing_chunk_bounds(comm_kind, synk2, r
                 np.testing.assert_array_equal(got, combine(v0, v1))
 
 
+@pytest.mark.parametrize("op,combine", [("sum", np.add), ("max", np.maximum), ("prod", np.multiply),
+                                        ("avg", lambda a, b: (a + b) / a.dtype.type(2))])
+def test_pipelined_all_reduce_with_shared_and_private_results(comm_kind, synk2, rng, op, combine):
+    """Over 8 MB the shared-memory all-reduce streams 1 MB chunks through per-pair rings.
+
+    One dtype group gets a shared result; two dtype groups get private results
+    (a second gather phase). Sizes split the variables unevenly across chunks.
+    """
+    shapes = {"float32": [(1_200_003,), (3,), (700, 1501)], "float64": [(1_100_001,), ()]}
+    vars_ = {dt: [pytensor.shared(np.zeros(s, dt), name=f"p{next(_unique)}") for s in ss]
+             for dt, ss in shapes.items()}
+    every = vars_["float32"] + vars_["float64"]
+    synk.function([], [(sum(v.sum() for v in every), "sum")])
+    for group in (vars_["float32"], every):
+        values = [[rng.normal(size=v.get_value().shape).astype(v.type.dtype) for v in group]
+                  for _ in range(2)]
+        for rank in range(2):
+            synk.set_value(rank, group, values[rank])
+        synk.all_reduce(group, op=op)
+        for rank in range(2):
+            for var, v0, v1 in zip(group, *values):
+                np.testing.assert_array_equal(synk.get_value(rank, var), combine(v0, v1))
+
+
 def test_a_held_all_reduce_result_is_never_overwritten(comm_kind, synk2):
     """Results live in reused host buffers: one still referenced must not be reused."""
     big = pytensor.shared(np.zeros(600_000, "float32"), name=f"h{next(_unique)}")

@@ -62,6 +62,30 @@ def test_repeated_plans_read_the_current_indices_and_values(model, rng):
     check_all_but_none(f(x_dat, b_dat), reference(f, X2, B))
 
 
+def test_a_reused_plan_follows_the_data_it_was_made_for(model, rng):
+    """The master reuses a validated plan for a repeated call; any change to the Data must show."""
+    f, X, B = model
+    x_dat, b_dat = synk.data(X), synk.data(B)
+    check_all_but_none(f(x_dat, b_dat), reference(f, X, B))
+    check_all_but_none(f(x_dat, b_dat, batch=4), reference(f, X[:4], B))
+    bigger = rng.normal(size=(11, 3))                 # reallocated: a new segment generation
+    x_dat.set_value(bigger, oversize=2)
+    check_all_but_none(f(x_dat, b_dat), reference(f, bigger, B))
+    check_all_but_none(f(x_dat, b_dat, batch=4), reference(f, bigger[:4], B))
+    smaller = rng.normal(size=(5, 3))                 # same segment, fewer rows
+    x_dat.set_value(smaller)
+    check_all_but_none(f(x_dat, b_dat), reference(f, smaller, B))
+    with pytest.raises(IndexError, match="out of range"):
+        f(x_dat, b_dat, batch=6)
+    other = synk.data(rng.normal(size=(5, 3)))        # another Data of the same shape
+    check_all_but_none(f(other, b_dat), reference(f, other.data, B))
+    x_dat.free_memory()
+    with pytest.raises(TypeError, match="holds no value"):
+        f(x_dat, b_dat)
+    x_dat.set_value(X)
+    check_all_but_none(f(x_dat, b_dat), reference(f, X, B))
+
+
 def test_more_plans_than_the_cache_holds(synk2, rng):
     x = pt.vector("x")
     f = synk.function([x], [(x.sum(), "sum")], name="many_plans")
