@@ -26,18 +26,31 @@ def median_time(fn, repeat=200, warmup=20):
 
 
 def interleaved_medians(fns, rounds, calls):
-    """Median wall time (s) of each of ``fns``, timed in alternating blocks of ``calls`` calls."""
+    """Median wall time (s) of each of ``fns``, timed in alternating blocks of ``calls`` calls.
+
+    Also returns, for two functions, the median over rounds of the ratio of
+    their block medians: a slow patch of a shared machine then moves both
+    sides of each ratio alike.
+    """
     times = [[] for _ in fns]
+    ratios = []
     for fn in fns:
         for _ in range(20):
             fn()
     for _ in range(rounds):
+        block = []
         for fn, out in zip(fns, times):
+            mine = []
             for _ in range(calls):
                 t = time.perf_counter()
                 fn()
-                out.append(time.perf_counter() - t)
-    return [float(np.median(t)) for t in times]
+                mine.append(time.perf_counter() - t)
+            out.extend(mine)
+            block.append(np.median(mine))
+        if len(fns) == 2:
+            ratios.append(block[0] / block[1])
+    medians = [float(np.median(t)) for t in times]
+    return medians + ([float(np.median(ratios))] if ratios else [])
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.extensions import train, updates
 
 
-def call_overhead(rounds=20, calls=100):
+def call_overhead(rounds=40, calls=50):
     """Median per-call time through synkhronos vs the same compiled function called directly.
 
     The two are timed in alternating blocks of ``calls`` calls, so a slow
@@ -38,9 +38,8 @@ def call_overhead(rounds=20, calls=100):
         ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]
     rows = []
     for name, synk_call, direct_call in cases:
-        t_synk, t_direct = interleaved_medians([synk_call, direct_call], rounds, calls)
-        rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6,
-                         ratio=t_synk / t_direct))
+        t_synk, t_direct, ratio = interleaved_medians([synk_call, direct_call], rounds, calls)
+        rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6, ratio=ratio))
     with busy_peer():
         t_busy, = interleaved_medians([cases[0][2]], rounds // 2, calls)
     rows[0]["direct_busy_us"] = t_busy * 1e6

@@ -233,6 +233,8 @@ class CallPlan:
 
     def index_arrays(self):
         """Batches whose explicit indices must be written to the index segment."""
+        if self.batch.is_range and not self.sliced:
+            return []
         return [b for b in [self.batch] + self.sliced if not b.is_range]
 
     def encode(self):
@@ -312,8 +314,6 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     outputs : list
         Per selected output, the rank's accumulation over its slices (device arrays).
     """
-    import jax.numpy as jnp
-
     scattered = [view_of(ref) for ref in plan.scattered]
     bcast = [view_of(ref) for ref in plan.bcast]
     spec = compiled.spec
@@ -340,6 +340,7 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     if len(pieces) == 1:  # the common case: no accumulation at all
         values = compiled.run(args_for(lo, hi))
         return (hi - lo) if counts_rows else 1, [values[i] for i in plan.subset]
+    import jax.numpy as jnp
     outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
     for a, b in pieces:
@@ -382,6 +383,10 @@ class Function:
                              for i, var in enumerate(spec.all_inputs)]
         self._n_inputs = len(spec.all_inputs)
         self._plans = {}          # see _plan_key
+
+    def run_share(self, plan, rank, n_ranks, view_of):
+        """This process's share of a call (see :func:`run_share`)."""
+        return run_share(self.compiled, plan, rank, n_ranks, view_of)
 
     @property
     def name(self):

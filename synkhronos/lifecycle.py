@@ -100,6 +100,7 @@ class Runtime:
         self.worker_ranks = [r for r in range(n_parallel) if r != master_rank]
         self.procs = {}
         self.functions = []
+        self._n_shipped = 0
         self._shared_vars = {}     # id(var) -> (uid, var)
         self._shared_by_uid = {}   # uid -> var
         self._shipped_uids = set()
@@ -451,9 +452,8 @@ class Runtime:
 
     # --- shipping functions -----------------------------------------------------------------
     def ensure_shipped(self):
-        pending = [f for f in self.functions if not f.shipped]
-        if pending:
-            self.ship(pending, sync_values=False)
+        if self._n_shipped < len(self.functions):     # checked on every call: keep it O(1)
+            self.ship([f for f in self.functions if not f.shipped], sync_values=False)
 
     def ship(self, functions, sync_values):
         """Send ``functions`` to every worker, which compiles them.
@@ -486,6 +486,7 @@ class Runtime:
         self._shipped_uids.update(new_shared)
         for f in functions:
             f.shipped = True
+        self._n_shipped = sum(f.shipped for f in self.functions)
 
     # --- calls ------------------------------------------------------------------------------
     def _publish_plan(self, words):
@@ -507,13 +508,13 @@ class Runtime:
 
     def run_call(self, f, plan):
         """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
-        from .function import run_share
-        if plan.index_arrays():
-            plan.index_gen = self.write_indices(plan.index_arrays())
+        index_arrays = plan.index_arrays()
+        if index_arrays:
+            plan.index_gen = self.write_indices(index_arrays)
         self._publish_plan(plan.encode())
 
         def local():
-            rows, outs = run_share(f.compiled, plan, self.master_rank, self.n_parallel, self.data_view)
+            rows, outs = f.run_share(plan, self.master_rank, self.n_parallel, self.data_view)
             return rows, [np.asarray(o) for o in outs]
 
         rows, outs = self.command(Op.CALL, local=local)

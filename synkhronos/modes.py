@@ -6,7 +6,7 @@ so the mean over an uneven split equals the mean over the whole batch.
 
 import numpy as np
 
-__all__ = ["OUTPUT_MODES", "UPDATE_MODES", "check_output_mode", "check_update_mode",
+__all__ = ["OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode", "check_update_mode",
            "Accumulator", "reduce_ranks"]
 
 OUTPUT_MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
@@ -78,6 +78,10 @@ class Accumulator:
         return self.value
 
 
+#: the numpy ufunc of each elementwise reduction
+COMBINE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
 def reduce_ranks(mode, values, rows):
     """Reduce per-rank results (numpy) in rank order; ``rows`` weights ``"avg"``.
 
@@ -90,7 +94,7 @@ def reduce_ranks(mode, values, rows):
         total = sum(rows)
         out = sum(v * (r / total) for v, r in zip(values, rows))
         return np.asarray(out, dtype=np.result_type(values[0]))
-    combine = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[mode]
+    combine = COMBINE[mode]
     out = values[0]
     for v in values[1:]:
         out = combine(out, v)

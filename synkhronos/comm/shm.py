@@ -21,6 +21,7 @@ import numpy as np
 
 from ..control import ControlBlock
 from ..devices import adopt, private_empty, to_device
+from ..modes import COMBINE
 from ..shmem import GrowableSegment, SegmentMirror
 from .regions import SharedResults
 
@@ -42,7 +43,6 @@ CHUNK_BYTES = 1 << 20
 RING_CHUNKS = 2
 PIPELINE_MIN_BYTES = 8 << 20
 
-_COMBINE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 
 class ShmComm:
@@ -208,7 +208,7 @@ class ShmComm:
         outgoing = {q: ring(me, q) for q in peers}
         incoming = {r: ring(r, me) for r in peers}
         out, shared = self._result_buffer(slots[0].dtype, total)
-        combine = _COMBINE["sum" if op == "avg" else op]
+        combine = COMBINE["sum" if op == "avg" else op]
         filled, freed = self.ctl.filled, self.ctl.freed
         for i in range(max(counts)):
             at = (i % RING_CHUNKS) * step
@@ -256,7 +256,7 @@ class ShmComm:
                 out[a:b] = slots[q][a:b]
 
     def _reduce_chunk(self, hosts, offsets, slots, peers, out, bounds, op):
-        combine = _COMBINE["sum" if op == "avg" else op]
+        combine = COMBINE["sum" if op == "avg" else op]
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         for part, a, b in self._pieces(hosts, offsets, lo, hi):
             combine(part, slots[peers[0]][a:b], out=out[a:b])
