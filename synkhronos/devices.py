@@ -12,6 +12,7 @@ time functions are compiled: ranks that disagreed would exchange buffers of
 different sizes in a collective.
 """
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -23,7 +24,7 @@ import numpy as np
 from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
+           "initialize_process", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -167,8 +168,38 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
         pass
 
 
-def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"):
-    """Join the JAX multi-process runtime as process ``rank`` with one local device."""
+@contextlib.contextmanager
+def cpu_pool_of(threads, rank):
+    """Give the XLA CPU client made inside this block ``threads`` threads on rank ``rank``'s cores.
+
+    XLA sizes its CPU thread pool from the CPU affinity when the client is
+    created and ignores its own thread flags (``intra_op_parallelism_threads``:
+    measured, a matmul loop still ran on 2 threads, CPU time 2x wall time).
+    So for the block the affinity is narrowed to this rank's share of the
+    cores (cores ``[rank * threads, (rank + 1) * threads)`` of those available):
+    the pool's threads, created meanwhile, keep that binding, one core set per
+    rank as MPI binds its ranks. Then the calling thread's affinity is
+    restored, so the rest of the process (the user's script, in the master)
+    may run on any core.
+    """
+    original = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if not threads or threads >= len(original):
+        yield
+        return
+    share = [original[(rank * threads + i) % len(original)] for i in range(threads)]
+    os.sched_setaffinity(0, share)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, original)
+
+
+def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64", threads=None):
+    """Join the JAX multi-process runtime as process ``rank`` with one local device.
+
+    On CPU, XLA's thread pool gets ``threads`` threads of this rank's cores (see
+    :func:`cpu_pool_of`).
+    """
     import jax
     if platform == "cpu":
         keep_freed_memory_for_reuse()
@@ -179,17 +210,18 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"
-    jax.distributed.initialize(
-        coordinator_address=address,
-        coordinator_bind_address=address,   # loopback only, never all interfaces
-        num_processes=n_ranks,
-        process_id=rank,
-        local_device_ids=None if platform == "cpu" else [rank],
-        initialization_timeout=int(timeout),
-        heartbeat_timeout_seconds=max(10, int(timeout)),
-        shutdown_timeout_seconds=10,
-    )
-    return jax.local_devices()[0]
+    with cpu_pool_of(threads if platform == "cpu" else None, rank):
+        jax.distributed.initialize(
+            coordinator_address=address,
+            coordinator_bind_address=address,   # loopback only, never all interfaces
+            num_processes=n_ranks,
+            process_id=rank,
+            local_device_ids=None if platform == "cpu" else [rank],
+            initialization_timeout=int(timeout),
+            heartbeat_timeout_seconds=max(10, int(timeout)),
+            shutdown_timeout_seconds=10,
+        )
+        return jax.local_devices()[0]      # the backend (and its thread pool) is made here
 
 
 def shutdown_process():

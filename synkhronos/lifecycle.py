@@ -127,7 +127,7 @@ class Runtime:
             self.procs[rank] = self._launch(rank, port)
         self._wait_done(self.worker_ranks, what="start-up")
         devices.initialize_process(self.master_rank, self.n_parallel, port, self.platform, self.timeout,
-                                   self.float_x())
+                                   self.float_x(), threads=self.threads)
 
     def _launch(self, rank, port):
         env = devices.configure_environment(dict(os.environ), self.platform, self.threads)
@@ -138,6 +138,7 @@ class Runtime:
             port=port, platform=self.platform, timeout=self.timeout, spin=self.spin,
             comm=self.comm_kind,
             float_x=self.float_x(),
+            threads=self.threads,
             profile=bool(self.profile_workers)))
         return subprocess.Popen([sys.executable, "-m", "synkhronos.worker"], env=env,
                                 stdin=subprocess.DEVNULL)

@@ -229,7 +229,7 @@ def main():
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
         devices.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
-                                   cfg["timeout"], cfg["float_x"])
+                                   cfg["timeout"], cfg["float_x"], threads=cfg["threads"])
         if profiler:
             profiler.enable()
         worker.serve()
