@@ -136,3 +136,30 @@ def test_profile_workers_writes_one_file_per_worker(tmp_path):
     import pstats
     stats = pstats.Stats(str(tmp_path / "synk_profile_rank1.prof"))
     assert any("run_share" in name for _, _, name in stats.stats)
+
+
+def _thread_affinities(pid):
+    """{thread id: set of allowed cores} of every thread of process ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:                # the thread ended meanwhile
+            pass
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 cores to bind ranks to")
+def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng):
+    """XLA's CPU pool is bound to the rank's cores; the master's own thread is left free."""
+    cores = sorted(os.sched_getaffinity(0))
+    x = pt.matrix("x")
+    f = synk.function([x], (x.sum(0), "sum"))
+    f(synk.data(rng.normal(size=(6, 2))))          # the backends exist and have run
+    assert os.sched_getaffinity(0) == set(cores)   # the user's thread is not pinned
+    per_rank = {synk2.master_rank: os.getpid(), **{r: p.pid for r, p in synk2.procs.items()}}
+    for rank, pid in per_rank.items():
+        share = {cores[(rank * synk2.threads + i) % len(cores)] for i in range(synk2.threads)}
+        bound = [a for a in _thread_affinities(pid).values() if a == share]
+        assert bound, f"rank {rank}: no thread bound to its cores {share}"
