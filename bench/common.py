@@ -88,17 +88,52 @@ def python():
     return sys.executable
 
 
-def _copy_in_step(nbytes, repeat, barrier, out):
-    src = np.ones(nbytes // 4, "float32")
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
+def _in_lockstep(step, repeat, barrier, out):
+    """Time ``step()`` ``repeat`` times, every process starting each round together."""
+    step()
     times = []
     for _ in range(repeat):
         barrier.wait()
         t = time.perf_counter()
-        np.copyto(dst, src)
+        step()
         times.append(time.perf_counter() - t)
     out.put(float(np.median(times)))
+
+
+def _copy_step(nbytes):
+    src = np.ones(nbytes // 4, "float32")
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def shuffled_batches(rows, batch, count, seed=1):
+    """``count`` different shuffled index sets of ``batch`` rows out of ``rows``."""
+    rng = np.random.default_rng(seed)
+    return [rng.permutation(rows)[:batch] for _ in range(count)]
+
+
+def _gather_step(segment, rows, cols, index_sets):
+    import itertools
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(name=segment)
+    table = np.ndarray((rows, cols), np.float32, shm.buf)
+    out = np.empty((len(index_sets[0]), cols), np.float32)
+    sets = itertools.cycle(index_sets)
+    return lambda shm=shm: np.take(table, next(sets), axis=0, out=out, mode="clip")  # keeps shm mapped
+
+
+def _run_in_lockstep(make_steps, repeat):
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(len(make_steps)), ctx.Queue()
+    procs = [ctx.Process(target=lambda make=make: _in_lockstep(make(), repeat, barrier, out))
+             for make in make_steps]
+    for p in procs:
+        p.start()
+    times = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return float(np.mean(times))
 
 
 def concurrent_copy_time(nbytes, processes=2, repeat=5):
@@ -108,23 +143,43 @@ def concurrent_copy_time(nbytes, processes=2, repeat=5):
     peers, so this, not one process's copy, is the bandwidth each of them gets.
     Runs in a fresh interpreter (no JAX threads to fork).
     """
-    out = run_json([python(), "-m", "bench.common", str(nbytes), str(processes), str(repeat)])
-    return out["seconds"]
+    return run_json([python(), "-m", "bench.common", "copy", str(nbytes), str(processes),
+                     str(repeat)])["seconds"]
 
 
-def _concurrent_copy_main(nbytes, processes, repeat):
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    barrier, out = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_copy_in_step, args=(nbytes, repeat, barrier, out))
-             for _ in range(processes)]
-    for p in procs:
-        p.start()
-    times = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    emit({"seconds": float(np.mean(times))})
+def gather_ceiling(rows, cols, batch, batches, processes=2, repeat=80):
+    """Shuffled-row gathering from shared memory with plain numpy, no synkhronos involved.
+
+    Returns (seconds for one process gathering ``batch`` rows, seconds for each
+    of ``processes`` processes gathering its share at once), cycling through
+    ``batches`` index sets as :func:`shuffled_batches` makes them: their ratio
+    is the most any split of the gathering can gain on this machine.
+    """
+    out = run_json([python(), "-m", "bench.common", "gather", str(rows), str(cols), str(batch),
+                    str(batches), str(processes), str(repeat)])
+    return out["alone"], out["split"]
+
+
+def _main(kind, *args):
+    if kind == "copy":
+        nbytes, processes, repeat = map(int, args)
+        emit({"seconds": _run_in_lockstep([lambda: _copy_step(nbytes)] * processes, repeat)})
+        return
+    from multiprocessing import shared_memory
+    rows, cols, batch, batches, processes, repeat = map(int, args)
+    shm = shared_memory.SharedMemory(create=True, size=rows * cols * 4)
+    try:
+        np.ndarray((rows, cols), np.float32, shm.buf)[:] = 1
+        sets = shuffled_batches(rows, batch, batches)
+        alone = _run_in_lockstep([lambda: _gather_step(shm.name, rows, cols, sets)], repeat)
+        parts = [[np.array_split(idx, processes)[p] for idx in sets] for p in range(processes)]
+        split = _run_in_lockstep([lambda p=p: _gather_step(shm.name, rows, cols, p) for p in parts],
+                                 repeat)
+        emit({"alone": alone, "split": split})
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 if __name__ == "__main__":
-    _concurrent_copy_main(*map(int, sys.argv[1:4]))
+    _main(*sys.argv[1:])

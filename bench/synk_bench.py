@@ -1,5 +1,6 @@
 """The synkhronos side of every benchmark, run in the master after fork()."""
 
+import itertools
 import time
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from bench.busy_call import tiny_direct
-from bench.common import busy_peer, concurrent_copy_time, interleaved_medians, median_time
+from bench.common import (busy_peer, concurrent_copy_time, gather_ceiling, interleaved_medians,
+                          median_time, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.extensions import train, updates
 
@@ -91,23 +93,32 @@ def training(batches, steps):
     return result
 
 
-def gathering(n_rows, batch):
-    """batch= with shuffled indices: every device gathers its rows vs the master gathering all."""
+def gathering(n_rows, batch, n, batches=16):
+    """batch= with shuffled indices: every device gathers its rows vs the master gathering all.
+
+    Every call takes the next of ``batches`` different shuffled index sets (as
+    training does), so the rows come from memory, not from the cache.
+    """
     x = pt.matrix("x", dtype="float32")
     f = synk.function([x], [(x[:, 0].sum(), "sum")], name="gather_rows")
     synk.distribute()
     X = np.random.default_rng(0).normal(size=(n_rows, 784)).astype("float32")
     x_dat = synk.data(X)
-    rng = np.random.default_rng(1)
-    idx = rng.permutation(n_rows)[:batch]
-    staged = synk.data(X[idx])                        # the master-alone path stages into this
-    t_workers = median_time(lambda: f(x_dat, batch=idx), 50, warmup=3)
+    index_sets = shuffled_batches(n_rows, batch, batches)
+    staged = synk.data(X[index_sets[0]])               # the master-alone path stages into this
+    workers_next, alone_next = itertools.cycle(index_sets), itertools.cycle(index_sets)
+
+    def every_device_gathers():
+        f(x_dat, batch=next(workers_next))
 
     def master_alone():
-        # master gathers every row itself, the fastest way numpy offers (straight into shared memory)
-        np.take(X, idx, axis=0, out=staged.data, mode="clip")
+        # the master gathers every row from the same shared Data, the fastest way numpy offers
+        np.take(x_dat.data, next(alone_next), axis=0, out=staged.data, mode="clip")
         f(staged)
-    t_master = median_time(master_alone, 50, warmup=3)
-    check = np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
+    t_workers, t_master, ratio = interleaved_medians([every_device_gathers, master_alone], 10, 8)
+    check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
+                for idx in index_sets[:3])
+    alone, split = gather_ceiling(n_rows, 784, batch, batches, processes=n)
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
-                speedup=t_master / t_workers, correct=bool(check))
+                speedup=1 / ratio, correct=bool(check), numpy_alone_ms=alone * 1e3,
+                numpy_split_ms=split * 1e3, ceiling=alone / split)
