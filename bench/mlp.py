@@ -24,7 +24,12 @@ def pytensor_graph():
     """Return (x, y, loss, params) with float32 shared parameters, computing in float32."""
     import pytensor
     import pytensor.tensor as pt
-    pytensor.config.floatX = "float32"   # optimizer constants in float32 too
+
+    from synkhronos.devices import set_precision
+    # optimizer constants in float32 too, and JAX in 32 bits: PyTensor turns JAX's 64-bit mode on
+    # when its JAX backend is imported under the default floatX (float64), and then computes the
+    # float64-accumulated parts of the backward pass, dots included, in float64 (seen in the HLO)
+    set_precision("float32")
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
     params = [pytensor.shared(v, name=f"p{i}") for i, v in enumerate(init_params())]
     h = x
