@@ -72,8 +72,14 @@ def training_rounds(rounds, batches, steps):
     from bench import synk_bench
     blist = ",".join(map(str, batches))
     tp = torch_python()
-    runs = {name: [] for name in ("single", "bound", "shared", "torch", "shard")}
+    runs = {name: [] for name in ("single", "bound", "shared", "torch", "shard", "core_jax", "core_torch")}
+    per_device = ",".join(str(b // 2) for b in batches)
     for _ in range(rounds):
+        # per-core speed of each framework's compiled step: one process bound to one core
+        runs["core_jax"].append(run_json([python(), "-m", "bench.single_jax", per_device, str(steps),
+                                          "--one-core"]))
+        runs["core_torch"].append(run_json([tp, os.path.join(HERE, "torch_single.py"), per_device,
+                                            str(steps)]) if tp else {"error": "no torch virtualenv"})
         # baselines that must not share this process (thread pools, device count) run apart
         runs["single"].append(run_json([python(), "-m", "bench.single_jax", blist, str(steps)]))
         runs["shard"].append(run_json([python(), "-m", "bench.jax_shardmap", blist, str(steps)],
@@ -86,7 +92,13 @@ def training_rounds(rounds, batches, steps):
                 runs[name].append(synk_bench.training(batches, steps))
             finally:
                 synk.close()
-    result = {name: _medians(per_round, batches) for name, per_round in runs.items()}
+    result = {name: _medians(per_round, batches) for name, per_round in runs.items()
+              if not name.startswith("core")}
+    halves = [b // 2 for b in batches]
+    result["core"] = {"batches": halves, "jax": _medians(runs["core_jax"], halves),
+                      "torch": _medians(runs["core_torch"], halves),
+                      "ratio": {str(h): _median_ratio(runs["core_jax"], runs["core_torch"], str(h))
+                                for h in halves}}
     result["torch_version"] = next((r["torch"] for r in runs["torch"] if "torch" in r), None)
     result["rounds"] = rounds
     result["ratios"] = {str(b): {f"{x}/{y}": _median_ratio(runs[x], runs[y], str(b))
@@ -175,21 +187,31 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           "over every core, so a process that waits (its all-reduce, Python) leaves its cores to the "
           "other's threads. Which is faster depends on the step; both are reported. (d) runs one "
           "process with JAX's default thread pool over its 2 host devices."]
+    core = synk_train["core"]
+    L += ["", "Where the compute goes: the same step in one process bound to one core (the per-device "
+          "batch), PyTensor's JAX code against PyTorch's:", "",
+          "| rows | PyTensor (JAX), 1 core (samples/s) | PyTorch, 1 core (samples/s) | JAX / PyTorch |",
+          "|---|---|---|---|"]
+    for h in core["batches"]:
+        r = core["ratio"][str(h)]
+        L.append(f"| {h} | {_fmt(core['jax'], str(h))} | {_fmt(core['torch'], str(h))} | "
+                 f"{'n/a' if r is None else f'{r:.2f}'} |")
     if synk_train.get("torch_version"):
         L.append(f"\nPyTorch {synk_train['torch_version']} (CPU build) in its own virtualenv, "
                  "`torch.set_num_threads(1)` per process.")
     g = gathering
     L += ["", "## 4. Gathering rows of a 200k × 784 float32 Data with shuffled batch indices", "",
-          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× | result checked | numpy, 1 process gathers all (ms) | numpy, 2 processes gather half each at once (ms) | ceiling of any split |",
+          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× | result checked | numpy, 1 process gathers all (ms) | numpy, 2 processes gather half each at once (ms) | numpy's own split speed-up |",
           "|---|---|---|---|---|---|---|---|---|",
           f"| {g['batch']} | {g['workers_ms']:.2f} | {g['master_alone_ms']:.2f} | {g['speedup']:.2f}× | "
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} | {g['numpy_alone_ms']:.2f} | "
           f"{g['numpy_split_ms']:.2f} | {g['ceiling']:.2f}× |", "",
           "Both synkhronos columns are whole calls of the same function (`x[:, 0].sum()`); the master-alone "
           "path gathers with `np.take(..., out=<shared Data>)` first. The last three columns gather the same "
-          "rows from shared memory with plain numpy and no synkhronos: the most that splitting the "
-          "gathering across processes can gain here (rows are 3 KB apart in 4 KB pages of shared memory, so "
-          "every row costs a TLB miss, and both processes share the memory system).", "",
+          "rows from shared memory with plain numpy and no synkhronos, in a process of their own: what "
+          "splitting the bare gathering across processes gains here (rows are 3 KB apart in 4 KB pages "
+          "of shared memory, so every row costs a TLB miss, and both processes share the memory "
+          "system). It moves from run to run as much as the synkhronos figures do.", "",
           "![plot](results.png)"]
     with open(os.path.join(HERE, "RESULTS.md"), "w") as fh:
         fh.write("\n".join(L) + "\n")

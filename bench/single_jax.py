@@ -1,7 +1,17 @@
-"""Baseline (a): the MLP step in one process, plain PyTensor (JAX backend), full batch, all cores."""
+"""Baseline (a): the MLP step in one process, plain PyTensor (JAX backend), full batch, all cores.
 
+    python -m bench.single_jax BATCHES STEPS [--one-core]
+
+``--one-core`` binds the process to its first core before JAX starts (XLA then
+makes a one-thread pool): the per-core speed of the step's compiled code.
+"""
+
+import os
 import sys
 import time
+
+if "--one-core" in sys.argv:
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
 
 import numpy as np
 import pytensor
