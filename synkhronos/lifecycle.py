@@ -214,7 +214,7 @@ class Runtime:
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
         local_result, local_error = self._run_local(local)
-        self._wait_done(ranks, what=f"a {Op.name(opcode)} command")
+        self._wait_done(ranks, what=opcode)     # named only if something goes wrong
         if local_error is not None:
             raise local_error
         self._raise_worker_errors(ranks)
@@ -328,8 +328,14 @@ class Runtime:
             raise
 
     def _watch(self, ranks, what, deadline):
-        """A check that raises (after shutting the runtime down) if a rank died or ``deadline`` passed."""
+        """A check that raises (after shutting the runtime down) if a rank died or ``deadline`` passed.
+
+        ``what`` names the wait in messages: a phrase, or the opcode of a command.
+        """
         def check():
+            nonlocal what
+            if not isinstance(what, str):
+                what = f"a {Op.name(what)} command"
             dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
             if dead:
                 rank, code = next(iter(dead.items()))
@@ -522,7 +528,8 @@ class Runtime:
         results = {self.master_rank: (rows, outs)}
         for rank in self.worker_ranks:
             w_rows = int(self.ctl.status[rank, ControlBlock.ROWS])
-            results[rank] = (w_rows, self.read_result_arrays(rank) if w_rows else [])
+            # a call selecting no outputs (only updates) sends nothing back
+            results[rank] = (w_rows, self.read_result_arrays(rank) if w_rows and plan.subset else [])
         return [(rank, *results[rank]) for rank in range(self.n_parallel)]
 
 

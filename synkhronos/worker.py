@@ -122,7 +122,7 @@ class Worker:
         from .function import run_share
         plan = self.plan()
         rows, outs = run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
-        if rows:
+        if rows and outs:
             self.write_arrays([np.asarray(o) for o in outs])
         return rows
 
