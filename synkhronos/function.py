@@ -479,7 +479,8 @@ class Function:
         """
         if kwargs or batch_s is not None or output_subset is not None or self.spec.sliceable_shareds:
             return None
-        if not (batch is None or (type(batch) is int)) or len(args) != self._n_inputs:
+        if not (batch is None or type(batch) is int) or type(num_slices) is not int \
+                or len(args) != self._n_inputs:
             return None
         key = [batch, num_slices]
         for d in args:
