@@ -44,7 +44,6 @@ RING_CHUNKS = 2
 PIPELINE_MIN_BYTES = 8 << 20
 
 
-
 class ShmComm:
     """Shared-memory collectives among the processes of one runtime (CPU only).
 
