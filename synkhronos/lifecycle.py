@@ -351,9 +351,14 @@ class Runtime:
                                  timeout=self.stall_timeout)
         return check
 
-    def inject_collective_fault(self, rank):
-        """Testing hook: make worker ``rank`` raise while preparing the next collective."""
-        self.ctl.header[ControlBlock.FAULT] = rank + 1
+    def inject_collective_fault(self, rank, during="prepare"):
+        """Testing hook: make worker ``rank`` fail in the next collective.
+
+        ``during="prepare"``: it raises while preparing; ``"ring"``: it kills
+        itself in the middle of a pipelined shared-memory all-reduce, while its
+        peers stream chunks to it.
+        """
+        self.ctl.header[ControlBlock.FAULT] = (rank + 1) * (1 if during == "prepare" else -1)
 
     def _abort(self):
         """Tear everything down after a fault (dead worker, Ctrl-C)."""

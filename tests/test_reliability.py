@@ -91,6 +91,25 @@ def test_worker_raising_in_a_collective_keeps_runtime_usable(synk2):
     close(synk.get_value(1, v), 6.0)
 
 
+def test_worker_dying_inside_the_pipelined_all_reduce_becomes_worker_error(synk2):
+    """A rank dies while its peer streams chunks through their rings: an error, no hang, no leak."""
+    rt = synk2
+    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
+    big = pytensor.shared(np.ones(3_000_000, "float32"), name="v_ring_death")   # 12 MB: pipelined
+    synk.function([], [(big.sum(), "sum")])
+    synk.distribute()
+    rt.inject_collective_fault(1, during="ring")
+    t0 = time.time()
+    with pytest.raises(synk.WorkerError) as info:
+        synk.all_reduce(big, op="sum")
+    assert time.time() - t0 < 10
+    assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
+    assert_clean(prefix, pids)
+    synk.fork(N_PARALLEL)
+    x = pt.vector("x")
+    close(synk.function([x], (x.sum(), "sum"))(np.arange(4.0)), 6.0)
+
+
 @pytest.mark.parametrize("what", ["collective", "call"])
 def test_stall_names_the_ranks(what):
     if lifecycle._runtime is not None:

@@ -17,6 +17,9 @@ the control block: rank ``r`` posts every peer's semaphore once, then takes
 its own ``n - 1`` times. Every wait is sliced, with a liveness check.
 """
 
+import os
+import signal
+
 import numpy as np
 
 from ..control import ControlBlock
@@ -209,7 +212,10 @@ class ShmComm:
         out, shared = self._result_buffer(slots[0].dtype, total)
         combine = COMBINE["sum" if op == "avg" else op]
         filled, freed = self.ctl.filled, self.ctl.freed
+        die_at = RING_CHUNKS if int(self.ctl.header[ControlBlock.FAULT]) == -(me + 1) else -1
         for i in range(max(counts)):
+            if i == die_at:      # Runtime.inject_collective_fault(rank, during="ring")
+                os.kill(os.getpid(), signal.SIGKILL)
             at = (i % RING_CHUNKS) * step
             for q in peers:
                 if i < counts[q]:
