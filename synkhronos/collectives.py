@@ -355,7 +355,6 @@ def _reduce(shared_vars, op, keep):
     rt = lifecycle.current()
     vars_, single = resolve_shareds(shared_vars)
     _check_op(op, vars_)
-    rt.ensure_shipped()
     own = shapes_of(v.container.storage[0] for v in vars_)
     nbytes = _group_bytes(vars_, [int(np.prod(s, dtype=np.int64)) for s in own])
     one_launch = len(list(_dtype_groups(vars_))) == 1

@@ -210,7 +210,6 @@ class ShmComm:
         outgoing = {q: ring(me, q) for q in peers}
         incoming = {r: ring(r, me) for r in peers}
         out, shared = self._result_buffer(slots[0].dtype, total)
-        combine = COMBINE["sum" if op == "avg" else op]
         filled, freed = self.ctl.filled, self.ctl.freed
         die_at = RING_CHUNKS if int(self.ctl.header[ControlBlock.FAULT]) == -(me + 1) else -1
         for i in range(max(counts)):
@@ -231,12 +230,8 @@ class ShmComm:
                 for r in peers:
                     filled[r][me].wait(self.check, spin=self.spin)
                 for part, a, b in self._pieces(hosts, offsets, lo, min(lo + step, bounds[me + 1])):
-                    src = part
-                    for r in peers:
-                        combine(src, incoming[r][at + a - lo:at + b - lo], out=out[a:b])
-                        src = out[a:b]
-                    if op == "avg":
-                        np.divide(out[a:b], n, out=out[a:b])
+                    self._reduce_into(out[a:b], part,
+                                      [incoming[r][at + a - lo:at + b - lo] for r in peers], op)
                 for r in peers:
                     freed[r][me].post()
         for q in peers:            # every chunk sent to q was read: the ring may be reused
@@ -261,14 +256,19 @@ class ShmComm:
                 out[a:b] = slots[q][a:b]
 
     def _reduce_chunk(self, hosts, offsets, slots, peers, out, bounds, op):
-        combine = COMBINE["sum" if op == "avg" else op]
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         for part, a, b in self._pieces(hosts, offsets, lo, hi):
-            combine(part, slots[peers[0]][a:b], out=out[a:b])
-            for q in peers[1:]:
-                combine(out[a:b], slots[q][a:b], out=out[a:b])
-            if op == "avg":
-                np.divide(out[a:b], self.n_ranks, out=out[a:b])
+            self._reduce_into(out[a:b], part, [slots[q][a:b] for q in peers], op)
+
+    def _reduce_into(self, out, own, peer_parts, op):
+        """``out`` = ``own`` combined with every one of ``peer_parts`` by ``op`` (avg: then / n)."""
+        combine = COMBINE["sum" if op == "avg" else op]
+        src = own
+        for part in peer_parts:
+            combine(src, part, out=out)
+            src = out
+        if op == "avg":
+            np.divide(out, self.n_ranks, out=out)
 
     def all_gather(self, values):
         hosts, offsets, total, slots = self._layout(values)
