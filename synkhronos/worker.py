@@ -63,6 +63,7 @@ class Worker:
         self.functions = {}
         self.shared = {}
         self.plans = {}            # plan id -> CallPlan (see Runtime._publish_plan)
+        self._run_share = self._decode_plan = None     # set by the first SHIP
         self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
@@ -110,7 +111,10 @@ class Worker:
 
     # --- handlers ---------------------------------------------------------------------------
     def ship(self):
-        from .function import CompiledFunction
+        # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
+        # loads once the JAX runtime is up, and no call pays for an import statement
+        from .function import CallPlan, CompiledFunction, run_share
+        self._run_share, self._decode_plan = run_share, CallPlan.decode
         payload = self.payload_object()
         devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
@@ -119,20 +123,18 @@ class Worker:
             self.functions[spec.fid] = CompiledFunction(spec)
 
     def call(self):
-        from .function import run_share
         plan = self.plan()
-        rows, outs = run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
+        rows, outs = self._run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
         if rows and outs:
             self.write_arrays([np.asarray(o) for o in outs])
         return rows
 
     def plan(self):
         """The call's plan: decoded from args the first time its id is seen, then from the cache."""
-        from .function import CallPlan
         plan_id = int(self.ctl.header[ControlBlock.PLAN_ID])
         plan = self.plans.get(plan_id)
         if plan is None:
-            plan = self.plans[plan_id] = CallPlan.decode(self.ctl.args, self.index_view)
+            plan = self.plans[plan_id] = self._decode_plan(self.ctl.args, self.index_view)
             if len(self.plans) > PLAN_CACHE:       # ids only grow: drop the oldest
                 del self.plans[min(self.plans)]
         return plan
