@@ -5,6 +5,7 @@ Layout (all in one segment created by the master)::
     header   int64[16]        opcode, sequence number, payload gen/size, index gen
     args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
     status   int64[n, 8]      per rank: state, result generation, result size, kind
+    records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
     barrier  sem_t[n]         rank -> rank: the shared-memory collectives' barrier
@@ -30,6 +31,8 @@ from .shmem import Segment
 __all__ = ["ControlBlock", "Op", "Status", "Decision", "Words"]
 
 ARGS = 1 << 16
+#: bytes per rank for a call's scalar results, written in place instead of packed
+RECORD_BYTES = 256
 #: decoded call plans a worker keeps; the master never names an older one (Runtime._publish_plan)
 PLAN_CACHE = 256
 _HEADER = 16
@@ -195,13 +198,15 @@ class ControlBlock:
     def __init__(self, name, n_ranks, create=False):
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
-        sem_offset = -(-int_bytes // _SEM_SLOT) * _SEM_SLOT
+        self._records_offset = int_bytes
+        sem_offset = -(-(int_bytes + n_ranks * RECORD_BYTES) // _SEM_SLOT) * _SEM_SLOT
         size = sem_offset + _SEM_SLOT * (2 * n_ranks + 1 + 2 * n_ranks * n_ranks)
         self.segment = Segment(name, size, create=create)
         self.header = self.segment.array(np.int64, (_HEADER,))
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)
         self.status = self.segment.array(np.int64, (n_ranks, _STATUS_FIELDS),
                                          offset=8 * (_HEADER + ARGS))
+        self._record_views = {}
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.segment.mm, sem_offset))
         self.go = [Semaphore(base + _SEM_SLOT * r) for r in range(n_ranks)]
         self.done = Semaphore(base + _SEM_SLOT * n_ranks)
@@ -238,6 +243,24 @@ class ControlBlock:
         row = self.status[rank]
         row[self.RESULT_GEN], row[self.RESULT_NBYTES], row[self.ROWS] = result_gen, result_nbytes, rows
         row[self.STATE] = state
+
+    def records(self, dtype):
+        """Every rank's result record as one array of ``dtype`` (a structured dtype).
+
+        A call whose results are a few scalars (a loss, an accuracy) has each
+        rank assign them to its record in one step; the master then reads all
+        ranks' at once. That replaces a pack into the rank's result segment and
+        an unpack (~6 us of the worker's critical path and ~4 us of the master's,
+        measured for one scalar).
+        """
+        view = self._record_views.get(dtype)
+        if view is None:
+            if dtype.itemsize > RECORD_BYTES:
+                raise ValueError(f"a result record holds at most {RECORD_BYTES} bytes")
+            view = self._record_views[dtype] = np.ndarray(
+                (self.n_ranks,), dtype, buffer=self.segment.mm, offset=self._records_offset,
+                strides=(RECORD_BYTES,))
+        return view
 
     def unlink(self):
         self.segment.unlink()

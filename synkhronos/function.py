@@ -20,13 +20,14 @@ from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
 
 from . import devices, lifecycle
-from .control import Words
+from .control import RECORD_BYTES, Words
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
 from .transport import dtype_code
 
-__all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share"]
+__all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share",
+           "result_record"]
 
 JAX_MODE = "JAX"
 
@@ -231,6 +232,7 @@ class CallPlan:
     index_gen: int = 0
     _words: tuple = field(default=None, repr=False, compare=False)
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
+    _record: object = field(default=False, repr=False, compare=False)        # see result_record
 
     def index_arrays(self):
         """Batches whose explicit indices must be written to the index segment."""
@@ -340,6 +342,25 @@ def _share(plan, rank, n_ranks):
     return Share(lo, hi, n_slices, rows, counts_rows, cuts)
 
 
+def result_record(spec, plan):
+    """The structured dtype in which ranks return this call's results, or None.
+
+    When every selected output is a scalar (0-d in the graph) and together they
+    fit a rank's record in the control block, each rank writes them there, in
+    the outputs' declared dtypes (see :meth:`ControlBlock.records`); any other
+    call packs its arrays into the rank's result segment.
+    """
+    record = plan._record
+    if record is False:
+        fields = [spec.outputs[i][0].type for i in plan.subset]
+        record = None
+        if fields and all(t.ndim == 0 for t in fields):
+            dtype = np.dtype([(f"o{j}", t.dtype) for j, t in enumerate(fields)])
+            record = dtype if dtype.itemsize <= RECORD_BYTES else None
+        plan._record = record
+    return record
+
+
 def run_share(compiled, plan, rank, n_ranks, view_of):
     """Compute this rank's share of a call.
 
@@ -433,6 +454,10 @@ class Function:
     def run_share(self, plan, rank, n_ranks, view_of):
         """This process's share of a call (see :func:`run_share`)."""
         return run_share(self.compiled, plan, rank, n_ranks, view_of)
+
+    def result_record(self, plan):
+        """How ranks return ``plan``'s results (see :func:`result_record`)."""
+        return result_record(self.spec, plan)
 
     @property
     def name(self):

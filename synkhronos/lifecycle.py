@@ -531,10 +531,17 @@ class Runtime:
 
         rows, outs = self.command(Op.CALL, local=local)
         results = {self.master_rank: (rows, outs)}
+        record = f.result_record(plan)
+        records = self.ctl.records(record).copy() if record is not None else None
         for rank in self.worker_ranks:
             w_rows = int(self.ctl.status[rank, ControlBlock.ROWS])
             # a call selecting no outputs (only updates) sends nothing back
-            results[rank] = (w_rows, self.read_result_arrays(rank) if w_rows and plan.subset else [])
+            if not (w_rows and plan.subset):
+                results[rank] = (w_rows, [])
+            elif records is not None:
+                results[rank] = (w_rows, list(records[rank]))
+            else:
+                results[rank] = (w_rows, self.read_result_arrays(rank))
         return [(rank, *results[rank]) for rank in range(self.n_parallel)]
 
 

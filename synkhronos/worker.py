@@ -63,7 +63,7 @@ class Worker:
         self.functions = {}
         self.shared = {}
         self.plans = {}            # plan id -> CallPlan (see Runtime._publish_plan)
-        self._run_share = self._decode_plan = None     # set by the first SHIP
+        self._run_share = self._decode_plan = self._record = None     # set by the first SHIP
         self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
@@ -113,8 +113,8 @@ class Worker:
     def ship(self):
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
-        from .function import CallPlan, CompiledFunction, run_share
-        self._run_share, self._decode_plan = run_share, CallPlan.decode
+        from .function import CallPlan, CompiledFunction, result_record, run_share
+        self._run_share, self._decode_plan, self._record = run_share, CallPlan.decode, result_record
         payload = self.payload_object()
         devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
@@ -124,9 +124,14 @@ class Worker:
 
     def call(self):
         plan = self.plan()
-        rows, outs = self._run_share(self.functions[plan.fid], plan, self.rank, self.n_ranks, self.data_view)
+        compiled = self.functions[plan.fid]
+        rows, outs = self._run_share(compiled, plan, self.rank, self.n_ranks, self.data_view)
         if rows and outs:
-            self.write_arrays([np.asarray(o) for o in outs])
+            record = self._record(compiled.spec, plan)
+            if record is not None:
+                self.ctl.records(record)[self.rank] = tuple(np.asarray(o) for o in outs)
+            else:
+                self.write_arrays([np.asarray(o) for o in outs])
         return rows
 
     def plan(self):

@@ -140,6 +140,45 @@ def test_output_subset_and_bare_output(synk2, rng):
     close(h(X), X.mean())
 
 
+@pytest.mark.parametrize("batch", [None, 1, [5, 5, 0]])
+def test_scalar_results_of_every_dtype_and_mode(synk2, rng, batch):
+    """Scalar outputs return through the control block's records: mixed dtypes, every mode.
+
+    ``batch=1`` leaves the master without rows (rank 1 computes alone); the
+    float32/int/bool results must keep their declared dtypes and weights.
+    """
+    x = pt.matrix("x", dtype="float32")
+    k = pt.vector("k", dtype="int64")
+    outputs = [(x.sum(), "sum"), (x.mean(), "avg"), ((1 + 0.01 * x).prod(), "prod"),
+               (k.max(), "max"), (k.min(), "min"), ((k > 2).any(), "max"), (k.sum(), "sum"),
+               (x.mean(), None)]
+    f = synk.function([x, k], outputs, name="scalars")
+    X = rng.normal(size=(7, 3)).astype("float32")
+    K = rng.integers(-5, 6, size=7)
+    out = f(synk.data(X), synk.data(K), batch=batch)
+    rows = np.arange(7)[slice(None) if batch is None else slice(batch) if isinstance(batch, int)
+                        else batch]
+    ref = reference(f, X[rows], K[rows])
+    for got, want, var in zip(out[:-1], ref[:-1], [v for v, _ in f.spec.outputs]):
+        assert got.dtype == var.type.dtype and got.shape == ()
+        close(got, want, rtol=1e-5, atol=1e-6)
+    master_rows = rows[:len(rows) // 2] if len(rows) > 1 else rows    # mode None: the master's own
+    close(out[-1], X[master_rows].mean(), rtol=1e-5)
+
+
+def test_results_too_large_for_a_record_are_packed(synk2, rng):
+    """Forty float64 scalars (320 bytes) and a scalar beside a vector take the packed path."""
+    x = pt.matrix("x")
+    many = synk.function([x], [(x[:, 0].sum() * i, "sum") for i in range(40)], name="many_scalars")
+    mixed = synk.function([x], [(x.sum(), "sum"), (x.sum(0), "sum")], name="mixed_results")
+    X = rng.normal(size=(9, 2))
+    close(np.array(many(X)), X[:, 0].sum() * np.arange(40))
+    s, v = mixed(X)
+    close(s, X.sum())
+    close(v, X.sum(0))
+    assert mixed(X, output_subset=[0])[0].shape == ()        # a scalar subset of a mixed function
+
+
 def test_state_evolves_identically_on_every_rank(synk2):
     w = pytensor.shared(np.array([1.0, -2.0, 0.5]), name="w_state")
     v = pytensor.shared(np.zeros(3), name="v_state")
