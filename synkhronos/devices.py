@@ -24,7 +24,7 @@ import numpy as np
 from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
+           "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -98,6 +98,12 @@ def configure_environment(env, platform, threads):
     # would drown the user's output; errors still show. Set it yourself to see everything.
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
+
+
+def platform():
+    """The JAX platform this process computes on ("cpu", "gpu", ...)."""
+    import jax
+    return jax.default_backend()
 
 
 def set_precision(float_x):

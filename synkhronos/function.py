@@ -23,6 +23,7 @@ from . import devices, lifecycle
 from .control import RECORD_BYTES, Words
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
+from .rewrites import compile_mode
 from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
 from .transport import dtype_code
 
@@ -110,10 +111,16 @@ class FunctionSpec:
     def all_inputs(self):
         return self.inputs + self.bcast_inputs
 
-    def pytensor_kwargs(self):
-        """Keyword arguments for every ``pytensor.function`` built from this spec."""
+    def pytensor_kwargs(self, platform=None):
+        """Keyword arguments for a ``pytensor.function`` built from this spec.
+
+        With ``platform`` (compiling for this process's device), the default mode
+        carries synkhronos's rewrites for that platform (:mod:`.rewrites`);
+        without, it is PyTensor's own JAX mode (the single-process reference).
+        A ``mode`` the user gave is used as it is.
+        """
         kwargs = dict(self.kwargs)
-        kwargs.setdefault("mode", JAX_MODE)
+        kwargs.setdefault("mode", compile_mode(platform) if platform else JAX_MODE)
         kwargs.setdefault("on_unused_input", "ignore")
         return kwargs
 
@@ -158,7 +165,7 @@ class CompiledFunction:
             outputs = outputs + [v for _, v, _ in spec.updates]
             upd = []
         fn = pytensor.function(spec.all_inputs + self.sliced_inputs, outputs, updates=upd,
-                               givens=self._givens(), **spec.pytensor_kwargs())
+                               givens=self._givens(), **spec.pytensor_kwargs(devices.platform()))
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
         # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
         fn.trust_input = True
