@@ -72,12 +72,15 @@ def training_rounds(rounds, batches, steps):
     from bench import synk_bench
     blist = ",".join(map(str, batches))
     tp = torch_python()
-    runs = {name: [] for name in ("single", "bound", "shared", "torch", "shard", "core_jax", "core_torch")}
+    runs = {name: [] for name in ("single", "bound", "shared", "torch", "shard", "core_jax", "core_synk",
+                                  "core_torch")}
     per_device = ",".join(str(b // 2) for b in batches)
     for _ in range(rounds):
         # per-core speed of each framework's compiled step: one process bound to one core
         runs["core_jax"].append(run_json([python(), "-m", "bench.single_jax", per_device, str(steps),
                                           "--one-core"]))
+        runs["core_synk"].append(run_json([python(), "-m", "bench.single_jax", per_device, str(steps),
+                                           "--one-core", "--synk-mode"]))
         runs["core_torch"].append(run_json([tp, os.path.join(HERE, "torch_single.py"), per_device,
                                             str(steps)]) if tp else {"error": "no torch virtualenv"})
         # baselines that must not share this process (thread pools, device count) run apart
@@ -96,9 +99,12 @@ def training_rounds(rounds, batches, steps):
               if not name.startswith("core")}
     halves = [b // 2 for b in batches]
     result["core"] = {"batches": halves, "jax": _medians(runs["core_jax"], halves),
+                      "synk": _medians(runs["core_synk"], halves),
                       "torch": _medians(runs["core_torch"], halves),
                       "ratio": {str(h): _median_ratio(runs["core_jax"], runs["core_torch"], str(h))
-                                for h in halves}}
+                                for h in halves},
+                      "synk_ratio": {str(h): _median_ratio(runs["core_synk"], runs["core_torch"], str(h))
+                                     for h in halves}}
     result["torch_version"] = next((r["torch"] for r in runs["torch"] if "torch" in r), None)
     result["rounds"] = rounds
     result["ratios"] = {str(b): {f"{x}/{y}": _median_ratio(runs[x], runs[y], str(b))
@@ -189,13 +195,16 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           "process with JAX's default thread pool over its 2 host devices."]
     core = synk_train["core"]
     L += ["", "Where the compute goes: the same step in one process bound to one core (the per-device "
-          "batch), PyTensor's JAX code against PyTorch's:", "",
-          "| rows | PyTensor (JAX), 1 core (samples/s) | PyTorch, 1 core (samples/s) | JAX / PyTorch |",
-          "|---|---|---|---|"]
+          "batch), PyTensor's JAX code (plain, and with the CPU rewrite synkhronos compiles with: "
+          "`synkhronos/rewrites.py`) against PyTorch's:", "",
+          "| rows | PyTensor (JAX), 1 core (samples/s) | + synkhronos CPU rewrite, 1 core | "
+          "PyTorch, 1 core (samples/s) | JAX / PyTorch | with rewrite / PyTorch |",
+          "|---|---|---|---|---|---|"]
     for h in core["batches"]:
-        r = core["ratio"][str(h)]
-        L.append(f"| {h} | {_fmt(core['jax'], str(h))} | {_fmt(core['torch'], str(h))} | "
-                 f"{'n/a' if r is None else f'{r:.2f}'} |")
+        r, rs = core["ratio"][str(h)], core["synk_ratio"][str(h)]
+        L.append(f"| {h} | {_fmt(core['jax'], str(h))} | {_fmt(core['synk'], str(h))} | "
+                 f"{_fmt(core['torch'], str(h))} | {'n/a' if r is None else f'{r:.2f}'} | "
+                 f"{'n/a' if rs is None else f'{rs:.2f}'} |")
     if synk_train.get("torch_version"):
         L.append(f"\nPyTorch {synk_train['torch_version']} (CPU build) in its own virtualenv, "
                  "`torch.set_num_threads(1)` per process.")
@@ -207,7 +216,8 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} | {g['numpy_alone_ms']:.2f} | "
           f"{g['numpy_split_ms']:.2f} | {g['ceiling']:.2f}× |", "",
           "Both synkhronos columns are whole calls of the same function (`x[:, 0].sum()`); the master-alone "
-          "path gathers with `np.take(..., out=<shared Data>)` first. The last three columns gather the same "
+          "path first gathers every row into a shared Data with the gatherer each device uses "
+          "(`synkhronos.scatter.gather_rows`, blocks of rows whose first elements are touched first). The last three columns gather the same "
           "rows from shared memory with plain numpy and no synkhronos, in a process of their own: what "
           "splitting the bare gathering across processes gains here (rows are 3 KB apart in 4 KB pages "
           "of shared memory, so every row costs a TLB miss, and both processes share the memory "

@@ -1,9 +1,11 @@
 """Baseline (a): the MLP step in one process, plain PyTensor (JAX backend), full batch, all cores.
 
-    python -m bench.single_jax BATCHES STEPS [--one-core]
+    python -m bench.single_jax BATCHES STEPS [--one-core] [--synk-mode]
 
 ``--one-core`` binds the process to its first core before JAX starts (XLA then
 makes a one-thread pool): the per-core speed of the step's compiled code.
+``--synk-mode`` compiles with the mode synkhronos uses on a CPU device
+(PyTensor's JAX mode plus :mod:`synkhronos.rewrites`) instead of plain "JAX".
 """
 
 import os
@@ -21,10 +23,10 @@ from bench.common import emit
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 
 
-def main(batches, steps):
+def main(batches, steps, mode="JAX"):
     x, y, loss, params = pytensor_graph()
     step = pytensor.function([x, y], loss, updates=optim.sgd(LR, momentum=MOMENTUM)(loss, params),
-                             mode="JAX")
+                             mode=mode)
     result = {}
     for b in batches:
         X, Y = data(b)
@@ -39,4 +41,9 @@ def main(batches, steps):
 
 
 if __name__ == "__main__":
-    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]))
+    if "--synk-mode" in sys.argv:
+        from synkhronos.rewrites import compile_mode
+        mode = compile_mode("cpu")
+    else:
+        mode = "JAX"
+    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]), mode)

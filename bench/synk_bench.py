@@ -13,6 +13,7 @@ from bench.common import (busy_peer, concurrent_copy_time, gather_ceiling, inter
                           median_time, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.extensions import train, updates
+from synkhronos.scatter import gather_rows
 
 
 def call_overhead(rounds=40, calls=50):
@@ -112,8 +113,9 @@ def gathering(n_rows, batch, n, batches=16):
         f(x_dat, batch=next(workers_next))
 
     def master_alone():
-        # the master gathers every row from the same shared Data, the fastest way numpy offers
-        np.take(x_dat.data, next(alone_next), axis=0, out=staged.data, mode="clip")
+        # the master gathers every row from the same shared Data with the gatherer every device
+        # uses (synkhronos.scatter.gather_rows: faster than one np.take), then calls on the range
+        gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
     t_workers, t_master, ratio = interleaved_medians([every_device_gathers, master_alone], 10, 8)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)

