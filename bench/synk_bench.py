@@ -118,9 +118,12 @@ def gathering(n_rows, batch, n, batches=16):
         gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
     t_workers, t_master, ratio = interleaved_medians([every_device_gathers, master_alone], 10, 8)
+    # what a call costs besides the gathering: the same call on a range of rows (nothing gathered)
+    t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], 10, 8)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
                 for idx in index_sets[:3])
     alone, split = gather_ceiling(n_rows, 784, batch, batches, processes=n)
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
+                range_call_ms=t_range * 1e3,
                 speedup=1 / ratio, correct=bool(check), numpy_alone_ms=alone * 1e3,
                 numpy_split_ms=split * 1e3, ceiling=alone / split)
