@@ -1,5 +1,6 @@
-"""The CPU rewrite that copies a transposed left operand of a matrix product (synkhronos.rewrites)."""
+"""The CPU rewrite of weight-gradient products ``A.T @ B`` (synkhronos.rewrites)."""
 
+import jax
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -7,18 +8,16 @@ import pytest
 
 import synkhronos as synk
 from helpers import close, reference
-from synkhronos.rewrites import Materialize, compile_mode, materialize
+from synkhronos.rewrites import TransposedDot, compile_mode, tiled_transpose, transposed_dot
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def materialized_dots(fn):
-    """For each Dot of a compiled PyTensor function: is its left operand a Materialize?"""
-    return [node.inputs[0].owner is not None and isinstance(node.inputs[0].owner.op, Materialize)
-            for node in fn.maker.fgraph.toposort() if type(node.op).__name__ == "Dot"]
+def ops_of(fn):
+    return [type(node.op).__name__ for node in fn.maker.fgraph.toposort()]
 
 
-def test_weight_gradient_products_are_materialized_and_exact(synk2, rng):
+def test_weight_gradient_products_are_rewritten_and_exact(synk2, rng):
     x, g, w = pt.matrix("x"), pt.matrix("g"), pt.matrix("w")
     f = synk.function([x, g], [(x.T @ g, "sum"), (g @ w.T, "gather"), (x @ w, "gather")],
                       bcast_inputs=[w], name="three_products")
@@ -27,29 +26,45 @@ def test_weight_gradient_products_are_materialized_and_exact(synk2, rng):
     for got, want in zip(out, reference(f, X, G, W)):
         close(got, want)
     # only x.T @ g has a transposed left operand; the master compiled for its CPU device
-    assert sorted(materialized_dots(f.compiled._with_updates)) == [False, False, True]
+    ops = ops_of(f.compiled._with_updates)
+    assert ops.count("TransposedDot") == 1 and ops.count("Dot") == 2
 
 
-def test_mlp_gradient_gets_one_copy_per_weight_gradient():
+@pytest.mark.parametrize("rows,k,n", [(64, 32, 48), (64, 48, 2), (30, 7, 5)])
+def test_both_layouts_and_untiled_shapes_agree_with_numpy(rows, k, n, rng):
+    """(64, 48, 2): the skinny right operand is the one transposed; (30, 7, 5): no tile fits."""
+    a, b = pt.matrix("a", dtype="float32"), pt.matrix("b", dtype="float32")
+    f = pytensor.function([a, b], transposed_dot(a, b), mode="JAX")
+    A, B = rng.normal(size=(rows, k)).astype("float32"), rng.normal(size=(rows, n)).astype("float32")
+    got = f(A, B)
+    assert got.dtype == np.float32 and got.shape == (k, n)
+    close(got, A.T.astype("float64") @ B, rtol=1e-5, atol=1e-5)
+    X = rng.normal(size=(64, 96)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(jax.jit(tiled_transpose)(X)), X.T)
+
+
+def test_mlp_gradient_gets_one_rewrite_per_weight_gradient():
     x, y = pt.matrix("x"), pt.matrix("y")
     w1, w2 = pytensor.shared(np.ones((3, 4)), name="w1"), pytensor.shared(np.ones((4, 2)), name="w2")
     loss = ((pt.tanh(x @ w1) @ w2 - y) ** 2).sum()
     grads = pt.grad(loss, [w1, w2])
     cpu = pytensor.function([x, y], grads, mode=compile_mode("cpu"))
     plain = pytensor.function([x, y], grads, mode=compile_mode("gpu"))   # what a GPU compiles
-    assert sum(materialized_dots(cpu)) == 2
-    assert sum(materialized_dots(plain)) == 0
+    assert ops_of(cpu).count("TransposedDot") == 2
+    assert "TransposedDot" not in ops_of(plain)
     X, Y = np.arange(15.).reshape(5, 3) / 10, np.ones((5, 2))
     for a, b in zip(cpu(X, Y), plain(X, Y)):
         close(a, b)
 
 
-def test_materialize_is_an_identity_with_identity_gradient():
-    x = pt.matrix("x")
-    f = pytensor.function([x], [materialize(x.T), pt.grad((materialize(x) * 3).sum(), x)],
-                          mode="FAST_COMPILE")
-    X = np.arange(6.).reshape(2, 3)
-    t, grad = f(X)
-    assert t.flags.c_contiguous
-    close(t, X.T)
-    close(grad, np.full_like(X, 3))
+def test_transposed_dot_python_implementation_and_gradient(rng):
+    a, b = pt.matrix("a"), pt.matrix("b")
+    out = transposed_dot(a, b)
+    f = pytensor.function([a, b], [out] + pt.grad((out ** 2).sum(), [a, b]), mode="FAST_COMPILE")
+    A, B = rng.normal(size=(6, 3)), rng.normal(size=(6, 4))
+    value, ga, gb = f(A, B)
+    close(value, A.T @ B)
+    close(ga, 2 * B @ (A.T @ B).T)
+    close(gb, 2 * A @ (A.T @ B))
+    with pytest.raises(TypeError, match="matrices"):
+        TransposedDot()(pt.vector("v"), b)
