@@ -138,7 +138,9 @@ def _run_in_lockstep(make_steps, repeat):
 
 
 def concurrent_copy_time(nbytes, processes=2, repeat=5):
-    """Median time of a numpy copy of ``nbytes`` while ``processes`` processes each copy at once.
+    """Median time of a round in which ``processes`` processes each copy ``nbytes`` at once.
+
+    A round lasts until the slowest of them is done, as a collective does.
 
     Every rank of a host-memory collective moves bytes at the same time as its
     peers, so this, not one process's copy, is the bandwidth each of them gets.
