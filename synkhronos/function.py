@@ -453,6 +453,8 @@ class Function:
         self._input_names = [var.name if var.name else f"input {i}"
                              for i, var in enumerate(spec.all_inputs)]
         self._n_inputs = len(spec.all_inputs)
+        # per output: its mode and declared dtype (the reduction of every call looks them up)
+        self._reductions = [(mode, np.dtype(var.type.dtype)) for var, mode in spec.outputs]
         self._plans = {}          # see _plan_key
 
     def run_share(self, plan, rank, n_ranks, view_of):
@@ -681,18 +683,16 @@ class Function:
         result, or the lowest computing rank's if the master had no rows. Each
         output has the dtype of its symbolic variable.
         """
-        computed = [(rank, rows, outs) for rank, rows, outs in results if rows > 0]
+        computed = [result for result in results if result[1] > 0]
+        rows = [result[1] for result in computed]
         own = next((c for c in computed if c[0] == self._rt.master_rank), computed[0])
         reduced = []
         for j, i in enumerate(plan.subset):
-            var, mode = self.spec.outputs[i]
-            if mode is None:
-                value = own[2][j]
-            else:
-                value = reduce_ranks(mode, [outs[j] for _, _, outs in computed],
-                                     [rows for _, rows, _ in computed])
+            mode, dtype = self._reductions[i]
+            value = own[2][j] if mode is None else \
+                reduce_ranks(mode, [outs[j] for _, _, outs in computed], rows)
             # JAX may compute some reductions wider than the graph declares; return the declared dtype.
-            reduced.append(np.asarray(value).astype(var.type.dtype, copy=False))
+            reduced.append(np.asarray(value, dtype=dtype))
         return reduced
 
 
