@@ -175,7 +175,7 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
 
 
 @contextlib.contextmanager
-def cpu_pool_of(threads, rank, keep=False):
+def cpu_pool_of(threads, rank):
     """Give the XLA CPU client made inside this block ``threads`` threads on rank ``rank``'s cores.
 
     XLA sizes its CPU thread pool from the CPU affinity when the client is
@@ -186,8 +186,7 @@ def cpu_pool_of(threads, rank, keep=False):
     the pool's threads, created meanwhile, keep that binding, one core set per
     rank as MPI binds its ranks. Then the calling thread's affinity is
     restored, so the rest of the process (the user's script, in the master)
-    may run on any core; with ``keep`` (a worker, whose main thread only
-    serves its device) it stays bound too.
+    may run on any core.
     """
     original = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
     if not threads or threads >= len(original):
@@ -198,16 +197,14 @@ def cpu_pool_of(threads, rank, keep=False):
     try:
         yield
     finally:
-        if not keep:
-            os.sched_setaffinity(0, original)
+        os.sched_setaffinity(0, original)
 
 
-def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64", threads=None,
-                       bind=False):
+def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64", threads=None):
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     On CPU, XLA's thread pool gets ``threads`` threads of this rank's cores (see
-    :func:`cpu_pool_of`); with ``bind`` the calling thread stays on them too.
+    :func:`cpu_pool_of`).
     """
     import jax
     if platform == "cpu":
@@ -219,7 +216,7 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"
-    with cpu_pool_of(threads if platform == "cpu" else None, rank, keep=bind):
+    with cpu_pool_of(threads if platform == "cpu" else None, rank):
         jax.distributed.initialize(
             coordinator_address=address,
             coordinator_bind_address=address,   # loopback only, never all interfaces

@@ -235,9 +235,8 @@ def main():
     profiler = cProfile.Profile() if cfg["profile"] else None
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
-        # the worker's main thread only serves its device: it stays on the device's cores
         devices.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
-                                   cfg["timeout"], cfg["float_x"], threads=cfg["threads"], bind=True)
+                                   cfg["timeout"], cfg["float_x"], threads=cfg["threads"])
         if profiler:
             profiler.enable()
         worker.serve()
