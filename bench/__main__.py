@@ -210,7 +210,7 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
                  "`torch.set_num_threads(1)` per process.")
     g = gathering
     L += ["", "## 4. Gathering rows of a 200k × 784 float32 Data with shuffled batch indices", "",
-          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× | result checked | the call on a range of rows, nothing gathered (ms) | numpy, 1 process gathers all (ms) | numpy, 2 processes gather half each at once (ms) | numpy's own split speed-up |",
+          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× | result checked | the call on a range of rows, nothing gathered (ms) | bare process gathers all (ms) | 2 bare processes gather half each at once (ms) | the bare split's speed-up |",
           "|---|---|---|---|---|---|---|---|---|---|",
           f"| {g['batch']} | {g['workers_ms']:.2f} | {g['master_alone_ms']:.2f} | {g['speedup']:.2f}× | "
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} | {g['range_call_ms']:.2f} | "
@@ -221,8 +221,8 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           "(`synkhronos.scatter.gather_rows`, blocks of rows whose first elements are touched first). The \"range of rows\" column is the "
           "same call with `batch=4096` (every device takes its rows as a view): the fixed cost of a "
           "call (validation, the command, the function, the reduction), which both synkhronos "
-          "columns pay and the bare numpy split does not. The last three columns gather the same "
-          "rows from shared memory with plain numpy and no synkhronos, in a process of their own: what "
+          "columns pay and the bare split does not. The last three columns gather the same "
+          "rows from shared memory with the same gatherer in processes of their own, no synkhronos call: what "
           "splitting the bare gathering across processes gains here (rows are 3 KB apart in 4 KB pages "
           "of shared memory, so every row costs a TLB miss, and both processes share the memory "
           "system). It moves from run to run as much as the synkhronos figures do.", "",

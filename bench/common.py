@@ -115,11 +115,13 @@ def shuffled_batches(rows, batch, count, seed=1):
 def _gather_step(segment, rows, cols, index_sets):
     import itertools
     from multiprocessing import shared_memory
+
+    from synkhronos.scatter import gather_rows      # the gatherer every synkhronos device uses
     shm = shared_memory.SharedMemory(name=segment)
     table = np.ndarray((rows, cols), np.float32, shm.buf)
     out = np.empty((len(index_sets[0]), cols), np.float32)
     sets = itertools.cycle(index_sets)
-    return lambda shm=shm: np.take(table, next(sets), axis=0, out=out, mode="clip")  # keeps shm mapped
+    return lambda shm=shm: gather_rows(table, next(sets), out)  # the default argument keeps shm mapped
 
 
 def _run_in_lockstep(make_steps, repeat):
@@ -151,7 +153,10 @@ def concurrent_copy_time(nbytes, processes=2, repeat=5):
 
 
 def gather_ceiling(rows, cols, batch, batches, processes=2, repeat=80):
-    """Shuffled-row gathering from shared memory with plain numpy, no synkhronos involved.
+    """Shuffled-row gathering from shared memory in bare processes, no synkhronos call involved.
+
+    Every process gathers with :func:`synkhronos.scatter.gather_rows`, as the
+    synkhronos devices and the master-alone baseline do.
 
     Returns (seconds for one process gathering ``batch`` rows, seconds for each
     of ``processes`` processes gathering its share at once), cycling through
