@@ -214,8 +214,8 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           "|---|---|---|---|---|---|---|---|---|---|",
           f"| {g['batch']} | {g['workers_ms']:.2f} | {g['master_alone_ms']:.2f} | {g['speedup']:.2f}× | "
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} | {g['range_call_ms']:.2f} | "
-          f"{g['numpy_alone_ms']:.2f} | "
-          f"{g['numpy_split_ms']:.2f} | {g['ceiling']:.2f}× |", "",
+          f"{g['bare_alone_ms']:.2f} | "
+          f"{g['bare_split_ms']:.2f} | {g['ceiling']:.2f}× |", "",
           "Both synkhronos columns are whole calls of the same function (`x[:, 0].sum()`); the master-alone "
           "path first gathers every row into a shared Data with the gatherer each device uses "
           "(`synkhronos.scatter.gather_rows`, blocks of rows whose first elements are touched first). The \"range of rows\" column is the "

@@ -125,5 +125,5 @@ def gathering(n_rows, batch, n, batches=16):
     alone, split = gather_ceiling(n_rows, 784, batch, batches, processes=n)
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
                 range_call_ms=t_range * 1e3,
-                speedup=1 / ratio, correct=bool(check), numpy_alone_ms=alone * 1e3,
-                numpy_split_ms=split * 1e3, ceiling=alone / split)
+                speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
+                bare_split_ms=split * 1e3, ceiling=alone / split)
