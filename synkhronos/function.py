@@ -541,8 +541,7 @@ class Function:
                     self._plans.clear()
                 self._plans[key] = plan
         rt.ensure_shipped()
-        results = rt.run_call(self, plan)
-        outputs = self._reduce(plan, results)
+        outputs = self._reduce(plan, *rt.run_call(self, plan))
         return outputs[0] if (self._bare and output_subset is None) else outputs
 
     def _plan_key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
@@ -676,25 +675,32 @@ class Function:
         scratch.set_value(arr, oversize=1 if scratch.alloc_size >= arr.size else 1.25)
         return scratch
 
-    def _reduce(self, plan, results):
-        """Reduce per-rank results ``[(rank, rows, outputs)]`` (in rank order) across ranks.
+    def _reduce(self, plan, rows, columns):
+        """Reduce each selected output across ranks (see :meth:`Runtime.run_call`).
 
         Ranks that computed no rows are left out. Mode None takes the master's
         result, or the lowest computing rank's if the master had no rows. Each
         output has the dtype of its symbolic variable.
         """
-        computed = [result for result in results if result[1] > 0]
-        rows = [result[1] for result in computed]
-        own = next((c for c in computed if c[0] == self._rt.master_rank), computed[0])
+        if not columns:
+            return []
+        everyone = rows.all()
+        ranks = None if everyone else np.flatnonzero(rows)
+        own = self._rt.master_rank if rows[self._rt.master_rank] else ranks[0]
+        weights = rows if everyone else rows[ranks]
         reduced = []
-        for j, i in enumerate(plan.subset):
+        for column, i in zip(columns, plan.subset):
             mode, dtype = self._reductions[i]
-            value = own[2][j] if mode is None else \
-                reduce_ranks(mode, [outs[j] for _, _, outs in computed], rows)
+            if mode is None:
+                value = column[own]
+            else:
+                if not everyone:
+                    column = column[ranks] if isinstance(column, np.ndarray) else \
+                        [column[r] for r in ranks]
+                value = reduce_ranks(mode, column, weights)
             # JAX may compute some reductions wider than the graph declares; return the declared dtype.
             reduced.append(np.asarray(value, dtype=dtype))
         return reduced
-
 
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, name=None, **kwargs):

@@ -519,30 +519,46 @@ class Runtime:
         self.ctl.header[ControlBlock.PLAN_ID] = plan_id
 
     def run_call(self, f, plan):
-        """Run ``plan`` of function ``f`` everywhere; return [(rank, rows, outputs)] by rank."""
+        """Run ``plan`` of function ``f`` everywhere.
+
+        Returns
+        -------
+        rows : ndarray
+            Rows each rank computed (0: it computed nothing and returned nothing).
+        columns : list
+            Per selected output, its value on every rank: a 1-D array over ranks
+            when the call's results travel as records (scalars, see
+            :func:`.function.result_record`), else a list by rank (None for a
+            rank without rows).
+        """
         index_arrays = plan.index_arrays()
         if index_arrays:
             plan.index_gen = self.write_indices(index_arrays)
         self._publish_plan(plan.encode())
+        record = f.result_record(plan)
+        fields = self.ctl.record_fields(record) if record is not None else None
+        master = self.master_rank
 
         def local():
-            rows, outs = f.run_share(plan, self.master_rank, self.n_parallel, self.data_view)
-            return rows, [np.asarray(o) for o in outs]
+            rows, outs = f.run_share(plan, master, self.n_parallel, self.data_view)
+            self.ctl.rows[master] = rows
+            if fields is None:
+                return [np.asarray(o) for o in outs] if rows else None
+            if rows:
+                for field, out in zip(fields, outs):
+                    field[master] = np.asarray(out)
 
-        rows, outs = self.command(Op.CALL, local=local)
-        results = {self.master_rank: (rows, outs)}
-        record = f.result_record(plan)
-        records = self.ctl.records(record).copy() if record is not None else None
-        for rank in self.worker_ranks:
-            w_rows = int(self.ctl.status[rank, ControlBlock.ROWS])
-            # a call selecting no outputs (only updates) sends nothing back
-            if not (w_rows and plan.subset):
-                results[rank] = (w_rows, [])
-            elif records is not None:
-                results[rank] = (w_rows, list(records[rank]))
-            else:
-                results[rank] = (w_rows, self.read_result_arrays(rank))
-        return [(rank, *results[rank]) for rank in range(self.n_parallel)]
+        outs = self.command(Op.CALL, local=local)
+        if not plan.subset:            # a call selecting no outputs (only updates) returns nothing
+            return None, []
+        rows = self.ctl.rows.copy()
+        if fields is not None:
+            return rows, list(fields)
+        per_rank = [outs if rank == master else
+                    self.read_result_arrays(rank) if rows[rank] else None
+                    for rank in range(self.n_parallel)]
+        return rows, [[None if values is None else values[j] for values in per_rank]
+                      for j in range(len(plan.subset))]
 
 
 def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,

@@ -127,12 +127,12 @@ class Worker:
         compiled = self.functions[plan.fid]
         rows, outs = self._run_share(compiled, plan, self.rank, self.n_ranks, self.data_view)
         if rows and outs:
-            arrays = [np.asarray(o) for o in outs]
             record = self._record(compiled.spec, plan)
             if record is not None:
-                self.ctl.records(record)[self.rank] = tuple(arrays)
+                for field, out in zip(self.ctl.record_fields(record), outs):
+                    field[self.rank] = np.asarray(out)     # (numpy's own conversion is 2x slower)
             else:
-                self.write_arrays(arrays)
+                self.write_arrays([np.asarray(o) for o in outs])
         return rows
 
     def plan(self):
