@@ -523,7 +523,7 @@ class Runtime:
 
         Returns
         -------
-        rows : ndarray
+        rows : list of int
             Rows each rank computed (0: it computed nothing and returned nothing).
         columns : list
             Per selected output, its value on every rank: a 1-D array over ranks
@@ -551,7 +551,7 @@ class Runtime:
         outs = self.command(Op.CALL, local=local)
         if not plan.subset:            # a call selecting no outputs (only updates) returns nothing
             return None, []
-        rows = self.ctl.rows.copy()
+        rows = self.ctl.rows.tolist()
         if fields is not None:
             return rows, list(fields)
         per_rank = [outs if rank == master else

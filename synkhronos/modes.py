@@ -83,7 +83,7 @@ COMBINE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
 
 
 def reduce_ranks(mode, values, rows):
-    """Reduce per-rank results in rank order; ``rows`` (int array) weights ``"avg"``.
+    """Reduce per-rank results in rank order; ``rows`` (a list of int) weights ``"avg"``.
 
     ``values`` holds only the ranks that computed something (mode None is
     resolved by the caller, which knows which rank is the master): a list of
@@ -94,10 +94,9 @@ def reduce_ranks(mode, values, rows):
         return np.concatenate(values, axis=0)
     if isinstance(values, np.ndarray):
         if mode == "avg":
-            return np.dot(values, rows) / rows.sum()
+            return np.dot(values, rows) / sum(rows)
         return COMBINE[mode].reduce(values)
     if mode == "avg":
-        rows = rows.tolist()       # Python weights keep each array's dtype (NEP 50)
         total = sum(rows)
         out = sum(v * (r / total) for v, r in zip(values, rows))
         return np.asarray(out, dtype=np.result_type(values[0]))

@@ -6,6 +6,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
+from synkhronos.function import jitted_call
 from helpers import close, reference
 
 pytestmark = pytest.mark.timeout(300)
@@ -179,6 +180,44 @@ def test_results_too_large_for_a_record_are_packed(synk2, rng):
     assert mixed(X, output_subset=[0])[0].shape == ()        # a scalar subset of a mixed function
 
 
+def _two_output_step(w):
+    x = pt.vector("x", dtype="float32")
+    fn = pytensor.function([x], [(x * 2 + 1).sum() + w.sum(), x * w.sum()],
+                           updates=[(w, 0.5 * w + x[:4])], mode="JAX")
+    fn.trust_input = True
+    return fn
+
+
+def test_jitted_call_matches_pytensor_and_lets_go_of_its_inputs(rng):
+    """The direct call of a function's jitted graph returns and updates what PyTensor's call does.
+
+    Its input cells are empty after every call (they hold views of shared
+    memory, which must not outlive the call), also after an error, which
+    comes from PyTensor's own call; the function stays usable.
+    """
+    init = np.arange(4, dtype="float32")
+    ref_w, w = pytensor.shared(init.copy(), name="w_ref"), pytensor.shared(init.copy(), name="w_jit")
+    ref, fn = _two_output_step(ref_w), _two_output_step(w)
+    call = jitted_call(fn)
+    assert call is not None and call.fn is fn
+    for n in (6, 6, 9):
+        X = rng.normal(size=n).astype("float32")
+        for got, want in zip(call(X), ref(X), strict=True):
+            close(got, want, rtol=1e-6)
+        close(w.get_value(), ref_w.get_value(), rtol=1e-6)
+        assert fn.vm.inputs[0][0] is None
+    with pytest.raises(Exception, match="shape|size|index"):
+        call(np.zeros(2, "float32"))                   # x[:4] of 2 rows cannot update 4 weights
+    assert fn.vm.inputs[0][0] is None
+    close(call(np.ones(4, "float32"))[0], ref(np.ones(4, "float32"))[0], rtol=1e-6)
+
+
+def test_jitted_call_declines_what_it_cannot_run():
+    x = pt.vector("x")
+    assert jitted_call(pytensor.function([x], [x * 2], mode="FAST_COMPILE")) is None   # not JAX
+    assert jitted_call(pytensor.function([x], [], mode="JAX", on_unused_input="ignore")) is None
+
+
 def test_state_evolves_identically_on_every_rank(synk2):
     w = pytensor.shared(np.array([1.0, -2.0, 0.5]), name="w_state")
     v = pytensor.shared(np.zeros(3), name="v_state")
@@ -194,6 +233,8 @@ def test_state_evolves_identically_on_every_rank(synk2):
         close(synk.get_value(rank, v), v_np)
     # the master's copy stays on the device between calls
     assert not isinstance(w.container.storage[0], np.ndarray)
+    # every call ran the jitted graph directly (see test_jitted_call_matches_pytensor_...)
+    assert step.compiled._run.fn is step.compiled.function
 
 
 @pytest.mark.parametrize("num_slices", [1, 3, 4])

@@ -26,7 +26,7 @@ def test_weight_gradient_products_are_rewritten_and_exact(synk2, rng):
     for got, want in zip(out, reference(f, X, G, W)):
         close(got, want)
     # only x.T @ g has a transposed left operand; the master compiled for its CPU device
-    ops = ops_of(f.compiled._with_updates)
+    ops = ops_of(f.compiled.function)
     assert ops.count("TransposedDot") == 1 and ops.count("Dot") == 2
 
 
