@@ -163,7 +163,10 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
         L.append(f"| {size} | {r['allreduce_ms']:.2f} | {r['algbw_GBs']:.2f} | {r['busbw_GBs']:.2f} | "
                  f"{r['copy_ms']:.2f} | {r['copy_GBs']:.2f} | {r['bus_vs_copy']:.0%} | {goal} | "
                  f"{r['concurrent_copy_ms']:.2f} | {r['ar_in_concurrent_copies']:.2f}× |")
-    L += ["", "The shared-memory all-reduce (the default on CPU) is a reduce-scatter in which each rank "
+    L += ["", "The all-reduce and the copy are timed in alternating rounds (after 5 warm-up calls each, "
+          "which also cover the first touch of the shared result regions): times are medians, "
+          "busbw / copy is the median of the per-round ratios.",
+          "", "The shared-memory all-reduce (the default on CPU) is a reduce-scatter in which each rank "
           "copies the parts of its buffer its peers reduce into shared memory and reduces its own part "
           "into a shared result region every device adopts without a copy. From 8 MB on, those copies "
           "stream through small per-pair rings (1 MB chunks) and are reduced while still in the cache, "

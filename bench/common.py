@@ -25,17 +25,17 @@ def median_time(fn, repeat=200, warmup=20):
     return float(np.median(times))
 
 
-def interleaved_medians(fns, rounds, calls):
+def interleaved_medians(fns, rounds, calls, warmup=20):
     """Median wall time (s) of each of ``fns``, timed in alternating blocks of ``calls`` calls.
 
     Also returns, for two functions, the median over rounds of the ratio of
     their block medians: a slow patch of a shared machine then moves both
-    sides of each ratio alike.
+    sides of each ratio alike. Each function is first called ``warmup`` times.
     """
     times = [[] for _ in fns]
     ratios = []
     for fn in fns:
-        for _ in range(20):
+        for _ in range(warmup):
             fn()
     for _ in range(rounds):
         block = []

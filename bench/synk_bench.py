@@ -10,7 +10,7 @@ import pytensor.tensor as pt
 import synkhronos as synk
 from bench.busy_call import tiny_direct
 from bench.common import (busy_peer, concurrent_copy_time, gather_ceiling, interleaved_medians,
-                          median_time, shuffled_batches)
+                          shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.extensions import train, updates
 from synkhronos.scatter import gather_rows
@@ -57,17 +57,22 @@ def all_reduce(sizes_bytes, n):
         v = pytensor.shared(np.ones(count, "float32"), name=f"ar_{nbytes}")
         synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
         synk.distribute()
-        repeat = 50 if nbytes <= 1 << 20 else 10 if nbytes <= 50 << 20 else 5
-        t_ar = median_time(lambda: synk.all_reduce(v, op="sum"), repeat, warmup=2)
+        rounds, calls = (10, 10) if nbytes <= 1 << 20 else (10, 1) if nbytes <= 50 << 20 else (9, 1)
         src, dst = np.ones(count, "float32"), np.empty(count, "float32")
-        t_copy = median_time(lambda: np.copyto(dst, src), repeat, warmup=2)
+        # alternating rounds: a slow minute of the shared machine slows the copy as much as the
+        # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
+        # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
+        t_ar, t_copy, ratio = interleaved_medians(
+            [lambda: synk.all_reduce(v, op="sum"), lambda: np.copyto(dst, src)], rounds, calls,
+            warmup=5)
         # what each rank's memory traffic gets while its peer moves bytes too (shared memory bus)
-        t_both = concurrent_copy_time(nbytes, n, repeat=repeat)
+        t_both = concurrent_copy_time(nbytes, n, repeat=max(5, rounds))
         algbw = nbytes / t_ar / 1e9
         busbw = algbw * 2 * (n - 1) / n
         copybw = nbytes / t_copy / 1e9
         rows.append(dict(bytes=nbytes, allreduce_ms=t_ar * 1e3, algbw_GBs=algbw, busbw_GBs=busbw,
-                         copy_ms=t_copy * 1e3, copy_GBs=copybw, bus_vs_copy=busbw / copybw,
+                         copy_ms=t_copy * 1e3, copy_GBs=copybw,
+                         bus_vs_copy=2 * (n - 1) / n / ratio,
                          concurrent_copy_ms=t_both * 1e3,
                          ar_in_concurrent_copies=t_ar / t_both))
         v.set_value(np.zeros(1, "float32"))
