@@ -144,8 +144,11 @@ def jitted_call(fn):
     it fills the explicit input cells, runs the jitted graph on every input
     cell (shared variables included), stores the update values into their
     shared variables and empties the input cells again (they hold views of
-    shared memory that must not outlive the call). An error is re-raised
-    through ``fn`` itself, with PyTensor's account of the failing node.
+    shared memory that must not outlive the call). It returns once the
+    computation has finished, so no input is read after the call (JAX
+    dispatches asynchronously; PyTensor's other backends compute before they
+    return). An error is re-raised through ``fn`` itself, with PyTensor's
+    account of the failing node.
 
     Parameters
     ----------
@@ -180,6 +183,10 @@ def jitted_call(fn):
                 cell[0] = None
         for i, storage in updates:
             storage[0] = outputs[i]
+        # JAX returns before the computation has run, and its inputs are views of shared memory
+        # that the caller may rewrite as soon as the call returns (the next batch into the same
+        # Data): wait for it. All outputs of one execution become ready together.
+        outputs[-1].block_until_ready()
         return list(outputs[:n_outputs])
 
     call.fn = fn
@@ -201,7 +208,7 @@ class CompiledFunction:
                               for s in spec.sliceable_shareds]
         #: the PyTensor function (updates applied); calls go through its jitted graph (jitted_call)
         self.function = self._compile(updates=True)
-        self._run = jitted_call(self.function) or self.function
+        self._run = self._runner(self.function)
         self._run_no_updates = None
 
     def _givens(self):
@@ -226,6 +233,23 @@ class CompiledFunction:
         fn.trust_input = True
         return fn
 
+    def _runner(self, fn):
+        """How this process calls ``fn``: its jitted graph directly, else ``fn`` itself.
+
+        Either returns only once the computation has finished (see :func:`jitted_call`).
+        """
+        direct = jitted_call(fn)
+        if direct is not None:
+            return direct
+        shareds = [s for s, _, _ in self.spec.updates]
+
+        def call(*args):
+            import jax
+            outputs = fn(*args)
+            jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
+            return outputs
+        return call
+
     def run(self, args):
         """Run once, applying updates."""
         return self._run(*args)
@@ -233,8 +257,7 @@ class CompiledFunction:
     def run_deferred(self, args):
         """Run once without applying updates; return (outputs, new update values)."""
         if self._run_no_updates is None:
-            fn = self._compile(updates=False)
-            self._run_no_updates = jitted_call(fn) or fn
+            self._run_no_updates = self._runner(self._compile(updates=False))
         out = self._run_no_updates(*args)
         n = len(self.spec.outputs)
         return out[:n], out[n:]

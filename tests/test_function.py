@@ -218,6 +218,33 @@ def test_jitted_call_declines_what_it_cannot_run():
     assert jitted_call(pytensor.function([x], [], mode="JAX", on_unused_input="ignore")) is None
 
 
+def test_a_call_has_read_its_inputs_when_it_returns(synk2):
+    """The user may write the next batch into a Data as soon as a call returns.
+
+    JAX dispatches a computation and returns before it runs; this function
+    reads ``x`` again after ~50 ms of work, so a call that returned before
+    its computation ended (as one with only updates once did) would sum the
+    zeros written after it.
+    """
+    x = pt.matrix("x", dtype="float32")
+    w = pytensor.shared(np.zeros((), "float32"), name="w_late_read")
+    weights = pytensor.shared(np.full((512, 512), 1e-3, "float32"), name="w_heavy")
+    h = x
+    for _ in range(6):
+        h = pt.tanh(h @ weights)
+    late = (x * (1 + 1e-30 * h.mean())).sum()          # reads x only once h is done
+    f = synk.function([x], updates=[(w, (w + late).astype("float32"))], name="late_read")
+    synk.distribute()
+    X = np.ones((2048, 512), "float32")
+    x_dat = synk.data(X)
+    for _ in range(3):
+        x_dat.set_value(X)
+        f(x_dat)
+        x_dat.data[:] = 0                              # the next batch, written in place
+    for rank in range(synk2.n_parallel):
+        close(synk.get_value(rank, w), 3 * X.sum() / synk2.n_parallel)
+
+
 def test_state_evolves_identically_on_every_rank(synk2):
     w = pytensor.shared(np.array([1.0, -2.0, 0.5]), name="w_state")
     v = pytensor.shared(np.zeros(3), name="v_state")
