@@ -144,11 +144,11 @@ def jitted_call(fn):
     it fills the explicit input cells, runs the jitted graph on every input
     cell (shared variables included), stores the update values into their
     shared variables and empties the input cells again (they hold views of
-    shared memory that must not outlive the call). It returns once the
-    computation has finished, so no input is read after the call (JAX
-    dispatches asynchronously; PyTensor's other backends compute before they
-    return). An error is re-raised through ``fn`` itself, with PyTensor's
-    account of the failing node.
+    shared memory that must not outlive the call). A call with arguments
+    returns once the computation has finished, so no argument is read after
+    the call (JAX dispatches asynchronously; PyTensor's other backends compute
+    before they return). An error is re-raised through ``fn`` itself, with
+    PyTensor's account of the failing node.
 
     Parameters
     ----------
@@ -183,10 +183,12 @@ def jitted_call(fn):
                 cell[0] = None
         for i, storage in updates:
             storage[0] = outputs[i]
-        # JAX returns before the computation has run, and its inputs are views of shared memory
+        # JAX returns before the computation has run, and the arguments are views of shared memory
         # that the caller may rewrite as soon as the call returns (the next batch into the same
-        # Data): wait for it. All outputs of one execution become ready together.
-        outputs[-1].block_until_ready()
+        # Data): wait for it. All outputs of one execution become ready together. Without
+        # arguments nothing can change under the computation, and it may run on past the call.
+        if arg_cells:
+            outputs[-1].block_until_ready()
         return list(outputs[:n_outputs])
 
     call.fn = fn
@@ -236,7 +238,8 @@ class CompiledFunction:
     def _runner(self, fn):
         """How this process calls ``fn``: its jitted graph directly, else ``fn`` itself.
 
-        Either returns only once the computation has finished (see :func:`jitted_call`).
+        Either returns only once a computation given arguments has finished (see
+        :func:`jitted_call`).
         """
         direct = jitted_call(fn)
         if direct is not None:
@@ -246,7 +249,8 @@ class CompiledFunction:
         def call(*args):
             import jax
             outputs = fn(*args)
-            jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
+            if args:
+                jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
             return outputs
         return call
 
