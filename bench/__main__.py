@@ -163,6 +163,9 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
         L.append(f"| {size} | {r['allreduce_ms']:.2f} | {r['algbw_GBs']:.2f} | {r['busbw_GBs']:.2f} | "
                  f"{r['copy_ms']:.2f} | {r['copy_GBs']:.2f} | {r['bus_vs_copy']:.0%} | {goal} | "
                  f"{r['concurrent_copy_ms']:.2f} | {r['ar_in_concurrent_copies']:.2f}× |")
+    L += ["", "Timed all-reduces, fastest–slowest (result regions written; −1 = private result): " +
+          "; ".join(f"{r['bytes'] / 2**20:.0f} MB {r['allreduce_min_ms']:.1f}–{r['allreduce_max_ms']:.1f} ms "
+                    f"(regions {r['regions']})" for r in allreduce if r["bytes"] >= 40 << 20) + "."]
     L += ["", "The all-reduce and the copy are timed in alternating rounds (after 5 warm-up calls each, "
           "which also cover the first touch of the shared result regions): times are medians, "
           "busbw / copy is the median of the per-round ratios.",

@@ -62,9 +62,15 @@ def all_reduce(sizes_bytes, n):
         # alternating rounds: a slow minute of the shared machine slows the copy as much as the
         # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
         # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
+        seen = []                                      # (seconds, result region) per all-reduce
+
+        def reduce_and_note():
+            t = time.perf_counter()
+            synk.all_reduce(v, op="sum")
+            seen.append((time.perf_counter() - t, result_region()))
         t_ar, t_copy, ratio = interleaved_medians(
-            [lambda: synk.all_reduce(v, op="sum"), lambda: np.copyto(dst, src)], rounds, calls,
-            warmup=5)
+            [reduce_and_note, lambda: np.copyto(dst, src)], rounds, calls, warmup=5)
+        timed = seen[-rounds * calls:]
         # what each rank's memory traffic gets while its peer moves bytes too (shared memory bus)
         t_both = concurrent_copy_time(nbytes, n, repeat=max(5, rounds))
         algbw = nbytes / t_ar / 1e9
@@ -74,10 +80,22 @@ def all_reduce(sizes_bytes, n):
                          copy_ms=t_copy * 1e3, copy_GBs=copybw,
                          bus_vs_copy=2 * (n - 1) / n / ratio,
                          concurrent_copy_ms=t_both * 1e3,
-                         ar_in_concurrent_copies=t_ar / t_both))
+                         ar_in_concurrent_copies=t_ar / t_both,
+                         # to tell a slow run's cause: the spread of the timed all-reduces and
+                         # the result regions they wrote (-1: a private result, no shared region)
+                         allreduce_min_ms=min(t for t, _ in timed) * 1e3,
+                         allreduce_max_ms=max(t for t, _ in timed) * 1e3,
+                         regions=sorted({r for _, r in timed})))
         v.set_value(np.zeros(1, "float32"))
         synk.broadcast(v)                              # free the big buffers everywhere
     return rows
+
+
+def result_region():
+    """The shared result region the last all-reduce wrote (-1: a private result)."""
+    from synkhronos import lifecycle
+    from synkhronos.control import ControlBlock
+    return int(lifecycle.current().ctl.header[ControlBlock.RESULT_REGION])
 
 
 def training(batches, steps):
