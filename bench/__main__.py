@@ -131,6 +131,10 @@ def _median_ratio(xs, ys, key):
     return float(np.median(ratios)) if ratios else None
 
 
+def _fmt_ratio(r):
+    return "n/a" if r is None else f"{r:.2f}"
+
+
 def _fmt(d, key):
     v = d.get(key)
     return f"{v:,.0f}" if isinstance(v, float) else ("n/a: " + str(d.get("error", "?"))[:60])
@@ -185,8 +189,7 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
     bound, shared, ratios = synk_train["bound"], synk_train["shared"], synk_train["ratios"]
 
     def ratio(key, b):
-        r = ratios[str(b)][key]
-        return "n/a" if r is None else f"{r:.2f}"
+        return _fmt_ratio(ratios[str(b)][key])
     for b in batches:
         k = str(b)
         L.append(f"| {b} | {_fmt(single, k)} | {_fmt(bound, k)} | {_fmt(shared, k)} | {_fmt(torch, k)} | "
@@ -209,8 +212,7 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
     for h in core["batches"]:
         r, rs = core["ratio"][str(h)], core["synk_ratio"][str(h)]
         L.append(f"| {h} | {_fmt(core['jax'], str(h))} | {_fmt(core['synk'], str(h))} | "
-                 f"{_fmt(core['torch'], str(h))} | {'n/a' if r is None else f'{r:.2f}'} | "
-                 f"{'n/a' if rs is None else f'{rs:.2f}'} |")
+                 f"{_fmt(core['torch'], str(h))} | {_fmt_ratio(r)} | {_fmt_ratio(rs)} |")
     if synk_train.get("torch_version"):
         L.append(f"\nPyTorch {synk_train['torch_version']} (CPU build) in its own virtualenv, "
                  "`torch.set_num_threads(1)` per process.")

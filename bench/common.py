@@ -13,18 +13,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def median_time(fn, repeat=200, warmup=20):
-    """Median wall time of ``fn()`` in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def interleaved_medians(fns, rounds, calls, warmup=20):
     """Median wall time (s) of each of ``fns``, timed in alternating blocks of ``calls`` calls.
 

@@ -785,6 +785,7 @@ class Function:
             reduced.append(np.asarray(value, dtype=dtype))
         return reduced
 
+
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, name=None, **kwargs):
     """Build a data-parallel function over every device of the runtime.

@@ -545,8 +545,7 @@ class Runtime:
             if fields is None:
                 return [np.asarray(o) for o in outs] if rows else None
             if rows:
-                for field, out in zip(fields, outs):
-                    field[master] = np.asarray(out)
+                self.ctl.put_record(record, master, outs)
 
         outs = self.command(Op.CALL, local=local)
         if not plan.subset:            # a call selecting no outputs (only updates) returns nothing
