@@ -257,15 +257,16 @@ def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of,
 # The master's side
 # ------------------------------------------------------------------------------------------------
 
-def _run(rt, words_fill, reserve=0, result_bytes=0):
+def _run(rt, words_fill, reserve=0, result_bytes=0, reduce_bytes=0):
     """Encode a collective with ``words_fill(Words)`` and run it on every rank.
 
     ``reserve``: the largest per-rank buffer (bytes) the collective moves;
-    ``result_bytes``: the size of its one all-reduce result, if it makes just one.
+    ``result_bytes``: the size of its one all-reduce result, if it makes just one;
+    ``reduce_bytes``: the size of the all-reduce it runs, if any.
     """
     rt.ensure_shipped()
     if reserve and hasattr(rt.comm, "reserve"):
-        rt.comm.reserve(reserve, result_bytes)
+        rt.comm.reserve(reserve, result_bytes, reduce_bytes)
     words_fill(Words(rt.ctl.args))
 
     def local_prepare():
@@ -364,7 +365,8 @@ def _reduce(shared_vars, op, keep):
         for shape in own:
             w.put_list(shape)
     try:
-        out = _run(rt, fill, reserve=nbytes, result_bytes=nbytes if one_launch else 0)
+        out = _run(rt, fill, reserve=nbytes, result_bytes=nbytes if one_launch else 0,
+                   reduce_bytes=nbytes)
     except WorkerError as e:
         if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
             _require_equal_shapes(vars_, _all_shapes(rt, vars_), f"{op} reduction")

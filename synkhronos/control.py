@@ -224,7 +224,7 @@ class ControlBlock:
 
     # header fields
     OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN, \
-        PLAN_ID, RESULT_REGION = range(11)
+        PLAN_ID, RESULT_REGION, REDUCE_PATH = range(12)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
 

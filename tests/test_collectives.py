@@ -1,5 +1,6 @@
 """Collectives on shared variables, sliceable shareds and batch_s, checked against numpy."""
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -9,6 +10,9 @@ import pytest
 
 import synkhronos as synk
 from helpers import close
+from synkhronos import lifecycle
+from synkhronos.comm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
+from synkhronos.control import ControlBlock
 
 pytestmark = pytest.mark.timeout(240)
 _unique = itertools.count()
@@ -133,10 +137,29 @@ def test_all_reduce_of_one_dtype_group_crossing_chunk_bounds(comm_kind, synk2, r
                 np.testing.assert_array_equal(got, combine(v0, v1))
 
 
+@contextlib.contextmanager
+def reduce_path(comm_kind, path):
+    """Make the master's path chooser take ``path`` for every large all-reduce (shm only)."""
+    if comm_kind != "shm":
+        if path != PIPELINED:
+            pytest.skip("the path choice belongs to the shared-memory collectives")
+        yield                                   # the JAX runtime has one path
+        return
+    paths = lifecycle.current().comm.paths
+    paths.fixed = path
+    try:
+        yield
+    finally:
+        paths.fixed = None
+
+
+@pytest.mark.parametrize("path", [PIPELINED, PUBLISHED], ids=PATH_NAMES.get)
 @pytest.mark.parametrize("op,combine", [("sum", np.add), ("max", np.maximum), ("prod", np.multiply),
                                         ("avg", lambda a, b: (a + b) / a.dtype.type(2))])
-def test_pipelined_all_reduce_with_shared_and_private_results(comm_kind, synk2, rng, op, combine):
-    """Over 8 MB the shared-memory all-reduce streams 1 MB chunks through per-pair rings.
+def test_large_all_reduce_paths_with_shared_and_private_results(comm_kind, synk2, rng, op, combine,
+                                                                path):
+    """Over 8 MB the shared-memory all-reduce streams 1 MB chunks through per-pair rings, or
+    publishes whole parts, whichever the master chose.
 
     One dtype group gets a shared result; two dtype groups get private results
     (a second gather phase). Sizes split the variables unevenly across chunks.
@@ -146,15 +169,74 @@ def test_pipelined_all_reduce_with_shared_and_private_results(comm_kind, synk2, 
              for dt, ss in shapes.items()}
     every = vars_["float32"] + vars_["float64"]
     synk.function([], [(sum(v.sum() for v in every), "sum")])
-    for group in (vars_["float32"], every):
-        values = [[rng.normal(size=v.get_value().shape).astype(v.type.dtype) for v in group]
-                  for _ in range(2)]
-        for rank in range(2):
-            synk.set_value(rank, group, values[rank])
-        synk.all_reduce(group, op=op)
-        for rank in range(2):
-            for var, v0, v1 in zip(group, *values):
-                np.testing.assert_array_equal(synk.get_value(rank, var), combine(v0, v1))
+    with reduce_path(comm_kind, path):
+        for group in (vars_["float32"], every):
+            values = [[rng.normal(size=v.get_value().shape).astype(v.type.dtype) for v in group]
+                      for _ in range(2)]
+            for rank in range(2):
+                synk.set_value(rank, group, values[rank])
+            synk.all_reduce(group, op=op)
+            if comm_kind == "shm":
+                assert lifecycle.current().ctl.header[ControlBlock.REDUCE_PATH] == path
+            for rank in range(2):
+                for var, v0, v1 in zip(group, *values):
+                    np.testing.assert_array_equal(synk.get_value(rank, var), combine(v0, v1))
+
+
+def test_both_paths_give_the_same_bits_and_the_master_times_them(comm_kind, synk2, rng):
+    """Both paths add the same numbers in the same order; unforced, the master measures both."""
+    if comm_kind != "shm":
+        pytest.skip("the path choice belongs to the shared-memory collectives")
+    big = pytensor.shared(np.zeros(2_500_003, "float32"), name=f"b{next(_unique)}")   # 10 MB
+    synk.function([], [(big.sum(), "sum")])
+    values = [rng.normal(size=2_500_003).astype("float32") for _ in range(2)]
+    results = {}
+    for path in (PIPELINED, PUBLISHED):
+        with reduce_path(comm_kind, path):
+            for rank in range(2):
+                synk.set_value(rank, big, values[rank])
+            synk.all_reduce(big, op="avg")
+            results[path] = [synk.get_value(rank, big) for rank in range(2)]
+    for got in results[PIPELINED] + results[PUBLISHED]:
+        assert got.tobytes() == results[PIPELINED][0].tobytes()
+    close(results[PUBLISHED][1], (values[0] + values[1]) / 2)
+    paths = lifecycle.current().comm.paths
+    size_class = paths.size_class(big.get_value().nbytes)
+    for _ in range(5):
+        synk.all_reduce(big, op="sum")
+    assert {(size_class, PIPELINED), (size_class, PUBLISHED)} <= set(paths.estimates)
+
+
+def _run_chooser(paths, seconds_of, calls, nbytes=400 << 20):
+    """Let ``paths`` pick ``calls`` times, each path taking ``seconds_of[path]``; the picks."""
+    picks = []
+    for _ in range(calls):
+        path = paths.choose(nbytes)
+        paths.record(nbytes, path, seconds_of[path])
+        picks.append(path)
+    return picks
+
+
+def test_path_chooser_measures_both_then_takes_the_faster_and_explores():
+    paths = PathChooser(explore_every=5)
+    picks = _run_chooser(paths, {PIPELINED: 0.05, PUBLISHED: 0.08}, 4 + 20)
+    assert picks[:4] == [PIPELINED, PIPELINED, PUBLISHED, PUBLISHED]     # first calls uncounted
+    later = picks[4:]
+    assert later.count(PUBLISHED) == 4 and all(later[i] == PUBLISHED for i in (4, 9, 14, 19))
+    # another size class is measured on its own
+    assert _run_chooser(paths, {PIPELINED: 0.5, PUBLISHED: 0.1}, 1, nbytes=40 << 20) == [PIPELINED]
+
+
+def test_path_chooser_follows_a_change_of_the_faster_path():
+    """The cores moving apart makes publishing faster; moving back, the rings again."""
+    paths = PathChooser(explore_every=5)
+    _run_chooser(paths, {PIPELINED: 0.05, PUBLISHED: 0.08}, 10)
+    far = _run_chooser(paths, {PIPELINED: 0.11, PUBLISHED: 0.07}, 10)
+    assert far[4:].count(PUBLISHED) == 5                 # switched within a few calls (1 explores)
+    near = _run_chooser(paths, {PIPELINED: 0.05, PUBLISHED: 0.08}, 15)
+    assert near[-5:].count(PIPELINED) >= 4               # noticed at an exploring call
+    paths.fixed = PUBLISHED
+    assert paths.choose(400 << 20) == PUBLISHED
 
 
 def test_a_held_all_reduce_result_is_never_overwritten(comm_kind, synk2):

@@ -15,10 +15,11 @@ GPUs). It is the path accelerators use and the test suite runs it on CPU.
 :class:`~synkhronos.comm.shm.ShmComm` is the CPU-only path through shared
 memory, the default on CPU because it runs near memory bandwidth.
 
-Either may also define ``reserve(nbytes, result_bytes)``, which the master calls
-before a collective so that buffers of ``nbytes`` per rank fit (and, for
-``ShmComm``, to pick the shared region of a single all-reduce result), and
-``refresh()``, which every rank calls after a collective.
+Either may also define ``reserve(nbytes, result_bytes, reduce_bytes)``, which the
+master calls before a collective so that buffers of ``nbytes`` per rank fit (and,
+for ``ShmComm``, to pick the shared region of a single all-reduce result and the
+path of a large all-reduce: :mod:`synkhronos.comm.paths`), and ``refresh()``,
+which every rank calls after a collective.
 """
 
 from .jax_runtime import JaxComm

@@ -4,8 +4,10 @@ All-reduce is a reduce-scatter then an all-gather through one shared segment
 with a slot per rank: rank ``r`` publishes the parts of its values that its
 peers reduce, reduces chunk ``r`` across the slots into the result and, for a
 private result, publishes that chunk and copies the peers' reduced chunks.
-Buffers larger than the caches are pipelined instead: the published parts
-stream through small per-pair rings and are reduced while still in the cache.
+Buffers larger than the caches can be pipelined instead: the published parts
+stream through small per-pair rings and are reduced while still in the cache;
+the master picks one of the two ways for each large all-reduce from the
+times it measured (:mod:`synkhronos.comm.paths`).
 Gather and broadcast publish whole values. Results are private, 64-byte
 aligned host buffers that the CPU device adopts without another copy, reused
 once no device array holds them. Each byte moves a few times through memory,
@@ -19,6 +21,7 @@ its own ``n - 1`` times. Every wait is sliced, with a liveness check.
 
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -26,6 +29,7 @@ from ..control import ControlBlock
 from ..devices import adopt, private_empty, to_device
 from ..modes import COMBINE
 from ..shmem import GrowableSegment, SegmentMirror
+from .paths import PIPELINED, PathChooser
 from .regions import SharedResults
 
 __all__ = ["ShmComm"]
@@ -41,7 +45,9 @@ SLOT_ALIGN = 4096
 #: cache it was just written to (measured: 14-17 GB/s for 0.25-1 MB chunks against 9-10 GB/s
 #: from memory), so only the values and the result cross the memory bus. Against the
 #: publish-everything-then-reduce path, in alternating runs: 0.70-0.76x the time at 400 MB,
-#: 0.67x at 40 MB, no gain below 8 MB (1 MB chunks, 2 per ring; 0.25-4 MB and 2-16 tried)
+#: 0.67x at 40 MB, no gain below 8 MB (1 MB chunks, 2 per ring; 0.25-4 MB and 2-16 tried).
+#: That holds while the two cores share a cache; when they do not, publishing is faster, so the
+#: master chooses between the two from measured times (synkhronos.comm.paths).
 CHUNK_BYTES = 1 << 20
 RING_CHUNKS = 2
 PIPELINE_MIN_BYTES = 8 << 20
@@ -75,19 +81,24 @@ class ShmComm:
         self.owner = GrowableSegment(base) if rank == master_rank else None
         self.mirror = None if self.owner else SegmentMirror(base)
         self.results = SharedResults(prefix, rank, n_ranks, master_rank)
+        self.paths = PathChooser() if rank == master_rank else None
 
     # --- buffers ----------------------------------------------------------------------------
-    def reserve(self, nbytes, result_bytes=0):
+    def reserve(self, nbytes, result_bytes=0, reduce_bytes=0):
         """Master, before the command: make every slot hold ``nbytes``.
 
         ``result_bytes``: the size of the one all-reduce result this collective
         makes, which then goes to a shared region (0: no shared result).
+        ``reduce_bytes``: the size of the all-reduce it runs, whose path
+        (pipelined or published) is chosen here for every rank (0: none).
         """
         slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
         if self.owner.ensure(slot * self.n_ranks, oversize=1.25):
             self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
         self.ctl.header[ControlBlock.RESULT_REGION] = (
             self.results.choose(int(result_bytes)) if result_bytes else -1)
+        self.ctl.header[ControlBlock.REDUCE_PATH] = (
+            self.paths.choose(reduce_bytes) if reduce_bytes >= PIPELINE_MIN_BYTES else PIPELINED)
 
     def refresh(self):
         """After a collective: let go of the shared results no array of this rank holds."""
@@ -166,13 +177,27 @@ class ShmComm:
         write of the buffer. Without one, each rank also publishes its reduced
         chunk and copies its peers' into a private result (2.5 reads, 2 writes).
         ``op="avg"`` divides each chunk by the number of ranks as it is reduced.
+        From ``PIPELINE_MIN_BYTES`` on, the parts go the way the master chose for
+        this call (:mod:`synkhronos.comm.paths`): through the rings, or published.
         """
         hosts, offsets, total, slots = self._layout(values)
         dtype = slots[0].dtype
         step = CHUNK_BYTES // dtype.itemsize
-        if total * dtype.itemsize >= PIPELINE_MIN_BYTES and \
-                (self.n_ranks - 1) * RING_CHUNKS * step <= total:
-            return self._all_reduce_pipelined(hosts, offsets, total, slots, op, step)
+        if total * dtype.itemsize < PIPELINE_MIN_BYTES or (self.n_ranks - 1) * RING_CHUNKS * step > total:
+            return self._all_reduce_published(hosts, offsets, total, slots, op)
+        path = int(self.ctl.header[ControlBlock.REDUCE_PATH])
+        start = time.perf_counter()
+        if path == PIPELINED:
+            out = self._all_reduce_pipelined(hosts, offsets, total, slots, op, step)
+        else:
+            out = self._all_reduce_published(hosts, offsets, total, slots, op)
+        if self.paths is not None:     # the master's time is the collective's: it ends in a barrier
+            self.paths.record(total * dtype.itemsize, path, time.perf_counter() - start)
+        return out
+
+    def _all_reduce_published(self, hosts, offsets, total, slots, op):
+        """Every rank publishes the parts its peers reduce, then reduces its own from memory."""
+        dtype = slots[0].dtype
         bounds = self._chunk_bounds(total, dtype)
         peers = [q for q in range(self.n_ranks) if q != self.rank]
         mine = slots[self.rank]
