@@ -131,6 +131,13 @@ def _median_ratio(xs, ys, key):
     return float(np.median(ratios)) if ratios else None
 
 
+def _near_far(r):
+    """", all-reduce X ms (busbw / copy Y%) in far rounds against Z ms (W%) in the others."""
+    parts = [f"{name} rounds {r[name + '_ms']:.1f} ms (busbw / copy {r[name + '_bus_vs_copy']:.0%})"
+             for name in ("far", "near") if r.get(name + "_ms") is not None]
+    return (": all-reduce in " + ", in ".join(parts) if parts else "") + "."
+
+
 def _fmt_ratio(r):
     return "n/a" if r is None else f"{r:.2f}"
 
@@ -167,17 +174,29 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
         L.append(f"| {size} | {r['allreduce_ms']:.2f} | {r['algbw_GBs']:.2f} | {r['busbw_GBs']:.2f} | "
                  f"{r['copy_ms']:.2f} | {r['copy_GBs']:.2f} | {r['bus_vs_copy']:.0%} | {goal} | "
                  f"{r['concurrent_copy_ms']:.2f} | {r['ar_in_concurrent_copies']:.2f}× |")
-    L += ["", "Timed all-reduces, fastest–slowest (result regions written; −1 = private result): " +
+    L += ["", "Timed all-reduces, fastest–slowest (result regions written; −1 = private result; how many "
+          "took the published path rather than the rings): " +
           "; ".join(f"{r['bytes'] / 2**20:.0f} MB {r['allreduce_min_ms']:.1f}–{r['allreduce_max_ms']:.1f} ms "
-                    f"(regions {r['regions']})" for r in allreduce if r["bytes"] >= 40 << 20) + "."]
+                    f"(regions {r['regions']}; published {r['published']} of {r['timed_calls']})"
+                    for r in allreduce if r["bytes"] >= 40 << 20) + "."]
+    L += ["", "Where the cores were, round by round: 1 MB chunks handed from one core's process to the "
+          "other's (`bench.common.core_handover`, bare numpy) run at ~12 GB/s on this machine while "
+          "the hypervisor keeps the two vCPUs on cores that share a cache and at ~4.5 GB/s when it "
+          "does not (a C cache-line ping-pong: ~100 vs ~480 ns), for stretches of 0.4–15 s. Rounds "
+          "whose hand-over ran under half the fastest round's are counted *far*:", ""]
+    L += [f"- {r['bytes'] / 2**20:.0f} MB: hand-over {r['handover_GBs']:.1f} GB/s median "
+          f"({r['handover_min_GBs']:.1f}–{r['handover_max_GBs']:.1f}); {r['far_rounds']} of {r['rounds']} "
+          f"rounds far" + _near_far(r) for r in allreduce if "handover_GBs" in r]
     L += ["", "The all-reduce and the copy are timed in alternating rounds (after 5 warm-up calls each, "
           "which also cover the first touch of the shared result regions): times are medians, "
           "busbw / copy is the median of the per-round ratios.",
           "", "The shared-memory all-reduce (the default on CPU) is a reduce-scatter in which each rank "
           "copies the parts of its buffer its peers reduce into shared memory and reduces its own part "
           "into a shared result region every device adopts without a copy. From 8 MB on, those copies "
-          "stream through small per-pair rings (1 MB chunks) and are reduced while still in the cache, "
-          "so per rank the memory bus carries its buffer once and its part of the result once. Both "
+          "can stream through small per-pair rings (1 MB chunks) and be reduced while still in the "
+          "cache, so per rank the memory bus carries its buffer once and its part of the result once; "
+          "that needs the cores close, so the master picks rings or publishing for each large "
+          "all-reduce from the times it measured (`synkhronos/comm/paths.py`). Both "
           "ranks do this at once, so the fair yardstick for large buffers is a copy made *while the "
           "other process copies too* (second-to-last column). Small buffers are dominated by the "
           "command round trip (~0.5 ms: prepare, the go-ahead, two barriers)."]

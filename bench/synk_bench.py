@@ -9,9 +9,11 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from bench.busy_call import tiny_direct
-from bench.common import (busy_peer, concurrent_copy_time, gather_ceiling, interleaved_medians,
-                          shuffled_batches)
+from bench.common import (busy_peer, concurrent_copy_time, core_handover, gather_ceiling,
+                          interleaved_medians, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
+from synkhronos.comm.paths import PUBLISHED
+from synkhronos.comm.shm import PIPELINE_MIN_BYTES
 from synkhronos.extensions import train, updates
 from synkhronos.scatter import gather_rows
 
@@ -50,45 +52,82 @@ def call_overhead(rounds=40, calls=50):
 
 
 def all_reduce(sizes_bytes, n):
-    """synk.all_reduce of float32 vectors beside a numpy copy of the same size."""
-    rows = []
-    for nbytes in sizes_bytes:
-        count = nbytes // 4
-        v = pytensor.shared(np.ones(count, "float32"), name=f"ar_{nbytes}")
-        synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
-        synk.distribute()
-        rounds, calls = (10, 10) if nbytes <= 1 << 20 else (10, 1) if nbytes <= 50 << 20 else (9, 1)
-        src, dst = np.ones(count, "float32"), np.empty(count, "float32")
-        # alternating rounds: a slow minute of the shared machine slows the copy as much as the
-        # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
-        # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
-        seen = []                                      # (seconds, result region) per all-reduce
+    """synk.all_reduce of float32 vectors beside a numpy copy of the same size.
 
-        def reduce_and_note():
-            t = time.perf_counter()
-            synk.all_reduce(v, op="sum")
-            seen.append((time.perf_counter() - t, result_region()))
-        t_ar, t_copy, ratio = interleaved_medians(
-            [reduce_and_note, lambda: np.copyto(dst, src)], rounds, calls, warmup=5)
-        timed = seen[-rounds * calls:]
-        # what each rank's memory traffic gets while its peer moves bytes too (shared memory bus)
-        t_both = concurrent_copy_time(nbytes, n, repeat=max(5, rounds))
-        algbw = nbytes / t_ar / 1e9
-        busbw = algbw * 2 * (n - 1) / n
-        copybw = nbytes / t_copy / 1e9
-        rows.append(dict(bytes=nbytes, allreduce_ms=t_ar * 1e3, algbw_GBs=algbw, busbw_GBs=busbw,
-                         copy_ms=t_copy * 1e3, copy_GBs=copybw,
-                         bus_vs_copy=2 * (n - 1) / n / ratio,
-                         concurrent_copy_ms=t_both * 1e3,
-                         ar_in_concurrent_copies=t_ar / t_both,
-                         # to tell a slow run's cause: the spread of the timed all-reduces and
-                         # the result regions they wrote (-1: a private result, no shared region)
-                         allreduce_min_ms=min(t for t, _ in timed) * 1e3,
-                         allreduce_max_ms=max(t for t, _ in timed) * 1e3,
-                         regions=sorted({r for _, r in timed})))
-        v.set_value(np.zeros(1, "float32"))
-        synk.broadcast(v)                              # free the big buffers everywhere
-    return rows
+    From ``PIPELINE_MIN_BYTES`` on, every round also measures how fast 1 MB
+    chunks pass between the two cores (:func:`bench.common.core_handover`),
+    which tells the rounds in which the hypervisor ran the vCPUs far apart.
+    """
+    with core_handover() as probe:
+        probe(), probe()                               # its first hand-overs touch new memory
+        return [_all_reduce_size(nbytes, n, probe) for nbytes in sizes_bytes]
+
+
+def _all_reduce_size(nbytes, n, probe):
+    count = nbytes // 4
+    v = pytensor.shared(np.ones(count, "float32"), name=f"ar_{nbytes}")
+    synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
+    synk.distribute()
+    rounds, calls = (10, 10) if nbytes <= 1 << 20 else (10, 1) if nbytes <= 50 << 20 else (9, 1)
+    src, dst = np.ones(count, "float32"), np.empty(count, "float32")
+    # alternating rounds: a slow minute of the shared machine slows the copy as much as the
+    # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
+    # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
+    seen, handovers, blocks = [], [], []          # per all-reduce (seconds, region, path)
+
+    def reduce_and_note():
+        t = time.perf_counter()
+        synk.all_reduce(v, op="sum")
+        seen.append((time.perf_counter() - t, result_region(), reduce_path()))
+    fns = [reduce_and_note, lambda: np.copyto(dst, src)]
+    if nbytes >= PIPELINE_MIN_BYTES:
+        fns.append(lambda: handovers.append(probe()))
+    t_ar, t_copy, *_, ratio = interleaved_medians(fns, rounds, calls, warmup=5, blocks=blocks)
+    timed = seen[-rounds * calls:]
+    # what each rank's memory traffic gets while its peer moves bytes too (shared memory bus)
+    t_both = concurrent_copy_time(nbytes, n, repeat=max(5, rounds))
+    algbw = nbytes / t_ar / 1e9
+    busbw = algbw * 2 * (n - 1) / n
+    row = dict(bytes=nbytes, allreduce_ms=t_ar * 1e3, algbw_GBs=algbw, busbw_GBs=busbw,
+               copy_ms=t_copy * 1e3, copy_GBs=nbytes / t_copy / 1e9,
+               bus_vs_copy=2 * (n - 1) / n / ratio,
+               concurrent_copy_ms=t_both * 1e3, ar_in_concurrent_copies=t_ar / t_both,
+               # to tell a slow run's cause: the spread of the timed all-reduces, the result
+               # regions they wrote (-1: a private result) and the paths they took
+               allreduce_min_ms=min(t for t, _, _ in timed) * 1e3,
+               allreduce_max_ms=max(t for t, _, _ in timed) * 1e3,
+               regions=sorted({r for _, r, _ in timed}),
+               published=sum(p == PUBLISHED for _, _, p in timed), timed_calls=len(timed))
+    if handovers:
+        row.update(_split_by_core_distance(blocks, handovers[-rounds:], n))
+    v.set_value(np.zeros(1, "float32"))
+    synk.broadcast(v)                                  # free the big buffers everywhere
+    return row
+
+
+def _split_by_core_distance(blocks, handovers, n):
+    """The rounds whose core-to-core hand-over ran under half the fastest one's rate ("far")
+    against the others: their median all-reduce time and busbw / copy."""
+    far = [h < 0.5 * max(handovers) for h in handovers]
+
+    def summary(which):
+        picked = [b for b, f in zip(blocks, far) if f == which]
+        if not picked:
+            return None, None
+        return (float(np.median([b[0] for b in picked])) * 1e3,
+                float(np.median([2 * (n - 1) / n * b[1] / b[0] for b in picked])))
+    (near_ms, near_ratio), (far_ms, far_ratio) = summary(False), summary(True)
+    return dict(handover_GBs=float(np.median(handovers)), handover_min_GBs=min(handovers),
+                handover_max_GBs=max(handovers), far_rounds=sum(far), rounds=len(far),
+                near_ms=near_ms, near_bus_vs_copy=near_ratio, far_ms=far_ms,
+                far_bus_vs_copy=far_ratio)
+
+
+def reduce_path():
+    """The path (synkhronos.comm.paths) the master chose for the last large all-reduce."""
+    from synkhronos import lifecycle
+    from synkhronos.control import ControlBlock
+    return int(lifecycle.current().ctl.header[ControlBlock.REDUCE_PATH])
 
 
 def result_region():

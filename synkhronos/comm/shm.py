@@ -82,6 +82,7 @@ class ShmComm:
         self.mirror = None if self.owner else SegmentMirror(base)
         self.results = SharedResults(prefix, rank, n_ranks, master_rank)
         self.paths = PathChooser() if rank == master_rank else None
+        self._cold = False
 
     # --- buffers ----------------------------------------------------------------------------
     def reserve(self, nbytes, result_bytes=0, reduce_bytes=0):
@@ -93,12 +94,16 @@ class ShmComm:
         (pipelined or published) is chosen here for every rank (0: none).
         """
         slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
-        if self.owner.ensure(slot * self.n_ranks, oversize=1.25):
+        regions_made = int(self.results.gens.sum())
+        grew = self.owner.ensure(slot * self.n_ranks, oversize=1.25)
+        if grew:
             self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
         self.ctl.header[ControlBlock.RESULT_REGION] = (
             self.results.choose(int(result_bytes)) if result_bytes else -1)
         self.ctl.header[ControlBlock.REDUCE_PATH] = (
             self.paths.choose(reduce_bytes) if reduce_bytes >= PIPELINE_MIN_BYTES else PIPELINED)
+        # a call that first touches new shared memory is slow on either path: not timed
+        self._cold = grew or int(self.results.gens.sum()) != regions_made
 
     def refresh(self):
         """After a collective: let go of the shared results no array of this rank holds."""
@@ -191,8 +196,8 @@ class ShmComm:
             out = self._all_reduce_pipelined(hosts, offsets, total, slots, op, step)
         else:
             out = self._all_reduce_published(hosts, offsets, total, slots, op)
-        if self.paths is not None:     # the master's time is the collective's: it ends in a barrier
-            self.paths.record(total * dtype.itemsize, path, time.perf_counter() - start)
+        if self.paths is not None and not self._cold:   # the master's time is the collective's:
+            self.paths.record(total * dtype.itemsize, path, time.perf_counter() - start)  # a barrier ends it
         return out
 
     def _all_reduce_published(self, hosts, offsets, total, slots, op):
