@@ -187,8 +187,9 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
     L += [f"- {r['bytes'] / 2**20:.0f} MB: hand-over {r['handover_GBs']:.1f} GB/s median "
           f"({r['handover_min_GBs']:.1f}–{r['handover_max_GBs']:.1f}); {r['far_rounds']} of {r['rounds']} "
           f"rounds far" + _near_far(r) for r in allreduce if "handover_GBs" in r]
-    L += ["", "The all-reduce and the copy are timed in alternating rounds (after 5 warm-up calls each, "
-          "which also cover the first touch of the shared result regions): times are medians, "
+    L += ["", "The all-reduce and the copy are timed in alternating rounds (after 5 warm-up calls each, 9 "
+          "from 8 MB on, which also cover the first touch of the shared result regions and the "
+          "path chooser's first measurements): times are medians, "
           "busbw / copy is the median of the per-round ratios.",
           "", "The shared-memory all-reduce (the default on CPU) is a reduce-scatter in which each rank "
           "copies the parts of its buffer its peers reduce into shared memory and reduces its own part "

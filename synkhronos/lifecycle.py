@@ -356,7 +356,8 @@ class Runtime:
 
         ``during="prepare"``: it raises while preparing; ``"ring"``: it kills
         itself in the middle of a pipelined shared-memory all-reduce, while its
-        peers stream chunks to it.
+        peers stream chunks to it (set ``self.comm.paths.fixed`` to
+        :data:`synkhronos.comm.paths.PIPELINED` so that a large all-reduce takes that path).
         """
         self.ctl.header[ControlBlock.FAULT] = (rank + 1) * (1 if during == "prepare" else -1)
 
