@@ -24,7 +24,7 @@ import numpy as np
 from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty"]
+           "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty", "copy_large"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -137,8 +137,29 @@ def to_device(host):
     """
     host = np.asarray(host)
     private = private_empty(host.shape, host.dtype)
-    np.copyto(private, host)
+    copy_large(private, host)
     return adopt(private)
+
+
+#: :func:`copy_large` copies arrays larger than this in pieces of this size
+COPY_PIECE_BYTES = 16 << 20
+
+
+def copy_large(dst, src):
+    """``dst[...] = src`` for arrays of one shape; large ones in pieces of ``COPY_PIECE_BYTES``.
+
+    glibc copies very large blocks another way (non-temporal stores, several
+    pages at a time), which from shared memory into a private buffer ran far
+    slower: 400 MB in 95-119 ms, in 16 MB pieces 54-57 ms (a numpy copy
+    between private buffers: 36 ms; measured).
+    """
+    if dst.nbytes <= COPY_PIECE_BYTES or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        np.copyto(dst, src)
+        return
+    d, s = dst.reshape(-1), src.reshape(-1)
+    step = max(1, COPY_PIECE_BYTES // dst.itemsize)
+    for a in range(0, d.size, step):
+        d[a:a + step] = s[a:a + step]
 
 
 def private_empty(shape, dtype):

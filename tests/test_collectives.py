@@ -402,3 +402,38 @@ def test_batch_s_errors(sliced, rng):
         g(np.ones(4), batch_s=[0, 1])
     out = f(W, batch_s=[0, 1])                        # still usable
     close(out[1], np.concatenate([X[[0, 1]] @ W + T[[0, 1]], X[[5, 6]] @ W + synk.get_value(1, shareds[1])[[0, 1]]]))
+
+
+def test_copy_large_copies_in_pieces_and_falls_back_for_strided_arrays(monkeypatch, rng):
+    from synkhronos import devices
+    monkeypatch.setattr(devices, "COPY_PIECE_BYTES", 1000)          # many uneven pieces
+    src = rng.normal(size=(301, 7)).astype("float32")
+    for source in (src, src[::2], src[:, 3]):                       # contiguous, strided rows, a column
+        dst = np.empty_like(source)
+        devices.copy_large(dst, source)
+        np.testing.assert_array_equal(dst, source)
+
+
+def test_collectives_of_values_larger_than_a_copy_piece_are_exact(comm_kind, synk2, rng):
+    """36 MB values: broadcast, all_gather and a private-result all-reduce copy them in pieces."""
+    n = 9_000_001                                                   # 36 MB of float32
+    big = pytensor.shared(np.zeros(n, "float32"), name=f"L{next(_unique)}")
+    small = pytensor.shared(np.zeros(3, "float64"), name=f"l{next(_unique)}")
+    synk.function([], [(big.sum() + small.sum(), "sum")])
+    values = [rng.normal(size=n).astype("float32") for _ in range(2)]
+    synk.broadcast(big, values[0])
+    for rank in range(2):
+        np.testing.assert_array_equal(synk.get_value(rank, big), values[0])
+    for rank in range(2):
+        synk.set_value(rank, [big, small], [values[rank], np.full(3, rank + 1.0)])
+    synk.all_reduce([big, small], op="sum")                        # two dtype groups: private results
+    for rank in range(2):
+        np.testing.assert_array_equal(synk.get_value(rank, big), values[0] + values[1])
+        np.testing.assert_array_equal(synk.get_value(rank, small), np.full(3, 3.0))
+    part = pytensor.shared(np.zeros(5_000_000, "float32"), name=f"G{next(_unique)}")   # 20 MB
+    synk.function([], [(part.sum(), "sum")])
+    for rank in range(2):
+        synk.set_value(rank, part, values[rank][:5_000_000])
+    synk.all_gather(part)
+    np.testing.assert_array_equal(synk.get_value(1, part),
+                                  np.concatenate([v[:5_000_000] for v in values]))

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from ..control import ControlBlock
-from ..devices import adopt, private_empty, to_device
+from ..devices import adopt, copy_large, private_empty, to_device
 from ..modes import COMBINE
 from ..shmem import GrowableSegment, SegmentMirror
 from .paths import PIPELINED, PathChooser
@@ -283,7 +283,7 @@ class ShmComm:
         self.barrier()
         for q in peers:
             for _, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
-                out[a:b] = slots[q][a:b]
+                copy_large(out[a:b], slots[q][a:b])
 
     def _reduce_chunk(self, hosts, offsets, slots, peers, out, bounds, op):
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
@@ -308,7 +308,7 @@ class ShmComm:
         for h, a in zip(hosts, offsets):
             stacked = private_empty((self.n_ranks,) + h.shape, h.dtype)
             for r in range(self.n_ranks):
-                stacked[r] = slots[r][a:a + h.size].reshape(h.shape)
+                copy_large(stacked[r], slots[r][a:a + h.size].reshape(h.shape))
             out.append(adopt(stacked))
         self.barrier()
         return out
