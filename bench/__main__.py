@@ -250,10 +250,12 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering):
           "same call with `batch=4096` (every device takes its rows as a view): the fixed cost of a "
           "call (validation, the command, the function, the reduction), which both synkhronos "
           "columns pay and the bare split does not. The last three columns gather the same "
-          "rows from shared memory with the same gatherer in processes of their own, no synkhronos call: what "
-          "splitting the bare gathering across processes gains here (rows are 3 KB apart in 4 KB pages "
-          "of shared memory, so every row costs a TLB miss, and both processes share the memory "
-          "system). It moves from run to run as much as the synkhronos figures do.", "",
+          "rows from shared memory with the same gatherer in two processes of their own, no synkhronos "
+          "call, timed in the same rounds as the synkhronos columns (`bench.common.bare_gathering`; "
+          "times are medians, the speed-up the median of per-round ratios): what splitting the bare "
+          "gathering across processes gains here (rows are 3 KB apart in 4 KB pages of shared memory, "
+          "so every row costs a TLB miss, and both processes share the memory system; how much two "
+          "gatherings at once slow each other down moves over tens of seconds on this machine).", "",
           "![plot](results.png)"]
     with open(os.path.join(HERE, "RESULTS.md"), "w") as fh:
         fh.write("\n".join(L) + "\n")

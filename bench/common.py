@@ -213,20 +213,78 @@ def concurrent_copy_time(nbytes, processes=2, repeat=5):
                      str(repeat)])["seconds"]
 
 
-def gather_ceiling(rows, cols, batch, batches, processes=2, repeat=80):
-    """Shuffled-row gathering from shared memory in bare processes, no synkhronos call involved.
+@contextlib.contextmanager
+def bare_gathering(rows, cols, batch, batches):
+    """Yield ``probe()``: (seconds for one bare process gathering ``batch`` rows alone, seconds
+    for two bare processes each gathering half of them at once), no synkhronos call involved.
 
-    Every process gathers with :func:`synkhronos.scatter.gather_rows`, as the
-    synkhronos devices and the master-alone baseline do.
-
-    Returns (seconds for one process gathering ``batch`` rows, seconds for each
-    of ``processes`` processes gathering its share at once), cycling through
-    ``batches`` index sets as :func:`shuffled_batches` makes them: their ratio
-    is the most any split of the gathering can gain on this machine.
+    Two processes (a fresh interpreter and its fork) keep a ``rows`` x ``cols``
+    float32 table in shared memory and gather with
+    :func:`synkhronos.scatter.gather_rows`, as the synkhronos devices and the
+    master-alone baseline do, cycling through ``batches`` index sets as
+    :func:`shuffled_batches` makes them. A benchmark calls ``probe()`` between
+    its own timings, so the two ratios come from the same minutes: two
+    gatherings at once slow each other down by a factor that moves over tens
+    of seconds on this machine (2048 rows each: 0.9-1.5 ms, measured).
+    The split's time is the slower process's own gathering.
     """
-    out = run_json([python(), "-m", "bench.common", "gather", str(rows), str(cols), str(batch),
-                    str(batches), str(processes), str(repeat)])
-    return out["alone"], out["split"]
+    proc = subprocess.Popen([python(), "-m", "bench.common", "gather", str(rows), str(cols),
+                             str(batch), str(batches)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+
+    def probe():
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        alone, split = map(float, proc.stdout.readline().split())
+        return alone, split
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench.common gather did not start")
+        yield probe
+    finally:
+        proc.stdin.close()                             # the helper and its partner end
+        proc.wait(timeout=60)
+
+
+def _serve_gathering(rows, cols, batch, batches):
+    """The helper behind :func:`bare_gathering`: one alone and one split gathering per stdin line."""
+    from multiprocessing import shared_memory
+    shm = shared_memory.SharedMemory(create=True, size=rows * cols * 4)
+    try:
+        np.ndarray((rows, cols), np.float32, shm.buf)[:] = 1
+        sets = shuffled_batches(rows, batch, batches)
+        halves = [[np.array_split(idx, 2)[p] for idx in sets] for p in range(2)]
+        go_r, go_w = os.pipe()
+        took_r, took_w = os.pipe()
+        if os.fork() == 0:                             # the partner: gathers its half on request
+            os.close(go_w)
+            step = _gather_step(shm.name, rows, cols, halves[1])
+            step()
+            while os.read(go_r, 1):                    # b"" once the helper is gone
+                t = time.perf_counter()
+                step()
+                os.write(took_w, f"{time.perf_counter() - t:.9f}\n".encode())
+            os._exit(0)
+        os.close(go_r)
+        alone_step = _gather_step(shm.name, rows, cols, sets)
+        half_step = _gather_step(shm.name, rows, cols, halves[0])
+        alone_step(), half_step()
+        took = os.fdopen(took_r)
+        print("ready", flush=True)
+        for _ in sys.stdin:
+            t = time.perf_counter()
+            alone_step()
+            alone = time.perf_counter() - t
+            os.write(go_w, b"g")
+            t = time.perf_counter()
+            half_step()
+            mine = time.perf_counter() - t
+            print(alone, max(mine, float(took.readline())), flush=True)
+        os.close(go_w)
+        os.wait()
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 def _main(kind, *args):
@@ -237,20 +295,10 @@ def _main(kind, *args):
         nbytes, processes, repeat = map(int, args)
         emit({"seconds": _run_in_lockstep([lambda: _copy_step(nbytes)] * processes, repeat)})
         return
-    from multiprocessing import shared_memory
-    rows, cols, batch, batches, processes, repeat = map(int, args)
-    shm = shared_memory.SharedMemory(create=True, size=rows * cols * 4)
-    try:
-        np.ndarray((rows, cols), np.float32, shm.buf)[:] = 1
-        sets = shuffled_batches(rows, batch, batches)
-        alone = _run_in_lockstep([lambda: _gather_step(shm.name, rows, cols, sets)], repeat)
-        parts = [[np.array_split(idx, processes)[p] for idx in sets] for p in range(processes)]
-        split = _run_in_lockstep([lambda p=p: _gather_step(shm.name, rows, cols, p) for p in parts],
-                                 repeat)
-        emit({"alone": alone, "split": split})
-    finally:
-        shm.close()
-        shm.unlink()
+    if kind == "gather":
+        _serve_gathering(*map(int, args))
+        return
+    raise ValueError(f"unknown helper {kind!r}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from bench.busy_call import tiny_direct
-from bench.common import (busy_peer, concurrent_copy_time, core_handover, gather_ceiling,
+from bench.common import (bare_gathering, busy_peer, concurrent_copy_time, core_handover,
                           interleaved_medians, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.comm.paths import PUBLISHED
@@ -182,13 +182,20 @@ def gathering(n_rows, batch, n, batches=16):
         # uses (synkhronos.scatter.gather_rows: faster than one np.take), then calls on the range
         gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
-    t_workers, t_master, ratio = interleaved_medians([every_device_gathers, master_alone], 10, 8)
+    bare = []                                          # (alone, split) seconds per probe
+    with bare_gathering(n_rows, 784, batch, batches) as probe:
+        # the bare gatherings run in the same rounds: how much two gatherings at once slow each
+        # other down moves from minute to minute
+        t_workers, t_master, _, ratio = interleaved_medians(
+            [every_device_gathers, master_alone, lambda: bare.append(probe())], 10, 8)
     # what a call costs besides the gathering: the same call on a range of rows (nothing gathered)
     t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], 10, 8)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
                 for idx in index_sets[:3])
-    alone, split = gather_ceiling(n_rows, 784, batch, batches, processes=n)
+    timed = np.array(bare[-10 * 8:]).reshape(10, 8, 2)  # the probes of the timed rounds
+    alone, split = np.median(timed[:, :, 0]), np.median(timed[:, :, 1])
+    ceiling = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
                 range_call_ms=t_range * 1e3,
                 speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
-                bare_split_ms=split * 1e3, ceiling=alone / split)
+                bare_split_ms=split * 1e3, ceiling=float(ceiling))
