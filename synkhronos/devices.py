@@ -237,7 +237,7 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"127.0.0.1:{port}"
-    with cpu_pool_of(threads if platform == "cpu" else None, rank):
+    with cpu_pool_of(threads if platform == "cpu" else None, rank), sigterm_kept():
         jax.distributed.initialize(
             coordinator_address=address,
             coordinator_bind_address=address,   # loopback only, never all interfaces
@@ -249,6 +249,27 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
             shutdown_timeout_seconds=10,
         )
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here
+
+
+@contextlib.contextmanager
+def sigterm_kept():
+    """Restore this process's SIGTERM handling after the block.
+
+    Joining the JAX distributed runtime installs a preemption notifier that
+    catches SIGTERM and only logs it, so ``kill`` (or a scheduler's, or
+    ``docker stop``'s, SIGTERM) no longer ended the script. After the block
+    SIGTERM does what it did before: by default, end the process (the workers
+    then exit and the shared memory is unlinked, as when the master is killed).
+    """
+    import signal
+    import threading
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        # signal handlers can only be set from the main thread; elsewhere the runtime keeps JAX's
+        if before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
 
 
 def shutdown_process():

@@ -182,6 +182,28 @@ def test_master_killed_workers_exit_and_memory_is_freed():
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
+@pytest.mark.parametrize("when", ["idle", "in a call"])
+def test_sigterm_ends_the_script_and_frees_everything(when):
+    """JAX's runtime catches SIGTERM for itself; synkhronos gives it back to the script."""
+    idle = MASTER.replace("    while True:\n        f(X, W, num_slices=40)", "    time.sleep(60)")
+    proc = _script(idle if when == "idle" else MASTER)
+    prefix, pids = _read_ready(proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == -signal.SIGTERM
+    deadline = time.time() + 10
+    while time.time() < deadline and (any(_pid_alive(p) for p in pids)
+                                      or any(n.startswith(prefix) for n in synk_segments())):
+        time.sleep(0.1)
+    assert not any(_pid_alive(p) for p in pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
 def test_ctrl_c_during_a_long_call():
     proc = _script(MASTER)
     prefix, pids = _read_ready(proc)
