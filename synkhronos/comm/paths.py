@@ -99,8 +99,3 @@ class PathChooser:
         rate = seconds / max(int(nbytes), 1)
         old = self.estimates.get(key)
         self.estimates[key] = rate if old is None else old + self.weight * (rate - old)
-
-    def summary(self):
-        """Per size class (as "≥ N MB") and path, the estimated time per GB, in ms."""
-        return {(f"≥ {(1 << (c - 1)) >> 20} MB", PATH_NAMES[p]): rate * (1 << 30) * 1e3
-                for (c, p), rate in sorted(self.estimates.items())}
