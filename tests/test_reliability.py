@@ -168,18 +168,23 @@ def _pid_alive(pid):
         return False
 
 
+def _assert_workers_and_segments_gone(prefix, pids, within=10):
+    """The workers ``pids`` exit and the segments named ``prefix...`` go within ``within`` seconds."""
+    deadline = time.time() + within
+    while time.time() < deadline and (any(_pid_alive(p) for p in pids)
+                                      or any(n.startswith(prefix) for n in synk_segments())):
+        time.sleep(0.1)
+    assert not any(_pid_alive(p) for p in pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
 def test_master_killed_workers_exit_and_memory_is_freed():
     proc = _script(MASTER)
     prefix, pids = _read_ready(proc)
     time.sleep(0.5)
     proc.kill()
     proc.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and (any(_pid_alive(p) for p in pids)
-                                      or any(n.startswith(prefix) for n in synk_segments())):
-        time.sleep(0.1)
-    assert not any(_pid_alive(p) for p in pids)
-    assert not [n for n in synk_segments() if n.startswith(prefix)]
+    _assert_workers_and_segments_gone(prefix, pids)
 
 
 @pytest.mark.parametrize("when", ["idle", "in a call"])
@@ -196,12 +201,7 @@ def test_sigterm_ends_the_script_and_frees_everything(when):
         proc.kill()
         raise
     assert proc.returncode == -signal.SIGTERM
-    deadline = time.time() + 10
-    while time.time() < deadline and (any(_pid_alive(p) for p in pids)
-                                      or any(n.startswith(prefix) for n in synk_segments())):
-        time.sleep(0.1)
-    assert not any(_pid_alive(p) for p in pids)
-    assert not [n for n in synk_segments() if n.startswith(prefix)]
+    _assert_workers_and_segments_gone(prefix, pids)
 
 
 def test_ctrl_c_during_a_long_call():
