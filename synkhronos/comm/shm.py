@@ -101,7 +101,7 @@ class ShmComm:
         self.ctl.header[ControlBlock.RESULT_REGION] = (
             self.results.choose(int(result_bytes)) if result_bytes else -1)
         self.ctl.header[ControlBlock.REDUCE_PATH] = (
-            self.paths.choose(reduce_bytes) if reduce_bytes >= PIPELINE_MIN_BYTES else PIPELINED)
+            self.paths.choose(reduce_bytes) if self._pipelinable(reduce_bytes) else PIPELINED)
         # a call that first touches new shared memory is slow on either path: not timed
         self._cold = grew or int(self.results.gens.sum()) != regions_made
 
@@ -187,18 +187,25 @@ class ShmComm:
         """
         hosts, offsets, total, slots = self._layout(values)
         dtype = slots[0].dtype
-        step = CHUNK_BYTES // dtype.itemsize
-        if total * dtype.itemsize < PIPELINE_MIN_BYTES or (self.n_ranks - 1) * RING_CHUNKS * step > total:
+        nbytes = total * dtype.itemsize
+        if not self._pipelinable(nbytes):
             return self._all_reduce_published(hosts, offsets, total, slots, op)
         path = int(self.ctl.header[ControlBlock.REDUCE_PATH])
         start = time.perf_counter()
         if path == PIPELINED:
+            step = CHUNK_BYTES // dtype.itemsize
             out = self._all_reduce_pipelined(hosts, offsets, total, slots, op, step)
         else:
             out = self._all_reduce_published(hosts, offsets, total, slots, op)
-        if self.paths is not None and not self._cold:   # the master's time is the collective's:
-            self.paths.record(total * dtype.itemsize, path, time.perf_counter() - start)  # a barrier ends it
+        if self.paths is not None and not self._cold:
+            # the master's time is the collective's: the call ends in a barrier
+            self.paths.record(nbytes, path, time.perf_counter() - start)
         return out
+
+    def _pipelinable(self, nbytes):
+        """Whether an all-reduce of ``nbytes`` may stream through the rings (else it publishes)."""
+        ring_bytes = (self.n_ranks - 1) * RING_CHUNKS * CHUNK_BYTES    # every peer's ring
+        return nbytes >= PIPELINE_MIN_BYTES and ring_bytes <= nbytes
 
     def _all_reduce_published(self, hosts, offsets, total, slots, op):
         """Every rank publishes the parts its peers reduce, then reduces its own from memory."""
