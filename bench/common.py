@@ -69,18 +69,32 @@ def core_handover():
     runs the vCPUs: here ~12 GB/s (median) while they share a cache, ~4.5 GB/s
     when they do not (told apart by a C cache-line ping-pong: ~100 vs ~480 ns).
     """
-    proc = subprocess.Popen([python(), "-m", "bench.common", "handover"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    with _helper("handover") as ask:
+        yield lambda: float(ask())
 
-    def probe():
+
+@contextlib.contextmanager
+def _helper(kind, *args):
+    """Yield ``ask()``: one answer line of the persistent helper ``python -m bench.common kind``.
+
+    The helper prints "ready" once set up, then answers every line it reads;
+    closing its stdin ends it (and the partner process it forked).
+    """
+    proc = subprocess.Popen([python(), "-m", "bench.common", kind, *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+
+    def ask():
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        return float(proc.stdout.readline())
+        return proc.stdout.readline()
     try:
-        yield probe
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"bench.common {kind} did not start")
+        yield ask
     finally:
-        proc.stdin.close()                             # the helper and its reader end
-        proc.wait(timeout=30)
+        proc.stdin.close()
+        proc.wait(timeout=60)
 
 
 def _serve_handover(chunks=64, step=1 << 18):
@@ -112,6 +126,7 @@ def _serve_handover(chunks=64, step=1 << 18):
         os._exit(0)
     os.close(start_r)
     k = 0
+    print("ready", flush=True)
     for _ in sys.stdin:
         os.write(start_w, b"g")
         t = time.perf_counter()
@@ -228,26 +243,12 @@ def bare_gathering(rows, cols, batch, batches):
     of seconds on this machine (2048 rows each: 0.9-1.5 ms, measured).
     The split's time is the slower process's own gathering.
     """
-    proc = subprocess.Popen([python(), "-m", "bench.common", "gather", str(rows), str(cols),
-                             str(batch), str(batches)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-
-    def probe():
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        alone, split = map(float, proc.stdout.readline().split())
-        return alone, split
-    try:
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError("bench.common gather did not start")
-        yield probe
-    finally:
-        proc.stdin.close()                             # the helper and its partner end
-        proc.wait(timeout=60)
+    with _helper("gather", rows, cols, batch, batches) as ask:
+        yield lambda: tuple(map(float, ask().split()))
 
 
 def _serve_gathering(rows, cols, batch, batches):
-    """The helper behind :func:`bare_gathering`: one alone and one split gathering per stdin line."""
+    """The helper behind :func:`bare_gathering`: an alone and a split gathering per stdin line."""
     from multiprocessing import shared_memory
     shm = shared_memory.SharedMemory(create=True, size=rows * cols * 4)
     try:

@@ -73,7 +73,8 @@ def _all_reduce_size(nbytes, n, probe):
     # alternating rounds: a slow minute of the shared machine slows the copy as much as the
     # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
     # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
-    seen, handovers, blocks = [], [], []          # per all-reduce (seconds, region, path)
+    seen = []                                     # per all-reduce: (seconds, region, path)
+    handovers, blocks = [], []
 
     def reduce_and_note():
         t = time.perf_counter()
@@ -126,18 +127,21 @@ def _split_by_core_distance(blocks, handovers, n):
                 far_bus_vs_copy=far_ratio)
 
 
-def reduce_path():
-    """The path (synkhronos.comm.paths) the master chose for the last large all-reduce."""
+def _header_word(name):
+    """A word of the control block's header, as the master wrote it for the last collective."""
     from synkhronos import lifecycle
     from synkhronos.control import ControlBlock
-    return int(lifecycle.current().ctl.header[ControlBlock.REDUCE_PATH])
+    return int(lifecycle.current().ctl.header[getattr(ControlBlock, name)])
 
 
 def result_region():
     """The shared result region the last all-reduce wrote (-1: a private result)."""
-    from synkhronos import lifecycle
-    from synkhronos.control import ControlBlock
-    return int(lifecycle.current().ctl.header[ControlBlock.RESULT_REGION])
+    return _header_word("RESULT_REGION")
+
+
+def reduce_path():
+    """The path (synkhronos.comm.paths) the master chose for the last large all-reduce."""
+    return _header_word("REDUCE_PATH")
 
 
 def training(batches, steps):
@@ -183,16 +187,17 @@ def gathering(n_rows, batch, n, batches=16):
         gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
     bare = []                                          # (alone, split) seconds per probe
+    rounds, calls = 10, 8
     with bare_gathering(n_rows, 784, batch, batches) as probe:
         # the bare gatherings run in the same rounds: how much two gatherings at once slow each
         # other down moves from minute to minute
         t_workers, t_master, _, ratio = interleaved_medians(
-            [every_device_gathers, master_alone, lambda: bare.append(probe())], 10, 8)
+            [every_device_gathers, master_alone, lambda: bare.append(probe())], rounds, calls)
     # what a call costs besides the gathering: the same call on a range of rows (nothing gathered)
-    t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], 10, 8)
+    t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], rounds, calls)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
                 for idx in index_sets[:3])
-    timed = np.array(bare[-10 * 8:]).reshape(10, 8, 2)  # the probes of the timed rounds
+    timed = np.array(bare[-rounds * calls:]).reshape(rounds, calls, 2)  # the timed rounds' probes
     alone, split = np.median(timed[:, :, 0]), np.median(timed[:, :, 1])
     ceiling = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
