@@ -16,6 +16,8 @@ own rows from shared memory and puts them on its device.
 """
 
 
+import math
+
 import numpy as np
 
 from . import lifecycle
@@ -358,7 +360,7 @@ def _reduce(shared_vars, op, keep):
     vars_, single = resolve_shareds(shared_vars)
     _check_op(op, vars_)
     own = shapes_of(v.container.storage[0] for v in vars_)
-    nbytes = _group_bytes(vars_, [int(np.prod(s, dtype=np.int64)) for s in own])
+    nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
     one_launch = len(list(_dtype_groups(vars_))) == 1
 
     def fill(w):
@@ -398,7 +400,7 @@ def broadcast(shared_vars, values=None):
         w.put(_BROADCAST).put_list(_uids(rt, vars_))
         for shape in shapes:
             w.put_list(shape)
-    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    sizes = [math.prod(shape) for shape in shapes]
     _run(rt, fill, reserve=_group_bytes(vars_, sizes))
 
 
@@ -492,7 +494,7 @@ def _gather(rt, vars_, keep, nd_up):
         w.put(_GATHER).put_list(_uids(rt, vars_)).put(keep, nd_up)
         for per_rank in shapes:
             w.put_list(s[0] if s else -1 for s in per_rank)
-    padded = [max(int(np.prod(s, dtype=np.int64)) for s in per_rank) for per_rank in shapes]
+    padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
     return _run(rt, fill, reserve=_group_bytes(vars_, padded))
 
 

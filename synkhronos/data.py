@@ -5,6 +5,8 @@ command names it (by Data id and segment generation) and drops its mapping
 when the master announces a reallocation or ``free_memory()``.
 """
 
+import math
+
 import numpy as np
 
 from . import lifecycle
@@ -77,7 +79,7 @@ class Data:
     @property
     def size(self):
         """The number of items in the current shape."""
-        return 0 if self._shape is None else int(np.prod(self._shape, dtype=np.int64))
+        return 0 if self._shape is None else math.prod(self._shape)
 
     @property
     def alloc_size(self):
@@ -168,7 +170,7 @@ class Data:
 
     def _resize(self, shape, oversize):
         self._rt.check_open()
-        needed = int(np.prod(shape, dtype=np.int64)) * self._dtype.itemsize
+        needed = math.prod(shape) * self._dtype.itemsize
         had = self._segment.segment is not None
         if self._segment.ensure(needed, oversize=oversize) and had:
             self._rt.announce_data_drop([self.id])

@@ -6,6 +6,7 @@ Pickling is kept for the cold paths only: shipping functions, errors, values
 of shared variables.
 """
 
+import math
 import pickle
 import sys
 
@@ -52,7 +53,7 @@ def aligned_empty(shape, dtype):
 
 
 def _nbytes(shape, dtype):
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _aligned_view(owner, shape, dtype, nbytes):

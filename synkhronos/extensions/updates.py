@@ -22,6 +22,8 @@ Examples
 >>> f_grad(x_dat, y_dat, batch=idx); synk.all_reduce(grad_shared); f_upd()  # doctest: +SKIP
 """
 
+import math
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -62,7 +64,7 @@ def unflatten_vars(flat, like):
     pieces, pos = [], 0
     for var in like:
         shape = _shape_of(var)
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)
         pieces.append(flat[pos:pos + size].reshape(shape))
         pos += size
     return pieces
@@ -85,7 +87,7 @@ def flat_unflat_grads(loss, params):
     # as its own rules do, so our gradients are the ones its rules would compute.
     grads = optim.get_gradients(loss, params)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
-    size = sum(int(np.prod(_shape_of(p), dtype=np.int64)) for p in params)
+    size = sum(math.prod(_shape_of(p)) for p in params)
     grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared")
     flat = flatten_vars(grads).astype(dtype)
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
