@@ -176,7 +176,10 @@ def gathering(n_rows, batch, n, batches=16):
     x_dat = synk.data(X)
     index_sets = shuffled_batches(n_rows, batch, batches)
     staged = synk.data(X[index_sets[0]])               # the master-alone path stages into this
+    # the same call on the same indices into a one-column Data: an index call's fixed cost
+    narrow = synk.data(X[:, :1])
     workers_next, alone_next = itertools.cycle(index_sets), itertools.cycle(index_sets)
+    narrow_next = itertools.cycle(index_sets)
 
     def every_device_gathers():
         f(x_dat, batch=next(workers_next))
@@ -191,8 +194,9 @@ def gathering(n_rows, batch, n, batches=16):
     with bare_gathering(n_rows, 784, batch, batches) as probe:
         # the bare gatherings run in the same rounds: how much two gatherings at once slow each
         # other down moves from minute to minute
-        t_workers, t_master, _, ratio = interleaved_medians(
-            [every_device_gathers, master_alone, lambda: bare.append(probe())], rounds, calls)
+        t_workers, t_master, _, t_narrow, ratio = interleaved_medians(
+            [every_device_gathers, master_alone, lambda: bare.append(probe()),
+             lambda: f(narrow, batch=next(narrow_next))], rounds, calls)
     # what a call costs besides the gathering: the same call on a range of rows (nothing gathered)
     t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], rounds, calls)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
@@ -200,7 +204,12 @@ def gathering(n_rows, batch, n, batches=16):
     timed = np.array(bare[-rounds * calls:]).reshape(rounds, calls, 2)  # the timed rounds' probes
     alone, split = np.median(timed[:, :, 0]), np.median(timed[:, :, 1])
     ceiling = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
+    # the master-alone time (its gathering, then a range call) over a call whose devices gather
+    # as fast as the bare pair and which costs besides that what a range call costs (the least a
+    # call costs) or what an index call costs
+    best_call = t_master / (split + t_range)
+    bare_gathers = t_master / (split + t_narrow)
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
-                range_call_ms=t_range * 1e3,
-                speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
+                range_call_ms=t_range * 1e3, index_call_ms=t_narrow * 1e3,
+                best_call=float(best_call), with_bare_gathers=float(bare_gathers), speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
                 bare_split_ms=split * 1e3, ceiling=float(ceiling))
