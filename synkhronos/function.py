@@ -8,6 +8,7 @@ integers into the control block (:class:`CallPlan`), and run by every process
 with :func:`run_share` on its own rows; the master reduces the results.
 """
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -324,6 +325,19 @@ class CallPlan:
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
     _record: object = field(default=False, repr=False, compare=False)        # see result_record
 
+    def with_batch(self, batch):
+        """This plan with another ``batch`` of as many rows (the same shares, the same record).
+
+        Examples
+        --------
+        >>> plan = CallPlan(0, 1, Batch(2, indices=np.array([3, 1])), [0], [], [])
+        >>> plan.with_batch(Batch(2, indices=np.array([0, 5]))).batch.indices
+        array([0, 5])
+        """
+        plan = copy.copy(self)
+        plan.batch, plan._words = batch, None
+        return plan
+
     def index_arrays(self):
         """Batches whose explicit indices must be written to the index segment."""
         if self.batch.is_range and not self.sliced:
@@ -516,6 +530,8 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
 _MISSING = object()
 #: validated plans a Function keeps for repeated calls (see Function._plan_key)
 _PLANS_KEPT = 16
+#: marks a plan key of explicit indices (see Function._plan_key)
+_INDICES = object()
 
 
 class Function:
@@ -623,6 +639,10 @@ class Function:
                 if len(self._plans) >= _PLANS_KEPT:
                     self._plans.clear()
                 self._plans[key] = plan
+        elif not plan.batch.is_range:
+            # the kept plan of an earlier call with as many indices: only the indices are new
+            n_scat = len(self.spec.inputs)
+            plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat])[0])
         rt.ensure_shipped()
         outputs = self._reduce(plan, *rt.run_call(self, plan))
         return outputs[0] if (self._bare and output_subset is None) else outputs
@@ -633,17 +653,22 @@ class Function:
         A training loop repeats one call shape: the same Data (same segment
         generation and shape, so the same rows are valid), a fixed ``batch``
         size and ``num_slices``. Such a call reuses its plan (~20 us of
-        validation saved). Explicit indices, ``batch_s`` (rows checked against
-        every rank), numpy arguments and keywords always take the full path.
+        validation saved). A ``batch`` of explicit indices (a numpy array) into
+        Data that are not ``minibatch`` reuses the plan of the last call with
+        as many indices, and only the new indices are validated (~30 us per
+        call saved, measured). ``batch_s`` (rows checked against every rank),
+        numpy arguments and keywords always take the full path.
         """
         if kwargs or batch_s is not None or output_subset is not None or self.spec.sliceable_shareds:
             return None
-        if not (batch is None or type(batch) is int) or type(num_slices) is not int \
+        indexed = type(batch) is np.ndarray
+        if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
                 or len(args) != self._n_inputs:
             return None
-        key = [batch, num_slices]
+        key = [(_INDICES, batch.shape) if indexed else batch, num_slices]
         for d in args:
-            if type(d) is not Data or d._rt is not self._rt or d.shape is None:
+            if type(d) is not Data or d._rt is not self._rt or d.shape is None or \
+                    (indexed and d.minibatch):    # a minibatch Data's offset follows the indices
                 return None
             key += (d.id, d.gen, d.shape, d.minibatch)
         return tuple(key)

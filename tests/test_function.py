@@ -87,6 +87,39 @@ def test_a_reused_plan_follows_the_data_it_was_made_for(model, rng):
     check_all_but_none(f(x_dat, b_dat), reference(f, X, B))
 
 
+def test_a_reused_index_plan_checks_every_new_index_set(model, rng):
+    """Calls with as many explicit indices share a plan; each index set is still validated."""
+    f, X, B = model
+    x_dat, b_dat = synk.data(X), synk.data(B)
+    for idx in (np.array([6, 0, 3, 3, 1]), np.array([2, 2, 5, 4, 0])):
+        check_all_but_none(f(x_dat, b_dat, batch=idx), reference(f, X[idx], B))
+    with pytest.raises(IndexError, match="index 7 is out of range"):
+        f(x_dat, b_dat, batch=np.array([0, 1, 7, 2, 3]))
+    with pytest.raises(IndexError, match="-1 is negative"):
+        f(x_dat, b_dat, batch=np.array([0, 1, -1, 2, 3]))
+    with pytest.raises(TypeError, match="list or array of ints"):
+        f(x_dat, b_dat, batch=np.array([0., 1, 2, 2, 3]))
+    idx = np.array([5, 6, 0, 1, 1])
+    check_all_but_none(f(x_dat, b_dat, batch=idx), reference(f, X[idx], B))
+    other = synk.data(rng.normal(size=(5, 3)))        # other Data: checked against its 5 rows
+    with pytest.raises(IndexError, match="out of range"):
+        f(other, b_dat, batch=idx)
+    check_all_but_none(f(other, b_dat, batch=idx - 2 * (idx > 4)),
+                       reference(f, other.data[idx - 2 * (idx > 4)], B))
+
+
+def test_index_sets_into_minibatch_data_each_take_their_own_offset(model):
+    """A minibatch Data's row 0 stands for the batch's lowest index, which moves from call to call."""
+    f, X, B = model
+    big = np.vstack([X, X * 2, X * 3])
+    mb = synk.data(big[7:14], minibatch=True)
+    b_dat = synk.data(B)
+    for idx in ([13, 8, 9, 7], [12, 13, 10, 11]):     # lowest 7, then 10 (rows 10.. from row 0)
+        held = big[min(idx):min(idx) + 7]
+        mb.set_value(held)
+        check_all_but_none(f(mb, b_dat, batch=np.array(idx)), reference(f, big[idx], B))
+
+
 def test_more_plans_than_the_cache_holds(synk2, rng):
     x = pt.vector("x")
     f = synk.function([x], [(x.sum(), "sum")], name="many_plans")
