@@ -655,7 +655,7 @@ class Function:
         size and ``num_slices``. Such a call reuses its plan (~20 us of
         validation saved). A ``batch`` of explicit indices (a numpy array) into
         Data that are not ``minibatch`` reuses the plan of the last call with
-        as many indices, and only the new indices are validated (~30 us per
+        as many indices, and only the new indices are validated (~20 us per
         call saved, measured). ``batch_s`` (rows checked against every rank),
         numpy arguments and keywords always take the full path.
         """
