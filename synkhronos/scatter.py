@@ -8,7 +8,7 @@ its own rows from shared memory.
 """
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -83,6 +83,7 @@ class Batch:
     stop: int = 0
     indices: np.ndarray = None
     index_offset: int = 0   # where ``indices`` start in the shared index segment
+    _bounds: tuple = field(default=None, repr=False, compare=False)   # see _index_bounds
 
     @property
     def is_range(self):
@@ -91,13 +92,19 @@ class Batch:
     def lowest(self):
         if self.total == 0:
             return 0
-        return self.start if self.is_range else int(self.indices.min())
+        return self.start if self.is_range else self._index_bounds()[0]
 
     def highest(self):
         """The largest row index the batch touches (-1 if empty)."""
         if self.total == 0:
             return -1
-        return self.stop - 1 if self.is_range else int(self.indices.max())
+        return self.stop - 1 if self.is_range else self._index_bounds()[1]
+
+    def _index_bounds(self):
+        """(lowest, highest) of the explicit indices, computed once."""
+        if self._bounds is None:
+            self._bounds = (int(self.indices.min()), int(self.indices.max()))
+        return self._bounds
 
 
 def check_num_slices(num_slices):
@@ -115,7 +122,7 @@ def _as_index_array(batch):
     idx = np.asarray(batch)
     if idx.size == 0:
         return idx.astype(np.int64).reshape(0)
-    if idx.ndim != 1 or not (np.issubdtype(idx.dtype, np.integer)):
+    if idx.ndim != 1 or idx.dtype.kind not in "iu":
         raise TypeError(f"batch as explicit indices must be a 1-D list or array of ints, "
                         f"got {idx.dtype} with shape {idx.shape}")
     return idx.astype(np.int64, copy=False)
@@ -143,10 +150,11 @@ def batch_from_spec(batch, length):
         return Batch(total=stop - start, start=start, stop=stop)
     if isinstance(batch, (list, tuple, np.ndarray)):
         idx = _as_index_array(batch)
-        if idx.size and idx.min() < 0:
+        spec = Batch(total=len(idx), indices=idx)
+        if spec.lowest() < 0:
             bad = int(idx[np.argmax(idx < 0)])
             raise IndexError(f"batch index {bad} is negative; indices must be row numbers >= 0")
-        return Batch(total=len(idx), indices=idx)
+        return spec
     raise TypeError(f"batch must be None, an int, a slice, or a list/array of indices, "
                     f"got {type(batch).__name__}")
 
