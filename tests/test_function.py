@@ -120,6 +120,26 @@ def test_index_sets_into_minibatch_data_each_take_their_own_offset(model):
         check_all_but_none(f(mb, b_dat, batch=np.array(idx)), reference(f, big[idx], B))
 
 
+def test_results_and_updates_never_share_memory_with_gathered_rows(synk2, rng):
+    """Each device gathers a call's rows into the buffer it used the call before; nothing that
+    outlives a call (a returned output, an updated shared variable) may be a view of it."""
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros((3, 2)), name="w")
+    f = synk.function([x], [(x, None), (w.sum(), "sum")], updates=[(w, x)], name="echo")
+    X = rng.normal(size=(40, 2))
+    x_dat = synk.data(X)
+    idx1, idx2 = rng.permutation(40)[:6], rng.permutation(40)[:6]
+    rows1, total = f(x_dat, batch=idx1)
+    close(total, 0.0)
+    rows2, total = f(x_dat, batch=idx2)
+    close(rows1, X[idx1[:3]])                    # the master's rows of the first call, unchanged
+    close(rows2, X[idx2[:3]])
+    # the second call summed w as the first call left it: each device's rows of idx1
+    close(total, X[idx1].sum())
+    for rank in range(2):
+        close(synk.get_value(rank, w), X[idx2[3 * rank:3 * rank + 3]])
+
+
 def test_more_plans_than_the_cache_holds(synk2, rng):
     x = pt.vector("x")
     f = synk.function([x], [(x.sum(), "sum")], name="many_plans")
