@@ -204,12 +204,7 @@ def gathering(n_rows, batch, n, batches=16):
     timed = np.array(bare[-rounds * calls:]).reshape(rounds, calls, 2)  # the timed rounds' probes
     alone, split = np.median(timed[:, :, 0]), np.median(timed[:, :, 1])
     ceiling = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
-    # the master-alone time (its gathering, then a range call) over a call whose devices gather
-    # as fast as the bare pair and which costs besides that what a range call costs (the least a
-    # call costs) or what an index call costs
-    best_call = t_master / (split + t_range)
-    bare_gathers = t_master / (split + t_narrow)
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
                 range_call_ms=t_range * 1e3, index_call_ms=t_narrow * 1e3,
-                best_call=float(best_call), with_bare_gathers=float(bare_gathers), speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
+                speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
                 bare_split_ms=split * 1e3, ceiling=float(ceiling))
