@@ -5,7 +5,9 @@
 ``--one-core`` binds the process to its first core before JAX starts (XLA then
 makes a one-thread pool): the per-core speed of the step's compiled code.
 ``--synk-mode`` compiles with the mode synkhronos uses on a CPU device
-(PyTensor's JAX mode plus :mod:`synkhronos.rewrites`) instead of plain "JAX".
+(PyTensor's JAX mode plus :mod:`synkhronos.rewrites`) instead of plain "JAX",
+and allocates as a synkhronos process does
+(:func:`synkhronos.devices.keep_freed_memory_for_reuse`).
 """
 
 import os
@@ -42,7 +44,9 @@ def main(batches, steps, mode="JAX"):
 
 if __name__ == "__main__":
     if "--synk-mode" in sys.argv:
+        from synkhronos.devices import keep_freed_memory_for_reuse
         from synkhronos.rewrites import compile_mode
+        keep_freed_memory_for_reuse()
         mode = compile_mode("cpu")
     else:
         mode = "JAX"
