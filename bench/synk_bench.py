@@ -9,7 +9,7 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from bench.busy_call import tiny_direct
-from bench.common import (bare_gathering, busy_peer, concurrent_copy_time, core_handover,
+from bench.common import (bare_gathering, busy_peer, concurrent_copy_time, copy_pair, core_handover,
                           interleaved_medians, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
 from synkhronos.comm.paths import PUBLISHED
@@ -69,7 +69,7 @@ def _all_reduce_size(nbytes, n, probe):
     synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
     synk.distribute()
     rounds, calls = (10, 10) if nbytes <= 1 << 20 else (10, 1) if nbytes <= 50 << 20 else (9, 1)
-    src, dst = np.ones(count, "float32"), np.empty(count, "float32")
+    src, dst = copy_pair(nbytes)
     # alternating rounds: a slow minute of the shared machine slows the copy as much as the
     # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
     # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
