@@ -23,7 +23,7 @@ import numpy as np
 from . import lifecycle
 from .control import Op, Words
 from .data import Data, condition_value
-from .devices import to_device
+from .devices import adopt, to_device
 from .errors import WorkerError
 from .function import put_batch
 from .scatter import Batch, chunk, parse_batch
@@ -213,11 +213,12 @@ def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
         batch = get_batch(words, index_lookup, index_gen)
         view = view_of(InputRef(data_id, gen, code, 0, tuple(shape)))
         if not shape:
-            rows = view
-        else:
-            a, b = chunk(0, batch.total, n_ranks, rank) if chunked else (0, batch.total)
-            rows = _rows(view, batch, a, b, 0)
-        values.append(to_device(rows))
+            values.append(to_device(view))
+            continue
+        a, b = chunk(0, batch.total, n_ranks, rank) if chunked else (0, batch.total)
+        rows = _rows(view, batch, a, b, 0)
+        # gathered rows are a private aligned buffer already; a view of the Data must be copied
+        values.append(to_device(rows) if batch.is_range else adopt(rows))
 
     def execute():
         for var, value in zip(vars_, values):

@@ -94,6 +94,21 @@ def test_scatter_uneven_with_batch(held, rng):
     close(synk.get_value(1, c), [3, 0, 5])
 
 
+def test_rows_scattered_by_index_stay_put_when_more_are_scattered(comm_kind, synk2, rng):
+    """A device adopts the buffer its indexed rows were gathered into (no second copy); a later
+    scatter must not reuse that buffer while the first variable holds it (>1 MB: pooled buffers)."""
+    a = pytensor.shared(np.zeros((1, 600)), name=f"big_a{next(_unique)}")
+    b = pytensor.shared(np.zeros((1, 600)), name=f"big_b{next(_unique)}")
+    synk.function([], [(a.sum() + b.sum(), "sum")])
+    full = synk.data(rng.normal(size=(700, 600)))
+    idx1, idx2 = rng.permutation(700)[:600], rng.permutation(700)[:600]
+    synk.scatter(a, full, batch=idx1)
+    synk.scatter(b, full, batch=idx2)
+    for rank, rows in enumerate((slice(0, 300), slice(300, 600))):
+        close(synk.get_value(rank, a), full.data[idx1[rows]])
+        close(synk.get_value(rank, b), full.data[idx2[rows]])
+
+
 def test_gather_and_all_gather_unequal_lengths(held, rng):
     (a, b, c), values = held
     stacked = synk.gather([a, b], nd_up=1)
