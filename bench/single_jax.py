@@ -6,8 +6,9 @@
 makes a one-thread pool): the per-core speed of the step's compiled code.
 ``--synk-mode`` compiles with the mode synkhronos uses on a CPU device
 (PyTensor's JAX mode plus :mod:`synkhronos.rewrites`) instead of plain "JAX",
-and allocates as a synkhronos process does
-(:func:`synkhronos.devices.keep_freed_memory_for_reuse`).
+and allocates and limits numpy's BLAS as a synkhronos process does
+(:func:`synkhronos.devices.keep_freed_memory_for_reuse`,
+:func:`synkhronos.devices.limit_blas_threads`).
 """
 
 import os
@@ -44,9 +45,10 @@ def main(batches, steps, mode="JAX"):
 
 if __name__ == "__main__":
     if "--synk-mode" in sys.argv:
-        from synkhronos.devices import keep_freed_memory_for_reuse
+        from synkhronos.devices import keep_freed_memory_for_reuse, limit_blas_threads
         from synkhronos.rewrites import compile_mode
         keep_freed_memory_for_reuse()
+        limit_blas_threads(len(os.sched_getaffinity(0)))
         mode = compile_mode("cpu")
     else:
         mode = "JAX"

@@ -24,7 +24,8 @@ import numpy as np
 from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty", "copy_large"]
+           "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty", "copy_large",
+           "limit_blas_threads", "blas_threads"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -208,6 +209,47 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
         pass
 
 
+#: threads numpy's BLAS was limited to in this process (None: not limited; see limit_blas_threads)
+_blas_threads = None
+#: the thread-count setters of the OpenBLAS builds numpy ships (64-bit integer builds first)
+_OPENBLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads")
+
+
+def limit_blas_threads(threads):
+    """Limit numpy's BLAS (OpenBLAS) in this process to ``threads`` threads; True if it worked.
+
+    numpy reads ``OPENBLAS_NUM_THREADS`` when it is imported, which in the
+    master happens before ``fork()``; so the library's own setter is called on
+    the OpenBLAS numpy loaded. Products that :mod:`synkhronos.rewrites` hands to
+    numpy's BLAS run in the calling XLA thread, on this rank's cores, only once
+    this has worked (:func:`blas_threads`); otherwise (numpy with another BLAS,
+    a platform without ``/proc``) they stay in XLA.
+    """
+    global _blas_threads
+    import ctypes
+    import numpy
+    root = os.path.dirname(os.path.dirname(numpy.__file__))
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = {line.split()[-1] for line in maps if "openblas" in line.split()[-1].lower()}
+    except OSError:
+        return False
+    for path in sorted(lib for lib in libs if lib.startswith(os.path.join(root, "numpy"))):
+        lib = ctypes.CDLL(path)
+        setter = next((getattr(lib, name) for name in _OPENBLAS_SETTERS if hasattr(lib, name)), None)
+        if setter is not None:
+            setter(ctypes.c_int(int(threads)))
+            _blas_threads = int(threads)
+            return True
+    return False
+
+
+def blas_threads():
+    """The threads numpy's BLAS was limited to by :func:`limit_blas_threads`, or None."""
+    return _blas_threads
+
+
 @contextlib.contextmanager
 def cpu_pool_of(threads, rank):
     """Give the XLA CPU client made inside this block ``threads`` threads on rank ``rank``'s cores.
@@ -243,6 +285,7 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     import jax
     if platform == "cpu":
         keep_freed_memory_for_reuse()
+        limit_blas_threads(threads or max(1, (os.cpu_count() or 1) // n_ranks))
     jax.config.update("jax_platforms", platform)
     set_precision(float_x)
     # A dead worker must become an exception in the master, not a process abort.

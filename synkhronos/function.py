@@ -25,7 +25,7 @@ from . import devices, lifecycle
 from .control import RECORD_BYTES, Words
 from .data import Data, condition_value
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
-from .rewrites import compile_mode
+from .rewrites import compile_mode, raise_deferred_interrupt
 from .scatter import Batch, check_num_slices, chunk, gather_rows, parse_batch, parse_batch_s
 from .transport import aligned_empty, dtype_code
 
@@ -178,7 +178,8 @@ def jitted_call(fn):
             cell[0] = arg
         try:
             outputs = jit(*[cell[0] for cell in cells])
-        except Exception:
+        except Exception as e:
+            raise_deferred_interrupt(e)
             return fn(*args)
         finally:
             for cell in arg_cells:
@@ -191,6 +192,7 @@ def jitted_call(fn):
         # arguments nothing can change under the computation, and it may run on past the call.
         if arg_cells:
             outputs[-1].block_until_ready()
+        raise_deferred_interrupt()
         return list(outputs[:n_outputs])
 
     call.fn = fn
@@ -282,9 +284,14 @@ class CompiledFunction:
 
         def call(*args):
             import jax
-            outputs = fn(*args)
-            if args:
-                jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
+            try:
+                outputs = fn(*args)
+                if args:
+                    jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
+            except Exception as e:
+                raise_deferred_interrupt(e)
+                raise
+            raise_deferred_interrupt()
             return outputs
         return call
 

@@ -1,17 +1,21 @@
 """Graph rewrites synkhronos adds when it compiles a function for a CPU device.
 
-XLA's CPU backend multiplies ``A.T @ B`` (a contraction over the first axis of
-both operands, the form of every weight gradient ``h.T @ delta``) slower than
-``A @ B`` of the same size: on one core, 2048x1024 by 2048x1024 ran at 60-64
-GFLOP/s against 81-91 GFLOP/s for ``A @ B`` and ``B @ W.T``; with a skinny
-``B`` (2048x10, an output layer's gradient) at 4-5 GFLOP/s (measured; PyTorch
-runs these forms at full speed). :class:`TransposedDot` transposes the smaller
-operand first, through cache-sized tiles, and multiplies in the fast form: an
-MLP gradient step (784-1024-1024-10, batch 2048, one core) took 0.75-0.93x the
-time of PyTensor's plain JAX mode.
+Every matrix product becomes a :class:`BlasDot`, which knows whether either
+operand is transposed. In JAX, a large one runs in numpy's BLAS through a host
+callback, reading transposed operands in place: XLA's CPU products (YNNPACK in
+JAX 0.12) ran ``A @ B`` of 2048x1024 by 1024x1024 at 67-90 GFLOP/s on one core
+where PyTorch and numpy's OpenBLAS ran at 80-91, and ``A.T @ B`` (every weight
+gradient ``h.T @ delta``) a third slower still; a step of the benchmark MLP
+(784-1024-1024-10, 2048 rows, one core) took 296-327 ms with its products in
+numpy's BLAS against 382-406 ms in XLA (measured; PyTorch: 309 ms). Smaller
+products stay in XLA, a transposed left operand there through
+:class:`TransposedDot`'s tiled transposes (XLA ran a skinny ``A.T @ B``, an
+output layer's gradient, ~8x slower than transposed first).
 
-GPUs take transposed operands natively; there the rewrite is left out (see
-:func:`compile_mode`).
+The callback needs numpy's BLAS limited to this process's share of the cores
+(:func:`synkhronos.devices.limit_blas_threads`); without that, products stay in
+XLA. GPUs take transposed operands natively and multiply on the device; there
+the rewrite is left out (see :func:`compile_mode`).
 """
 
 import numpy as np
@@ -25,20 +29,80 @@ from pytensor.scalar import upcast
 from pytensor.tensor.elemwise import DimShuffle
 from pytensor.tensor.math import Dot
 
-__all__ = ["TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode", "REWRITE_TAG"]
+from . import devices
+
+__all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
+           "REWRITE_TAG", "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
+
+#: products of at least this many flops run in numpy's BLAS (a host callback costs ~20-50 us)
+HOST_BLAS_MIN_FLOPS = 1 << 24
 
 #: the optimizer tag under which synkhronos registers its CPU rewrites (off unless included)
 REWRITE_TAG = "synk_cpu_dots"
 
 
-class TransposedDot(Op):
+class BlasDot(Op):
+    """``op(a) @ op(b)`` for matrices ``a`` and ``b``, ``op`` a transpose where asked.
+
+    Parameters
+    ----------
+    transpose_a, transpose_b : bool
+        Multiply by the transpose of ``a`` (of ``b``) instead of ``a`` (``b``).
+
+    Notes
+    -----
+    In JAX a product of at least :data:`HOST_BLAS_MIN_FLOPS` runs in numpy's
+    BLAS (``jax.pure_callback``; BLAS reads a transposed operand in place) once
+    :func:`synkhronos.devices.limit_blas_threads` has limited its threads;
+    any other in XLA. Elsewhere it is ``numpy.dot``.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> a, b = pt.matrix("a"), pt.matrix("b")
+    >>> BlasDot(transpose_b=True)(a, b).owner.op
+    BlasDot(transpose_a=False, transpose_b=True)
+    """
+
+    __props__ = ("transpose_a", "transpose_b")
+
+    def __init__(self, transpose_a=False, transpose_b=False):
+        self.transpose_a, self.transpose_b = bool(transpose_a), bool(transpose_b)
+
+    def make_node(self, a, b):
+        a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
+        if a.ndim != 2 or b.ndim != 2:
+            raise TypeError(f"{type(self).__name__} multiplies matrices")
+        rows = a.type.shape[1] if self.transpose_a else a.type.shape[0]
+        cols = b.type.shape[0] if self.transpose_b else b.type.shape[1]
+        out = pt.matrix(dtype=upcast(a.dtype, b.dtype), shape=(rows, cols))
+        return Apply(self, [a, b], [out])
+
+    def _operands(self, a, b):
+        return (a.T if self.transpose_a else a), (b.T if self.transpose_b else b)
+
+    def perform(self, node, inputs, outputs):
+        outputs[0][0] = np.asarray(np.dot(*self._operands(*inputs)), dtype=node.outputs[0].dtype)
+
+    def pullback(self, inputs, outputs, cotangents):
+        a, b = self._operands(*inputs)
+        g = cotangents[0]
+        grad_a, grad_b = g @ b.T, a.T @ g
+        return [grad_a.T if self.transpose_a else grad_a, grad_b.T if self.transpose_b else grad_b]
+
+    def __repr__(self):
+        return f"{type(self).__name__}(transpose_a={self.transpose_a}, transpose_b={self.transpose_b})"
+
+    __str__ = __repr__
+
+
+class TransposedDot(BlasDot):
     """``a.T @ b`` for matrices ``a`` (b x k) and ``b`` (b x n): the weight-gradient product.
 
-    In JAX the operand layout is chosen once the shapes are known (at trace
-    time): the smaller of the two operands is transposed into an array of its
-    own, in cache-sized tiles, so XLA multiplies in the form it runs at full
-    speed. An optimization barrier keeps XLA from folding the transpose back
-    into the dot. Elsewhere it is ``numpy.dot(a.T, b)``.
+    In XLA (a product below :data:`HOST_BLAS_MIN_FLOPS`, or no host BLAS) the
+    smaller of the two operands is transposed into an array of its own, in
+    cache-sized tiles, so XLA multiplies in the form it runs at full speed. An
+    optimization barrier keeps XLA from folding the transpose back into the dot.
 
     Examples
     --------
@@ -49,22 +113,13 @@ class TransposedDot(Op):
     """
 
     __props__ = ()
+    transpose_a, transpose_b = True, False
 
-    def make_node(self, a, b):
-        a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
-        if a.ndim != 2 or b.ndim != 2:
-            raise TypeError("TransposedDot multiplies matrices")
-        out = pt.matrix(dtype=upcast(a.dtype, b.dtype), shape=(a.type.shape[1], b.type.shape[1]))
-        return Apply(self, [a, b], [out])
+    def __init__(self):
+        pass
 
-    def perform(self, node, inputs, outputs):
-        a, b = inputs
-        outputs[0][0] = np.asarray(np.dot(a.T, b), dtype=node.outputs[0].dtype)
-
-    def pullback(self, inputs, outputs, cotangents):
-        a, b = inputs
-        g = cotangents[0]
-        return [b @ g.T, a @ g]
+    def __repr__(self):
+        return "TransposedDot()"
 
     def __str__(self):
         return "TransposedDot"
@@ -92,20 +147,71 @@ def tiled_transpose(x):
     return lax.optimization_barrier(tiles.transpose(1, 3, 0, 2).reshape(n, m))
 
 
-@jax_funcify.register(TransposedDot)
-def _jax_transposed_dot(op, node, **kwargs):
+def _xla_product(transpose_a, transpose_b, a, b):
+    """``op(a) @ op(b)`` in XLA, in the forms its CPU backend runs at full speed."""
     from jax import lax
-    dtype = node.outputs[0].dtype
+    if transpose_a and transpose_b:
+        return (b @ a).T
+    if transpose_b:
+        return a @ b.T
+    if not transpose_a:
+        return a @ b
+    rows, k = a.shape
+    n = b.shape[1]
+    if rows * n + k * n < rows * k:
+        # b is the smaller operand (a skinny gradient): (b.T @ a).T, transposing b and the result
+        return lax.optimization_barrier(tiled_transpose(b) @ a).T
+    return tiled_transpose(a) @ b
 
-    def transposed_dot_(a, b):
-        rows, k = a.shape
-        n = b.shape[1]
-        if rows * n + k * n < rows * k:
-            # b is the smaller operand (a skinny gradient): (b.T @ a).T, transposing b and the result
-            product = lax.optimization_barrier(tiled_transpose(b) @ a)
-            return product.T.astype(dtype)
-        return (tiled_transpose(a) @ b).astype(dtype)
-    return transposed_dot_
+
+#: Ctrl-C that arrived while numpy multiplied for a jitted graph (see raise_deferred_interrupt)
+_interrupts = []
+
+
+def _host_product(transpose_a, transpose_b, dtype):
+    def multiply(a, b):
+        a, b = (a.T if transpose_a else a), (b.T if transpose_b else b)
+        return np.asarray(np.dot(a, b), dtype=dtype)
+
+    def product(a, b):
+        try:
+            return multiply(a, b)
+        except KeyboardInterrupt:
+            # Raised here, XLA would turn it into an error of the computation; finish the product
+            # and let the caller raise it once the computation is done
+            _interrupts.append(True)
+            return multiply(a, b)
+    return product
+
+
+def raise_deferred_interrupt(error=None):
+    """Raise the KeyboardInterrupt that reached a host product, if one did.
+
+    Call it after a computation that may have run :class:`BlasDot` products in
+    numpy (the master's Ctrl-C lands in whatever Python code runs, and a host
+    callback is Python code), and with the ``error`` a computation raised:
+    an interrupt XLA carried out of a callback is raised as one.
+    """
+    if _interrupts or (error is not None and "KeyboardInterrupt" in str(error)):
+        _interrupts.clear()
+        raise KeyboardInterrupt from error
+
+
+@jax_funcify.register(BlasDot)
+def _jax_blas_dot(op, node, **kwargs):
+    import jax
+    dtype = node.outputs[0].dtype
+    ta, tb = op.transpose_a, op.transpose_b
+    host = _host_product(ta, tb, dtype)
+
+    def blas_dot(a, b):
+        rows = a.shape[1] if ta else a.shape[0]
+        k = a.shape[0] if ta else a.shape[1]
+        cols = b.shape[0] if tb else b.shape[1]
+        if devices.blas_threads() is not None and 2 * rows * k * cols >= HOST_BLAS_MIN_FLOPS:
+            return jax.pure_callback(host, jax.ShapeDtypeStruct((rows, cols), dtype), a, b)
+        return _xla_product(ta, tb, a, b).astype(dtype)
+    return blas_dot
 
 
 def _is_transpose(var):
@@ -115,16 +221,20 @@ def _is_transpose(var):
 
 
 @node_rewriter([Dot])
-def transposed_lhs_dot(fgraph, node):
-    """``dot(A.T, B)`` -> ``transposed_dot(A, B)`` for matrices."""
+def blas_dots(fgraph, node):
+    """``dot(op(A), op(B))`` of matrices -> ``BlasDot`` of ``A`` and ``B`` (``TransposedDot`` for ``A.T @ B``)."""
     lhs, rhs = node.inputs
-    if lhs.ndim != 2 or rhs.ndim != 2 or not _is_transpose(lhs):
+    if lhs.ndim != 2 or rhs.ndim != 2:
         return None
-    return [transposed_dot(lhs.owner.inputs[0], rhs)]
+    transpose_a, transpose_b = _is_transpose(lhs), _is_transpose(rhs)
+    a = lhs.owner.inputs[0] if transpose_a else lhs
+    b = rhs.owner.inputs[0] if transpose_b else rhs
+    op = TransposedDot() if (transpose_a and not transpose_b) else BlasDot(transpose_a, transpose_b)
+    return [op(a, b)]
 
 
 # After every PyTensor rewrite has put the transposes where they stay, before the final merge.
-optdb.register("synk_transposed_lhs_dot", in2out(transposed_lhs_dot), REWRITE_TAG, position=99)
+optdb.register("synk_blas_dots", in2out(blas_dots), REWRITE_TAG, position=99)
 
 
 def compile_mode(platform):

@@ -1,4 +1,4 @@
-"""The CPU rewrite of weight-gradient products ``A.T @ B`` (synkhronos.rewrites)."""
+"""The CPU rewrite of matrix products into BlasDot / TransposedDot (synkhronos.rewrites)."""
 
 import jax
 import numpy as np
@@ -8,7 +8,9 @@ import pytest
 
 import synkhronos as synk
 from helpers import close, reference
-from synkhronos.rewrites import TransposedDot, compile_mode, tiled_transpose, transposed_dot
+from synkhronos import devices
+from synkhronos.rewrites import (HOST_BLAS_MIN_FLOPS, BlasDot, TransposedDot, compile_mode,
+                                 tiled_transpose, transposed_dot)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,8 +28,31 @@ def test_weight_gradient_products_are_rewritten_and_exact(synk2, rng):
     for got, want in zip(out, reference(f, X, G, W)):
         close(got, want)
     # only x.T @ g has a transposed left operand; the master compiled for its CPU device
-    ops = ops_of(f.compiled.function)
-    assert ops.count("TransposedDot") == 1 and ops.count("Dot") == 2
+    nodes = f.compiled.function.maker.fgraph.toposort()
+    ops = [node.op for node in nodes]
+    assert ops.count(TransposedDot()) == 1 and "Dot" not in ops_of(f.compiled.function)
+    assert ops.count(BlasDot(False, True)) == 1 and ops.count(BlasDot(False, False)) == 1
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-10), ("float32", 1e-4)])
+def test_large_products_run_in_numpys_blas_and_agree(synk2, rng, dtype, rtol):
+    """Every form of a product large enough for the host BLAS, against plain PyTensor."""
+    x, g, w = (pt.matrix(n, dtype=dtype) for n in ("x", "g", "w"))
+    outputs = [(x.T @ g, "sum"), (g @ w.T, "gather"), (x @ w, "gather"),
+               ((w.T @ x.T).sum(axis=1), "sum")]
+    f = synk.function([x, g], outputs, bcast_inputs=[w], name=f"large_{dtype}")
+    X, G = rng.normal(size=(512, 256)).astype(dtype), rng.normal(size=(512, 256)).astype(dtype)
+    W = rng.normal(size=(256, 256)).astype(dtype)
+    assert 2 * 256 * 256 * 256 >= HOST_BLAS_MIN_FLOPS and devices.blas_threads() == 1
+    out = f(X, G, W)
+    for got, want in zip(out, reference(f, X, G, W)):
+        assert got.dtype == dtype
+        close(got, want, rtol=rtol, atol=rtol)
+    # the master's compiled graph calls back into numpy for them (one callback per product)
+    jit = f.compiled.function.vm.jit_fn
+    cells = [c[0] for c in f.compiled.function.vm.inputs]
+    hlo = jit.lower(X[:256], G[:256], W, *cells[3:]).as_text()
+    assert hlo.count("callback") >= 4
 
 
 @pytest.mark.parametrize("rows,k,n", [(64, 32, 48), (64, 48, 2), (30, 7, 5)])
@@ -51,7 +76,7 @@ def test_mlp_gradient_gets_one_rewrite_per_weight_gradient():
     cpu = pytensor.function([x, y], grads, mode=compile_mode("cpu"))
     plain = pytensor.function([x, y], grads, mode=compile_mode("gpu"))   # what a GPU compiles
     assert ops_of(cpu).count("TransposedDot") == 2
-    assert "TransposedDot" not in ops_of(plain)
+    assert "TransposedDot" not in ops_of(plain) and "BlasDot" not in ops_of(plain)
     X, Y = np.arange(15.).reshape(5, 3) / 10, np.ones((5, 2))
     for a, b in zip(cpu(X, Y), plain(X, Y)):
         close(a, b)
@@ -68,3 +93,18 @@ def test_transposed_dot_python_implementation_and_gradient(rng):
     close(gb, 2 * A @ (A.T @ B))
     with pytest.raises(TypeError, match="matrices"):
         TransposedDot()(pt.vector("v"), b)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, True)])
+def test_blas_dot_python_implementation_and_gradient(rng, ta, tb):
+    a, b = pt.matrix("a"), pt.matrix("b")
+    out = BlasDot(ta, tb)(a, b)
+    f = pytensor.function([a, b], [out] + pt.grad((out ** 2).sum(), [a, b]), mode="FAST_COMPILE")
+    A = rng.normal(size=(3, 6) if ta else (6, 3))
+    B = rng.normal(size=(4, 3) if tb else (3, 4))
+    opa, opb = (A.T if ta else A), (B.T if tb else B)
+    value, ga, gb = f(A, B)
+    close(value, opa @ opb)
+    grad_a, grad_b = 2 * (opa @ opb) @ opb.T, 2 * opa.T @ (opa @ opb)
+    close(ga, grad_a.T if ta else grad_a)
+    close(gb, grad_b.T if tb else grad_b)
