@@ -73,16 +73,25 @@ class BlasDot(Op):
         a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
         if a.ndim != 2 or b.ndim != 2:
             raise TypeError(f"{type(self).__name__} multiplies matrices")
-        rows = a.type.shape[1] if self.transpose_a else a.type.shape[0]
-        cols = b.type.shape[0] if self.transpose_b else b.type.shape[1]
+        rows, _, cols = self.dims(a.type.shape, b.type.shape)
         out = pt.matrix(dtype=upcast(a.dtype, b.dtype), shape=(rows, cols))
         return Apply(self, [a, b], [out])
+
+    def dims(self, a_shape, b_shape):
+        """(rows, contracted, columns) of the product of operands of these shapes."""
+        rows, k = a_shape[::-1] if self.transpose_a else a_shape
+        cols = b_shape[0] if self.transpose_b else b_shape[1]
+        return rows, k, cols
 
     def _operands(self, a, b):
         return (a.T if self.transpose_a else a), (b.T if self.transpose_b else b)
 
+    def multiply(self, a, b, dtype):
+        """The product of numpy arrays ``a`` and ``b`` in numpy (its BLAS), as ``dtype``."""
+        return np.asarray(np.dot(*self._operands(a, b)), dtype=dtype)
+
     def perform(self, node, inputs, outputs):
-        outputs[0][0] = np.asarray(np.dot(*self._operands(*inputs)), dtype=node.outputs[0].dtype)
+        outputs[0][0] = self.multiply(*inputs, node.outputs[0].dtype)
 
     def pullback(self, inputs, outputs, cotangents):
         a, b = self._operands(*inputs)
@@ -168,19 +177,15 @@ def _xla_product(transpose_a, transpose_b, a, b):
 _interrupts = []
 
 
-def _host_product(transpose_a, transpose_b, dtype):
-    def multiply(a, b):
-        a, b = (a.T if transpose_a else a), (b.T if transpose_b else b)
-        return np.asarray(np.dot(a, b), dtype=dtype)
-
+def _host_product(op, dtype):
     def product(a, b):
         try:
-            return multiply(a, b)
+            return op.multiply(a, b, dtype)
         except KeyboardInterrupt:
             # Raised here, XLA would turn it into an error of the computation; finish the product
             # and let the caller raise it once the computation is done
             _interrupts.append(True)
-            return multiply(a, b)
+            return op.multiply(a, b, dtype)
     return product
 
 
@@ -201,16 +206,13 @@ def raise_deferred_interrupt(error=None):
 def _jax_blas_dot(op, node, **kwargs):
     import jax
     dtype = node.outputs[0].dtype
-    ta, tb = op.transpose_a, op.transpose_b
-    host = _host_product(ta, tb, dtype)
+    host = _host_product(op, dtype)
 
     def blas_dot(a, b):
-        rows = a.shape[1] if ta else a.shape[0]
-        k = a.shape[0] if ta else a.shape[1]
-        cols = b.shape[0] if tb else b.shape[1]
+        rows, k, cols = op.dims(a.shape, b.shape)
         if devices.blas_threads() is not None and 2 * rows * k * cols >= HOST_BLAS_MIN_FLOPS:
             return jax.pure_callback(host, jax.ShapeDtypeStruct((rows, cols), dtype), a, b)
-        return _xla_product(ta, tb, a, b).astype(dtype)
+        return _xla_product(op.transpose_a, op.transpose_b, a, b).astype(dtype)
     return blas_dot
 
 
