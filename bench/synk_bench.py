@@ -203,8 +203,8 @@ def gathering(n_rows, batch, n, batches=16):
                 for idx in index_sets[:3])
     timed = np.array(bare[-rounds * calls:]).reshape(rounds, calls, 2)  # the timed rounds' probes
     alone, split = np.median(timed[:, :, 0]), np.median(timed[:, :, 1])
-    ceiling = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
+    bare_speedup = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
                 range_call_ms=t_range * 1e3, index_call_ms=t_narrow * 1e3,
                 speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
-                bare_split_ms=split * 1e3, ceiling=float(ceiling))
+                bare_split_ms=split * 1e3, bare_speedup=float(bare_speedup))
