@@ -291,6 +291,7 @@ def _all_shapes(rt, vars_):
     return [[per_rank[r][i] for r in range(rt.n_parallel)] for i in range(len(vars_))]
 
 
+@lifecycle.serialized
 def get_shapes(shared_vars):
     """Shape of each variable on every rank: a list over ranks (a list of those for a list).
 
@@ -329,6 +330,7 @@ def _require_equal_shapes(vars_, shapes, what):
                              f"shapes are {per_rank} (rank order)")
 
 
+@lifecycle.serialized
 def all_reduce(shared_vars, op="avg"):
     """Reduce across ranks; every rank's copy becomes the result.
 
@@ -344,6 +346,7 @@ def all_reduce(shared_vars, op="avg"):
     _reduce(shared_vars, op, _KEEP_ALL)
 
 
+@lifecycle.serialized
 def reduce(shared_vars, op="avg", in_place=True):
     """Reduce across ranks into the master.
 
@@ -379,6 +382,7 @@ def _reduce(shared_vars, op, keep):
         return out[0] if single else out
 
 
+@lifecycle.serialized
 def broadcast(shared_vars, values=None):
     """Copy the master's value(s) to every rank, optionally setting them first.
 
@@ -405,6 +409,7 @@ def broadcast(shared_vars, values=None):
     _run(rt, fill, reserve=_group_bytes(vars_, sizes))
 
 
+@lifecycle.serialized
 def scatter(shared_vars, values, batch=None):
     """Split each value along axis 0 across ranks (near-equal contiguous chunks).
 
@@ -457,6 +462,7 @@ def _read_data(rt, vars_, datas, batch, chunked):
     _run(rt, fill)
 
 
+@lifecycle.serialized
 def gather(shared_vars, nd_up=1):
     """Collect every rank's copy in the master, in rank order.
 
@@ -471,6 +477,7 @@ def gather(shared_vars, nd_up=1):
     return out[0] if single else out
 
 
+@lifecycle.serialized
 def all_gather(shared_vars):
     """Every rank's copy becomes the concatenation (axis 0) of all ranks' copies."""
     rt = lifecycle.current()
@@ -503,6 +510,7 @@ def _gather(rt, vars_, keep, nd_up):
 # One rank's copy (host paths)
 # ------------------------------------------------------------------------------------------------
 
+@lifecycle.serialized
 def get_value(rank, shared_vars):
     """Return the value(s) of shared variable(s) on device ``rank`` (master included).
 
@@ -523,6 +531,7 @@ def get_value(rank, shared_vars):
     return values[0] if single else values
 
 
+@lifecycle.serialized
 def set_value(rank, shared_vars, values, batch=None):
     """Set the value(s) of shared variable(s) on device ``rank`` only.
 

@@ -123,6 +123,7 @@ class Data:
         """Return ``value`` as an array this Data can hold (dtype and ndim checked)."""
         return condition_value(value, self._dtype, self._ndim, force_cast, what=f"value for {self!r}")
 
+    @lifecycle.serialized
     def set_value(self, value, force_cast=False, oversize=1):
         """Write ``value``, reshaping the view if it fits, else reallocating.
 
@@ -134,6 +135,7 @@ class Data:
         self._resize(value.shape, oversize)
         self.data[...] = value
 
+    @lifecycle.serialized
     def set_length(self, length, oversize=1):
         """Change the number of rows; existing rows are kept, added rows are zero."""
         _check_oversize(oversize)
@@ -150,6 +152,7 @@ class Data:
             keep = min(len(old), len(view))
             view[:keep] = old[:keep]
 
+    @lifecycle.serialized
     def set_shape(self, shape, oversize=1):
         """Set a new shape of the same ndim; the contents are zero afterwards."""
         _check_oversize(oversize)
@@ -161,6 +164,7 @@ class Data:
         self._resize(shape, oversize)
         self.data[...] = 0
 
+    @lifecycle.serialized
     def free_memory(self):
         """Release the shared memory in the master and every worker."""
         self._rt.check_open()
@@ -182,6 +186,7 @@ class Data:
         self._shape = None
 
 
+@lifecycle.serialized
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
          force_cast=False, oversize=1, name=None):
     """Make a :class:`Data` in shared memory visible to every process.

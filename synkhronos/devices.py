@@ -25,7 +25,7 @@ from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty", "copy_large",
-           "limit_blas_threads", "blas_threads"]
+           "limit_blas_threads", "blas_threads", "wait_until_computed", "forget_runtime_in_child"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -114,6 +114,17 @@ def set_precision(float_x):
     import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
     pytensor.config.floatX = float_x
     jax.config.update("jax_enable_x64", float_x == "float64")
+
+
+def wait_until_computed(values):
+    """Block until every JAX array in ``values`` (any nesting of lists, tuples, dicts) is computed.
+
+    Other leaves (numpy arrays, numbers) are ready already.
+    """
+    import jax
+    for leaf in jax.tree_util.tree_leaves(values):
+        if isinstance(leaf, jax.Array):
+            leaf.block_until_ready()
 
 
 _HOST_POOL = BufferPool()
@@ -296,8 +307,11 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     jax.config.update("jax_enable_recoverability", True)
     if platform == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM and only logs it (a `kill`, a scheduler's or `docker
+    # stop`'s SIGTERM would no longer end the script); synkhronos has no use for it
+    jax.config.update("jax_enable_preemption_service", False)
     address = f"127.0.0.1:{port}"
-    with cpu_pool_of(threads if platform == "cpu" else None, rank), sigterm_kept():
+    with cpu_pool_of(threads if platform == "cpu" else None, rank):
         jax.distributed.initialize(
             coordinator_address=address,
             coordinator_bind_address=address,   # loopback only, never all interfaces
@@ -311,25 +325,38 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here
 
 
-@contextlib.contextmanager
-def sigterm_kept():
-    """Restore this process's SIGTERM handling after the block.
+#: JAX objects a forked child inherited and must never destroy (see forget_runtime_in_child)
+_inherited = []
 
-    Joining the JAX distributed runtime installs a preemption notifier that
-    catches SIGTERM and only logs it, so ``kill`` (or a scheduler's, or
-    ``docker stop``'s, SIGTERM) no longer ended the script. After the block
-    SIGTERM does what it did before: by default, end the process (the workers
-    then exit and the shared memory is unlinked, as when the master is killed).
+
+def forget_runtime_in_child():
+    """In a child made by ``os.fork()``: detach it from the parent's JAX runtime, touching nothing.
+
+    The child inherits the coordination client, the backend and the compiler's
+    thread pool without the threads that serve them; shutting them down at the
+    child's exit (JAX's exit hook does) waits for those threads forever or
+    crashes, and talks to the parent's coordination service in the parent's
+    name. They are kept alive here (one reference more, so their destructors
+    never run in the child) and taken out of JAX's global state, so that the
+    child's exit leaves them alone.
     """
-    import signal
-    import threading
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        # signal handlers can only be set from the main thread; elsewhere the runtime keeps JAX's
-        if before is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, before)
+    if "jax" not in sys.modules:
+        return
+    import ctypes
+    from jax._src import distributed, xla_bridge
+    from jax._src.interpreters import mlir
+    state = distributed.global_state
+    # the compiler's thread pool too: destroyed at the child's exit, it joins threads the child
+    # does not have (a segmentation fault)
+    held = [state.client, state.service, state.preemption_sync_manager,
+            xla_bridge._default_backend, *xla_bridge._backends.values(), mlir.global_thread_pool]
+    for obj in held:
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _inherited.extend(held)
+    state.client = state.service = state.preemption_sync_manager = None
+    xla_bridge._default_backend = None
+    xla_bridge._backends = {}
 
 
 def shutdown_process():

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors
+from pytensor.link.jax.linker import JAXLinker
+from pytensor.tensor.type import TensorType
 
 from . import devices, lifecycle
 from .control import RECORD_BYTES, Words
@@ -88,6 +91,28 @@ def _check_inputs(inputs, what):
             raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
                             f"got {var!r}")
     return inputs
+
+
+def _check_mode(kwargs):
+    """Refuse a compilation ``mode`` whose functions do not run on a JAX device.
+
+    Every process keeps its shared variables on its own JAX device between
+    calls, and the collectives exchange those device arrays; a function linked
+    for another backend (``"FAST_RUN"``, ``"NUMBA"``, ...) computes on numpy
+    arrays outside that device.
+    """
+    mode = kwargs.get("mode")
+    if mode is None:
+        return
+    try:
+        linker = get_mode(mode).linker
+    except Exception as e:
+        raise ValueError(f"mode={mode!r} is not a PyTensor compilation mode: {e}") from None
+    if not isinstance(linker, JAXLinker):
+        raise ValueError(f"mode={mode!r} does not compile for JAX, and synkhronos runs every "
+                         f"function on each process's JAX device (CPU or GPU alike); leave mode "
+                         f"unset (synkhronos's JAX mode), or pass mode=\"JAX\" or a "
+                         f"pytensor Mode whose linker is \"jax\"")
 
 
 def shared_variables(graph_vars):
@@ -172,6 +197,11 @@ def jitted_call(fn):
     n_args = sum(1 for inp in fn.maker.inputs if not inp.implicit)
     arg_cells = cells[:n_args]
     updates = [(i, container.storage) for i, container in updates]
+    # all outputs of one execution become ready together: wait on one array (a random generator's
+    # next state is a dict of arrays, which has no block_until_ready)
+    arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
+    wait = (lambda outputs: outputs[arrays[-1]].block_until_ready()) if arrays else \
+        devices.wait_until_computed
 
     def call(*args):
         for cell, arg in zip(arg_cells, args):
@@ -188,10 +218,10 @@ def jitted_call(fn):
             storage[0] = outputs[i]
         # JAX returns before the computation has run, and the arguments are views of shared memory
         # that the caller may rewrite as soon as the call returns (the next batch into the same
-        # Data): wait for it. All outputs of one execution become ready together. Without
-        # arguments nothing can change under the computation, and it may run on past the call.
+        # Data): wait for it. Without arguments nothing can change under the computation, and it
+        # may run on past the call.
         if arg_cells:
-            outputs[-1].block_until_ready()
+            wait(outputs)
         raise_deferred_interrupt()
         return list(outputs[:n_outputs])
 
@@ -283,11 +313,10 @@ class CompiledFunction:
         shareds = [s for s, _, _ in self.spec.updates]
 
         def call(*args):
-            import jax
             try:
                 outputs = fn(*args)
                 if args:
-                    jax.block_until_ready((outputs, [s.container.storage[0] for s in shareds]))
+                    devices.wait_until_computed((outputs, [s.container.storage[0] for s in shareds]))
             except Exception as e:
                 raise_deferred_interrupt(e)
                 raise
@@ -652,6 +681,7 @@ class Function:
                 for i, (var, v) in enumerate(zip(all_inputs, values))]
 
     # --- calling ---------------------------------------------------------------------------
+    @lifecycle.serialized
     def __call__(self, *args, batch=None, batch_s=None, num_slices=1, output_subset=None, **kwargs):
         """Run on every device and return the reduced outputs.
 
@@ -853,6 +883,7 @@ class Function:
         return reduced
 
 
+@lifecycle.serialized
 def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
              sliceable_shareds=None, name=None, **kwargs):
     """Build a data-parallel function over every device of the runtime.
@@ -887,6 +918,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     >>> loss, err = f(x_dat, y_dat, batch=idx, num_slices=4)         # doctest: +SKIP
     """
     rt = lifecycle.current()
+    _check_mode(kwargs)
     inputs = _check_inputs(inputs, "inputs")
     bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
     seen = set()

@@ -7,6 +7,7 @@ exit) stops and joins the workers and unlinks the segments.
 """
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -27,20 +28,63 @@ from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
 from .transport import read_pickle, unpack_arrays, write_bytes
 
-__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "current", "Runtime"]
+__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "current", "Runtime",
+           "serialized"]
 
 _runtime = None
 _closed_once = False
+_forked_from = None      # in a child made by os.fork() of a master: the master's pid
 _user_environment = {}   # the variables fork() changed in this process, to restore at close
+#: one thread at a time talks to the workers: a call, a collective or a Data change is one
+#: conversation through the one control block (re-entrant: a collective may stage a Data)
+_lock = threading.RLock()
+#: how long close() waits for another thread's command to finish before it stops the workers anyway
+CLOSE_WAIT = 10.0
+
+
+def serialized(fn):
+    """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
+
+    Two threads calling functions at once would otherwise write their commands
+    into the same control block and read each other's results.
+    """
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with _lock:
+            return fn(*args, **kwargs)
+    return locked
 
 
 def current():
     """Return the running :class:`Runtime`, or raise if fork() has not run."""
     if _runtime is None:
+        if _forked_from is not None:
+            raise RuntimeError(f"this process was made by os.fork() from synkhronos's master (pid "
+                               f"{_forked_from}); the runtime belongs to that process and cannot be "
+                               f"used here: call synkhronos from the master")
         if _closed_once:
             raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
         raise RuntimeError("synkhronos is not running; call synk.fork() first")
     return _runtime
+
+
+def _forget_runtime_in_child():
+    """After ``os.fork()`` in the master: the child leaves the parent's runtime alone.
+
+    A data-loader pool or a helper process forked from the user's script
+    inherits the runtime's objects; at its exit it must not stop the parent's
+    workers, unlink the parent's segments or shut down the parent's JAX
+    runtime (which hung and left the parent to abort).
+    """
+    global _runtime, _forked_from
+    if _runtime is not None:
+        _forked_from = os.getppid()
+        _runtime = None
+        _user_environment.clear()
+        devices.forget_runtime_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
 def _free_port():
@@ -139,6 +183,9 @@ class Runtime:
             comm=self.comm_kind,
             float_x=self.float_x(),
             threads=self.threads,
+            # Linux sends the parent-death signal when the *thread* that started the child ends;
+            # started from another thread, workers watch the master's pid instead
+            die_with_parent=threading.current_thread() is threading.main_thread(),
             profile=bool(self.profile_workers)))
         return subprocess.Popen([sys.executable, "-m", "synkhronos.worker"], env=env,
                                 stdin=subprocess.DEVNULL)
@@ -561,6 +608,7 @@ class Runtime:
                       for j in range(len(plan.subset))]
 
 
+@serialized
 def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
          threads_per_device=None, timeout=60, spin_us=None, stall_timeout=600, collectives=None,
          **options):
@@ -610,6 +658,11 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     global _runtime
     if options:
         raise TypeError(f"fork() got unknown options {sorted(options)}")
+    if _forked_from is not None:
+        raise RuntimeError(f"fork() cannot run in a process made by os.fork() from synkhronos's "
+                           f"master (pid {_forked_from}): it inherited the master's JAX runtime "
+                           f"without its threads; start such processes with multiprocessing's "
+                           f"'spawn' start method instead")
     if _runtime is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
     if devices.backend_exists():
@@ -658,6 +711,7 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     return n_parallel
 
 
+@serialized
 def distribute():
     """Ship every function to the workers and make their shared values equal the master's."""
     rt = current()
@@ -665,13 +719,23 @@ def distribute():
 
 
 def close():
-    """Stop and join the workers and free every shared-memory segment (idempotent)."""
+    """Stop and join the workers and free every shared-memory segment (idempotent).
+
+    A command that another thread is running is let finish first (for up to
+    ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
+    command raises).
+    """
     global _runtime, _closed_once
-    rt, _runtime = _runtime, None
-    if rt is not None:
-        _closed_once = True
-        rt.stop()
-        _restore_environment()
+    locked = _lock.acquire(timeout=CLOSE_WAIT)
+    try:
+        rt, _runtime = _runtime, None
+        if rt is not None:
+            _closed_once = True
+            rt.stop()
+            _restore_environment()
+    finally:
+        if locked:
+            _lock.release()
 
 
 def _restore_environment():

@@ -125,6 +125,10 @@ def _as_index_array(batch):
     if idx.ndim != 1 or idx.dtype.kind not in "iu":
         raise TypeError(f"batch as explicit indices must be a 1-D list or array of ints, "
                         f"got {idx.dtype} with shape {idx.shape}")
+    if idx.dtype.kind == "u" and idx.dtype.itemsize == 8:
+        highest = int(idx.max())
+        if highest > np.iinfo(np.int64).max:      # would wrap to a negative number below
+            raise IndexError(f"batch index {highest} is out of range (no Data has that many rows)")
     return idx.astype(np.int64, copy=False)
 
 

@@ -32,6 +32,10 @@ class MasterGone(SystemExit):
     """Raised in a worker whose master process has ended."""
 
 
+class Terminated(SystemExit):
+    """Raised in a worker that received SIGTERM; it ends by that signal after cleaning up."""
+
+
 class _ShipUnpickler(pickle.Unpickler):
     def __init__(self, file, shared):
         super().__init__(file)
@@ -221,13 +225,20 @@ def _die_with_parent():
 
 
 def _exit_on_sigterm(signum, frame):
-    raise MasterGone(4)
+    raise Terminated(128 + signum)
+
+
+def _end_by_sigterm():
+    """End this process by SIGTERM itself, so that the master reports "killed by SIGTERM"."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main():
     cfg = json.loads(os.environ["SYNK_WORKER"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    if cfg["die_with_parent"]:
+        _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     worker = Worker(cfg)
     if os.getppid() != worker.master_pid:
@@ -240,6 +251,10 @@ def main():
         if profiler:
             profiler.enable()
         worker.serve()
+    except Terminated:
+        worker.cleanup()
+        _end_by_sigterm()
+        raise
     finally:
         if profiler:
             profiler.disable()

@@ -47,3 +47,18 @@ def _jax_raise_if_negative(op, **kwargs):
     def check(x):
         return jax.pure_callback(_check_rows, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
     return check
+
+
+def run_script(code, timeout=120, env=None):
+    """Run ``code`` (dedented) in a fresh Python with this checkout importable; return the result.
+
+    For what must happen in a process of its own: a script's exit, os.fork(),
+    a small /dev/shm.
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=root, **(env or {})))

@@ -38,6 +38,8 @@ CALL_MISUSE = [
     ("slice past end", lambda f, xd, bd: f(xd, bd, batch=slice(2, 10)), IndexError, "out of range"),
     ("slice step", lambda f, xd, bd: f(xd, bd, batch=slice(0, 6, 2)), ValueError, "step"),
     ("float indices", lambda f, xd, bd: f(xd, bd, batch=[0.5, 1.0]), TypeError, "ints"),
+    ("uint64 index past int64", lambda f, xd, bd: f(xd, bd, batch=np.array([0, 2**64 - 1], np.uint64)),
+     IndexError, "18446744073709551615 is out of range"),
     ("negative int batch", lambda f, xd, bd: f(xd, bd, batch=-2), ValueError, ">= 0"),
     ("empty batch", lambda f, xd, bd: f(xd, bd, batch=[]), ValueError, "no rows"),
     ("num_slices 0", lambda f, xd, bd: f(xd, bd, num_slices=0), ValueError, "num_slices"),
@@ -75,6 +77,10 @@ BUILD_MISUSE = [
         pytensor.shared(np.zeros(2))]), ValueError, "not used"),
     ("duplicate input", lambda x, w: synk.function([x], x.sum(), bcast_inputs=[x]), ValueError, "more than once"),
     ("bad output", lambda x, w: synk.function([x], ["loss"]), TypeError, "output"),
+    ("C backend mode", lambda x, w: synk.function([x], x.sum(), mode="FAST_RUN"), ValueError,
+     "does not compile for JAX"),
+    ("numba mode", lambda x, w: synk.function([x], x.sum(), mode="NUMBA"), ValueError, "JAX"),
+    ("unknown mode", lambda x, w: synk.function([x], x.sum(), mode="NOPE"), ValueError, "NOPE"),
 ]
 
 
