@@ -22,7 +22,7 @@ import numpy as np
 
 from . import lifecycle
 from .control import Op, Words
-from .data import Data, condition_value
+from .data import Data, condition_value, release_large_staging
 from .devices import adopt, to_device
 from .errors import WorkerError
 from .function import put_batch
@@ -436,6 +436,7 @@ def scatter(shared_vars, values, batch=None):
                 raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
             datas.append(rt.scratch_data(("scatter", i), arr))
     _read_data(rt, vars_, datas, batch, chunked=True)
+    release_large_staging(rt.staging)
 
 
 def _read_data(rt, vars_, datas, batch, chunked):

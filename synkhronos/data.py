@@ -6,6 +6,8 @@ when the master announces a reallocation or ``free_memory()``.
 """
 
 import math
+import os
+import weakref
 
 import numpy as np
 
@@ -13,7 +15,11 @@ from . import lifecycle
 from .shmem import GrowableSegment, SegmentMirror
 from .transport import DTYPES, dtype_code
 
-__all__ = ["Data", "data", "DataMirrors", "condition_value"]
+__all__ = ["Data", "data", "DataMirrors", "condition_value", "release_large_staging",
+           "STAGING_KEEP_BYTES"]
+
+#: a Data that stages numpy arguments is kept for the next call only up to this size
+STAGING_KEEP_BYTES = 64 << 20
 
 
 def condition_value(value, dtype, ndim, force_cast=False, what="value"):
@@ -59,6 +65,9 @@ class Data:
         self.name = name
         self._segment = GrowableSegment(f"{runtime.prefix}_d{data_id}")
         self._shape = None
+        # dropped with its last reference, as a numpy array is (the workers let go at the next command)
+        weakref.finalize(self, _release_unreferenced, self._segment, runtime, data_id,
+                         os.getpid()).atexit = False
 
     # --- properties -------------------------------------------------------------------------
     @property
@@ -187,6 +196,34 @@ class Data:
 
 
 @lifecycle.serialized
+def release_large_staging(staging):
+    """Free and forget the Data in dict ``staging`` that hold more than ``STAGING_KEEP_BYTES``.
+
+    numpy arguments travel through a Data kept for the next call of the same
+    shape, which saves a segment per call for minibatches; one that large is
+    let go right after its call instead of holding /dev/shm until ``close()``.
+    """
+    for key, d in list(staging.items()):
+        if d.alloc_size * d.dtype.itemsize > STAGING_KEEP_BYTES:
+            del staging[key]
+            d.free_memory()
+
+
+def _release_unreferenced(segment, runtime, data_id, owner_pid):
+    """Free the shared memory of a Data nobody refers to any more.
+
+    Runs from the garbage collector, in whichever thread: it only unlinks the
+    segment here and queues the id for the workers, which drop their mappings
+    before the runtime's next command (:meth:`Runtime.drop_released_data`).
+    In a child made by ``os.fork()`` it does nothing: the segment is the
+    parent's.
+    """
+    if os.getpid() != owner_pid or not runtime.is_open or segment.segment is None:
+        return
+    segment.free()
+    runtime.released_data.append(data_id)
+
+
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
          force_cast=False, oversize=1, name=None):
     """Make a :class:`Data` in shared memory visible to every process.

@@ -24,9 +24,9 @@ from pytensor.graph.traversal import ancestors
 from pytensor.link.jax.linker import JAXLinker
 from pytensor.tensor.type import TensorType
 
-from . import devices, lifecycle
+from . import devices, lifecycle, shipping
 from .control import RECORD_BYTES, Words
-from .data import Data, condition_value
+from .data import Data, condition_value, release_large_staging
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
 from .rewrites import compile_mode, raise_deferred_interrupt
 from .scatter import Batch, check_num_slices, chunk, gather_rows, parse_batch, parse_batch_s
@@ -716,7 +716,12 @@ class Function:
             n_scat = len(self.spec.inputs)
             plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat])[0])
         rt.ensure_shipped()
+        if not self.shipped:
+            raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
+                            f"build it again from picklable ops")
         outputs = self._reduce(plan, *rt.run_call(self, plan))
+        if self._scratch:
+            release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
 
     def _plan_key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
@@ -940,6 +945,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
         if var not in used:
             raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
     f = Function(rt, spec, bare)
+    shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     devices.set_precision(lifecycle.Runtime.float_x())   # the same rule every rank applies
     f.compiled = CompiledFunction(spec)  # compile errors surface here, in the master
     rt.register_function(f)

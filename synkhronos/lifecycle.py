@@ -7,8 +7,8 @@ exit) stops and joins the workers and unlinks the segments.
 """
 
 import atexit
+import collections
 import functools
-import io
 import json
 import os
 import pickle
@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
-import cloudpickle
 import numpy as np
 
-from . import devices
-from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
+from . import devices, shipping
+from .control import ARGS, PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
 from .transport import read_pickle, unpack_arrays, write_bytes
@@ -104,28 +104,6 @@ def _describe_exit(code):
     return f"exited with code {code}"
 
 
-class _ShipPickler(cloudpickle.Pickler):
-    """Pickles functions for the workers.
-
-    Shared variables the workers already hold travel as references (their
-    uid), so every function in a worker uses the same variable objects no
-    matter when it was shipped; device arrays travel as numpy arrays.
-    """
-
-    def __init__(self, file, uid_of_shipped):
-        super().__init__(file, protocol=5)
-        self._uid_of_shipped = uid_of_shipped
-
-    def persistent_id(self, obj):
-        uid = self._uid_of_shipped(obj)
-        return None if uid is None else ("shared", uid)
-
-    def reducer_override(self, obj):
-        if type(obj).__module__.startswith("jaxlib") and hasattr(obj, "__array__"):
-            return np.asarray, (np.asarray(obj),)
-        return super().reducer_override(obj)
-
-
 class Runtime:
     """Processes, segments and registries of one fork() ... close() session."""
 
@@ -148,13 +126,15 @@ class Runtime:
         self._shared_vars = {}     # id(var) -> (uid, var)
         self._shared_by_uid = {}   # uid -> var
         self._shipped_uids = set()
-        self._datas = {}
+        self._datas = weakref.WeakValueDictionary()   # a Data goes with its last reference
+        #: ids of Data freed by the garbage collector whose mappings the workers still hold
+        self.released_data = collections.deque()
         self._next_data_id = 0
         self.ctl = None
         self.payload = GrowableSegment(f"{self.prefix}_p")
         self.indices = GrowableSegment(f"{self.prefix}_ix")
         self.results = {r: SegmentMirror(f"{self.prefix}_r{r}") for r in self.worker_ranks}
-        self._scratch = {}
+        self.staging = {}
         self._comm = None
         self._collective_watch = None
         self._plan_ids = {}        # encoded plan -> id (see _publish_plan)
@@ -456,9 +436,9 @@ class Runtime:
 
     def scratch_data(self, key, value):
         """A runtime-owned Data holding ``value`` (staging numpy values for the workers)."""
-        d = self._scratch.get(key)
+        d = self.staging.get(key)
         if d is None or d.dtype != value.dtype or d.ndim != value.ndim:
-            d = self._scratch[key] = self.new_data(value.dtype, value.ndim, name=f"scratch:{key}")
+            d = self.staging[key] = self.new_data(value.dtype, value.ndim, name=f"scratch:{key}")
         d.set_value(value, oversize=1 if d.alloc_size >= value.size else 1.25)
         return d
 
@@ -512,8 +492,21 @@ class Runtime:
 
     # --- shipping functions -----------------------------------------------------------------
     def ensure_shipped(self):
-        if self._n_shipped < len(self.functions):     # checked on every call: keep it O(1)
+        """Bring the workers up to date before a command: new functions shipped, freed Data dropped.
+
+        Checked on every call: keep it O(1).
+        """
+        if self.released_data:
+            self.drop_released_data()
+        if self._n_shipped < len(self.functions):
             self.ship([f for f in self.functions if not f.shipped], sync_values=False)
+
+    def drop_released_data(self):
+        """Have the workers let go of the Data the garbage collector freed in the master."""
+        ids = []
+        while self.released_data and len(ids) < ARGS - 1:
+            ids.append(self.released_data.popleft())
+        self.announce_data_drop(ids)
 
     def ship(self, functions, sync_values):
         """Send ``functions`` to every worker, which compiles them.
@@ -531,17 +524,25 @@ class Runtime:
             for uid, var in self._shared_vars.values():
                 if uid in self._shipped_uids:
                     values[uid] = np.asarray(var.get_value(borrow=True))
-        buf = io.BytesIO()
         shipped = self._shipped_uids
 
         def uid_of_shipped(obj):
             entry = self._shared_vars.get(id(obj))
             return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
 
-        _ShipPickler(buf, uid_of_shipped).dump(
-            dict(functions=[f.spec for f in functions], shared=new_shared, values=values,
-                 float_x=self.float_x()))
-        self.send_payload(buf.getvalue())
+        payload = dict(functions=[f.spec for f in functions], shared=new_shared, values=values,
+                       float_x=self.float_x())
+        graph_vars = [v for f in functions for v in f.spec.graph_vars()]
+        try:
+            blob = shipping.dumps(payload, graph_vars, uid_of_shipped)
+        except Exception as e:
+            # what cannot travel now never will: unregister it, so other functions still ship
+            self.functions = [f for f in self.functions if f not in functions]
+            self._n_shipped = sum(f.shipped for f in self.functions)
+            names = ", ".join(f.name for f in functions)
+            raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
+                            f"they were unregistered, other functions still work") from e
+        self.send_payload(blob)
         self.command(Op.SHIP)
         self._shipped_uids.update(new_shared)
         for f in functions:

@@ -12,6 +12,7 @@ segments when a worker exits), and its ``close()`` fails while numpy views of
 the buffer are alive. Here a mapping is released when its last view dies.
 """
 
+import errno
 import math
 import mmap
 import os
@@ -50,6 +51,34 @@ def _unregister(name):
         pass
 
 
+def _reserve(fd, size):
+    """Give the new segment ``fd`` its ``size`` bytes of shared memory now, or raise MemoryError.
+
+    A segment is sparse until written: without this, writing past the free
+    space of /dev/shm (64 MB in a default Docker container) kills the process
+    with SIGBUS instead of raising.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = _shm_free_bytes()
+        raise MemoryError(
+            f"shared memory is full: a segment of {size:,} bytes does not fit in /dev/shm "
+            f"({'unknown' if free is None else format(free, ',')} bytes free); free Data you no "
+            f"longer use, or give /dev/shm more space (Docker: docker run --shm-size=8g ...)"
+        ) from None
+
+
+def _shm_free_bytes():
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class Segment:
     """One mapped shared-memory segment.
 
@@ -76,9 +105,14 @@ class Segment:
             if create:
                 size = max(int(size), 1)
                 os.ftruncate(fd, size)
+                _reserve(fd, size)
             else:
                 size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, size)
+        except BaseException:
+            if create:       # nothing half-made stays behind
+                unlink(name)
+            raise
         finally:
             os.close(fd)
         self.size = size

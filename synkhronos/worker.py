@@ -9,7 +9,6 @@ process goes away.
 import cProfile
 import ctypes
 import ctypes.util
-import io
 import json
 import os
 import pickle
@@ -19,7 +18,7 @@ import traceback
 
 import numpy as np
 
-from . import devices
+from . import devices, shipping
 from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .data import DataMirrors
 from .shmem import GrowableSegment, SegmentMirror
@@ -34,16 +33,6 @@ class MasterGone(SystemExit):
 
 class Terminated(SystemExit):
     """Raised in a worker that received SIGTERM; it ends by that signal after cleaning up."""
-
-
-class _ShipUnpickler(pickle.Unpickler):
-    def __init__(self, file, shared):
-        super().__init__(file)
-        self._shared = shared
-
-    def persistent_load(self, pid):
-        kind, uid = pid
-        return self._shared[uid]
 
 
 class Worker:
@@ -107,11 +96,14 @@ class Worker:
         self.result.ensure(packed_nbytes(arrays), oversize=1.5)
         return pack_arrays(self.result.segment.mm, arrays)
 
-    def payload_object(self):
+    def payload_bytes(self):
         gen = int(self.ctl.header[ControlBlock.PAYLOAD_GEN])
         nbytes = int(self.ctl.header[ControlBlock.PAYLOAD_NBYTES])
-        blob = self.payload.get(gen).mm[:nbytes]
-        return _ShipUnpickler(io.BytesIO(blob), self.shared).load()
+        return self.payload.get(gen).mm[:nbytes]
+
+    def payload_object(self):
+        """The plain pickled object of a command (see ``Runtime.send_pickled``)."""
+        return pickle.loads(self.payload_bytes())
 
     # --- handlers ---------------------------------------------------------------------------
     def ship(self):
@@ -119,7 +111,7 @@ class Worker:
         # loads once the JAX runtime is up, and no call pays for an import statement
         from .function import CallPlan, CompiledFunction, result_record, run_share
         self._run_share, self._decode_plan, self._record = run_share, CallPlan.decode, result_record
-        payload = self.payload_object()
+        payload = shipping.loads(self.payload_bytes(), self.shared)
         devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
         self._set_values(payload["values"])

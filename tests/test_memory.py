@@ -1,0 +1,109 @@
+"""Shared memory: a full /dev/shm is an exception, Data go with their last reference, staging is let go."""
+
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.data import STAGING_KEEP_BYTES
+from conftest import synk_segments
+from helpers import close
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _private_shm_works():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def run_with_small_shm(code, size="64m"):
+    """Run ``code`` in a mount namespace of its own whose /dev/shm is a tmpfs of ``size``."""
+    python = f"{sys.executable} -c '{textwrap.dedent(code)}'"
+    return subprocess.run(["unshare", "-m", "sh", "-c",
+                           f"mount -t tmpfs -o size={size} tmpfs /dev/shm && {python}"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+FULL_SHM = """
+import os, numpy as np, pytensor.tensor as pt, synkhronos as synk
+synk.fork(2)
+x = pt.matrix("x")
+f = synk.function([x], (x.sum(), "sum"))
+print(f(np.ones((4, 3))), flush=True)
+before = sorted(os.listdir("/dev/shm"))
+for what, make in [("DATA", lambda: synk.data(np.ones((1600000, 8)))),
+                   ("ARGUMENT", lambda: f(np.ones((1600000, 8))))]:
+    try:
+        make()
+        print(what, "no error", flush=True)
+    except MemoryError as e:
+        print(what, "/dev/shm" in str(e) and "--shm-size" in str(e), flush=True)
+    print("NOTHING NEW", set(os.listdir("/dev/shm")) <= set(before), flush=True)
+print(f(np.full((4, 3), 2.0)), flush=True)
+prefix = synk.lifecycle.current().prefix
+synk.close()
+print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush=True)
+"""
+
+
+@pytest.mark.skipif(not _private_shm_works(), reason="needs root and unshare -m for a private /dev/shm")
+def test_a_full_dev_shm_raises_memory_error_and_leaves_nothing_half_made():
+    """100 MB into a 64 MB /dev/shm (Docker's default): MemoryError, not SIGBUS; still usable."""
+    out = run_with_small_shm(FULL_SHM)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:-1] == ["12.0", "DATA True", "NOTHING NEW True",
+                                           "ARGUMENT True", "NOTHING NEW True", "24.0", "LEFT []"], out.stdout
+
+
+def _fds(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_data_is_freed_with_its_last_reference(synk2, rng):
+    rt = synk2
+    x = pt.matrix("x")
+    f = synk.function([x], (x.sum(), "sum"))
+    f(synk.data(np.ones((2, 2))))
+    gc.collect()
+    f(np.ones((2, 2)))
+    segments, fds = len(synk_segments()), [_fds(os.getpid())] + [_fds(p.pid) for p in rt.procs.values()]
+    for i in range(40):                        # 2 MB each, mapped by every rank
+        X = rng.normal(size=(1000, 256))
+        close(f(synk.data(X)), X.sum(), rtol=1e-9)
+    gc.collect()
+    close(f(np.ones((3, 2))), 6.0)            # the workers let go before this command
+    assert len(synk_segments()) == segments
+    now = [_fds(os.getpid())] + [_fds(p.pid) for p in rt.procs.values()]
+    assert all(n <= before + 2 for n, before in zip(now, fds)), (fds, now)
+    kept = synk.data(np.arange(6.0).reshape(3, 2))      # a Data still referenced stays usable
+    gc.collect()
+    close(f(kept), 15.0)
+
+
+def test_large_numpy_arguments_do_not_hold_shared_memory_after_the_call(synk2):
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros((2, 8)), name="w_staging")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(w, w)])
+    f(np.ones((4, 8)))
+    synk.all_reduce(w)                               # the collectives' own regions exist
+    segments = synk_segments()
+    rows = STAGING_KEEP_BYTES // 64 + 1000           # just over the threshold, as float64 x 8
+    close(f(np.ones((rows, 8))), 8.0 * rows)
+    assert set(synk_segments()) <= set(segments)     # the large staging segment is gone
+    synk.scatter(w, np.ones((rows, 8)))
+    assert set(synk_segments()) <= set(segments)
+    close(synk.get_value(1, w), np.ones((rows - rows // 2, 8)))
+    close(f(np.ones((4, 8))), 32.0)                  # small arguments still staged and kept
