@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from . import lifecycle
+from . import lifecycle, randomness
 from .control import Op, Words
 from .data import Data, condition_value, release_large_staging
 from .devices import adopt, to_device
@@ -69,6 +69,10 @@ def resolve_shareds(shared_vars):
                              f"workers do not hold it; build a function that uses it first")
     if len({id(v) for v in out}) != len(out):
         raise ValueError("a shared variable is listed more than once")
+    for var in out:
+        if randomness.is_generator(var):
+            raise TypeError(f"{var} is a random generator: each device draws from a stream of its "
+                            f"own (see the user guide), and collectives move tensors only")
     return out, single
 
 

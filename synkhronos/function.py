@@ -24,7 +24,7 @@ from pytensor.graph.traversal import ancestors
 from pytensor.link.jax.linker import JAXLinker
 from pytensor.tensor.type import TensorType
 
-from . import devices, lifecycle, shipping
+from . import devices, lifecycle, randomness, shipping
 from .control import RECORD_BYTES, Words
 from .data import Data, condition_value, release_large_staging
 from .modes import Accumulator, check_output_mode, check_update_mode, reduce_ranks
@@ -67,11 +67,15 @@ def _normalize_outputs(outputs):
 
 
 def _normalize_updates(updates):
-    """Return [(shared, new_value, mode)] from a list of pairs/triples or a dict."""
+    """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
+
+    A random generator's update is its next state: it has no mode and is
+    applied on every slice (each slice draws anew).
+    """
     if updates is None:
-        return []
+        return [], []
     items = list(updates.items()) if isinstance(updates, dict) else list(updates)
-    triples = []
+    triples, generators = [], []
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
             raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
@@ -80,8 +84,11 @@ def _normalize_updates(updates):
         mode = item[2] if len(item) == 3 else "avg"
         if not isinstance(shared, SharedVariable):
             raise TypeError(f"update target {shared!r} is not a shared variable")
+        if randomness.is_generator(shared):
+            generators.append((shared, value))
+            continue
         triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
-    return triples
+    return triples, generators
 
 
 def _check_inputs(inputs, what):
@@ -133,6 +140,8 @@ class FunctionSpec:
     givens: list
     sliceable_shareds: list
     kwargs: dict = field(default_factory=dict)
+    #: (generator, next state): every random generator the graphs draw from (see .randomness)
+    generator_updates: list = field(default_factory=list)
 
     @property
     def all_inputs(self):
@@ -153,11 +162,16 @@ class FunctionSpec:
 
     def graph_vars(self):
         return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
-                + [g[1] for g in self.givens])
+                + [g[1] for g in self.givens] + [nxt for _, nxt in self.generator_updates])
 
     def shared_variables(self):
         """Every shared variable the function reads or updates (the workers must hold them)."""
         return shared_variables(self.graph_vars()) + [s for s, _, _ in self.updates]
+
+    def pytensor_updates(self, with_modes=True):
+        """Updates for ``pytensor.function``: the generators' always, the others if ``with_modes``."""
+        upd = [(s, v) for s, v, _ in self.updates] if with_modes else []
+        return upd + list(self.generator_updates)
 
 
 def jitted_call(fn):
@@ -289,13 +303,14 @@ class CompiledFunction:
     def _compile(self, updates):
         spec = self.spec
         outputs = [v for v, _ in spec.outputs]
-        if updates:
-            upd = [(s, v) for s, v, _ in spec.updates]
-        else:
+        if not updates:      # their values come back as outputs, to accumulate over slices
             outputs = outputs + [v for _, v, _ in spec.updates]
-            upd = []
-        fn = pytensor.function(spec.all_inputs + self.sliced_inputs, outputs, updates=upd,
-                               givens=self._givens(), **spec.pytensor_kwargs(devices.platform()))
+        with warnings.catch_warnings():
+            # the JAX linker says it compiles a copy of each generator's state: as documented
+            warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
+            fn = pytensor.function(spec.all_inputs + self.sliced_inputs, outputs,
+                                   updates=spec.pytensor_updates(with_modes=updates),
+                                   givens=self._givens(), **spec.pytensor_kwargs(devices.platform()))
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
         # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
         fn.trust_input = True
@@ -661,10 +676,11 @@ class Function:
         """
         if self._reference is None:
             spec = self.spec
-            self._reference = pytensor.function(
-                spec.all_inputs, [v for v, _ in spec.outputs],
-                updates=[(s, v) for s, v, _ in spec.updates], givens=spec.givens,
-                **spec.pytensor_kwargs())
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
+                self._reference = pytensor.function(
+                    spec.all_inputs, [v for v, _ in spec.outputs], updates=spec.pytensor_updates(),
+                    givens=spec.givens, **spec.pytensor_kwargs())
         out = [np.asarray(o) for o in self._reference(*args)]
         return out[0] if self._bare else out
 
@@ -932,12 +948,14 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
         seen.add(id(var))
     pairs, bare = _normalize_outputs(outputs)
-    triples = _normalize_updates(updates)
+    triples, generators = _normalize_updates(updates)
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     sliceable = list(sliceable_shareds or [])
     spec = FunctionSpec(rt.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
                         sliceable, kwargs)
     spec.name = name or f"synk_function_{spec.fid}"
+    spec.generator_updates = generators + randomness.generator_updates(
+        inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     used = set(spec.shared_variables() + [g[0] for g in givens])
     for var in sliceable:
         if not isinstance(var, SharedVariable):

@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-from . import devices, shipping
+from . import devices, randomness, shipping
 from .control import ARGS, PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .errors import StallError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
@@ -523,7 +523,8 @@ class Runtime:
         if sync_values:
             for uid, var in self._shared_vars.values():
                 if uid in self._shipped_uids:
-                    values[uid] = np.asarray(var.get_value(borrow=True))
+                    value = var.get_value(borrow=True)
+                    values[uid] = value if randomness.is_generator(var) else np.asarray(value)
         shipped = self._shipped_uids
 
         def uid_of_shipped(obj):

@@ -18,7 +18,7 @@ import traceback
 
 import numpy as np
 
-from . import devices, shipping
+from . import devices, randomness, shipping
 from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .data import DataMirrors
 from .shmem import GrowableSegment, SegmentMirror
@@ -114,6 +114,8 @@ class Worker:
         payload = shipping.loads(self.payload_bytes(), self.shared)
         devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
+        self._set_values({uid: var.get_value(borrow=True) for uid, var in payload["shared"].items()
+                          if randomness.is_generator(var)})      # this rank's own streams
         self._set_values(payload["values"])
         for spec in payload["functions"]:
             self.functions[spec.fid] = CompiledFunction(spec)
@@ -158,8 +160,13 @@ class Worker:
         self._set_values(self.payload_object())
 
     def _set_values(self, values):
+        """Set shared values from the master; a random generator becomes this rank's own stream."""
+        offset = (self.rank - int(self.ctl.header[ControlBlock.MASTER_RANK])) % self.n_ranks
         for uid, value in values.items():
-            self.shared[uid].set_value(value)
+            var = self.shared[uid]
+            if randomness.is_generator(var):
+                value = randomness.device_stream(value, offset)
+            var.set_value(value)
 
     def collective(self):
         """Prepare, report, wait for the master's decision, then execute (or skip)."""

@@ -1,0 +1,79 @@
+"""Random generators in data-parallel functions: advanced by every call, one stream per device.
+
+A graph that draws random numbers (``pytensor.tensor.random``, a
+``RandomStream``, pytensor-ml's ``Dropout``) reads shared generators.
+synkhronos threads the next state of every generator a function draws from
+into its updates, as ``pytensor_ml.pytensorf.function`` does, so each call
+draws new numbers (a new dropout mask every step). Each device draws from a
+stream of its own: the device ``k`` ranks after the master (in rank order,
+wrapping around) uses the master's generator jumped ``k`` times
+(``bit_generator.jumped(k)``: 2**127 draws apart for PCG64), so the master's
+own draws are those of the user's generator, and every run from the same
+seed draws the same numbers on every device.
+
+In JAX mode PyTensor compiles each function with a private copy of its
+generators' state (as it does in a single process): two functions drawing
+from one generator advance their own copies.
+"""
+
+import copy
+
+import numpy as np
+from pytensor.tensor.random.type import RandomType
+
+__all__ = ["is_generator", "generator_updates", "device_stream"]
+
+
+def is_generator(var):
+    """True if ``var`` is a random generator (a shared ``RandomType`` variable, for instance)."""
+    return isinstance(getattr(var, "type", None), RandomType)
+
+
+def generator_updates(inputs, read_variables, written):
+    """The next-state update of every shared generator the graphs of ``read_variables`` draw from.
+
+    Parameters
+    ----------
+    inputs : list of Variable
+        The function's inputs (no updates are collected above them).
+    read_variables : list of Variable
+        Outputs, update values and givens' values.
+    written : collection of SharedVariable
+        Generators the user updates explicitly (their update wins).
+
+    Returns
+    -------
+    list of (SharedVariable, Variable)
+    """
+    import warnings
+    from pytensor_ml.pytensorf.rng import collect_default_updates
+    if not read_variables:
+        return []
+    with warnings.catch_warnings():
+        # a generator read by two draws has no single next state: it is left as the user made it
+        warnings.simplefilter("ignore", UserWarning)
+        updates = collect_default_updates(inputs=list(inputs), outputs=list(read_variables))
+    return [(rng, nxt) for rng, nxt in updates.items() if rng not in written]
+
+
+def device_stream(generator, offset):
+    """Generator ``offset`` streams after ``generator`` (a copy of it for ``offset=0``).
+
+    Examples
+    --------
+    >>> g = np.random.default_rng(0)
+    >>> float(device_stream(g, 0).random()) == float(np.random.default_rng(0).random())
+    True
+    >>> float(device_stream(g, 1).random()) == float(np.random.default_rng(0).random())
+    False
+    """
+    generator = copy.deepcopy(generator)
+    if offset == 0:
+        return generator
+    bit_generator = generator.bit_generator
+    if hasattr(bit_generator, "jumped"):
+        return np.random.Generator(bit_generator.jumped(offset))
+    # no jump ahead (SFC64, say): a child seed from this generator's next draws and the offset
+    seed = np.random.SeedSequence(entropy=[int(v) for v in bit_generator.random_raw(4)],
+                                  spawn_key=(offset,))
+    return np.random.Generator(type(bit_generator)(seed))

@@ -1,0 +1,84 @@
+"""Random numbers: new draws every call, a stream of its own per device, reproducible from the seed."""
+
+import warnings
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor.tensor.random.utils import RandomStream
+from pytensor_ml.layers import Dropout
+
+import synkhronos as synk
+from synkhronos.randomness import device_stream
+from helpers import close
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore:RandomStream is deprecated:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:Setting default_update is deprecated")]
+
+
+def single_process_draws(generator, shapes):
+    """What plain PyTensor (JAX mode) draws from ``generator``, one call per shape."""
+    rng = pytensor.shared(generator)
+    x = pt.matrix("x")
+    nxt, draw = pt.random.normal(size=x.shape, rng=rng, return_next_rng=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        f = pytensor.function([x], draw, updates={rng: nxt}, mode="JAX")
+    return [f(np.zeros(shape)) for shape in shapes]
+
+
+@pytest.mark.parametrize("api", ["RandomStream", "shared generator"])
+def test_each_device_draws_its_own_stream_and_every_call_draws_anew(synk2, api):
+    x = pt.matrix("x")
+    if api == "RandomStream":
+        draw = RandomStream(seed=7).normal(size=x.shape)
+        seed_generator = None           # the stream seeds its generators its own way
+    else:
+        _, draw = pt.random.normal(size=x.shape, rng=pytensor.shared(np.random.default_rng(7)),
+                                   return_next_rng=True)
+        seed_generator = np.random.default_rng(7)
+    f = synk.function([x], (draw, "gather"))
+    first, second = f(np.zeros((5, 2))), f(np.zeros((5, 2)))     # rows 2 + 3
+    assert not np.allclose(first, second)                         # the generators advanced
+    assert not np.allclose(first[:2], first[2:4])                 # the devices differ
+    if seed_generator is not None:                                # exactly which numbers
+        master = single_process_draws(device_stream(seed_generator, 0), [(2, 2), (2, 2)])
+        worker = single_process_draws(device_stream(seed_generator, 1), [(3, 2), (3, 2)])
+        close(first, np.concatenate([master[0], worker[0]]))
+        close(second, np.concatenate([master[1], worker[1]]))
+
+
+def test_dropout_draws_a_new_mask_every_call_slice_and_device_reproducibly(synk2):
+    def masks(seed):
+        x = pt.matrix("x")
+        f = synk.function([x], (Dropout(p=0.5, random_state=seed)(x), "gather"))
+        return [f(np.ones((8, 16)), num_slices=n) for n in (1, 1, 2)]
+    one, two, sliced = masks(3)
+    for mask in (one, two, sliced):
+        assert set(np.unique(mask)) == {0.0, 2.0}                 # kept values rescaled by 1/(1-p)
+        assert not np.array_equal(mask[:4], mask[4:])             # master and worker differ
+    assert not np.array_equal(one, two)                           # a new mask every call
+    assert not np.array_equal(sliced[:2], sliced[2:4])            # and every slice
+    again = masks(3)                                              # the same seed, the same masks
+    for a, b in zip((one, two, sliced), again):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_explicit_generator_updates_are_accepted(synk2):
+    rng = pytensor.shared(np.random.default_rng(11), name="explicit_rng")
+    x = pt.matrix("x")
+    nxt, draw = pt.random.uniform(size=x.shape, rng=rng, return_next_rng=True)
+    f = synk.function([x], (draw.sum(), "sum"), updates=[(rng, nxt)])
+    assert f(np.zeros((4, 3))) != f(np.zeros((4, 3)))
+
+
+def test_collectives_refuse_a_generator(synk2):
+    rng = pytensor.shared(np.random.default_rng(1), name="refused_rng")
+    x = pt.matrix("x")
+    synk.function([x], (pt.random.normal(size=x.shape, rng=rng).sum(), "sum"))
+    with pytest.raises(TypeError, match="random generator"):
+        synk.broadcast(rng)
+    with pytest.raises(TypeError, match="random generator"):
+        synk.get_value(1, "refused_rng")
