@@ -82,6 +82,19 @@ def _check_rank(rt, rank):
     return int(rank)
 
 
+def _check_declared_shape(var, shape, what):
+    """Raise ValueError if ``what`` would give ``var`` a ``shape`` its declared static shape forbids.
+
+    Every rank compiles its functions for the declared shape, so a value of
+    another shape would be computed on wrongly.
+    """
+    declared = var.type.shape
+    if len(declared) != len(shape) or any(d is not None and d != n for d, n in zip(declared, shape)):
+        raise ValueError(f"{what} would give {var} shape {tuple(shape)} on some rank, but it is "
+                         f"declared with static shape {declared}; make it with "
+                         f"pytensor.shared(value, shape=(None, ...)) to let that axis change")
+
+
 def _check_op(op, vars_):
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {list(REDUCE_OPS)}, got {op!r}")
@@ -454,6 +467,11 @@ def _read_data(rt, vars_, datas, batch, chunked):
             b = Batch(total=0)
         else:
             b, _ = parse_batch(batch, [d], [str(var)])
+        rows = [hi - lo for lo, hi in (chunk(0, b.total, rt.n_parallel, r) for r in range(rt.n_parallel))] \
+            if chunked else [b.total] * rt.n_parallel
+        for n in rows:
+            _check_declared_shape(var, (n,) + d.shape[1:] if d.ndim else (),
+                                  "scatter" if chunked else "broadcast")
         plans.append((d, b))
     with_indices = [b for _, b in plans if not b.is_range]
     # every batch here comes from the same ``batch``, so one copy of its indices serves all
@@ -492,6 +510,11 @@ def all_gather(shared_vars):
 
 def _gather(rt, vars_, keep, nd_up):
     shapes = _all_shapes(rt, vars_)
+    if keep == _KEEP_ALL:
+        for var, per_rank in zip(vars_, shapes):
+            if all(per_rank):
+                _check_declared_shape(var, (sum(s[0] for s in per_rank),) + per_rank[0][1:],
+                                      "all_gather")
     if nd_up:
         _require_equal_shapes(vars_, shapes, "gather with nd_up=1")
     else:
@@ -552,6 +575,7 @@ def set_value(rank, shared_vars, values, batch=None):
         if batch is not None:
             arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
         arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}"))
+        _check_declared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
     rt.ensure_shipped()
     if rank == rt.master_rank:
         for var, arr in zip(vars_, arrays):

@@ -20,7 +20,8 @@ from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.traversal import ancestors
+from pytensor.compile.builders import OpFromGraph, SymbolicOp
+from pytensor.graph.traversal import ancestors, toposort
 from pytensor.link.jax.linker import JAXLinker
 from pytensor.tensor.type import TensorType
 
@@ -89,6 +90,35 @@ def _normalize_updates(updates):
             continue
         triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
     return triples, generators
+
+
+def _declared(var):
+    """``var``'s static shape as PyTensor declares it, ``None`` for a free length."""
+    return "(" + ", ".join("None" if d is None else str(d) for d in var.type.shape) + \
+        ("," if var.type.ndim == 1 else "") + ")"
+
+
+def _check_declared_shape(var, name, shape, scattered):
+    """Raise TypeError if ``shape`` contradicts the static shape input ``var`` declares.
+
+    A scattered input's rows are checked against the whole batch instead
+    (:func:`_check_declared_rows`): the argument may hold more rows than a call uses.
+    """
+    axes = range(1 if scattered else 0, var.type.ndim)
+    if any(var.type.shape[a] is not None and var.type.shape[a] != shape[a] for a in axes):
+        raise TypeError(f"input {name!r} is declared with shape {_declared(var)} but the argument "
+                        f"has shape {tuple(shape)}; give an argument of that shape or declare the "
+                        f"axis free (None) in its pt.tensor(..., shape=...)")
+
+
+def _check_declared_rows(var, name, total):
+    """Raise TypeError if scattered input ``var`` declares a row count other than the batch's."""
+    rows = declared_rows(var)
+    if rows is not None and rows != total:
+        raise TypeError(f"scattered input {name!r} is declared with shape {_declared(var)}, so the "
+                        f"call's batch must have {rows} rows (as in the single-process function; "
+                        f"each device gets its share), but it has {total}; pass a batch of {rows} "
+                        f"rows, or declare the rows free: shape=(None, ...)")
 
 
 def _check_inputs(inputs, what):
@@ -168,10 +198,6 @@ class FunctionSpec:
         """Every shared variable the function reads or updates (the workers must hold them)."""
         return shared_variables(self.graph_vars()) + [s for s, _, _ in self.updates]
 
-    def pytensor_updates(self, with_modes=True):
-        """Updates for ``pytensor.function``: the generators' always, the others if ``with_modes``."""
-        upd = [(s, v) for s, v, _ in self.updates] if with_modes else []
-        return upd + list(self.generator_updates)
 
 
 def jitted_call(fn):
@@ -273,12 +299,64 @@ class GatherBuffer:
         return self._owner[:nbytes].view(dtype).reshape(shape)
 
 
+def rebuild_on(variables, replace):
+    """``variables`` rebuilt with the inputs in ``replace`` swapped for variables of other static shapes.
+
+    Every node downstream of a replaced input is rebuilt (``make_node`` on
+    the new inputs), so static shapes propagate; the given graph is not
+    changed. An op that builds its inner graph from its input types (a
+    pytensor-ml layer: PyTensor's ``SymbolicOp``) is applied anew, building
+    that inner graph for the new shapes; any other ``OpFromGraph`` is
+    inlined (its inner graph keeps the shapes it was built for).
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> x = pt.tensor("x", shape=(8, 3))
+    >>> x4 = pt.tensor("x", shape=(4, 3))
+    >>> mean, = rebuild_on([x.mean(0) + x.shape[0]], {x: x4})
+    >>> mean.eval({x4: np.ones((4, 3), x4.dtype)}).tolist()
+    [5.0, 5.0, 5.0]
+    """
+    memo = dict(replace)
+    for node in list(toposort(variables, blockers=list(replace))):
+        inputs = [memo.get(i, i) for i in node.inputs]
+        if all(new is old for new, old in zip(inputs, node.inputs)):
+            continue
+        if isinstance(node.op, SymbolicOp):
+            outs = node.op(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        elif isinstance(node.op, OpFromGraph):
+            inner = node.op.fgraph.bind(dict(zip(node.op.fgraph.inputs, node.inputs)))
+            outs = rebuild_on(inner, {old: new for old, new in zip(node.inputs, inputs) if new is not old})
+        else:
+            outs = node.clone_with_new_inputs(inputs, strict=False).outputs
+        memo.update(zip(node.outputs, outs))
+    return [memo.get(v, v) for v in variables]
+
+
+#: graphs a function keeps compiled for the row counts of inputs declared with a static row count
+ROW_VARIANTS_KEPT = 8
+
+
+def declared_rows(var):
+    """The static row count of input ``var`` (``pt.tensor(shape=(8, 3))``: 8), or None."""
+    return var.type.shape[0] if var.type.ndim else None
+
+
 class CompiledFunction:
     """A FunctionSpec compiled for this process's device (lazily for the slice variant).
 
     Sliceable shared variables are replaced (through ``givens``) by extra
     symbolic inputs, so each call can feed them the rows ``batch_s`` selects
     from the device-resident value.
+
+    A scattered input declared with a static row count (``pt.tensor("x",
+    shape=(8, 3))``) declares the call's whole batch, as in the single-process
+    function; each device computes on its own share, so each compiles the
+    graph rebuilt on an input of the rows it is given (static shapes
+    propagate, so ``x.shape[0]`` and a mean over rows are the device's own),
+    keeping the last ``ROW_VARIANTS_KEPT`` row counts.
     """
 
     def __init__(self, spec):
@@ -286,10 +364,14 @@ class CompiledFunction:
         self.output_modes = [m for _, m in spec.outputs]
         self.sliced_inputs = [s.type(name=f"{s.name or 'shared'}[batch_s]")
                               for s in spec.sliceable_shareds]
+        declared = {declared_rows(v) for v in spec.inputs} - {None}
+        #: the one row count the scattered inputs declare, or None (they take any count)
+        self.declared_rows = declared.pop() if len(declared) == 1 else None
         #: the PyTensor function (updates applied); calls go through its jitted graph (jitted_call)
         self.function = self._compile(updates=True)
         self._run = self._runner(self.function)
         self._run_no_updates = None
+        self._row_variants = {}       # (rows, updates applied) -> runner
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
@@ -300,17 +382,42 @@ class CompiledFunction:
         user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
         return user + list(replace.items())
 
-    def _compile(self, updates):
+    def _graph(self, rows=None):
+        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``rows`` rows if given.
+
+        With ``rows``, every scattered input declared with a static row count is
+        replaced by one of ``rows`` rows and the graphs are rebuilt on it.
+        """
         spec = self.spec
+        inputs, givens = spec.all_inputs, self._givens()
         outputs = [v for v, _ in spec.outputs]
+        updates = [(s, v) for s, v, _ in spec.updates]
+        generators = list(spec.generator_updates)
+        if rows is None:
+            return inputs, outputs, updates, generators, givens
+        replace = {v: v.type.clone(shape=(rows,) + v.type.shape[1:])(name=v.name)
+                   for v in spec.inputs if declared_rows(v) is not None}
+        pieces = [outputs, [v for _, v in updates], [v for _, v in generators], [v for _, v in givens]]
+        flat = rebuild_on(sum(pieces, []), replace)
+        new = []
+        for piece in pieces:
+            new.append(flat[:len(piece)])
+            flat = flat[len(piece):]
+        return ([replace.get(v, v) for v in inputs], new[0],
+                [(s, v) for (s, _), v in zip(updates, new[1])],
+                [(g, v) for (g, _), v in zip(generators, new[2])],
+                [(k, v) for (k, _), v in zip(givens, new[3])])
+
+    def _compile(self, updates, rows=None):
+        spec = self.spec
+        inputs, outputs, upd, generators, givens = self._graph(rows)
         if not updates:      # their values come back as outputs, to accumulate over slices
-            outputs = outputs + [v for _, v, _ in spec.updates]
+            outputs, upd = outputs + [v for _, v in upd], []
         with warnings.catch_warnings():
             # the JAX linker says it compiles a copy of each generator's state: as documented
             warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
-            fn = pytensor.function(spec.all_inputs + self.sliced_inputs, outputs,
-                                   updates=spec.pytensor_updates(with_modes=updates),
-                                   givens=self._givens(), **spec.pytensor_kwargs(devices.platform()))
+            fn = pytensor.function(inputs + self.sliced_inputs, outputs, updates=upd + generators,
+                                   givens=givens, **spec.pytensor_kwargs(devices.platform()))
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
         # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
         fn.trust_input = True
@@ -339,15 +446,31 @@ class CompiledFunction:
             return outputs
         return call
 
+    def _for_rows(self, rows, updates):
+        """The runner of the graph rebuilt on ``rows`` rows (see the class notes)."""
+        key = (rows, updates)
+        run = self._row_variants.get(key)
+        if run is None:
+            if len(self._row_variants) >= ROW_VARIANTS_KEPT:
+                del self._row_variants[next(iter(self._row_variants))]     # the oldest
+            run = self._row_variants[key] = self._runner(self._compile(updates, rows))
+        return run
+
     def run(self, args):
         """Run once, applying updates."""
+        if self.declared_rows is not None and len(args[0]) != self.declared_rows:
+            return self._for_rows(len(args[0]), True)(*args)
         return self._run(*args)
 
     def run_deferred(self, args):
         """Run once without applying updates; return (outputs, new update values)."""
-        if self._run_no_updates is None:
-            self._run_no_updates = self._runner(self._compile(updates=False))
-        out = self._run_no_updates(*args)
+        if self.declared_rows is not None and len(args[0]) != self.declared_rows:
+            run = self._for_rows(len(args[0]), False)
+        else:
+            if self._run_no_updates is None:
+                self._run_no_updates = self._runner(self._compile(updates=False))
+            run = self._run_no_updates
+        out = run(*args)
         n = len(self.spec.outputs)
         return out[:n], out[n:]
 
@@ -679,7 +802,7 @@ class Function:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
                 self._reference = pytensor.function(
-                    spec.all_inputs, [v for v, _ in spec.outputs], updates=spec.pytensor_updates(),
+                    spec.all_inputs, [v for v, _ in spec.outputs], updates=[(s, v) for s, v, _ in spec.updates] + spec.generator_updates,
                     givens=spec.givens, **spec.pytensor_kwargs())
         out = [np.asarray(o) for o in self._reference(*args)]
         return out[0] if self._bare else out
@@ -780,6 +903,8 @@ class Function:
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
+        for var, name in zip(spec.inputs, names):
+            _check_declared_rows(var, name, batch_plan.total)
         sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
         rows = ([b.total for b in sliced] if sliced else
                 [hi - lo for lo, hi in (chunk(0, batch_plan.total, self._rt.n_parallel, r)
@@ -854,6 +979,7 @@ class Function:
     def _as_data(self, i, value):
         var = self.spec.all_inputs[i]
         name = self._input_name(i)
+        scattered = i < len(self.spec.inputs)
         if isinstance(value, Data):
             if value._rt is not self._rt:
                 raise ValueError(f"Data for input {name!r} belongs to a closed runtime; "
@@ -864,11 +990,13 @@ class Function:
                                 f"{value.ndim}")
             if value.shape is None:
                 raise TypeError(f"Data for input {name!r} holds no value; set_value() it first")
-            if i < len(self.spec.inputs) and value.ndim == 0:
+            if scattered and value.ndim == 0:
                 raise TypeError(f"scattered input {name!r} is 0-d and cannot be split by rows; "
                                 f"make it a bcast_input")
+            _check_declared_shape(var, name, value.shape, scattered)
             return value
         arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}")
+        _check_declared_shape(var, name, arr.shape, scattered)
         scratch = self._scratch.get(i)
         if scratch is None:
             scratch = self._scratch[i] = self._rt.new_data(var.type.dtype, var.type.ndim,
