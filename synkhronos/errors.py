@@ -1,6 +1,16 @@
 """Exception types raised by synkhronos."""
 
-__all__ = ["SynkError", "WorkerError", "StallError"]
+import builtins
+import functools
+import traceback
+
+__all__ = ["SynkError", "WorkerError", "StallError", "exception_name"]
+
+
+def exception_name(e):
+    """The name of ``e``'s type: bare for builtins (``"ValueError"``), else ``"module.Qualname"``."""
+    module = type(e).__module__
+    return type(e).__qualname__ if module == "builtins" else f"{module}.{type(e).__qualname__}"
 
 
 class SynkError(RuntimeError):
@@ -34,6 +44,27 @@ class WorkerError(SynkError):
     ...     print(e.rank, e.exc_type, e.worker_traceback)
     """
 
+    @classmethod
+    def raised(cls, rank, exc_type, message, worker_traceback=""):
+        """The error of rank ``rank`` that raised ``exc_type``, whichever rank it is.
+
+        When ``exc_type`` names a builtin exception (``"ValueError"``), the
+        error is an instance of that type as well, so ``except ValueError``
+        catches it from any rank, the master's own included.
+
+        Examples
+        --------
+        >>> e = WorkerError.raised(1, "ValueError", "bad rows")
+        >>> isinstance(e, ValueError), isinstance(e, WorkerError), e.rank
+        (True, True, 1)
+        """
+        return _with_builtin_type(exc_type)(rank, "raised", exc_type, message, worker_traceback)
+
+    @classmethod
+    def from_exception(cls, rank, e):
+        """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
+        return cls.raised(rank, exception_name(e), str(e), "".join(traceback.format_exception(e)))
+
     def __init__(self, rank, how, exc_type, message, worker_traceback=""):
         self.rank = rank
         self.how = how
@@ -46,7 +77,26 @@ class WorkerError(SynkError):
         super().__init__(text)
 
     def __reduce__(self):
-        return (type(self), (self.rank, self.how, self.exc_type, self.message, self.worker_traceback))
+        return (_rebuild_worker_error, (self.rank, self.how, self.exc_type, self.message,
+                                        self.worker_traceback))
+
+
+def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback):
+    if how == "raised":
+        return WorkerError.raised(rank, exc_type, message, worker_traceback)
+    return WorkerError(rank, how, exc_type, message, worker_traceback)
+
+
+@functools.cache
+def _with_builtin_type(exc_type):
+    """WorkerError, also a subclass of the builtin exception named ``exc_type`` where there is one."""
+    base = getattr(builtins, exc_type, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(WorkerError, base):
+        return WorkerError
+    try:
+        return type(f"WorkerError[{exc_type}]", (WorkerError, base), {"__module__": __name__})
+    except TypeError:        # a builtin with a layout of its own (OSError, ...)
+        return WorkerError
 
 
 class StallError(SynkError):

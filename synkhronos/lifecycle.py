@@ -24,7 +24,7 @@ import numpy as np
 
 from . import devices, randomness, shipping
 from .control import ARGS, PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
-from .errors import StallError, WorkerError
+from .errors import StallError, SynkError, WorkerError
 from .shmem import GrowableSegment, SegmentMirror, new_prefix, unlink
 from .transport import read_pickle, unpack_arrays, write_bytes
 
@@ -242,9 +242,7 @@ class Runtime:
         self.ctl.post_command(opcode, ranks)
         local_result, local_error = self._run_local(local)
         self._wait_done(ranks, what=opcode)     # named only if something goes wrong
-        if local_error is not None:
-            raise local_error
-        self._raise_worker_errors(ranks)
+        self._raise_rank_errors(local_error, ranks)
         return local_result
 
     def collective_command(self, local_prepare):
@@ -267,9 +265,7 @@ class Runtime:
         self.ctl.release(ranks)
         if not go:
             self._wait_done(ranks, what="skipping a collective")
-            if local_error is not None:
-                raise local_error
-            self._raise_worker_errors(ranks)
+            self._raise_rank_errors(local_error, ranks)
         if getattr(self.comm, "calls_check_while_waiting", False):
             result = self._run_inline_watched(execute, ranks, what="a collective")
         else:
@@ -337,11 +333,23 @@ class Runtime:
             raise box["error"]
         return box["result"]
 
+    def _raise_rank_errors(self, local_error, ranks):
+        """Raise the error of this rank's part (``local_error``), else of the first worker that failed.
+
+        Either way it is a :class:`WorkerError` naming the rank (also an
+        instance of the original builtin type, see :meth:`WorkerError.raised`).
+        """
+        if isinstance(local_error, SynkError):
+            raise local_error
+        if local_error is not None:
+            raise WorkerError.from_exception(self.master_rank, local_error) from local_error
+        self._raise_worker_errors(ranks)
+
     def _raise_worker_errors(self, ranks):
         for rank in ranks:
             if self.ctl.status[rank, ControlBlock.STATE] == Status.ERROR:
                 exc_type, message, tb = self.read_result_pickle(rank)
-                raise WorkerError(rank, "raised", exc_type, message, tb)
+                raise WorkerError.raised(rank, exc_type, message, tb)
 
     def _wait_done(self, ranks, what, deadline=None, spin=None):
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""

@@ -21,6 +21,7 @@ import numpy as np
 from . import devices, randomness, shipping
 from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
 from .data import DataMirrors
+from .errors import exception_name
 from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
 
@@ -87,9 +88,7 @@ class Worker:
 
     def report_error(self, e):
         tb = traceback.format_exc()
-        module = type(e).__module__
-        name = type(e).__qualname__ if module == "builtins" else f"{module}.{type(e).__qualname__}"
-        nbytes = write_pickle(self.result, (name, str(e), tb))
+        nbytes = write_pickle(self.result, (exception_name(e), str(e), tb))
         self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
 
     def write_arrays(self, arrays):

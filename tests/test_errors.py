@@ -142,3 +142,18 @@ def test_error_in_every_rank_is_raised_once(fx, synk2):
         g(np.ones((4, 3)), np.ones(5))           # shapes do not align in any rank
     close(g(np.ones((4, 3)), np.ones(3)), 3.0)
     _sum_ok(f, xd, bd, X)
+
+
+@pytest.mark.parametrize("rows, failing_rank", [(5, 1), (3, 0)])
+def test_an_error_has_one_type_whichever_rank_hits_it(fx, synk2, rows, failing_rank):
+    """A reshape that fails only on the rank whose share has the wrong size (2 rows fit, 1 or 3 not)."""
+    f, xd, bd, X = fx
+    x = pt.matrix("x")
+    g = synk.function([x], (pt.reshape(x, (2, 3)).sum(), "sum"), name="reshaped")
+    with pytest.raises(synk.WorkerError, match=f"rank {failing_rank} raised: TypeError") as info:
+        g(np.ones((rows, 3)))
+    err = info.value
+    assert err.rank == failing_rank and err.how == "raised" and isinstance(err, TypeError)
+    assert "reshape" in err.worker_traceback
+    close(g(np.ones((4, 3))), 12.0)
+    _sum_ok(f, xd, bd, X)
