@@ -95,10 +95,12 @@ def build_model(spec, side, n_classes=10, seed=0):
     """Build model ``spec`` for ``side`` x ``side`` images.
 
     Returns ``(make_graph, params, static)``: ``make_graph(rows)`` returns
-    ``(x, y, loss, accuracy)`` for a batch of ``rows`` rows, all graphs sharing
-    ``params``. ``static`` is True for models whose graph needs a fixed batch
-    size under JAX (pytensor-ml's convolutions trace only with concrete shapes),
-    so one graph is built per batch size used.
+    ``(x, y, loss, accuracy)`` for a batch of ``rows`` rows (``None``: any), all
+    graphs sharing ``params``. ``static`` is True for models whose graph needs
+    a fixed batch size under plain PyTensor's JAX mode (pytensor-ml's
+    convolutions trace only with concrete shapes): the single-process variant
+    builds one graph per batch size. synkhronos takes the graph with free rows
+    and compiles it per row count itself.
     """
     from pytensor_ml.activations import ReLU
     from pytensor_ml.layers import Conv2D, Input, Linear, MaxPool2D, Sequential
@@ -126,8 +128,8 @@ def build_model(spec, side, n_classes=10, seed=0):
                           Linear("out", n_in=64, n_out=n_classes))
 
         def net(x):
-            features = conv(x.reshape((x.type.shape[0], side, side, 1)))
-            return head(features.reshape((x.type.shape[0], n_feat)))
+            features = conv(x.reshape((-1, side, side, 1)))
+            return head(features.reshape((-1, n_feat)))
         static = True
     else:
         raise ValueError(f"unknown model {spec!r}: use mlp, custom_mlp:DEPTH,WIDTH or cnn")
@@ -153,10 +155,6 @@ def build_model(spec, side, n_classes=10, seed=0):
 
 def _evaluators(variant, make_graph, static, data, n_devices, num_slices=4):
     """Return evaluate(split) -> (loss, accuracy) over the whole split."""
-    if static:  # equal slices everywhere: trim each split to a multiple of devices x slices
-        for split in ("val", "test"):
-            keep = len(data[f"x_{split}"]) // (n_devices * num_slices) * (n_devices * num_slices)
-            data[f"x_{split}"], data[f"y_{split}"] = data[f"x_{split}"][:keep], data[f"y_{split}"][:keep]
     if variant == "single":
         fns = {}
         for split in ("val", "test"):
@@ -165,8 +163,7 @@ def _evaluators(variant, make_graph, static, data, n_devices, num_slices=4):
         return lambda split: [float(v) for v in fns[split](data[f"x_{split}"], data[f"y_{split}"])]
     fns, store = {}, {}
     for split in ("val", "test"):
-        rows = len(data[f"x_{split}"]) // (n_devices * num_slices) if static else None
-        x, y, loss, accuracy = make_graph(rows)
+        x, y, loss, accuracy = make_graph(None)
         fns[split] = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name=f"evaluate_{split}")
         store[split] = (synk.data(data[f"x_{split}"]), synk.data(data[f"y_{split}"]))
     return lambda split: [float(v) for v in fns[split](*store[split], num_slices=num_slices)]
@@ -174,7 +171,7 @@ def _evaluators(variant, make_graph, static, data, n_devices, num_slices=4):
 
 def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
     rule = updates.momentum
-    x, y, loss, _ = make_graph((batch // n_devices) if static else None)
+    x, y, loss, _ = make_graph(batch if static and variant == "single" else None)
     if variant == "single":
         step = train.make_single_process_train_function(loss, params, x, y, rule, learning_rate=lr)
         return lambda idx: step(data["x_train"][idx], data["y_train"][idx])
@@ -201,8 +198,6 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         forked_here = True
     n_devices = 1 if variant == "single" else lifecycle.current().n_parallel
     make_graph, params, static = build_model(model, data["side"], seed=seed)
-    if static and batch % n_devices:
-        raise ValueError(f"model {model} needs a batch ({batch}) divisible by the {n_devices} devices")
     step = _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)
     evaluate = _evaluators(variant, make_graph, static, data, n_devices)
     if variant != "single":

@@ -32,7 +32,7 @@ def synthetic_images(n, side, n_classes, seed):
 
 
 def build(side, n_classes, width):
-    """Return make_graph(rows) -> (x, y, loss, accuracy) and the parameters (static batch shapes)."""
+    """Return make_graph(rows) -> (x, y, loss, accuracy) for ``rows`` rows (None: any) and the parameters."""
     from pytensor_ml.activations import ReLU
     from pytensor_ml.layers import Conv2D, Input, Linear, Sequential
     from pytensor_ml.loss import CrossEntropy, supervised_loss
@@ -70,13 +70,13 @@ def main(argv=None):
     n_val = n * slices * 16
     Xv, Yv = synthetic_images(n_val, args.side, n_classes, seed=1)
     make_graph, params = build(args.side, n_classes, args.width)
-    x, y, loss, _ = make_graph(args.per_device_batch)
+    global_batch = args.per_device_batch * n
+    x, y, loss, _ = make_graph(None)          # free rows: each device's graph is compiled for its share
     step = train.make_train_function(loss, params, x, y, updates.adam, learning_rate=3e-3)
-    xv, yv, v_loss, v_acc = make_graph(n_val // (n * slices))
+    xv, yv, v_loss, v_acc = make_graph(None)
     f_val = synk.function([xv, yv], [(v_loss, "avg"), (v_acc, "avg")], name="validate")
     synk.distribute()
     synk.broadcast(params)                                   # every device starts from the master's init
-    global_batch = args.per_device_batch * n
     x_dat, y_dat, xv_dat, yv_dat = synk.data(X), synk.data(Y), synk.data(Xv), synk.data(Yv)
     rng = np.random.default_rng(0)
     print(f"{n} devices, global batch {global_batch}, {sum(p.get_value().size for p in params)} parameters")

@@ -101,24 +101,14 @@ def _declared(var):
 def _check_declared_shape(var, name, shape, scattered):
     """Raise TypeError if ``shape`` contradicts the static shape input ``var`` declares.
 
-    A scattered input's rows are checked against the whole batch instead
-    (:func:`_check_declared_rows`): the argument may hold more rows than a call uses.
+    A scattered input's rows are free (:func:`_check_free_rows`): the
+    argument may hold more rows than a call uses.
     """
     axes = range(1 if scattered else 0, var.type.ndim)
     if any(var.type.shape[a] is not None and var.type.shape[a] != shape[a] for a in axes):
         raise TypeError(f"input {name!r} is declared with shape {_declared(var)} but the argument "
                         f"has shape {tuple(shape)}; give an argument of that shape or declare the "
                         f"axis free (None) in its pt.tensor(..., shape=...)")
-
-
-def _check_declared_rows(var, name, total):
-    """Raise TypeError if scattered input ``var`` declares a row count other than the batch's."""
-    rows = declared_rows(var)
-    if rows is not None and rows != total:
-        raise TypeError(f"scattered input {name!r} is declared with shape {_declared(var)}, so the "
-                        f"call's batch must have {rows} rows (as in the single-process function; "
-                        f"each device gets its share), but it has {total}; pass a batch of {rows} "
-                        f"rows, or declare the rows free: shape=(None, ...)")
 
 
 def _check_inputs(inputs, what):
@@ -128,6 +118,27 @@ def _check_inputs(inputs, what):
             raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
                             f"got {var!r}")
     return inputs
+
+
+def _check_free_rows(inputs):
+    """Refuse scattered inputs declared with a static row count.
+
+    Each device computes its own share of a call's rows, and a graph built
+    for a fixed row count may hold that count anywhere (a reshape, a
+    divisor): it cannot be split correctly. Graphs on free rows that need
+    concrete shapes are compiled per row count instead (see CompiledFunction).
+    """
+    for var in inputs:
+        rows = declared_rows(var)
+        if rows is not None:
+            free = "(None" + "".join(f", {d}" for d in var.type.shape[1:]) + ")"
+            raise TypeError(
+                f"scattered input {var} is declared with a static row count, shape "
+                f"{_declared(var)}, but each device computes its own share of a call's rows, and a "
+                f"graph built for {rows} rows may hold that number anywhere; declare the rows free, "
+                f"pt.tensor({(var.name or 'x')!r}, shape={free}, ...): synkhronos compiles each "
+                f"device's graph for the rows it gets when JAX needs static shapes "
+                f"(pytensor-ml's convolutions work so)")
 
 
 def _check_mode(kwargs):
@@ -335,13 +346,56 @@ def rebuild_on(variables, replace):
     return [memo.get(v, v) for v in variables]
 
 
-#: graphs a function keeps compiled for the row counts of inputs declared with a static row count
+#: graphs a function keeps compiled for the row counts it is called with (see CompiledFunction)
 ROW_VARIANTS_KEPT = 8
 
 
 def declared_rows(var):
     """The static row count of input ``var`` (``pt.tensor(shape=(8, 3))``: 8), or None."""
     return var.type.shape[0] if var.type.ndim else None
+
+
+def needs_static_shapes(e):
+    """True if ``e`` says JAX could not trace a graph without concrete shapes.
+
+    (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
+    shape used as a Python int.)
+    """
+    import jax
+    concretization = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                      jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError)
+    text = str(e)
+    return isinstance(e, concretization) or \
+        (isinstance(e, IndexError) and "static" in text) or \
+        (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
+
+
+def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
+    """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
+
+    With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
+    replaced by an input of that static shape and the graphs are rebuilt on
+    it (:func:`rebuild_on`); the givens are applied in that rebuild
+    (PyTensor's own substitution would not carry the new static shapes on),
+    so none are left to give.
+    """
+    outputs = [v for v, _ in spec.outputs]
+    updates = [(s, v) for s, v, _ in spec.updates]
+    generators = list(spec.generator_updates)
+    if shapes is None:
+        return inputs, outputs, updates, generators, givens
+    replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
+    given = rebuild_on([v for _, v in givens], replace)
+    substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}
+    pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]
+    flat = rebuild_on(sum(pieces, []), substitute)
+    new = []
+    for piece in pieces:
+        new.append(flat[:len(piece)])
+        flat = flat[len(piece):]
+    return ([replace.get(v, v) for v in inputs], new[0],
+            [(s, v) for (s, _), v in zip(updates, new[1])],
+            [(g, v) for (g, _), v in zip(generators, new[2])], [])
 
 
 class CompiledFunction:
@@ -351,12 +405,17 @@ class CompiledFunction:
     symbolic inputs, so each call can feed them the rows ``batch_s`` selects
     from the device-resident value.
 
-    A scattered input declared with a static row count (``pt.tensor("x",
-    shape=(8, 3))``) declares the call's whole batch, as in the single-process
-    function; each device computes on its own share, so each compiles the
-    graph rebuilt on an input of the rows it is given (static shapes
-    propagate, so ``x.shape[0]`` and a mean over rows are the device's own),
-    keeping the last ``ROW_VARIANTS_KEPT`` row counts.
+    Rows are free in the graph (``synk.function`` refuses a scattered input
+    with a static row count). A graph that JAX can only trace with concrete
+    shapes (``arange`` over the batch in a cross-entropy, pytensor-ml's
+    convolutions) is compiled per shape instead: rebuilt on inputs of the
+    shapes this process is given, rows and all (:func:`rebuild_on`; static
+    shapes only get added, so nothing in the graph can contradict them),
+    keeping the last ``ROW_VARIANTS_KEPT`` shapes. ``by_rows`` says which.
+
+    Parameters
+    ----------
+    spec : FunctionSpec
     """
 
     def __init__(self, spec):
@@ -364,14 +423,22 @@ class CompiledFunction:
         self.output_modes = [m for _, m in spec.outputs]
         self.sliced_inputs = [s.type(name=f"{s.name or 'shared'}[batch_s]")
                               for s in spec.sliceable_shareds]
-        declared = {declared_rows(v) for v in spec.inputs} - {None}
-        #: the one row count the scattered inputs declare, or None (they take any count)
-        self.declared_rows = declared.pop() if len(declared) == 1 else None
-        #: the PyTensor function (updates applied); calls go through its jitted graph (jitted_call)
-        self.function = self._compile(updates=True)
-        self._run = self._runner(self.function)
+        #: which of a call's arguments carry its rows: the scattered and the sliced inputs
+        n_all = len(spec.all_inputs)
+        self._row_args = list(range(len(spec.inputs))) + \
+            list(range(n_all, n_all + len(self.sliced_inputs)))
         self._run_no_updates = None
-        self._row_variants = {}       # (rows, updates applied) -> runner
+        self._row_variants = {}       # (rows, updates applied) -> runner, least recently used first
+        #: the PyTensor function (updates applied), or None when compiled per row count
+        self.function = None
+        self.by_rows = False
+        try:
+            self.function = self._compile(updates=True)
+        except Exception as e:
+            if not self._row_args or not needs_static_shapes(e):
+                raise
+            self.by_rows = True        # compiled at the first call, for its shapes
+        self._run = self._runner(self.function) if self.function is not None else None
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
@@ -382,41 +449,20 @@ class CompiledFunction:
         user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
         return user + list(replace.items())
 
-    def _graph(self, rows=None):
-        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``rows`` rows if given.
+    def _graph(self, shapes=None):
+        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given."""
+        return spec_graph(self.spec, self.spec.all_inputs + self.sliced_inputs, self._givens(),
+                          self.spec.inputs + self.sliced_inputs, shapes)
 
-        With ``rows``, every scattered input declared with a static row count is
-        replaced by one of ``rows`` rows and the graphs are rebuilt on it.
-        """
+    def _compile(self, updates, shapes=None):
         spec = self.spec
-        inputs, givens = spec.all_inputs, self._givens()
-        outputs = [v for v, _ in spec.outputs]
-        updates = [(s, v) for s, v, _ in spec.updates]
-        generators = list(spec.generator_updates)
-        if rows is None:
-            return inputs, outputs, updates, generators, givens
-        replace = {v: v.type.clone(shape=(rows,) + v.type.shape[1:])(name=v.name)
-                   for v in spec.inputs if declared_rows(v) is not None}
-        pieces = [outputs, [v for _, v in updates], [v for _, v in generators], [v for _, v in givens]]
-        flat = rebuild_on(sum(pieces, []), replace)
-        new = []
-        for piece in pieces:
-            new.append(flat[:len(piece)])
-            flat = flat[len(piece):]
-        return ([replace.get(v, v) for v in inputs], new[0],
-                [(s, v) for (s, _), v in zip(updates, new[1])],
-                [(g, v) for (g, _), v in zip(generators, new[2])],
-                [(k, v) for (k, _), v in zip(givens, new[3])])
-
-    def _compile(self, updates, rows=None):
-        spec = self.spec
-        inputs, outputs, upd, generators, givens = self._graph(rows)
+        inputs, outputs, upd, generators, givens = self._graph(shapes)
         if not updates:      # their values come back as outputs, to accumulate over slices
             outputs, upd = outputs + [v for _, v in upd], []
         with warnings.catch_warnings():
             # the JAX linker says it compiles a copy of each generator's state: as documented
             warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
-            fn = pytensor.function(inputs + self.sliced_inputs, outputs, updates=upd + generators,
+            fn = pytensor.function(inputs, outputs, updates=upd + generators,
                                    givens=givens, **spec.pytensor_kwargs(devices.platform()))
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
         # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
@@ -446,31 +492,46 @@ class CompiledFunction:
             return outputs
         return call
 
-    def _for_rows(self, rows, updates):
-        """The runner of the graph rebuilt on ``rows`` rows (see the class notes)."""
-        key = (rows, updates)
-        run = self._row_variants.get(key)
+    def _for_shapes(self, shapes, updates):
+        """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
+        key = (tuple(shapes), updates)
+        run = self._row_variants.pop(key, None)
         if run is None:
             if len(self._row_variants) >= ROW_VARIANTS_KEPT:
-                del self._row_variants[next(iter(self._row_variants))]     # the oldest
-            run = self._row_variants[key] = self._runner(self._compile(updates, rows))
+                del self._row_variants[next(iter(self._row_variants))]     # least recently used
+            run = self._runner(self._compile(updates, shapes))
+        self._row_variants[key] = run
         return run
+
+    def _for_args(self, args, updates):
+        return self._for_shapes([args[i].shape for i in self._row_args], updates)
+
+    def _generic_or_by_rows(self, args, updates):
+        """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
+        try:
+            if updates:
+                return self._run(*args)
+            if self._run_no_updates is None:
+                self._run_no_updates = self._runner(self._compile(updates=False))
+            return self._run_no_updates(*args)
+        except Exception as e:
+            if not self._row_args or not needs_static_shapes(e):
+                raise
+            self.by_rows = True
+        return self._for_args(args, updates)(*args)
 
     def run(self, args):
         """Run once, applying updates."""
-        if self.declared_rows is not None and len(args[0]) != self.declared_rows:
-            return self._for_rows(len(args[0]), True)(*args)
-        return self._run(*args)
+        if self.by_rows:
+            return self._for_args(args, True)(*args)
+        return self._generic_or_by_rows(args, True)
 
     def run_deferred(self, args):
         """Run once without applying updates; return (outputs, new update values)."""
-        if self.declared_rows is not None and len(args[0]) != self.declared_rows:
-            run = self._for_rows(len(args[0]), False)
+        if self.by_rows:
+            out = self._for_args(args, False)(*args)
         else:
-            if self._run_no_updates is None:
-                self._run_no_updates = self._runner(self._compile(updates=False))
-            run = self._run_no_updates
-        out = run(*args)
+            out = self._generic_or_by_rows(args, False)
         n = len(self.spec.outputs)
         return out[:n], out[n:]
 
@@ -755,7 +816,7 @@ class Function:
         self.spec = spec
         self._bare = bare
         self._scratch = {}
-        self._reference = None
+        self._references = {}     # input shapes (None: any) -> the plain PyTensor function
         self.compiled = None
         self.shipped = False
         self._input_names = [var.name if var.name else f"input {i}"
@@ -797,17 +858,36 @@ class Function:
 
         Updates apply to the master's copies of the shared variables only.
         """
-        if self._reference is None:
-            spec = self.spec
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
-                self._reference = pytensor.function(
-                    spec.all_inputs, [v for v, _ in spec.outputs], updates=[(s, v) for s, v, _ in spec.updates] + spec.generator_updates,
-                    givens=spec.givens, **spec.pytensor_kwargs())
-        out = [np.asarray(o) for o in self._reference(*args)]
+        out = [np.asarray(o) for o in self._run_reference(args)]
         return out[0] if self._bare else out
 
     as_theano = as_pytensor
+
+    def _run_reference(self, args):
+        """Run the reference: compiled for any rows, or for these rows if JAX needs static shapes."""
+        by_rows = self.compiled.by_rows and self.spec.inputs
+        if not by_rows:
+            try:
+                if None not in self._references:
+                    self._references[None] = self._reference_function(None)
+                return self._references[None](*args)
+            except Exception as e:
+                if not (self.spec.inputs and needs_static_shapes(e)):
+                    raise
+        shapes = tuple(np.shape(a) for a in args[:len(self.spec.inputs)])
+        if shapes not in self._references:
+            self._references[shapes] = self._reference_function(shapes)
+        return self._references[shapes](*args)
+
+    def _reference_function(self, shapes):
+        """The plain PyTensor function (JAX mode), on scattered inputs of ``shapes`` if given."""
+        spec = self.spec
+        inputs, outputs, updates, generators, givens = spec_graph(
+            spec, spec.all_inputs, spec.givens, spec.inputs, shapes)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
+            return pytensor.function(inputs, outputs, updates=updates + generators, givens=givens,
+                                     **spec.pytensor_kwargs())
 
     def build_inputs(self, *values, force_cast=False, oversize=1., minibatch=False):
         """Make one :class:`Data` per input (scattered, then broadcast) from ``values``."""
@@ -903,8 +983,6 @@ class Function:
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
-        for var, name in zip(spec.inputs, names):
-            _check_declared_rows(var, name, batch_plan.total)
         sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
         rows = ([b.total for b in sliced] if sliced else
                 [hi - lo for lo, hi in (chunk(0, batch_plan.total, self._rt.n_parallel, r)
@@ -1069,6 +1147,7 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
     rt = lifecycle.current()
     _check_mode(kwargs)
     inputs = _check_inputs(inputs, "inputs")
+    _check_free_rows(inputs)
     bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
     seen = set()
     for var in inputs + bcast_inputs:

@@ -1,4 +1,4 @@
-"""Declared (static) shapes: a declared batch is the whole call's, and nothing may contradict a declaration."""
+"""Shapes: rows are free, graphs that need static shapes get them per device, declarations hold."""
 
 import numpy as np
 import pytensor
@@ -11,51 +11,65 @@ from helpers import close, reference
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def declared(synk2):
-    """A loss over a batch declared as 7 rows (split 3 + 4), with an update and a gathered output."""
-    x = pt.tensor("x", shape=(7, 3), dtype="float64")
-    w = pytensor.shared(np.zeros(3), name="w_declared")
-    loss = ((x - w) ** 2).sum(axis=1).mean()
-    rows = pt.cast(x.shape[0], "float64")
-    f = synk.function([x], [(loss, "avg"), (rows, "sum"), (x * 2, "gather")],
-                      updates=[(w, w + x.mean(0))], name="declared")
+def test_a_static_row_count_is_refused_with_the_way_to_declare_it(synk2):
+    """A graph built for 8 rows may hold 8 anywhere; each device computes a share, so it is refused."""
+    x = pt.tensor("x", shape=(8, 3), dtype="float64")
+    n_functions = len(synk2.functions)
+    with pytest.raises(TypeError, match=r"static row count, shape \(8, 3\).*shape=\(None, 3\)"):
+        synk.function([x], ((x ** 2).sum(axis=1).mean(), "avg"))
+    assert len(synk2.functions) == n_functions
+    free = pt.tensor("x", shape=(None, 3), dtype="float64")
+    f = synk.function([free], [((free ** 2).sum(axis=1).mean(), "avg"),
+                               (pt.cast(free.shape[0], "float64"), "sum")])
+    X = np.arange(24.0).reshape(8, 3)
+    for got, want in zip(f(X), reference(f, X)):
+        close(got, want)
+
+
+def cnn_classifier(rng):
+    """A pytensor-ml CNN with a cross-entropy loss, on free rows (JAX needs concrete shapes for it)."""
+    from pytensor_ml.layers import Conv2D, Linear, MaxPool2D
+    from pytensor_ml.loss import CrossEntropy, supervised_loss
+    x = pt.tensor("images", shape=(None, 6, 6, 1), dtype="float64")     # channels last
+    conv = Conv2D("shape_conv", in_channels=1, out_channels=2, kernel_size=3, padding="same")
+    head = Linear("shape_head", n_in=2 * 3 * 3, n_out=3)
+    logits = head(MaxPool2D("shape_pool", kernel_size=2)(conv(x)).reshape((-1, 18)))
+    loss, y = supervised_loss(logits, CrossEntropy(expect_logits=True))
+    params = [v for v in pytensor.graph.graph_inputs([loss]) if isinstance(v, pytensor.compile.SharedVariable)]
+    for p in params:
+        p.set_value(rng.normal(size=p.get_value().shape) * 0.5)
+    return x, y, loss, logits, params
+
+
+@pytest.mark.parametrize("num_slices", [1, 2])
+def test_a_graph_that_needs_static_shapes_is_compiled_per_shape_and_exact(synk2, rng, num_slices):
+    x, y, loss, logits, _ = cnn_classifier(rng)
+    f = synk.function([x, y], [(loss, "avg"), (logits, "gather")])
+    assert f.compiled.by_rows          # the graph on free rows cannot compile for JAX
+    X, Y = rng.normal(size=(7, 6, 6, 1)), rng.integers(0, 3, size=7)    # rows 3 + 4
+    for got, want in zip(f(X, Y, num_slices=num_slices), reference(f, X, Y)):
+        close(got, want)
+    X2, Y2 = rng.normal(size=(5, 6, 6, 1)), rng.integers(0, 3, size=5)  # other shapes: compiled too
+    for got, want in zip(f(X2, Y2), reference(f, X2, Y2)):
+        close(got, want)
+
+
+def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng):
+    from synkhronos.extensions import train, updates
+    x, y, loss, _, params = cnn_classifier(rng)
+    step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.1)
     synk.distribute()
-    return f, w
-
-
-@pytest.mark.parametrize("num_slices", [1, 2, 3])
-def test_a_declared_batch_is_the_calls_whole_batch(declared, rng, num_slices):
-    f, w = declared
-    X = rng.normal(size=(7, 3))
-    want = reference(f, X)
-    w0 = w.get_value()
-    got = f(X, num_slices=num_slices)
-    for g, r in zip(got, want):
-        close(g, r)
-    assert float(got[1]) == 7.0                                     # x.shape[0] is each device's own
-    for rank in (0, 1):                                             # the update saw each device's rows
-        share = X[:3] if rank == 0 else X[3:]
-        close(synk.get_value(rank, w), w0 + share.mean(0))
-
-
-def test_a_declared_batch_from_indices_into_larger_data(declared, rng):
-    f, _ = declared
-    X = rng.normal(size=(20, 3))
-    idx = rng.permutation(20)[:7]
-    want = reference(f, X[idx])
-    got = f(synk.data(X), batch=idx)
-    for g, r in zip(got, want):
-        close(g, r)
-
-
-def test_a_batch_other_than_the_declared_one_is_refused(declared, rng):
-    f, _ = declared
-    with pytest.raises(TypeError, match=r"declared with shape \(7, 3\).*7 rows.*has 6.*None"):
-        f(rng.normal(size=(6, 3)))
-    with pytest.raises(TypeError, match="has 5"):
-        f(synk.data(rng.normal(size=(20, 3))), batch=5)
-    close(f(np.ones((7, 3)))[1], 7.0)                               # still usable
+    X, Y = rng.normal(size=(9, 6, 6, 1)), rng.integers(0, 3, size=9)
+    start = [p.get_value() for p in params]
+    x9 = pt.tensor("images", shape=(9, 6, 6, 1), dtype="float64")       # the reference, static
+    from synkhronos.function import rebuild_on
+    loss9, = rebuild_on([loss], {x: x9})
+    want_loss, *grads = pytensor.function([x9, y], [loss9, *pytensor.grad(loss9, params)],
+                                          mode="JAX")(X, Y)
+    close(step(synk.data(X), synk.data(Y)), want_loss)
+    for rank in (0, 1):
+        for p, p0, g in zip(params, start, grads):
+            close(synk.get_value(rank, p), p0 - 0.1 * g, rtol=1e-8, atol=1e-12)
 
 
 def test_declared_non_row_axes_are_checked(synk2, rng):
@@ -83,19 +97,3 @@ def test_collectives_respect_a_declared_shape(synk2, rng):
         synk.set_value(1, fixed, np.zeros((2, 3)))
     synk.broadcast(fixed, np.ones((4, 3)))                           # what fits still works
     close(synk.get_value(1, fixed), np.ones((4, 3)))
-
-
-def test_a_cnn_with_a_declared_batch(synk2, rng):
-    """pytensor-ml's convolution under JAX needs static shapes; each device gets its own batch size."""
-    from pytensor_ml.layers import Conv2D
-    x = pt.tensor("images", shape=(6, 5, 5, 1), dtype="float64")     # channels last
-    conv = Conv2D("conv", in_channels=1, out_channels=2, kernel_size=3)
-    out = conv(x)
-    params = [v for v in pytensor.graph.graph_inputs([out])
-              if isinstance(v, pytensor.compile.SharedVariable)]
-    for p in params:
-        p.set_value(rng.normal(size=p.get_value().shape))
-    f = synk.function([x], [((out ** 2).mean(), "avg"), (out, "gather")])
-    X = rng.normal(size=(6, 5, 5, 1))
-    for got, want in zip(f(X, num_slices=2), reference(f, X)):
-        close(got, want)
