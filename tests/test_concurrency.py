@@ -104,7 +104,10 @@ def test_fork_in_a_thread_that_ends():
         import threading, time, warnings
         warnings.simplefilter("ignore")
         import numpy as np, pytensor.tensor as pt, synkhronos as synk
-        t = threading.Thread(target=synk.fork, args=(2,))
+        def start():
+            synk.fork(2)
+            time.sleep(0.5)         # the thread ends once the workers are well under way
+        t = threading.Thread(target=start)
         t.start(); t.join()
         time.sleep(1.0)
         x = pt.matrix("x")
