@@ -85,3 +85,26 @@ def test_a_function_that_cannot_be_pickled_fails_alone_and_stays_unregistered(sy
     later = synk.function([x], (x.max(), "max"))            # and new ones ship
     synk.distribute()
     close(later(np.arange(8.0).reshape(4, 2)), 7.0)
+
+
+def test_graphs_of_many_thousand_nodes_pickle_without_recursing_along_them():
+    """No processes: 1500 chained steps and their gradient (~15k nodes) through the workers' pickling."""
+    import sys
+    from synkhronos import shipping
+    x = pt.vector("x")
+    w = pytensor.shared(np.ones(3), name="w_pickled")
+    h = x
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 100_000))       # PyTensor's own grad recurses along the graph
+    try:
+        for _ in range(1500):
+            h = pt.tanh(h * w + 0.1)
+        g = pytensor.grad(h.sum(), w)
+    finally:
+        sys.setrecursionlimit(limit)
+    blob = shipping.dumps([h, g], [h, g], lambda obj: 0 if obj is w else None)
+    h2, g2 = shipping.loads(blob, {0: w})
+    x2 = next(v for v in pytensor.graph.graph_inputs([h2]) if v.name == "x")
+    assert len(list(pytensor.graph.traversal.toposort([h2, g2]))) > 10_000
+    assert w in set(pytensor.graph.graph_inputs([g2]))          # the shared variable by reference
+    assert x2 is not x
