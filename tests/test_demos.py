@@ -32,6 +32,16 @@ def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
     assert (tmp_path / "cpu.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("batch", [50, 128])
+def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
+    """Free rows: an uneven last split and num_slices=4 validation; the same curve as one process."""
+    runs = {v: mnist.run(v, "cnn", epochs=1, batch=batch, lr=0.05, progress=False)
+            for v in ("cpu", "single")}
+    close(runs["cpu"]["train_loss"], runs["single"]["train_loss"], rtol=1e-8)
+    close(runs["cpu"]["val_loss"], runs["single"]["val_loss"], rtol=1e-8)
+    assert runs["cpu"]["test_acc"] == runs["single"]["test_acc"]
+
+
 def test_idx_and_npz_loaders(tmp_path, rng):
     images = rng.integers(0, 256, size=(30, 4, 4), dtype=np.uint8)
     labels = rng.integers(0, 10, size=30).astype(np.uint8)
