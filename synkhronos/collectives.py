@@ -34,6 +34,8 @@ __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce
            "prepare_collective", "shapes_of"]
 
 REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
+#: what a message suggests for a value that does not cast safely to a shared variable's dtype
+_COLLECTIVE_CAST = "make the shared variable of that dtype"
 
 # collective kinds, as written into the control block
 _ALL_REDUCE, _BROADCAST, _GATHER, _READ_DATA = range(1, 5)
@@ -415,7 +417,8 @@ def broadcast(shared_vars, values=None):
         for var, value in zip(vars_, values):
             value = value.data if isinstance(value, Data) else value
             var.set_value(condition_value(value, var.type.dtype, var.type.ndim,
-                                          what=f"value for {var}"))
+                                          what=f"value for {var}",
+                                          cast_hint=_COLLECTIVE_CAST))
     shapes = shapes_of(v.container.storage[0] for v in vars_)
 
     def fill(w):
@@ -448,7 +451,8 @@ def scatter(shared_vars, values, batch=None):
                                 f"expected {var.type.dtype} and {var.type.ndim}")
             datas.append(value)
         else:
-            arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"value for {var}")
+            arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"value for {var}",
+                                  cast_hint=_COLLECTIVE_CAST)
             if arr.ndim == 0:
                 raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
             datas.append(rt.scratch_data(("scatter", i), arr))
@@ -574,7 +578,8 @@ def set_value(rank, shared_vars, values, batch=None):
         arr = np.asarray(value.data if isinstance(value, Data) else value)
         if batch is not None:
             arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
-        arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}"))
+        arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
+                                          cast_hint=_COLLECTIVE_CAST))
         _check_declared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
     rt.ensure_shipped()
     if rank == rt.master_rank:

@@ -22,8 +22,11 @@ __all__ = ["Data", "data", "DataMirrors", "condition_value", "release_large_stag
 STAGING_KEEP_BYTES = 64 << 20
 
 
-def condition_value(value, dtype, ndim, force_cast=False, what="value"):
+def condition_value(value, dtype, ndim, force_cast=False, what="value", cast_hint=None):
     """Return ``value`` as a numpy array of ``dtype``, checking ndim and safe casting.
+
+    ``cast_hint`` is what the message suggests for an unsafe cast (default:
+    ``force_cast=True``, which the Data methods take).
 
     Raises
     ------
@@ -38,7 +41,8 @@ def condition_value(value, dtype, ndim, force_cast=False, what="value"):
     if arr.dtype != dtype:
         if not force_cast and not np.can_cast(arr.dtype, dtype, casting="safe"):
             raise TypeError(f"{what} has dtype {arr.dtype}, which does not cast safely to {dtype}; "
-                            f"convert it first or pass force_cast=True")
+                            f"convert it first (.astype({str(np.dtype(dtype))!r})) or "
+                            f"{cast_hint or 'pass force_cast=True'}")
         arr = arr.astype(dtype)
     return arr
 

@@ -421,8 +421,8 @@ class CompiledFunction:
     def __init__(self, spec):
         self.spec = spec
         self.output_modes = [m for _, m in spec.outputs]
-        self.sliced_inputs = [s.type(name=f"{s.name or 'shared'}[batch_s]")
-                              for s in spec.sliceable_shareds]
+        # named as the user's variables, so that PyTensor's messages name what the user wrote
+        self.sliced_inputs = [s.type(name=s.name) for s in spec.sliceable_shareds]
         #: which of a call's arguments carry its rows: the scattered and the sliced inputs
         n_all = len(spec.all_inputs)
         self._row_args = list(range(len(spec.inputs))) + \
@@ -817,6 +817,8 @@ class Function:
         self._bare = bare
         self._scratch = {}
         self._references = {}     # input shapes (None: any) -> the plain PyTensor function
+        #: numpy arguments are cast to their inputs' dtypes as pytensor.function's option does
+        self._downcast = bool(spec.kwargs.get("allow_input_downcast"))
         self.compiled = None
         self.shipped = False
         self._input_names = [var.name if var.name else f"input {i}"
@@ -1065,7 +1067,8 @@ class Function:
             if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
                 raise TypeError(f"input {name!r} expects dtype {var.type.dtype} and ndim "
                                 f"{var.type.ndim}, got Data with dtype {value.dtype} and ndim "
-                                f"{value.ndim}")
+                                f"{value.ndim}; make the Data for this input with "
+                                f"synk.data(value, var={name}, force_cast=True)")
             if value.shape is None:
                 raise TypeError(f"Data for input {name!r} holds no value; set_value() it first")
             if scattered and value.ndim == 0:
@@ -1073,7 +1076,10 @@ class Function:
                                 f"make it a bcast_input")
             _check_declared_shape(var, name, value.shape, scattered)
             return value
-        arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}")
+        arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}",
+                              force_cast=self._downcast,
+                              cast_hint="build the function with synk.function(..., "
+                                        "allow_input_downcast=True)")
         _check_declared_shape(var, name, arr.shape, scattered)
         scratch = self._scratch.get(i)
         if scratch is None:
@@ -1169,6 +1175,11 @@ def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
             raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
         if var not in used:
             raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
+    for key, value in givens:
+        if value in sliceable and (key.type.dtype, key.type.ndim) != (value.type.dtype, value.type.ndim):
+            raise TypeError(f"givens replaces {key} (dtype {key.type.dtype}, ndim {key.type.ndim}) with "
+                            f"sliceable shared {value} (dtype {value.type.dtype}, ndim "
+                            f"{value.type.ndim}); make {value} of that dtype and ndim")
     f = Function(rt, spec, bare)
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     devices.set_precision(lifecycle.Runtime.float_x())   # the same rule every rank applies

@@ -46,7 +46,10 @@ CALL_MISUSE = [
     ("num_slices float", lambda f, xd, bd: f(xd, bd, num_slices=1.5), TypeError, "num_slices"),
     ("batch_s without sliceables", lambda f, xd, bd: f(xd, bd, batch_s=slice(0, 2)), TypeError, "sliceable"),
     ("bad output_subset", lambda f, xd, bd: f(xd, bd, output_subset=[3]), ValueError, "output_subset"),
-    ("unsafe numpy cast", lambda f, xd, bd: f(np.zeros((6, 3), "complex128"), bd), TypeError, "cast"),
+    ("unsafe numpy cast", lambda f, xd, bd: f(np.zeros((6, 3), "complex128"), bd), TypeError,
+     r"\.astype\('float64'\)\) or build the function with synk.function\(\.\.\., allow_input_downcast=True\)"),
+    ("Data of another dtype", lambda f, xd, bd: f(synk.data(np.zeros((6, 3), "float32")), bd), TypeError,
+     r"synk.data\(value, var=x, force_cast=True\)"),
     ("unequal lengths", None, ValueError, "different lengths"),
 ]
 
@@ -66,6 +69,11 @@ def test_call_misuse(fx, case, synk2):
     _sum_ok(f, xd, bd, X)
 
 
+def _images_given(w):
+    images = pt.tensor4("images")
+    return synk.function([], images.sum(), givens=[(images, w)], sliceable_shareds=[w])
+
+
 BUILD_MISUSE = [
     ("bad output mode", lambda x, w: synk.function([x], [(x.sum(), "median")]), ValueError, "median"),
     ("int avg", lambda x, w: synk.function([x], [(x.shape[0], "avg")]), TypeError, "integer"),
@@ -81,6 +89,8 @@ BUILD_MISUSE = [
      "does not compile for JAX"),
     ("numba mode", lambda x, w: synk.function([x], x.sum(), mode="NUMBA"), ValueError, "JAX"),
     ("unknown mode", lambda x, w: synk.function([x], x.sum(), mode="NOPE"), ValueError, "NOPE"),
+    ("sliceable of another type", lambda x, w: _images_given(w), TypeError,
+     r"givens replaces images \(dtype float64, ndim 4\) with sliceable shared wm .*make wm of that"),
 ]
 
 
@@ -92,6 +102,14 @@ def test_build_misuse(fx, case):
     with pytest.raises(exc, match=match):
         build(x, w)
     _sum_ok(f, xd, bd, X)
+
+
+def test_allow_input_downcast_casts_numpy_arguments_as_pytensor_does(synk2):
+    """scikit-learn's int64 labels into an ivector input."""
+    x, y = pt.matrix("x"), pt.ivector("y")
+    f = synk.function([x, y], ((x.sum(1) * y).sum(), "sum"), allow_input_downcast=True)
+    close(f(np.ones((4, 3)), np.arange(4)), 18.0)
+    close(f.as_pytensor(np.ones((4, 3)), np.arange(4)), 18.0)
 
 
 def test_updates_with_fewer_rows_than_devices(fx, synk2):
