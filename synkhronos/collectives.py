@@ -17,6 +17,7 @@ own rows from shared memory and puts them on its device.
 
 
 import math
+import warnings
 
 import numpy as np
 
@@ -76,6 +77,22 @@ def resolve_shareds(shared_vars):
             raise TypeError(f"{var} is a random generator: each device draws from a stream of its "
                             f"own (see the user guide), and collectives move tensors only")
     return out, single
+
+
+def _old_nccl(rt, nccl, what):
+    """Accept the original's ``nccl=`` where it still holds; say where the choice moved otherwise.
+
+    The original chose per call between NCCL (``nccl=True``) and a CPU path;
+    synkhronos chooses per runtime (``fork(collectives=...)``): the JAX runtime
+    (NCCL on GPUs), or shared memory on CPU.
+    """
+    if nccl is None:
+        return
+    if not nccl and rt.comm_kind != "shm":
+        raise TypeError(f"{what}(nccl=False): the collective path is chosen per runtime now; for the "
+                        f"shared-memory CPU path use synk.fork(collectives='shm') (CPU only)")
+    warnings.warn(f"{what}(nccl=...) is no longer needed: the path is chosen by "
+                  f"synk.fork(collectives=...), here {rt.comm_kind!r}", DeprecationWarning, stacklevel=3)
 
 
 def _check_rank(rt, rank):
@@ -350,7 +367,7 @@ def _require_equal_shapes(vars_, shapes, what):
 
 
 @lifecycle.serialized
-def all_reduce(shared_vars, op="avg"):
+def all_reduce(shared_vars, op="avg", nccl=None):
     """Reduce across ranks; every rank's copy becomes the result.
 
     Parameters
@@ -362,16 +379,18 @@ def all_reduce(shared_vars, op="avg"):
     --------
     >>> synk.all_reduce(grad_shared, op="avg")     # doctest: +SKIP
     """
+    _old_nccl(lifecycle.current(), nccl, "all_reduce")
     _reduce(shared_vars, op, _KEEP_ALL)
 
 
 @lifecycle.serialized
-def reduce(shared_vars, op="avg", in_place=True):
+def reduce(shared_vars, op="avg", in_place=True, nccl=None):
     """Reduce across ranks into the master.
 
     With ``in_place=True`` the master's copy becomes the result (workers keep
     theirs); with ``in_place=False`` the result is returned and no copy changes.
     """
+    _old_nccl(lifecycle.current(), nccl, "reduce")
     out = _reduce(shared_vars, op, _KEEP_MASTER if in_place else _RETURN)
     return None if in_place else out
 
@@ -402,13 +421,14 @@ def _reduce(shared_vars, op, keep):
 
 
 @lifecycle.serialized
-def broadcast(shared_vars, values=None):
+def broadcast(shared_vars, values=None, nccl=None):
     """Copy the master's value(s) to every rank, optionally setting them first.
 
     ``values`` may be numpy arrays or :class:`Data`; a Data value is read from
     shared memory by every rank itself.
     """
     rt = lifecycle.current()
+    _old_nccl(rt, nccl, "broadcast")
     vars_, single = resolve_shareds(shared_vars)
     if values is not None:
         values = _values_list(values, len(vars_), "values")
@@ -490,13 +510,14 @@ def _read_data(rt, vars_, datas, batch, chunked):
 
 
 @lifecycle.serialized
-def gather(shared_vars, nd_up=1):
+def gather(shared_vars, nd_up=1, nccl=None):
     """Collect every rank's copy in the master, in rank order.
 
     ``nd_up=1`` stacks on a new leading axis (shapes must be equal); ``nd_up=0``
     concatenates along axis 0 (lengths may differ). Nothing is changed.
     """
     rt = lifecycle.current()
+    _old_nccl(rt, nccl, "gather")
     vars_, single = resolve_shareds(shared_vars)
     if nd_up not in (0, 1):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
@@ -505,9 +526,10 @@ def gather(shared_vars, nd_up=1):
 
 
 @lifecycle.serialized
-def all_gather(shared_vars):
+def all_gather(shared_vars, nccl=None):
     """Every rank's copy becomes the concatenation (axis 0) of all ranks' copies."""
     rt = lifecycle.current()
+    _old_nccl(rt, nccl, "all_gather")
     vars_, _ = resolve_shareds(shared_vars)
     _gather(rt, vars_, _KEEP_ALL, 0)
 

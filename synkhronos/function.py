@@ -841,6 +841,10 @@ class Function:
         """The function's name (given, or ``synk_function_<id>``)."""
         return self.spec.name
 
+    def get_shared(self):
+        """The shared variables this function reads or updates (as PyTensor's ``Function.get_shared``)."""
+        return list(dict.fromkeys(self.spec.shared_variables()))
+
     @property
     def output_modes(self):
         """The reduction mode of each output, in order."""

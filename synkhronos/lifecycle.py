@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -666,6 +667,7 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     >>> n = synk.fork(2)            # doctest: +SKIP
     """
     global _runtime
+    platform = _old_fork_options(options, platform)
     if options:
         raise TypeError(f"fork() got unknown options {sorted(options)}")
     if _forked_from is not None:
@@ -719,6 +721,27 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
     atexit.unregister(close)
     atexit.register(close)
     return n_parallel
+
+
+@serialized
+def _old_fork_options(options, platform):
+    """Take the original's ``fork()`` options out of ``options``; return the platform they ask for.
+
+    ``use_gpu`` still means something (the platform); ``max_n_var`` and
+    ``max_dim`` sized the original's fixed shared-memory arrays and are refused.
+    """
+    if "use_gpu" in options:
+        use_gpu = options.pop("use_gpu")
+        new = "gpu" if use_gpu else "cpu"
+        warnings.warn(f"fork(use_gpu={use_gpu!r}) is fork(platform={new!r}) now", DeprecationWarning,
+                      stacklevel=3)
+        platform = platform or new
+    for name in ("max_n_var", "max_dim"):
+        if name in options:
+            raise TypeError(f"fork() no longer takes {name}=: it sized the original's fixed "
+                            f"shared-memory arrays, and synkhronos sizes its control block itself; "
+                            f"remove it")
+    return platform
 
 
 @serialized

@@ -1,5 +1,7 @@
 """Training helpers built on the flattened-gradient rules of :mod:`.updates`."""
 
+import warnings
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -8,7 +10,8 @@ from .. import collectives, lifecycle
 from ..function import function
 from ..scatter import batch_from_spec, parse_batch_s
 
-__all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function"]
+__all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function",
+           "make_train_function_theano"]
 
 
 def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
@@ -121,3 +124,10 @@ def make_single_process_train_function(loss, params, x, y, update_rule, *args, *
         return batch_loss
 
     return train_minibatch
+
+
+def make_train_function_theano(loss, params, x, y, update_rule, *args, **kwargs):
+    """The original's name of :func:`make_single_process_train_function` (deprecated)."""
+    warnings.warn("make_train_function_theano is make_single_process_train_function now",
+                  DeprecationWarning, stacklevel=2)
+    return make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs)

@@ -29,8 +29,9 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor_ml import optim
 
-__all__ = ["flatten_vars", "unflatten_vars", "flat_unflat_grads", "from_optim", "sgd", "momentum",
-           "nesterov_momentum", "adagrad", "rmsprop", "adadelta", "adam", "adamax"]
+__all__ = ["flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
+           "from_optim", "sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
+           "adam", "adamax", "apply_momentum", "apply_nesterov_momentum", "sgd_nonflat"]
 
 
 def flatten_vars(variables):
@@ -70,27 +71,73 @@ def unflatten_vars(flat, like):
     return pieces
 
 
+def vars_flat_size(variables):
+    """The number of items in all the shared ``variables`` together (the flat vector's length).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor
+    >>> vars_flat_size([pytensor.shared(np.zeros((2, 3))), pytensor.shared(np.zeros(3))])
+    9
+    """
+    return sum(math.prod(_shape_of(v)) for v in variables)
+
+
 def flat_unflat_grads(loss, params):
-    """Gradients of ``loss`` as one flat shared vector.
+    """The gradients of ``loss`` as one flat vector, and a flat shared vector to hold them.
 
     Returns
     -------
-    grad_updates : list
-        ``[(grad_shared, flat gradient)]`` for the gradient function.
-    grad_shared : SharedVariable
-        The flat vector, of length ``sum(p.size for p in params)``.
-    grads : list of TensorVariable
-        Its unflattened slices, shaped like ``params``.
+    grad_shared_flat : SharedVariable
+        A zero vector of length ``vars_flat_size(params)`` (the one to all-reduce).
+    flat_grad : TensorVariable
+        The gradients of every parameter, raveled and concatenated: update
+        ``grad_shared_flat`` to it in the gradient function.
+    unflat_grads : list of TensorVariable
+        Slices of ``grad_shared_flat`` shaped like ``params``: the gradients for
+        the parameter updates.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> w = pytensor.shared(np.ones(3)); x = pt.vector("x")
+    >>> grad_shared, flat_grad, (g,) = flat_unflat_grads((w * x).sum(), [w])
+    >>> grad_shared.get_value().shape, g.ndim
+    ((3,), 1)
     """
+    (grad_shared, flat), = _flat_gradient(loss, params)[0]
+    return grad_shared, flat, unflatten_vars(grad_shared, list(params))
+
+
+def _flat_gradient(loss, params):
+    """``([(grad_shared, flat gradient)], grad_shared, unflattened slices)``."""
     params = list(params)
     # pytensor-ml's gradient rewrites the loss first (e.g. for JAX-friendly indexing), exactly
     # as its own rules do, so our gradients are the ones its rules would compute.
     grads = optim.get_gradients(loss, params)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
-    size = sum(math.prod(_shape_of(p)) for p in params)
-    grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared")
+    grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="grad_shared")
     flat = flatten_vars(grads).astype(dtype)
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
+
+
+def nonflat_grads(loss, params):
+    """The gradients of ``loss``, with one shared variable per parameter to hold each.
+
+    The pattern without flattening: every gradient then needs a collective of
+    its own (see :func:`sgd_nonflat`). Prefer the flat rules.
+
+    Returns
+    -------
+    grads_shared : list of SharedVariable
+        Zeros shaped like ``params``.
+    grads : list of TensorVariable
+    """
+    params = list(params)
+    grads = optim.get_gradients(loss, params)
+    grads_shared = [pytensor.shared(np.zeros(_shape_of(p), dtype=p.type.dtype),
+                                    name=f"grad_{p.name or i}") for i, p in enumerate(params)]
+    return grads_shared, grads
 
 
 def from_optim(transform, loss, params):
@@ -111,7 +158,7 @@ def from_optim(transform, loss, params):
     >>> grad_updates, param_updates, grad_shared = from_optim(rule, loss, params)  # doctest: +SKIP
     """
     params = list(params)
-    grad_updates, grad_shared, grads = flat_unflat_grads(loss, params)
+    grad_updates, grad_shared, grads = _flat_gradient(loss, params)
     rule_updates = transform([g.astype(p.type.dtype) for g, p in zip(grads, params)], params)
     # A rule computing in floatX (e.g. float64 rates) must still store each variable's own dtype.
     param_updates = [(var, value if value.type.dtype == var.type.dtype else value.astype(var.type.dtype))
@@ -161,3 +208,56 @@ def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8
 def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8):
     r"""Adamax: Adam with an infinity-norm second moment :math:`u \leftarrow \max(\beta_2 u, |g|)`."""
     return from_optim(optim.adamax(learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon), loss, params)
+
+
+def apply_momentum(param_updates, momentum=0.9):
+    """Add classical momentum to ``param_updates``, as Lasagne's ``apply_momentum``.
+
+    For each ``(param, new_value)``: ``x = momentum * velocity + new_value``,
+    ``velocity <- x - param``, ``param <- x``.
+
+    Parameters
+    ----------
+    param_updates : list of (SharedVariable, TensorVariable)
+        E.g. the second part of :func:`sgd`.
+    momentum : float
+
+    Returns
+    -------
+    list of (SharedVariable, TensorVariable)
+        The updates with the velocities' (one new shared variable per parameter).
+    """
+    updates = []
+    for param, new in param_updates:
+        velocity = pytensor.shared(np.zeros(_shape_of(param), dtype=param.type.dtype))
+        x = momentum * velocity + new
+        updates += [(velocity, (x - param).astype(param.type.dtype)), (param, x.astype(param.type.dtype))]
+    return updates
+
+
+def apply_nesterov_momentum(param_updates, momentum=0.9):
+    """Add Nesterov momentum to ``param_updates``, as Lasagne's ``apply_nesterov_momentum``.
+
+    For each ``(param, new_value)``: ``x = momentum * velocity + new_value - param``,
+    ``velocity <- x``, ``param <- momentum * x + new_value``.
+    """
+    updates = []
+    for param, new in param_updates:
+        velocity = pytensor.shared(np.zeros(_shape_of(param), dtype=param.type.dtype))
+        x = momentum * velocity + new - param
+        updates += [(velocity, x.astype(param.type.dtype)),
+                    (param, (momentum * x + new).astype(param.type.dtype))]
+    return updates
+
+
+def sgd_nonflat(loss, params, learning_rate):
+    """SGD with one gradient shared variable per parameter (no flattening), for comparison.
+
+    Returns ``(grad_updates, param_updates, grads_shared)``; all-reduce the
+    whole list ``grads_shared`` (one launch per dtype) before the update.
+    """
+    grads_shared, grads = nonflat_grads(loss, params)
+    grad_updates = [(g_s, g.astype(g_s.type.dtype)) for g_s, g in zip(grads_shared, grads)]
+    param_updates = [(p, (p - learning_rate * g_s).astype(p.type.dtype))
+                     for p, g_s in zip(params, grads_shared)]
+    return grad_updates, param_updates, grads_shared
