@@ -24,7 +24,7 @@ import numpy as np
 from . import lifecycle, randomness
 from .control import Op, Words
 from .data import Data, condition_value, release_large_staging
-from .devices import adopt, to_device
+from .devices import adopt, place_on_device, to_device
 from .errors import WorkerError
 from .function import put_batch
 from .scatter import Batch, chunk, parse_batch
@@ -607,6 +607,7 @@ def set_value(rank, shared_vars, values, batch=None):
     if rank == rt.master_rank:
         for var, arr in zip(vars_, arrays):
             var.set_value(arr)
+        place_on_device(vars_)
     else:
         rt.send_pickled(dict(zip(_uids(rt, vars_), arrays)))
         rt.command(Op.SET_SHARED, ranks=[rank])

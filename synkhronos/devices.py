@@ -25,7 +25,8 @@ from .transport import BufferPool
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "platform", "cpu_pool_of", "shutdown_process", "ENV_VARS", "set_precision", "to_device", "adopt", "private_empty", "copy_large",
-           "limit_blas_threads", "blas_threads", "wait_until_computed", "forget_runtime_in_child"]
+           "limit_blas_threads", "blas_threads", "wait_until_computed", "forget_runtime_in_child",
+           "place_on_device"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -125,6 +126,25 @@ def wait_until_computed(values):
     for leaf in jax.tree_util.tree_leaves(values):
         if isinstance(leaf, jax.Array):
             leaf.block_until_ready()
+
+
+def place_on_device(shared_vars):
+    """Keep the host (numpy) values of tensor ``shared_vars`` as arrays on this process's device.
+
+    A jitted function is compiled for its arguments' shardings: a numpy value
+    has none, a device array (what every update and collective stores) has
+    this device's, so a function first called on numpy values compiled a
+    second time on its second call (a ResNet step: seconds). Placing the values
+    first makes the first call's shardings the lasting ones.
+    """
+    import jax
+    from pytensor.tensor.type import TensorType
+    device = None
+    for var in shared_vars:
+        value = var.container.storage[0]
+        if isinstance(value, (np.ndarray, np.generic)) and isinstance(var.type, TensorType):
+            device = device or jax.local_devices()[0]
+            var.container.storage[0] = jax.device_put(np.asarray(value, var.type.dtype), device)
 
 
 _HOST_POOL = BufferPool()

@@ -439,6 +439,7 @@ class CompiledFunction:
                 raise
             self.by_rows = True        # compiled at the first call, for its shapes
         self._run = self._runner(self.function) if self.function is not None else None
+        devices.place_on_device(spec.shared_variables())     # compiled once, for device values
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 

@@ -166,6 +166,7 @@ class Worker:
             if randomness.is_generator(var):
                 value = randomness.device_stream(value, offset)
             var.set_value(value)
+            devices.place_on_device([var])
 
     def collective(self):
         """Prepare, report, wait for the master's decision, then execute (or skip)."""

@@ -379,3 +379,25 @@ def test_givens_dict_updates_and_kwargs(synk2, rng):
     close(f(X), X.sum(0) * 2)
     close(f(X), X.sum(0) * 4)          # w doubled on both ranks
     close(synk.get_value(1, w), 4.0)
+
+
+def test_a_function_compiles_once(synk2, rng):
+    """The first call compiles; later calls with the same shapes do not (optimizer state included)."""
+    import jax.monitoring
+    from synkhronos.extensions import train, updates
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name.endswith("backend_compile_duration") else None)
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(rng.normal(size=(3, 4)), name="w_once")
+    v = pytensor.shared(rng.normal(size=4), name="v_once")
+    loss = ((pt.tanh(x @ w) @ v - y) ** 2).mean()
+    step = train.make_train_function(loss, [w, v], x, y, updates.adam, learning_rate=1e-2)
+    synk.distribute()
+    X, Y = synk.data(rng.normal(size=(40, 3))), synk.data(rng.normal(size=40))
+    step(X, Y, batch=np.arange(8))
+    assert compiles, "the listener saw no compilation"
+    for start in (8, 16, 24):
+        before = len(compiles)
+        step(X, Y, batch=np.arange(start, start + 8))
+        assert len(compiles) == before, f"compiled again at the step from row {start}"
