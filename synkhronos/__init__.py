@@ -10,6 +10,12 @@ Examples
 >>> synk.close()                                                # doctest: +SKIP
 """
 
+import os as _os
+
+# XLA's C++ logging reads this when jaxlib loads (importing synkhronos loads it): without it every
+# fork() prints the coordination service's warnings. Errors still show; set it yourself to see more.
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 from .collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                           get_value, reduce, scatter, set_value)
 from .data import Data, data

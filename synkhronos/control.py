@@ -4,7 +4,7 @@ Layout (all in one segment created by the master)::
 
     header   int64[16]        opcode, sequence number, payload gen/size, index gen
     args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
-    status   int64[n, 8]      per rank: state, result generation, result size, kind
+    status   int64[n, 8]      per rank: state, result generation and size, rows, warnings
     records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
@@ -226,7 +226,7 @@ class ControlBlock:
     OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN, \
         PLAN_ID, RESULT_REGION, REDUCE_PATH = range(12)
     # status fields
-    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED = range(5)
+    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED, WARN_GEN, WARN_NBYTES = range(7)
 
     def post_command(self, opcode, ranks):
         """Publish the command already written to ``args`` to ``ranks``."""

@@ -135,6 +135,8 @@ class Runtime:
         self.payload = GrowableSegment(f"{self.prefix}_p")
         self.indices = GrowableSegment(f"{self.prefix}_ix")
         self.results = {r: SegmentMirror(f"{self.prefix}_r{r}") for r in self.worker_ranks}
+        self.worker_warnings = {r: SegmentMirror(f"{self.prefix}_w{r}") for r in self.worker_ranks}
+        self._warning_registry = {}    # shared by every rank: one warning shows once
         self.staging = {}
         self._comm = None
         self._collective_watch = None
@@ -213,11 +215,13 @@ class Runtime:
         self.indices.free()
         if self._comm is not None and hasattr(self._comm, "release"):
             self._comm.release()
-        for rank, mirror in self.results.items():
-            mirror.release()
-            gen = int(self.ctl.status[rank, ControlBlock.RESULT_GEN])
-            for g in range(max(1, gen - 1), gen + 2):
-                unlink(f"{self.prefix}_r{rank}g{g}")
+        for rank in self.worker_ranks:
+            for kind, mirror, field in (("r", self.results[rank], ControlBlock.RESULT_GEN),
+                                        ("w", self.worker_warnings[rank], ControlBlock.WARN_GEN)):
+                mirror.release()
+                gen = int(self.ctl.status[rank, field])
+                for g in range(max(1, gen - 1), gen + 2):
+                    unlink(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()
 
     def _detach_shared_values(self):
@@ -347,10 +351,26 @@ class Runtime:
         self._raise_worker_errors(ranks)
 
     def _raise_worker_errors(self, ranks):
+        status = self.ctl.status
         for rank in ranks:
-            if self.ctl.status[rank, ControlBlock.STATE] == Status.ERROR:
+            if status[rank, ControlBlock.WARN_NBYTES]:
+                self.forward_warnings(rank)
+            if status[rank, ControlBlock.STATE] == Status.ERROR:
                 exc_type, message, tb = self.read_result_pickle(rank)
                 raise WorkerError.raised(rank, exc_type, message, tb)
+
+    def forward_warnings(self, rank):
+        """Show the warnings worker ``rank`` raised through this process's ``warnings``.
+
+        They obey the script's filters, and one the ranks share shows once.
+        """
+        row = self.ctl.status[rank]
+        seg = self.worker_warnings[rank].get(int(row[ControlBlock.WARN_GEN]))
+        caught = read_pickle(seg, int(row[ControlBlock.WARN_NBYTES]))
+        row[ControlBlock.WARN_NBYTES] = 0
+        for message, category, filename, lineno in caught:
+            warnings.warn_explicit(message, category, filename, lineno,
+                                   registry=self._warning_registry)
 
     def _wait_done(self, ranks, what, deadline=None, spin=None):
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""

@@ -15,6 +15,7 @@ import pickle
 import signal
 import sys
 import traceback
+import warnings
 
 import numpy as np
 
@@ -51,6 +52,9 @@ class Worker:
         # Tracked by this worker's resource tracker (a separate process), which unlinks it even
         # when this process is aborted (e.g. by JAX's coordination client once the master is gone).
         self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=True)
+        #: warnings this rank's commands raised, for the master to show through its own filters
+        self.warnings_out = GrowableSegment(f"{prefix}_w{self.rank}", track=True)
+        self.pending_warnings = []
         self.payload = SegmentMirror(f"{prefix}_p")
         self.index = SegmentMirror(f"{prefix}_ix")
         self.datas = DataMirrors(prefix)
@@ -79,12 +83,24 @@ class Worker:
                 self.report(Status.OK, rows or 0)
             except Exception as e:
                 self.report_error(e)
+            if self.pending_warnings:
+                self.report_warnings()
             self.ctl.done.post()
             if opcode == Op.STOP:
                 return
 
     def report(self, state, rows=0, nbytes=0):
         self.ctl.set_status(self.rank, state, self.result.gen, nbytes, rows)
+
+    def record_warning(self, message, category, filename, lineno, file=None, line=None):
+        """``warnings.showwarning`` in a worker: keep the warning for the master instead of printing it."""
+        self.pending_warnings.append((str(message), category, filename, lineno))
+
+    def report_warnings(self):
+        nbytes = write_pickle(self.warnings_out, self.pending_warnings)
+        self.pending_warnings = []
+        row = self.ctl.status[self.rank]
+        row[ControlBlock.WARN_GEN], row[ControlBlock.WARN_NBYTES] = self.warnings_out.gen, nbytes
 
     def report_error(self, e):
         tb = traceback.format_exc()
@@ -210,6 +226,7 @@ class Worker:
 
     def cleanup(self):
         self.result.free()
+        self.warnings_out.free()
         if self._comm is not None and hasattr(self._comm, "release"):
             self._comm.release()
 
@@ -240,6 +257,9 @@ def main():
         _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     worker = Worker(cfg)
+    # a warning shows once per place here, and then through the master's filters (Runtime.forward_warnings)
+    warnings.simplefilter("default")
+    warnings.showwarning = worker.record_warning
     if os.getppid() != worker.master_pid:
         return 3
     profiler = cProfile.Profile() if cfg["profile"] else None

@@ -42,6 +42,39 @@ def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
     assert runs["cpu"]["test_acc"] == runs["single"]["test_acc"]
 
 
+def test_the_demo_prints_only_its_own_lines(tmp_path):
+    """What `make demo` runs: no line from XLA, Gloo or the workers (tqdm's bars aside)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", "mnist.py"), "--variant", "cpu",
+                          "--devices", "2", "--epochs", "2", "--plot", str(tmp_path / "c.png")],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    own = ("epoch ", "test accuracy ", "curves saved to ")
+    stdout = [line for line in out.stdout.splitlines() if line.strip()]
+    assert all(line.startswith(own) for line in stdout), stdout
+    bars = ("it/s", "s/it", "%|")
+    stderr = [line for line in out.stderr.replace("\r", "\n").splitlines()
+              if line.strip() and not any(b in line for b in bars)]
+    assert stderr == [], stderr
+
+
+def test_the_jax_runtime_collectives_print_nothing():
+    """Gloo announces its connections on stdout; a script sees only its own lines."""
+    from helpers import run_script
+    out = run_script("""
+        import numpy as np, pytensor, synkhronos as synk
+        synk.fork(2, collectives="jax")
+        v = pytensor.shared(np.ones(3), name="v")
+        synk.function([], (v.sum(), "sum"))
+        print("before", flush=True)
+        synk.all_reduce(v)
+        print("after", synk.get_value(1, v).sum(), flush=True)
+        synk.close()
+    """, env={"TF_CPP_MIN_LOG_LEVEL": None})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n") == ["before", "after 3.0", ""] and out.stderr == "", (out.stdout, out.stderr)
+
+
 def test_idx_and_npz_loaders(tmp_path, rng):
     images = rng.integers(0, 256, size=(30, 4, 4), dtype=np.uint8)
     labels = rng.integers(0, 10, size=30).astype(np.uint8)

@@ -175,3 +175,24 @@ def test_an_error_has_one_type_whichever_rank_hits_it(fx, synk2, rows, failing_r
     assert "reshape" in err.worker_traceback
     close(g(np.ones((4, 3))), 12.0)
     _sum_ok(f, xd, bd, X)
+
+
+def test_warnings_of_workers_reach_the_master_once_through_its_filters(synk2):
+    """A warning every rank raises shows once, from the master's warnings, and obeys its filters."""
+    import warnings
+    from helpers import WarnRows
+    x = pt.matrix("x")
+    f = synk.function([x], (WarnRows()(x).sum(), "sum"), name="warner")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        close(f(np.ones((5, 2))), 10.0)                          # rows 2 + 3
+        close(f(np.ones((5, 2))), 10.0)
+    messages = sorted(str(w.message) for w in seen if "WarnRows" in str(w.message))
+    assert messages == ["WarnRows saw 2 rows", "WarnRows saw 3 rows"]     # each once, rank 1's too
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="WarnRows saw 4 rows")
+        with pytest.raises(UserWarning, match="WarnRows saw 4 rows"):
+            f(np.ones((7, 2)))                   # rows 3 + 4: rank 1's warning is an error here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        close(f(np.ones((4, 2))), 8.0)

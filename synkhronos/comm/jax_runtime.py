@@ -5,6 +5,10 @@ array (``jax.make_array_from_single_device_arrays``); XLA lowers ``psum`` /
 ``pmax`` / ``pmin`` / ``all_gather`` to the platform's collective library.
 """
 
+import contextlib
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +49,7 @@ class JaxComm:
         self.mesh = Mesh(np.array(devices), (_AXIS,))
         self.sharding = NamedSharding(self.mesh, P(_AXIS))
         self._programs = {}
+        self._connected = False
 
     def _program(self, key, body):
         fn = self._programs.get(key)
@@ -60,7 +65,13 @@ class JaxComm:
             local = local.astype(jnp.int8)
         glob = jax.make_array_from_single_device_arrays(
             (self.n_ranks, local.shape[1]), self.sharding, [local])
-        out = self._program(key, body)(glob).addressable_data(0)[0]
+        if not self._connected:
+            # Gloo prints "[Gloo] Rank r is connected to ..." on stdout as the ranks first connect
+            with _stdout_silenced():
+                out = self._program(key, body)(glob).addressable_data(0)[0].block_until_ready()
+            self._connected = True
+        else:
+            out = self._program(key, body)(glob).addressable_data(0)[0]
         return out.astype(jnp.bool_) if bool_input else out
 
     def all_reduce(self, values, op):
@@ -73,6 +84,21 @@ class JaxComm:
 
     def broadcast(self, values, root):
         return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
+
+
+@contextlib.contextmanager
+def _stdout_silenced():
+    """Send this process's file descriptor 1 to /dev/null for the block (C++ libraries print there)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _flat(values):
