@@ -195,8 +195,8 @@ def _prepare_broadcast(comm, vars_, words, rank, master_rank):
         if rank == master_rank:
             values = [vars_[i].container.storage[0] for i in idx]
         else:
-            # placeholders of the right shape, never read: np.empty touches no memory, where
-            # filling device zeros cost a 400 MB broadcast ~100 ms on every worker (measured)
+            # placeholders of the right shape, never read: np.empty touches no memory (device zeros
+            # would be written on every worker, a full pass over the broadcast's size)
             values = [np.empty(shapes[i], vars_[i].type.dtype) for i in idx]
         groups.append((idx, values))
 

@@ -13,8 +13,9 @@ Layout (all in one segment created by the master)::
     freed    sem_t[n, n]      rank q -> rank r: that chunk's ring slot may be written again
 
 Semaphores are process-shared POSIX semaphores (futexes) placed inside the
-segment. A waiter spins briefly on ``sem_trywait`` before blocking: a spin
-round trip costs ~15 us on two cores, a blocking one ~80 us (measured). Every
+segment. A waiter spins briefly on ``sem_trywait`` before blocking: a round
+trip through a spinning waiter is several times faster than one through a
+sleeping one. Every
 blocking wait is sliced into short timed waits with a liveness check between
 slices, so nothing waits forever on a dead peer.
 """
@@ -251,8 +252,8 @@ class ControlBlock:
         A call whose results are a few scalars (a loss, an accuracy) has each
         rank assign them to its record; the master reduces each output over the
         ranks in one ufunc call. That replaces a pack into the rank's result
-        segment, an unpack and a reduction by rank (~6 us of the worker's
-        critical path and ~10 us of the master's, measured for one scalar).
+        segment, an unpack and a reduction by rank, on the critical path of
+        every call that returns a loss.
         """
         fields = self._record_fields.get(dtype)
         if fields is None:
@@ -266,7 +267,7 @@ class ControlBlock:
     def put_record(self, dtype, rank, values):
         """Write ``rank``'s scalar results (device or numpy values) into its record of ``dtype``."""
         for field, value in zip(self.record_fields(dtype), values):
-            field[rank] = np.asarray(value)     # (assigning a JAX array itself is 2x slower)
+            field[rank] = np.asarray(value)     # (assigning a JAX array itself is slower)
 
     def unlink(self):
         self.segment.unlink()

@@ -84,8 +84,8 @@ def configure_environment(env, platform, threads):
     """Set the variables that must be in place before JAX/BLAS start in a process.
 
     ``threads`` is the number of CPU threads this process may use (XLA's CPU
-    thread pool and BLAS). Processes sharing cores otherwise oversubscribe them:
-    a training step measured 7-9 ms alone went to 15-39 ms with default pools.
+    thread pool and BLAS). Processes sharing cores otherwise oversubscribe them,
+    and each one's default pools slow the others' steps several-fold.
     """
     env["JAX_PLATFORMS"] = platform
     flags = env.get("XLA_FLAGS", "")
@@ -181,9 +181,8 @@ def copy_large(dst, src):
     """``dst[...] = src`` for arrays of one shape; large ones in pieces of ``COPY_PIECE_BYTES``.
 
     glibc copies very large blocks another way (non-temporal stores, several
-    pages at a time), which from shared memory into a private buffer ran far
-    slower: 400 MB in 95-119 ms, in 16 MB pieces 54-57 ms (a numpy copy
-    between private buffers: 36 ms; measured).
+    pages at a time), which from shared memory into a private buffer runs far
+    slower than the same copy in pieces.
     """
     if dst.nbytes <= COPY_PIECE_BYTES or not (dst.flags.c_contiguous and src.flags.c_contiguous):
         np.copyto(dst, src)
@@ -212,16 +211,14 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
     """Let glibc reuse freed blocks instead of handing their memory back to the OS at once.
 
     XLA's CPU client allocates a fresh buffer per result and one block of
-    temporaries per execution (48 MB for a 2048-row step of the benchmark MLP).
-    By default glibc serves a block over 32 MB, or one a thread's arena cannot
-    hold, from a mapping of its own and unmaps it when it is freed, so every
-    execution faults its memory in again, page by page: 12,351 page faults per
-    step of that MLP (50 MB), and its memory-bound operations (transposes,
-    elementwise) ran 2-4x slower inside the step than alone. Here every thread
-    allocates from the one main heap, never from a mapping of its own, and the
-    heap keeps up to ``max_bytes`` free at its top: 0 page faults per step, the
-    step 262-278 ms against 276-318 ms (one core, three runs each; measured).
-    Adding 0 to a 40 MB array took 23 ms by default, 4.5 ms with reuse.
+    temporaries per execution (tens of MB for a large training step). By
+    default glibc serves a large block, or one a thread's arena cannot hold,
+    from a mapping of its own and unmaps it when it is freed, so every
+    execution faults its memory in again, page by page, and memory-bound
+    operations (transposes, elementwise) run several times slower inside the
+    step than alone. Here every thread allocates from the one main heap, never
+    from a mapping of its own, and the heap keeps up to ``max_bytes`` free at
+    its top: a repeated step faults no page in.
 
     The cost: memory a process frees stays in it for its next allocations (a
     block freed below live ones is not returned to the OS until the process
@@ -286,8 +283,8 @@ def cpu_pool_of(threads, rank):
     """Give the XLA CPU client made inside this block ``threads`` threads on rank ``rank``'s cores.
 
     XLA sizes its CPU thread pool from the CPU affinity when the client is
-    created and ignores its own thread flags (``intra_op_parallelism_threads``:
-    measured, a matmul loop still ran on 2 threads, CPU time 2x wall time).
+    created and ignores its own thread flags (``intra_op_parallelism_threads``
+    leaves a matrix product running on every core).
     So for the block the affinity is narrowed to this rank's share of the
     cores (cores ``[rank * threads, (rank + 1) * threads)`` of those available):
     the pool's threads, created meanwhile, keep that binding, one core set per
@@ -317,8 +314,8 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     if platform == "cpu":
         keep_freed_memory_for_reuse()
         # numpy's BLAS gets the process's own share of the cores even when XLA's pool spans them
-        # all: OpenBLAS's threads wait spinning, and two processes' pools on the same cores
-        # halved a training step's speed (measured)
+        # all: OpenBLAS's threads wait spinning, and two processes' pools on the same cores slow
+        # each other's steps down badly
         share = max(1, (os.cpu_count() or 1) // n_ranks)
         limit_blas_threads(min(threads, share) if threads else share)
     jax.config.update("jax_platforms", platform)

@@ -216,8 +216,8 @@ def jitted_call(fn):
 
     A PyTensor function linked for JAX is one ``jax.jit`` function behind
     per-call bookkeeping (profiling checks, an output storage round trip,
-    garbage-collection loops): ~8 us of a ~30 us call of a tiny graph
-    (measured), paid by every process in every call. The returned callable
+    garbage-collection loops): a good part of a tiny graph's call, paid by
+    every process in every call. The returned callable
     does what that bookkeeping does for a function whose inputs are trusted:
     it fills the explicit input cells, runs the jitted graph on every input
     cell (shared variables included), stores the update values into their
@@ -286,11 +286,10 @@ class GatherBuffer:
     Called as ``buffer(shape, dtype)``, it returns a 64-byte aligned array of
     that shape in the same memory each time (grown when too small). The rows
     gathered for a call then land in memory the previous call warmed, in the
-    cache and the TLB; a fresh or pooled buffer per call ran slower: two
-    processes gathering 2048 rows of 3 KB each at once took 0.92 ms into one
-    buffer each and 1.28 ms into pooled buffers (measured; JAX lets go of a
-    host buffer it adopted about 0.5 ms after the call returns, so back-to-back
-    calls never found the last buffer free and alternated between two).
+    cache and the TLB; a fresh or pooled buffer per call gathers slower (JAX
+    lets go of a host buffer it adopted a little after the call returns, so
+    back-to-back calls never found the last buffer free and alternated
+    between two).
 
     Reusing the memory is safe because a call given arguments returns only
     once its computation has finished (see :func:`jitted_call`), and no output
@@ -466,7 +465,7 @@ class CompiledFunction:
             fn = pytensor.function(inputs, outputs, updates=upd + generators,
                                    givens=givens, **spec.pytensor_kwargs(devices.platform()))
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
-        # skipping PyTensor's per-call input checks saves ~15 us per call (measured).
+        # PyTensor's per-call input checks would only repeat that in every process.
         fn.trust_input = True
         return fn
 
@@ -756,7 +755,7 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
         return 0, []
     if share.cuts is not None:
         # the common call (a range of rows, one slice): views in, nothing to decide or accumulate;
-        # this path is ~6 us shorter per process than the general one below (measured)
+        # this path is shorter per process than the general one below
         values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
                               + [view_of(ref) for ref in plan.bcast])
         return share.rows, [values[i] for i in plan.subset]
@@ -955,11 +954,11 @@ class Function:
 
         A training loop repeats one call shape: the same Data (same segment
         generation and shape, so the same rows are valid), a fixed ``batch``
-        size and ``num_slices``. Such a call reuses its plan (~20 us of
-        validation saved). A ``batch`` of explicit indices (a numpy array) into
-        Data that are not ``minibatch`` reuses the plan of the last call with
-        as many indices, and only the new indices are validated (~20 us per
-        call saved, measured). ``batch_s`` (rows checked against every rank),
+        size and ``num_slices``. Such a call reuses its plan and skips its
+        validation. A ``batch`` of explicit indices (a numpy array) into Data
+        that are not ``minibatch`` reuses the plan of the last call with as many
+        indices, and only the new indices are validated. ``batch_s`` (rows
+        checked against every rank),
         numpy arguments and keywords always take the full path.
         """
         if kwargs or batch_s is not None or output_subset is not None or self.spec.sliceable_shareds:

@@ -672,7 +672,7 @@ def fork(n_parallel=None, master_rank=0, platform=None, profile_workers=False,
         only, near memory bandwidth). Default: ``"shm"`` on CPU, else ``"jax"``.
     spin_us : float, optional
         Microseconds a waiting process polls before it sleeps. Polling keeps the
-        per-call latency low (a sleeping process takes ~60-80 us to wake); it
+        per-call latency low (a sleeping process takes tens of µs to wake); it
         costs CPU only while idle between calls. Default 2000 when every process
         has a core of its own, else 0.
 

@@ -2,15 +2,13 @@
 
 Every matrix product becomes a :class:`BlasDot`, which knows whether either
 operand is transposed. In JAX, a large one runs in numpy's BLAS through a host
-callback, reading transposed operands in place: XLA's CPU products (YNNPACK in
-JAX 0.12) ran ``A @ B`` of 2048x1024 by 1024x1024 at 67-90 GFLOP/s on one core
-where PyTorch and numpy's OpenBLAS ran at 80-91, and ``A.T @ B`` (every weight
-gradient ``h.T @ delta``) a third slower still; a step of the benchmark MLP
-(784-1024-1024-10, 2048 rows, one core) took 296-327 ms with its products in
-numpy's BLAS against 382-406 ms in XLA (measured; PyTorch: 309 ms). Smaller
-products stay in XLA, a transposed left operand there through
-:class:`TransposedDot`'s tiled transposes (XLA ran a skinny ``A.T @ B``, an
-output layer's gradient, ~8x slower than transposed first).
+callback, reading transposed operands in place: XLA's CPU products run large
+matrix products below the speed of an optimized BLAS, and ``A.T @ B`` (every
+weight gradient ``h.T @ delta``) slower still, so a training step with its
+products in numpy's BLAS runs at the speed of PyTorch's CPU kernels (see
+bench/RESULTS.md). Smaller products stay in XLA, a transposed left operand
+there through :class:`TransposedDot`'s tiled transposes (XLA runs a skinny
+``A.T @ B``, an output layer's gradient, far slower than transposed first).
 
 The callback needs numpy's BLAS limited to this process's share of the cores
 (:func:`synkhronos.devices.limit_blas_threads`); without that, products stay in
@@ -34,7 +32,7 @@ from . import devices
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
            "REWRITE_TAG", "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
 
-#: products of at least this many flops run in numpy's BLAS (a host callback costs ~20-50 us)
+#: products of at least this many flops run in numpy's BLAS (a host callback costs tens of µs)
 HOST_BLAS_MIN_FLOPS = 1 << 24
 
 #: the optimizer tag under which synkhronos registers its CPU rewrites (off unless included)
@@ -143,9 +141,9 @@ TILES = (32, 16, 8)
 def tiled_transpose(x):
     """``x.T`` as an array of its own, moved tile by tile (JAX, inside a traced function).
 
-    XLA's CPU transpose of a 2048x1024 float32 matrix took 5.6-7.9 ms on one
-    core; through 32x32 tiles 3.2 ms (measured). Falls back to a plain
-    transpose when no tile edge divides both dimensions.
+    XLA's CPU transpose of a large matrix runs about half as fast as moving it
+    through 32x32 tiles. Falls back to a plain transpose when no tile edge
+    divides both dimensions.
     """
     from jax import lax
     m, n = x.shape

@@ -39,8 +39,7 @@ def aligned_empty(shape, dtype):
     """A new numpy array whose data starts on a 64-byte boundary.
 
     XLA's CPU client adopts such a buffer as a device array without copying it
-    (``jax.device_put``); an unaligned one it copies at about a quarter of memory
-    bandwidth (40 MB: 0.1 ms vs 23 ms, measured here).
+    (``jax.device_put``); an unaligned one it copies, well below memory bandwidth.
 
     Examples
     --------
@@ -68,8 +67,8 @@ class BufferPool:
     A buffer handed to the CPU device (see :func:`synkhronos.devices.adopt`) stays
     referenced by its device array; when that array dies the buffer is free
     again, which its reference count shows. A fresh large buffer costs a page
-    fault per 4 KB on first touch (a 40 MB result: ~4 ms more than a reused one,
-    measured here), which dominates a collective that runs near memory bandwidth.
+    fault per 4 KB on first touch, which would dominate a collective that runs
+    near memory bandwidth.
 
     Parameters
     ----------
@@ -112,7 +111,7 @@ def _layout(arrays):
 
     Calls repeat a few result signatures (dtype and shape of each output), so
     layouts are kept by signature: packing a scalar result then costs a header
-    copy and one write (~9 -> ~4 us, measured).
+    copy and one write.
     """
     signature = tuple((a.dtype, a.shape) for a in arrays)
     layout = _LAYOUTS.get(signature)

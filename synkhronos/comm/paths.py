@@ -13,21 +13,12 @@ to the peer that reduces them:
     every rank reduces from memory: one more pass over the bus, but no
     core-to-core transfer of recently written lines.
 
-Which is faster depends on how far apart the cores are, and on a virtual
-machine that changes while a program runs: here (a 2-vCPU KVM guest on an
-AMD EPYC) a cache line's round trip between the two cores measured ~100 ns
-most of the time and ~480 ns for stretches of 0.4-15 s (the hypervisor runs
-the vCPUs on cores that share no L3 cache). In alternating 400 MB
-all-reduces, median ms (bench/RESULTS.md has the same split per run):
-
-=========================  ==========  =========
-cores                      pipelined   published
-=========================  ==========  =========
-near (~100 ns round trip)     66.5        88.6
-far (~480 ns round trip)     110.1        74.1
-=========================  ==========  =========
-
-So the master times every large all-reduce and :class:`PathChooser` takes
+Which is faster depends on how far apart the cores are: with cores that
+share a cache, pipelining wins; with cores that do not (on a virtual machine
+the hypervisor may move the vCPUs apart, and back, while a program runs),
+every chunk's trip between the cores costs more than the extra pass over
+memory, and publishing wins (bench/RESULTS.md splits the all-reduce rounds by
+how far apart the cores were). So the master times every large all-reduce and :class:`PathChooser` takes
 the path with the lower recent time per byte, trying the other one every
 ``explore_every`` calls of the same size class so that a change of placement
 is noticed within that many calls. Both paths add the same numbers in the

@@ -34,20 +34,17 @@ from .regions import SharedResults
 
 __all__ = ["ShmComm"]
 
-#: every slot starts on a page boundary, at the same page offset as the values copied into it.
-#: Slots 64 bytes off a page made the 200 MB publish of a 400 MB all-reduce run 3x slower on
-#: the rank whose slot was shifted (65 vs 22 ms, measured): its loads and stores aliased
-#: modulo 4 KiB, which stalls the CPU's store forwarding check.
+#: every slot starts on a page boundary, at the same page offset as the values copied into it:
+#: a slot a few bytes off makes a large copy's loads and stores alias modulo 4 KiB, which stalls
+#: the CPU's store forwarding check and runs that rank's copy several times slower.
 SLOT_ALIGN = 4096
 
 #: the pipelined all-reduce (large buffers) streams chunks of CHUNK_BYTES through a ring of
 #: RING_CHUNKS slots per pair of ranks: small enough that the peer reads each chunk from the
-#: cache it was just written to (measured: 14-17 GB/s for 0.25-1 MB chunks against 9-10 GB/s
-#: from memory), so only the values and the result cross the memory bus. Against the
-#: publish-everything-then-reduce path, in alternating runs: 0.70-0.76x the time at 400 MB,
-#: 0.67x at 40 MB, no gain below 8 MB (1 MB chunks, 2 per ring; 0.25-4 MB and 2-16 tried).
-#: That holds while the two cores share a cache; when they do not, publishing is faster, so the
-#: master chooses between the two from measured times (synkhronos.comm.paths).
+#: cache it was just written to, so only the values and the result cross the memory bus. It
+#: beats publishing everything and then reducing for buffers from PIPELINE_MIN_BYTES on, while
+#: the two cores share a cache; when they do not, publishing is faster, so the master chooses
+#: between the two from the times it measures (synkhronos.comm.paths).
 CHUNK_BYTES = 1 << 20
 RING_CHUNKS = 2
 PIPELINE_MIN_BYTES = 8 << 20

@@ -182,12 +182,12 @@ def nesterov_momentum(loss, params, learning_rate, momentum=0.9):
 
 
 def adagrad(loss, params, learning_rate=1.0, epsilon=1e-6):
-    r"""Adagrad: :math:`a \leftarrow a + g^2,\ p \leftarrow p - \eta g / (\sqrt{a} + \epsilon)`."""
+    r"""Adagrad: :math:`a \leftarrow a + g^2,\ p \leftarrow p - \eta g / \sqrt{a + \epsilon}`."""
     return from_optim(optim.adagrad(learning_rate, epsilon=epsilon), loss, params)
 
 
 def rmsprop(loss, params, learning_rate=1.0, rho=0.9, epsilon=1e-6):
-    r"""RMSProp: :math:`a \leftarrow \rho a + (1-\rho) g^2,\ p \leftarrow p - \eta g / (\sqrt{a} + \epsilon)`."""
+    r"""RMSProp: :math:`a \leftarrow \rho a + (1-\rho) g^2,\ p \leftarrow p - \eta g / \sqrt{a + \epsilon}`."""
     return from_optim(optim.rmsprop(learning_rate, rho=rho, epsilon=epsilon), loss, params)
 
 
