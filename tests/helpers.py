@@ -29,24 +29,35 @@ def _check_rows(values):
     return np.asarray(values)
 
 
-class RaiseIfNegative(Op):
-    """Identity that raises ValueError when its input holds a negative value."""
+def _warn_rows(values):
+    import warnings
+    warnings.warn(f"WarnRows saw {len(values)} rows", UserWarning)
+    return np.asarray(values)
 
-    __props__ = ()
 
+def _host_identity(name, host_fn, doc):
+    """An identity op that runs ``host_fn`` on its input in the host (a JAX callback under JAX)."""
     def make_node(self, x):
         x = pt.as_tensor_variable(x)
         return Apply(self, [x], [x.type()])
 
     def perform(self, node, inputs, outputs):
-        outputs[0][0] = _check_rows(inputs[0])
+        outputs[0][0] = host_fn(inputs[0])
+    op = type(name, (Op,), {"__props__": (), "__doc__": doc, "__module__": __name__,
+                            "make_node": make_node, "perform": perform})
+
+    @jax_funcify.register(op)
+    def _jax(op, **kwargs):
+        def call(x):
+            return jax.pure_callback(host_fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return call
+    return op
 
 
-@jax_funcify.register(RaiseIfNegative)
-def _jax_raise_if_negative(op, **kwargs):
-    def check(x):
-        return jax.pure_callback(_check_rows, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return check
+RaiseIfNegative = _host_identity("RaiseIfNegative", _check_rows,
+                                 "Identity that raises ValueError when its input holds a negative value.")
+WarnRows = _host_identity("WarnRows", _warn_rows,
+                          "Identity that warns (UserWarning) with the number of rows it sees.")
 
 
 def run_script(code, timeout=120, env=None):
@@ -64,29 +75,3 @@ def run_script(code, timeout=120, env=None):
     environ = {k: v for k, v in environ.items() if v is not None}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, env=environ)
-
-
-def _warn_rows(values):
-    import warnings
-    warnings.warn(f"WarnRows saw {len(values)} rows", UserWarning)
-    return np.asarray(values)
-
-
-class WarnRows(Op):
-    """Identity that warns (UserWarning) with the number of rows it sees."""
-
-    __props__ = ()
-
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        return Apply(self, [x], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        outputs[0][0] = _warn_rows(inputs[0])
-
-
-@jax_funcify.register(WarnRows)
-def _jax_warn_rows(op, **kwargs):
-    def warn(x):
-        return jax.pure_callback(_warn_rows, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return warn
