@@ -77,7 +77,9 @@ def _forget_runtime_in_child():
     workers, unlink the parent's segments or shut down the parent's JAX
     runtime (which hung and left the parent to abort).
     """
-    global _runtime, _forked_from
+    global _runtime, _forked_from, _lock
+    # another thread of the parent may have held the lock at the fork: it is never released here
+    _lock = threading.RLock()
     if _runtime is not None:
         _forked_from = os.getppid()
         _runtime = None

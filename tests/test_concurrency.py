@@ -98,6 +98,35 @@ def test_a_child_made_by_os_fork_leaves_the_runtime_alone():
     assert lines[-2] == "24.0" and lines[-1] == "LEFT []", out.stdout
 
 
+def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hanging():
+    out = run_script("""
+        import os, sys, threading, time, warnings
+        warnings.simplefilter("ignore")
+        import numpy as np, pytensor.tensor as pt, synkhronos as synk
+        synk.fork(2)
+        x, w = pt.matrix("x"), pt.matrix("w")
+        f = synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w])
+        X, W = np.ones((2000, 400)), np.ones((400, 400)) * 1e-3
+        f(X, W)
+        busy = threading.Thread(target=lambda: [f(X, W, num_slices=4) for _ in range(40)])
+        busy.start()
+        time.sleep(0.3)                      # the thread is in a call, holding the runtime lock
+        pid = os.fork()
+        if pid == 0:
+            try:
+                f(X, W)
+            except RuntimeError as e:
+                print("CHILD", "os.fork" in str(e), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        busy.join()
+        print("STATUS", status, flush=True)
+        synk.close()
+    """, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["CHILD True", "STATUS 0"], out.stdout
+
+
 def test_fork_in_a_thread_that_ends():
     """Workers started from a thread outlive it (no parent-death signal tied to that thread)."""
     out = run_script("""
