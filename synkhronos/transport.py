@@ -8,7 +8,7 @@ of shared variables.
 
 import math
 import pickle
-import sys
+import weakref
 
 import numpy as np
 
@@ -66,9 +66,15 @@ class BufferPool:
 
     A buffer handed to the CPU device (see :func:`synkhronos.devices.adopt`) stays
     referenced by its device array; when that array dies the buffer is free
-    again, which its reference count shows. A fresh large buffer costs a page
-    fault per 4 KB on first touch, which would dominate a collective that runs
-    near memory bandwidth.
+    again. A fresh large buffer costs a page fault per 4 KB on first touch,
+    which would dominate a collective that runs near memory bandwidth.
+
+    Each loan of a buffer is a *lease*: an array made with ``np.frombuffer``
+    over the buffer. numpy points every view derived from an array at the
+    first array up the chain that sits on a non-numpy buffer, so every view
+    of the loan (a slice, a reshape, a device array adopting it) keeps the
+    lease alive, and the buffer is free exactly when the lease has died: a
+    weak reference tells, with no reliance on reference counts.
 
     Parameters
     ----------
@@ -80,7 +86,7 @@ class BufferPool:
 
     def __init__(self, max_bytes=1 << 30, min_bytes=1 << 20):
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
-        self._owners = []        # numpy uint8 arrays that own their memory
+        self._stores = []        # [uint8 array owning its memory, weak reference to its lease]
 
     def empty(self, shape, dtype):
         """An aligned array of ``shape``/``dtype`` in a buffer no one else refers to."""
@@ -88,22 +94,29 @@ class BufferPool:
         nbytes = _nbytes(shape, dtype)
         if nbytes < self.min_bytes:
             return aligned_empty(shape, dtype)
-        return _aligned_view(self._free_owner(nbytes), shape, dtype, nbytes)
+        entry = self._free_store(nbytes)
+        lease = np.frombuffer(memoryview(entry[0]), np.uint8)
+        entry[1] = weakref.ref(lease)
+        return _aligned_view(lease, shape, dtype, nbytes)
 
-    def _free_owner(self, nbytes):
-        for owner in self._owners:
-            # referenced only by the list, the loop and getrefcount's argument: free
-            if sys.getrefcount(owner) == 3 and nbytes <= owner.size - _ALIGN <= 2 * nbytes:
-                return owner
-        owner = np.empty(nbytes + _ALIGN, np.uint8)
-        if self._kept_bytes() + owner.size > self.max_bytes:
-            self._owners = [o for o in self._owners if sys.getrefcount(o) > 3]
-        if self._kept_bytes() + owner.size <= self.max_bytes:
-            self._owners.append(owner)
-        return owner
+    def _free_store(self, nbytes):
+        for entry in self._stores:
+            if not _leased(entry) and nbytes <= entry[0].size - _ALIGN <= 2 * nbytes:
+                return entry
+        entry = [np.empty(nbytes + _ALIGN, np.uint8), None]
+        if self._kept_bytes() + entry[0].size > self.max_bytes:
+            self._stores = [e for e in self._stores if _leased(e)]
+        if self._kept_bytes() + entry[0].size <= self.max_bytes:
+            self._stores.append(entry)
+        return entry
 
     def _kept_bytes(self):
-        return sum(o.size for o in self._owners)
+        return sum(store.size for store, _ in self._stores)
+
+
+def _leased(entry):
+    """True while the lease of a pool entry (see :class:`BufferPool`) or a view of it lives."""
+    return entry[1] is not None and entry[1]() is not None
 
 
 def _layout(arrays):

@@ -114,3 +114,39 @@ def test_large_numpy_arguments_do_not_hold_shared_memory_after_the_call(synk2):
     assert set(synk_segments_here()) <= set(segments)
     close(synk.get_value(1, w), np.ones((rows - rows // 2, 8)))
     close(f(np.ones((4, 8))), 32.0)                  # small arguments still staged and kept
+
+
+def test_a_pooled_buffer_is_reused_only_once_nothing_views_it():
+    """A slice of a loan, or a device array adopting it, keeps the buffer from being handed out again."""
+    import time
+    import jax
+    from synkhronos.transport import BufferPool
+    pool = BufferPool(min_bytes=1024)
+
+    def next_address():
+        return pool.empty((4096,), np.float64).ctypes.data
+
+    first = pool.empty((4096,), np.float64)
+    address = first.ctypes.data
+    part = first[10:20]
+    del first
+    while_sliced = next_address()
+    del part
+    again = pool.empty((4096,), np.float64)
+    freed = again.ctypes.data
+    adopted = jax.device_put(again, jax.devices("cpu")[0])
+    zero_copy = adopted.unsafe_buffer_pointer() == address
+    del again
+    while_adopted = next_address()
+    del adopted
+    deadline = time.time() + 5           # JAX lets go of an adopted buffer a little after the array
+    after = next_address()
+    while after != address and time.time() < deadline:
+        gc.collect()                     # the device array may sit in a reference cycle
+        time.sleep(0.01)
+        after = next_address()
+    assert while_sliced != address       # the slice still viewed it
+    assert freed == address              # then it was free
+    assert zero_copy                     # adopted by the device, not copied
+    assert while_adopted != address      # the device array viewed it
+    assert after == address              # free again once the device array was gone

@@ -6,16 +6,17 @@ device array views the whole region. That removes the all-gather copy into
 a private buffer, the largest memory pass of the shared-memory all-reduce.
 
 A region is reused only when no rank still holds a view of it. Each rank
-tracks its own views through the reference count of the region's mapping
-(a device array that adopted a view keeps the mapping alive) and publishes a
-*held* flag per region in a shared table. The master picks the region for the
+hands out a region as a fresh ``np.frombuffer`` array over its mapping (a
+*lease*): every view derived from it, and a device array that adopted it,
+keeps the lease alive, so a weak reference tells when none is left. Each
+rank publishes a *held* flag per region in a shared table. The master picks the region for the
 next all-reduce while the workers are idle, from flags every rank refreshed
 after its last collective; a stale flag only ever says "held", so a region in
 use is never picked. When every region is held (the program keeps many
 results alive), the all-reduce falls back to private results.
 """
 
-import sys
+import weakref
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class SharedResults:
         table = self.table_segment.array(np.int64, (n_ranks + 2, MAX_REGIONS))
         self.held, self.sizes, self.gens = table[:n_ranks], table[n_ranks], table[n_ranks + 1]
         self.mapped = {}            # region -> (gen, Segment) mapped in this process
+        self.leases = {}            # region -> weak references to the views handed out here
 
     def _name(self, region, gen):
         return f"{self.prefix}_rr{region}g{gen}"
@@ -84,14 +86,17 @@ class SharedResults:
                 self._unmap(region)
             entry = self.mapped[region] = (gen, Segment(self._name(region, gen)))
         self.held[self.rank, region] = 1
-        return entry[1].array(dtype, (count,))
+        lease = np.frombuffer(entry[1].mm, dtype, count)
+        self.leases.setdefault(region, []).append(weakref.ref(lease))
+        return lease
 
     def refresh(self):
         """Clear this rank's flag on every region none of its arrays views any more."""
-        for region, (_, segment) in self.mapped.items():
-            # referenced by the segment and getrefcount's argument only: no view is alive
-            if self.held[self.rank, region] and sys.getrefcount(segment.mm) <= 2:
+        for region in self.mapped:
+            leases = self.leases.get(region, [])
+            if self.held[self.rank, region] and all(lease() is None for lease in leases):
                 self.held[self.rank, region] = 0
+                leases.clear()
 
     def _unmap(self, region):
         _, segment = self.mapped.pop(region)
