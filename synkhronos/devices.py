@@ -15,6 +15,7 @@ different sizes in a collective.
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -31,6 +32,8 @@ __all__ = ["backend_exists", "count_devices", "default_platform", "configure_env
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
 _GPU_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "jax-rocm7-plugin", "jax-rocm60-plugin")
+
+log = logging.getLogger(__name__)
 
 
 def backend_exists():
@@ -234,7 +237,7 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
         libc.mallopt(m_mmap_max, 0)
         libc.mallopt(m_trim_threshold, max_bytes)
     except (OSError, AttributeError):
-        pass
+        log.debug("mallopt is not available here; the allocator keeps its defaults")
 
 
 #: threads numpy's BLAS was limited to in this process (None: not limited; see limit_blas_threads)

@@ -10,6 +10,7 @@ import atexit
 import collections
 import functools
 import json
+import logging
 import os
 import pickle
 import signal
@@ -31,6 +32,8 @@ from .transport import read_pickle, unpack_arrays, write_bytes
 
 __all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "current", "Runtime",
            "serialized"]
+
+log = logging.getLogger(__name__)
 
 _runtime = None
 _closed_once = False
@@ -189,8 +192,8 @@ class Runtime:
                 self.ctl.post_command(Op.STOP, self.worker_ranks)
                 try:
                     self._wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 5)
-                except Exception:
-                    pass
+                except Exception:       # they are stopped by force below
+                    log.debug("workers did not stop when asked", exc_info=True)
         finally:
             self._reap_workers()
             self._release_segments()
@@ -198,8 +201,8 @@ class Runtime:
             self.is_open = False
             try:
                 devices.shutdown_process()
-            except Exception:
-                pass
+            except Exception:           # the workers are gone already; nothing is left to wait for
+                log.debug("leaving the JAX runtime failed in the master", exc_info=True)
 
     def _reap_workers(self):
         deadline = time.time() + 5

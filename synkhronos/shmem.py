@@ -13,6 +13,7 @@ the buffer are alive. Here a mapping is released when its last view dies.
 """
 
 import errno
+import logging
 import math
 import mmap
 import os
@@ -23,6 +24,8 @@ import _posixshmem
 import numpy as np
 
 __all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "unlink"]
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
@@ -48,7 +51,7 @@ def _unregister(name):
     try:
         resource_tracker.unregister("/" + name, "shared_memory")
     except Exception:  # the tracker may already be gone at interpreter exit
-        pass
+        log.debug("could not unregister segment %s from the resource tracker", name, exc_info=True)
 
 
 def _reserve(fd, size):

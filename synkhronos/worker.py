@@ -10,6 +10,7 @@ import cProfile
 import ctypes
 import ctypes.util
 import json
+import logging
 import os
 import pickle
 import signal
@@ -27,6 +28,8 @@ from .shmem import GrowableSegment, SegmentMirror
 from .transport import pack_arrays, packed_nbytes, write_pickle
 
 _PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger(__name__)
 
 
 class MasterGone(SystemExit):
@@ -236,8 +239,8 @@ def _die_with_parent():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:
-        pass
+    except Exception:       # the pid checks in every wait still notice a dead master
+        log.debug("no parent-death signal for this worker", exc_info=True)
 
 
 def _exit_on_sigterm(signum, frame):
@@ -281,8 +284,8 @@ def main():
         worker.cleanup()
     try:
         devices.shutdown_process()
-    except Exception:
-        pass
+    except Exception:       # the master may have left the JAX runtime first
+        log.debug("leaving the JAX runtime failed in rank %d", worker.rank, exc_info=True)
     return 0
 
 
