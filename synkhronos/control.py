@@ -2,7 +2,7 @@
 
 Layout (all in one segment created by the master)::
 
-    header   int64[16]        opcode, sequence number, payload gen/size, index gen
+    header   int64[16]        opcode, payload gen/size, master rank, collective state, plan id
     args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
     status   int64[n, 8]      per rank: state, result generation and size, rows, warnings
     records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
@@ -224,15 +224,14 @@ class ControlBlock:
                 sem.init()
 
     # header fields
-    OPCODE, SEQ, PAYLOAD_GEN, PAYLOAD_NBYTES, INDEX_GEN, MASTER_RANK, DECISION, FAULT, COMM_GEN, \
-        PLAN_ID, RESULT_REGION, REDUCE_PATH = range(12)
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, FAULT, COMM_GEN, PLAN_ID, \
+        RESULT_REGION, REDUCE_PATH = range(10)
     # status fields
-    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, DIED, WARN_GEN, WARN_NBYTES = range(7)
+    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES = range(6)
 
     def post_command(self, opcode, ranks):
         """Publish the command already written to ``args`` to ``ranks``."""
         self.header[self.OPCODE] = opcode
-        self.header[self.SEQ] += 1
         self.release(ranks)
 
     def release(self, ranks):

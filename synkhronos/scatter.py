@@ -12,24 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Batch", "parse_batch", "parse_batch_s", "batch_from_spec", "split_bounds", "chunk",
+__all__ = ["Batch", "parse_batch", "parse_batch_s", "batch_from_spec", "chunk",
            "check_num_slices", "gather_rows"]
 
 #: rows gathered per block by :func:`gather_rows` (~0.8 MB of 3 KB rows: the block stays in L2)
 GATHER_BLOCK = 256
 #: rows at least this large get their first element touched first (smaller rows share pages)
 TOUCH_MIN_ROW_BYTES = 1024
-
-
-def split_bounds(total, parts):
-    """Boundaries of ``parts`` near-equal contiguous chunks of ``total`` items.
-
-    Examples
-    --------
-    >>> split_bounds(7, 2)
-    [0, 3, 7]
-    """
-    return [total * i // parts for i in range(parts + 1)]
 
 
 def chunk(lo, hi, parts, index):
