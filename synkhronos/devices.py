@@ -140,14 +140,11 @@ def place_on_device(shared_vars):
     second time on its second call (a ResNet step: seconds). Placing the values
     first makes the first call's shardings the lasting ones.
     """
-    import jax
     from pytensor.tensor.type import TensorType
-    device = None
     for var in shared_vars:
         value = var.container.storage[0]
         if isinstance(value, (np.ndarray, np.generic)) and isinstance(var.type, TensorType):
-            device = device or jax.local_devices()[0]
-            var.container.storage[0] = jax.device_put(np.asarray(value, var.type.dtype), device)
+            var.container.storage[0] = to_device(np.asarray(value, var.type.dtype))
 
 
 _HOST_POOL = BufferPool()

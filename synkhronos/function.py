@@ -92,10 +92,21 @@ def _normalize_updates(updates):
     return triples, generators
 
 
+def _shape_text(shape):
+    """A static shape as one writes it in ``pt.tensor(shape=...)``, ``None`` for a free length.
+
+    Examples
+    --------
+    >>> _shape_text((None, 3)), _shape_text((None,))
+    ('(None, 3)', '(None,)')
+    """
+    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + \
+        ("," if len(shape) == 1 else "") + ")"
+
+
 def _declared(var):
-    """``var``'s static shape as PyTensor declares it, ``None`` for a free length."""
-    return "(" + ", ".join("None" if d is None else str(d) for d in var.type.shape) + \
-        ("," if var.type.ndim == 1 else "") + ")"
+    """``var``'s static shape as PyTensor declares it."""
+    return _shape_text(var.type.shape)
 
 
 def _check_declared_shape(var, name, shape, scattered):
@@ -131,7 +142,7 @@ def _check_free_rows(inputs):
     for var in inputs:
         rows = declared_rows(var)
         if rows is not None:
-            free = "(None" + "".join(f", {d}" for d in var.type.shape[1:]) + ")"
+            free = _shape_text((None,) + tuple(var.type.shape[1:]))
             raise TypeError(
                 f"scattered input {var} is declared with a static row count, shape "
                 f"{_declared(var)}, but each device computes its own share of a call's rows, and a "

@@ -17,6 +17,9 @@ def test_a_static_row_count_is_refused_with_the_way_to_declare_it(synk2):
     n_functions = len(synk2.functions)
     with pytest.raises(TypeError, match=r"static row count, shape \(8, 3\).*shape=\(None, 3\)"):
         synk.function([x], ((x ** 2).sum(axis=1).mean(), "avg"))
+    labels = pt.tensor("labels", shape=(8,), dtype="int64")
+    with pytest.raises(TypeError, match=r"shape=\(None,\)"):
+        synk.function([labels], (labels.sum(), "sum"))
     assert len(synk2.functions) == n_functions
     free = pt.tensor("x", shape=(None, 3), dtype="float64")
     f = synk.function([free], [((free ** 2).sum(axis=1).mean(), "avg"),
