@@ -25,7 +25,7 @@ def pytensor_graph():
     import pytensor
     import pytensor.tensor as pt
 
-    from synkhronos.devices import set_precision
+    from synkhronos.platform.jax_init import set_precision
     # optimizer constants in float32 too, and JAX in 32 bits: PyTensor turns JAX's 64-bit mode on
     # when its JAX backend is imported under the default floatX (float64), and then computes the
     # float64-accumulated parts of the backward pass, dots included, in float64 (seen in the HLO)

@@ -7,8 +7,8 @@ makes a one-thread pool): the per-core speed of the step's compiled code.
 ``--synk-mode`` compiles with the mode synkhronos uses on a CPU device
 (PyTensor's JAX mode plus :mod:`synkhronos.rewrites`) instead of plain "JAX",
 and allocates and limits numpy's BLAS as a synkhronos process does
-(:func:`synkhronos.devices.keep_freed_memory_for_reuse`,
-:func:`synkhronos.devices.limit_blas_threads`).
+(:func:`synkhronos.platform.cpu_tuning.keep_freed_memory_for_reuse`,
+:func:`synkhronos.platform.cpu_blas.limit_blas_threads`).
 """
 
 import os
@@ -45,7 +45,8 @@ def main(batches, steps, mode="JAX"):
 
 if __name__ == "__main__":
     if "--synk-mode" in sys.argv:
-        from synkhronos.devices import keep_freed_memory_for_reuse, limit_blas_threads
+        from synkhronos.platform.cpu_blas import limit_blas_threads
+        from synkhronos.platform.cpu_tuning import keep_freed_memory_for_reuse
         from synkhronos.rewrites import compile_mode
         keep_freed_memory_for_reuse()
         limit_blas_threads(len(os.sched_getaffinity(0)))

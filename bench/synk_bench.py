@@ -12,8 +12,8 @@ from bench.busy_call import tiny_direct
 from bench.common import (bare_gathering, busy_peer, concurrent_copy_time, copy_pair, core_handover,
                           interleaved_medians, shuffled_batches)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
-from synkhronos.comm.paths import PUBLISHED
-from synkhronos.comm.shm import PIPELINE_MIN_BYTES
+from synkhronos.comm.shm.paths import PUBLISHED
+from synkhronos.comm.shm.collectives import PIPELINE_MIN_BYTES
 from synkhronos.extensions import train, updates
 from synkhronos.scatter import gather_rows
 
@@ -127,21 +127,16 @@ def _split_by_core_distance(blocks, handovers, n):
                 far_bus_vs_copy=far_ratio)
 
 
-def _header_word(name):
-    """A word of the control block's header, as the master wrote it for the last collective."""
-    from synkhronos import lifecycle
-    from synkhronos.control import ControlBlock
-    return int(lifecycle.current().ctl.header[getattr(ControlBlock, name)])
-
-
 def result_region():
     """The shared result region the last all-reduce wrote (-1: a private result)."""
-    return _header_word("RESULT_REGION")
+    from synkhronos.runtime import master
+    return master.current().comm.chosen_region
 
 
 def reduce_path():
-    """The path (synkhronos.comm.paths) the master chose for the last large all-reduce."""
-    return _header_word("REDUCE_PATH")
+    """The path (synkhronos.comm.shm.paths) the master chose for the last large all-reduce."""
+    from synkhronos.runtime import master
+    return master.current().comm.chosen_path
 
 
 def training(batches, steps):

@@ -32,7 +32,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos import lifecycle
+from synkhronos.runtime import master
 from synkhronos.extensions import train, updates
 
 VARIANTS = ("single", "cpu", "device")
@@ -193,10 +193,10 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         raise ValueError(f"variant must be one of {VARIANTS}")
     data = load_data(data_path, seed)
     forked_here = False
-    if variant != "single" and lifecycle._runtime is None:
+    if variant != "single" and master.active() is None:
         synk.fork(devices)
         forked_here = True
-    n_devices = 1 if variant == "single" else lifecycle.current().n_parallel
+    n_devices = 1 if variant == "single" else master.current().n_parallel
     make_graph, params, static = build_model(model, data["side"], seed=seed)
     step = _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)
     evaluate = _evaluators(variant, make_graph, static, data, n_devices)

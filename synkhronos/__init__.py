@@ -1,5 +1,9 @@
 """synkhronos: data-parallel PyTensor functions on many devices from one script.
 
+Importing synkhronos changes nothing outside it (no JAX import, no environment
+variable, no PyTensor setting); ``fork()`` prepares the process and ``close()``
+puts it back.
+
 Examples
 --------
 >>> import synkhronos as synk                                   # doctest: +SKIP
@@ -10,18 +14,12 @@ Examples
 >>> synk.close()                                                # doctest: +SKIP
 """
 
-import os as _os
-
-# XLA's C++ logging reads this when jaxlib loads (importing synkhronos loads it): without it every
-# fork() prints the coordination service's warnings. Errors still show; set it yourself to see more.
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-from .collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
-                          get_value, reduce, scatter, set_value)
-from .data import Data, data
+from .api.collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
+                               get_value, reduce, scatter, set_value)
+from .api.data import Data, data
+from .api.function import Function, function
+from .api.lifecycle import close, distribute, fork, get_n_devices, get_n_gpu
 from .errors import StallError, SynkError, WorkerError
-from .function import Function, function
-from .lifecycle import close, distribute, fork, get_n_devices, get_n_gpu
 
 __all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "function", "Function",
            "data", "Data", "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",

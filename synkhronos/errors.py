@@ -4,7 +4,7 @@ import builtins
 import functools
 import traceback
 
-__all__ = ["SynkError", "WorkerError", "StallError", "exception_name"]
+__all__ = ["SynkError", "WorkerError", "StallError", "ShapeMismatch", "exception_name"]
 
 
 def exception_name(e):
@@ -123,3 +123,7 @@ class StallError(SynkError):
 
     def __reduce__(self):
         return (type(self), (self.what, self.arrived, self.missing, self.timeout))
+
+
+class ShapeMismatch(ValueError):
+    """A rank's value has another shape than the master's (found while preparing a collective)."""

@@ -11,7 +11,7 @@ there through :class:`TransposedDot`'s tiled transposes (XLA runs a skinny
 ``A.T @ B``, an output layer's gradient, far slower than transposed first).
 
 The callback needs numpy's BLAS limited to this process's share of the cores
-(:func:`synkhronos.devices.limit_blas_threads`); without that, products stay in
+(:func:`synkhronos.platform.cpu_blas.limit_blas_threads`); without that, products stay in
 XLA. GPUs take transposed operands natively and multiply on the device; there
 the rewrite is left out (see :func:`compile_mode`).
 """
@@ -22,12 +22,11 @@ from pytensor.compile.mode import get_mode, optdb
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
-from pytensor.link.jax.dispatch import jax_funcify
 from pytensor.scalar import upcast
 from pytensor.tensor.elemwise import DimShuffle
 from pytensor.tensor.math import Dot
 
-from . import devices
+from .platform.cpu_blas import blas_threads
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
            "REWRITE_TAG", "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
@@ -51,7 +50,7 @@ class BlasDot(Op):
     -----
     In JAX a product of at least :data:`HOST_BLAS_MIN_FLOPS` runs in numpy's
     BLAS (``jax.pure_callback``; BLAS reads a transposed operand in place) once
-    :func:`synkhronos.devices.limit_blas_threads` has limited its threads;
+    :func:`synkhronos.platform.cpu_blas.limit_blas_threads` has limited its threads;
     any other in XLA. Elsewhere it is ``numpy.dot``.
 
     Examples
@@ -200,15 +199,15 @@ def raise_deferred_interrupt(error=None):
         raise KeyboardInterrupt from error
 
 
-@jax_funcify.register(BlasDot)
 def _jax_blas_dot(op, node, **kwargs):
+    """How PyTensor's JAX backend runs a :class:`BlasDot` (registered by :func:`compile_mode`)."""
     import jax
     dtype = node.outputs[0].dtype
     host = _host_product(op, dtype)
 
     def blas_dot(a, b):
         rows, k, cols = op.dims(a.shape, b.shape)
-        if devices.blas_threads() is not None and 2 * rows * k * cols >= HOST_BLAS_MIN_FLOPS:
+        if blas_threads() is not None and 2 * rows * k * cols >= HOST_BLAS_MIN_FLOPS:
             return jax.pure_callback(host, jax.ShapeDtypeStruct((rows, cols), dtype), a, b)
         return _xla_product(op.transpose_a, op.transpose_b, a, b).astype(dtype)
     return blas_dot
@@ -233,17 +232,32 @@ def blas_dots(fgraph, node):
     return [op(a, b)]
 
 
-# After every PyTensor rewrite has put the transposes where they stay, before the final merge.
-optdb.register("synk_blas_dots", in2out(blas_dots), REWRITE_TAG, position=99)
+_installed = []
+
+
+def _install():
+    """Register the rewrite (under its own tag, off in every mode that does not include it) and
+    :class:`BlasDot`'s JAX implementation with PyTensor, once, when synkhronos first compiles."""
+    if _installed:
+        return
+    from pytensor.link.jax.dispatch import jax_funcify
+    jax_funcify.register(BlasDot)(_jax_blas_dot)
+    # After every PyTensor rewrite has put the transposes where they stay, before the final merge.
+    optdb.register("synk_blas_dots", in2out(blas_dots), REWRITE_TAG, position=99)
+    _installed.append(True)
 
 
 def compile_mode(platform):
     """The PyTensor mode synkhronos compiles with on ``platform`` ("cpu", "gpu", ...).
+
+    The first call registers synkhronos's rewrite with PyTensor, under a tag no
+    other mode includes.
 
     Examples
     --------
     >>> compile_mode("cpu").provided_optimizer.include >= {"synk_cpu_dots"}
     True
     """
+    _install()
     mode = get_mode("JAX")
     return mode.including(REWRITE_TAG) if platform == "cpu" else mode

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import synkhronos as synk
-from synkhronos import lifecycle
+from synkhronos.runtime import master
 
 N_PARALLEL = 2
 
@@ -35,28 +35,28 @@ def child_pids(pid=None):
 
 def worker_children():
     """Child processes that are synkhronos workers (resource trackers excluded)."""
-    rt = lifecycle._runtime
-    return [p for p, _ in child_pids() if rt is None or p in {w.pid for w in rt.procs.values()}]
+    rt = master.active()
+    return [p for p, _ in child_pids() if rt is None or p in set(rt.worker_pids.values())]
 
 
 @pytest.fixture
 def synk2():
     """A running 2-device runtime (re-forked if a test closed it)."""
-    if lifecycle._runtime is None:
+    if master.active() is None:
         synk.fork(N_PARALLEL)
-    yield lifecycle.current()
+    yield master.current()
 
 
 @pytest.fixture(scope="module", params=["shm", "jax"])
 def comm_kind(request):
     """Run a module's tests under each collective implementation (both on CPU)."""
-    rt = lifecycle._runtime
+    rt = master.active()
     if rt is not None and rt.comm_kind != request.param:
         synk.close()
-    if lifecycle._runtime is None:
+    if master.active() is None:
         synk.fork(N_PARALLEL, collectives=request.param)
     yield request.param
-    if lifecycle._runtime is not None and lifecycle._runtime.comm_kind != "shm":
+    if master.active() is not None and master.active().comm_kind != "shm":
         synk.close()   # leave the default runtime for the next modules
 
 

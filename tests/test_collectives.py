@@ -10,9 +10,8 @@ import pytest
 
 import synkhronos as synk
 from helpers import close
-from synkhronos import lifecycle
-from synkhronos.comm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
-from synkhronos.control import ControlBlock
+from synkhronos.runtime import master
+from synkhronos.comm.shm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
 
 pytestmark = pytest.mark.timeout(240)
 _unique = itertools.count()
@@ -160,7 +159,7 @@ def reduce_path(comm_kind, path):
             pytest.skip("the path choice belongs to the shared-memory collectives")
         yield                                   # the JAX runtime has one path
         return
-    paths = lifecycle.current().comm.paths
+    paths = master.current().comm.paths
     paths.fixed = path
     try:
         yield
@@ -192,7 +191,7 @@ def test_large_all_reduce_paths_with_shared_and_private_results(comm_kind, synk2
                 synk.set_value(rank, group, values[rank])
             synk.all_reduce(group, op=op)
             if comm_kind == "shm":
-                assert lifecycle.current().ctl.header[ControlBlock.REDUCE_PATH] == path
+                assert master.current().comm.chosen_path == path
             for rank in range(2):
                 for var, v0, v1 in zip(group, *values):
                     np.testing.assert_array_equal(synk.get_value(rank, var), combine(v0, v1))
@@ -215,7 +214,7 @@ def test_both_paths_give_the_same_bits_and_the_master_times_them(comm_kind, synk
     for got in results[PIPELINED] + results[PUBLISHED]:
         assert got.tobytes() == results[PIPELINED][0].tobytes()
     close(results[PUBLISHED][1], (values[0] + values[1]) / 2)
-    paths = lifecycle.current().comm.paths
+    paths = master.current().comm.paths
     size_class = paths.size_class(big.get_value().nbytes)
     for _ in range(10):             # calls that first touch new shared memory are not timed
         synk.all_reduce(big, op="sum")
@@ -269,7 +268,7 @@ def test_a_held_all_reduce_result_is_never_overwritten(comm_kind, synk2):
 
 
 def test_results_stay_intact_when_more_are_held_than_there_are_shared_regions(comm_kind, synk2):
-    from synkhronos.comm.regions import MAX_REGIONS
+    from synkhronos.comm.shm.regions import MAX_REGIONS
     big = pytensor.shared(np.zeros(300_000, "float32"), name=f"k{next(_unique)}")   # 1.2 MB
     synk.function([], [(big.sum(), "sum")])
     kept = []
@@ -420,12 +419,12 @@ def test_batch_s_errors(sliced, rng):
 
 
 def test_copy_large_copies_in_pieces_and_falls_back_for_strided_arrays(monkeypatch, rng):
-    from synkhronos import devices
-    monkeypatch.setattr(devices, "COPY_PIECE_BYTES", 1000)          # many uneven pieces
+    from synkhronos import device_arrays
+    monkeypatch.setattr(device_arrays, "COPY_PIECE_BYTES", 1000)          # many uneven pieces
     src = rng.normal(size=(301, 7)).astype("float32")
     for source in (src, src[::2], src[:, 3]):                       # contiguous, strided rows, a column
         dst = np.empty_like(source)
-        devices.copy_large(dst, source)
+        device_arrays.copy_large(dst, source)
         np.testing.assert_array_equal(dst, source)
 
 

@@ -11,7 +11,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import lifecycle
+from synkhronos.runtime import master
 from conftest import N_PARALLEL, synk_segments
 from helpers import close, run_script
 
@@ -82,7 +82,7 @@ FORKED_CHILD = """
     _, status = os.waitpid(pid, 0)
     print("STATUS", status, flush=True)
     print(f(np.full((4, 3), 2.0)), flush=True)
-    prefix = synk.lifecycle.current().prefix
+    prefix = synk.runtime.master.current().prefix
     synk.close()
     print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush=True)
 """
@@ -151,11 +151,11 @@ def test_sigterm_to_a_worker_is_named(synk2):
     rt = synk2
     x = pt.matrix("x")
     f = synk.function([x], (x.sum(), "sum"))
-    os.kill(rt.procs[1].pid, signal.SIGTERM)
+    os.kill(rt.worker_pids[1], signal.SIGTERM)
     time.sleep(0.5)
     with pytest.raises(synk.WorkerError, match="killed by SIGTERM") as info:
         f(np.ones((4, 3)))
     assert info.value.rank == 1 and info.value.how == "died"
-    assert lifecycle._runtime is None
+    assert master.active() is None
     assert not [n for n in synk_segments() if n.startswith(rt.prefix)]
     synk.fork(N_PARALLEL)

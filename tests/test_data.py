@@ -89,7 +89,7 @@ def test_free_memory(synk2):
     f = synk.function([x], (x.sum(), "sum"))
     d = synk.data(np.ones(8))
     close(f(d), 8.0)
-    name = d._segment.name()
+    name = d.segment_name()
     d.free_memory()
     assert d.shape is None and d.data is None
     import os

@@ -146,7 +146,7 @@ def test_worker_exception_reaches_master_with_traceback(fx, synk2):
 def test_worker_side_failure_to_map_data(fx, synk2):
     f, xd, bd, X = fx
     d = synk.data(np.ones((4, 3)))
-    os.unlink("/dev/shm/" + d._segment.name())   # the master keeps its mapping; workers cannot map it
+    os.unlink("/dev/shm/" + d.segment_name())   # the master keeps its mapping; workers cannot map it
     with pytest.raises(synk.WorkerError, match="rank 1 raised: FileNotFoundError"):
         f(d, bd)
     _sum_ok(f, xd, bd, X)

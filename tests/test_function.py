@@ -6,7 +6,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos.function import jitted_call
+from synkhronos.rank.compiled import jitted_call
 from helpers import close, reference
 
 pytestmark = pytest.mark.timeout(300)

@@ -30,7 +30,7 @@ def test_second_fork_raises(synk2):
 
 def test_close_leaves_nothing_and_fork_works_again(synk2, rng):
     prefix = synk2.prefix
-    workers = [p.pid for p in synk2.procs.values()]
+    workers = list(synk2.worker_pids.values())
     x = pt.matrix("x")
     f = synk.function([x], (x.sum(0), "sum"))
     d = synk.data(rng.normal(size=(5, 2)))
@@ -67,8 +67,8 @@ def test_fork_after_a_jax_computation_raises():
 def test_counting_devices_creates_no_context():
     out = run_script("""
         import synkhronos as synk
-        from synkhronos import devices
-        print(synk.get_n_devices(), synk.get_n_gpu(), devices.backend_exists())
+        from synkhronos.platform import jax_init
+        print(synk.get_n_devices(), synk.get_n_gpu(), jax_init.backend_exists())
     """)
     n, n_gpu, exists = out.stdout.split()
     assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
@@ -85,7 +85,7 @@ def test_function_before_fork_and_exit_cleanup():
         synk.fork(2)
         f = synk.function([x], (x.sum(), "sum"))
         print("sum", float(f(np.arange(5.0))))
-        print("prefix", synk.lifecycle.current().prefix)
+        print("prefix", synk.runtime.master.current().prefix)
         # no close(): the atexit hook must clean up
     """)
     assert "before fork: synkhronos is not running; call synk.fork() first" in out.stdout, out.stderr
@@ -158,8 +158,8 @@ def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng
     f = synk.function([x], (x.sum(0), "sum"))
     f(synk.data(rng.normal(size=(6, 2))))          # the backends exist and have run
     assert os.sched_getaffinity(0) == set(cores)   # the user's thread is not pinned
-    per_rank = {synk2.master_rank: os.getpid(), **{r: p.pid for r, p in synk2.procs.items()}}
+    per_rank = {synk2.master_rank: os.getpid(), **synk2.worker_pids}
     for rank, pid in per_rank.items():
-        share = {cores[(rank * synk2.threads + i) % len(cores)] for i in range(synk2.threads)}
+        share = {cores[(rank * synk2.settings.threads + i) % len(cores)] for i in range(synk2.settings.threads)}
         bound = [a for a in _thread_affinities(pid).values() if a == share]
         assert bound, f"rank {rank}: no thread bound to its cores {share}"

@@ -13,7 +13,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos.data import STAGING_KEEP_BYTES
+from synkhronos.api.data import STAGING_KEEP_BYTES
 from conftest import synk_segments
 from helpers import close
 
@@ -53,7 +53,7 @@ for what, make in [("DATA", lambda: synk.data(np.ones((1600000, 8)))),
         print(what, "/dev/shm" in str(e) and "--shm-size" in str(e), flush=True)
     print("NOTHING NEW", set(os.listdir("/dev/shm")) <= set(before), flush=True)
 print(f(np.full((4, 3), 2.0)), flush=True)
-prefix = synk.lifecycle.current().prefix
+prefix = synk.runtime.master.current().prefix
 synk.close()
 print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush=True)
 """
@@ -82,14 +82,14 @@ def test_data_is_freed_with_its_last_reference(synk2, rng):
 
     def own_segments():               # this runtime's only: other runs on the machine may have theirs
         return [n for n in synk_segments() if n.startswith(rt.prefix)]
-    segments, fds = len(own_segments()), [_fds(os.getpid())] + [_fds(p.pid) for p in rt.procs.values()]
+    segments, fds = len(own_segments()), [_fds(os.getpid())] + [_fds(pid) for pid in rt.worker_pids.values()]
     for i in range(40):                        # 2 MB each, mapped by every rank
         X = rng.normal(size=(1000, 256))
         close(f(synk.data(X)), X.sum(), rtol=1e-9)
     gc.collect()
     close(f(np.ones((3, 2))), 6.0)            # the workers let go before this command
     assert len(own_segments()) == segments
-    now = [_fds(os.getpid())] + [_fds(p.pid) for p in rt.procs.values()]
+    now = [_fds(os.getpid())] + [_fds(pid) for pid in rt.worker_pids.values()]
     assert all(n <= before + 2 for n, before in zip(now, fds)), (fds, now)
     kept = synk.data(np.arange(6.0).reshape(3, 2))      # a Data still referenced stays usable
     gc.collect()

@@ -21,7 +21,7 @@ _functions = {}
 
 def functions_for(dtype):
     """One function per dtype, built once per runtime (every output mode that suits it)."""
-    rt = synk.lifecycle.current()
+    rt = synk.runtime.master.current()
     key = (id(rt), dtype)
     if key not in _functions:
         x = pt.matrix("x", dtype=dtype)
@@ -114,7 +114,7 @@ def _fds(pid):
 
 
 def _measure(rt):
-    pids = [os.getpid()] + [p.pid for p in rt.procs.values()]
+    pids = [os.getpid()] + list(rt.worker_pids.values())
     return dict(rss_kb=[_rss_kb(p) for p in pids], fds=[_fds(p) for p in pids],
                 segments=len([n for n in synk_segments() if n.startswith(rt.prefix)]))
 

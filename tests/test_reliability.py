@@ -18,8 +18,8 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
-from synkhronos import lifecycle
-from synkhronos.comm.paths import PIPELINED
+from synkhronos.runtime import master
+from synkhronos.comm.shm.paths import PIPELINED
 from conftest import N_PARALLEL, child_pids, synk_segments
 from helpers import close
 
@@ -48,8 +48,8 @@ def heavy_function():
 @pytest.mark.parametrize("when", ["idle", "mid-call", "mid-collective"])
 def test_killed_worker_becomes_worker_error(synk2, when):
     rt = synk2
-    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
-    victim = rt.procs[1].pid
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
+    victim = rt.worker_pids[1]
     f = heavy_function()
     v = pytensor.shared(np.ones(1000), name=f"v_kill_{when}")
     synk.function([], [(v.sum(), "sum")])
@@ -71,7 +71,7 @@ def test_killed_worker_becomes_worker_error(synk2, when):
         call()
     assert time.time() - t0 < 10
     assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
-    assert lifecycle._runtime is None
+    assert master.active() is None
     assert_clean(prefix, pids)
     synk.fork(N_PARALLEL)                                       # usable again in the same script
     x = pt.vector("x")
@@ -95,7 +95,7 @@ def test_worker_raising_in_a_collective_keeps_runtime_usable(synk2):
 def test_worker_dying_inside_the_pipelined_all_reduce_becomes_worker_error(synk2):
     """A rank dies while its peer streams chunks through their rings: an error, no hang, no leak."""
     rt = synk2
-    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
     big = pytensor.shared(np.ones(3_000_000, "float32"), name="v_ring_death")   # 12 MB: pipelined
     synk.function([], [(big.sum(), "sum")])
     synk.distribute()
@@ -114,16 +114,16 @@ def test_worker_dying_inside_the_pipelined_all_reduce_becomes_worker_error(synk2
 
 @pytest.mark.parametrize("what", ["collective", "call"])
 def test_stall_names_the_ranks(what):
-    if lifecycle._runtime is not None:
+    if master.active() is not None:
         synk.close()
     synk.fork(N_PARALLEL, stall_timeout=2)
-    rt = lifecycle.current()
-    prefix, pids = rt.prefix, [p.pid for p in rt.procs.values()]
+    rt = master.current()
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
     v = pytensor.shared(np.ones(3), name=f"v_stall_{what}")
     x = pt.vector("x")
     f = synk.function([x], [(x.sum() + v.sum(), "sum")])
     f(np.ones(4))
-    os.kill(rt.procs[1].pid, signal.SIGSTOP)
+    os.kill(rt.worker_pids[1], signal.SIGSTOP)
     t0 = time.time()
     with pytest.raises(synk.StallError) as info:
         synk.all_reduce(v) if what == "collective" else f(np.ones(4))
@@ -148,12 +148,12 @@ def _read_ready(proc):
 MASTER = """
     import sys, time, numpy as np, pytensor.tensor as pt, synkhronos as synk
     synk.fork(2)
-    rt = synk.lifecycle.current()
+    rt = synk.runtime.master.current()
     x, w = pt.matrix("x"), pt.matrix("w")
     f = synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w])
     d = synk.data(np.ones((100, 10)))
     f(np.ones((8, 10)), np.ones((10, 10)))
-    print(rt.prefix, *[p.pid for p in rt.procs.values()], flush=True)
+    print(rt.prefix, *list(rt.worker_pids.values()), flush=True)
     X, W = np.ones((4000, 600)), np.ones((600, 600)) * 1e-3
     while True:
         f(X, W, num_slices=40)
@@ -240,7 +240,7 @@ def test_listens_on_loopback_only_and_segments_are_private(synk2):
     synk.function([], [(v.sum(), "sum")])
     for kind in ("shm", "jax"):
         synk.all_reduce(v) if kind == synk2.comm_kind else None
-    pids = [os.getpid()] + [p.pid for p in synk2.procs.values()]
+    pids = [os.getpid()] + list(synk2.worker_pids.values())
     inodes = set().union(*[_socket_inodes(p) for p in pids])
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):

@@ -8,7 +8,8 @@ import pytest
 
 import synkhronos as synk
 from helpers import close, reference
-from synkhronos import devices
+from synkhronos.platform.cpu_blas import blas_threads
+from synkhronos.platform.internals import jit_parts
 from synkhronos.rewrites import (HOST_BLAS_MIN_FLOPS, BlasDot, TransposedDot, compile_mode,
                                  tiled_transpose, transposed_dot)
 
@@ -43,14 +44,14 @@ def test_large_products_run_in_numpys_blas_and_agree(synk2, rng, dtype, rtol):
     f = synk.function([x, g], outputs, bcast_inputs=[w], name=f"large_{dtype}")
     X, G = rng.normal(size=(512, 256)).astype(dtype), rng.normal(size=(512, 256)).astype(dtype)
     W = rng.normal(size=(256, 256)).astype(dtype)
-    assert 2 * 256 * 256 * 256 >= HOST_BLAS_MIN_FLOPS and devices.blas_threads() == 1
+    assert 2 * 256 * 256 * 256 >= HOST_BLAS_MIN_FLOPS and blas_threads() == 1
     out = f(X, G, W)
     for got, want in zip(out, reference(f, X, G, W)):
         assert got.dtype == dtype
         close(got, want, rtol=rtol, atol=rtol)
     # the master's compiled graph calls back into numpy for them (one callback per product)
-    jit = f.compiled.function.vm.jit_fn
-    cells = [c[0] for c in f.compiled.function.vm.inputs]
+    parts = jit_parts(f.compiled.function)
+    jit, cells = parts.jit, [c[0] for c in parts.cells]
     hlo = jit.lower(X[:256], G[:256], W, *cells[3:]).as_text()
     assert hlo.count("callback") >= 4
 

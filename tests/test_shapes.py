@@ -14,13 +14,13 @@ pytestmark = pytest.mark.timeout(180)
 def test_a_static_row_count_is_refused_with_the_way_to_declare_it(synk2):
     """A graph built for 8 rows may hold 8 anywhere; each device computes a share, so it is refused."""
     x = pt.tensor("x", shape=(8, 3), dtype="float64")
-    n_functions = len(synk2.functions)
+    n_functions = synk2.n_functions
     with pytest.raises(TypeError, match=r"static row count, shape \(8, 3\).*shape=\(None, 3\)"):
         synk.function([x], ((x ** 2).sum(axis=1).mean(), "avg"))
     labels = pt.tensor("labels", shape=(8,), dtype="int64")
     with pytest.raises(TypeError, match=r"shape=\(None,\)"):
         synk.function([labels], (labels.sum(), "sum"))
-    assert len(synk2.functions) == n_functions
+    assert synk2.n_functions == n_functions
     free = pt.tensor("x", shape=(None, 3), dtype="float64")
     f = synk.function([free], [((free ** 2).sum(axis=1).mean(), "avg"),
                                (pt.cast(free.shape[0], "float64"), "sum")])
@@ -65,7 +65,7 @@ def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng)
     X, Y = rng.normal(size=(9, 6, 6, 1)), rng.integers(0, 3, size=9)
     start = [p.get_value() for p in params]
     x9 = pt.tensor("images", shape=(9, 6, 6, 1), dtype="float64")       # the reference, static
-    from synkhronos.function import rebuild_on
+    from synkhronos.rank.compiled import rebuild_on
     loss9, = rebuild_on([loss], {x: x9})
     want_loss, *grads = pytensor.function([x9, y], [loss9, *pytensor.grad(loss9, params)],
                                           mode="JAX")(X, Y)

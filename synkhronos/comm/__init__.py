@@ -1,13 +1,4 @@
-"""Collective implementations behind one interface.
-
-Every implementation takes a list of arrays of one dtype (the same shapes on
-every rank), is called by every rank at once, and returns a list of device
-arrays, one per input, in one launch for the whole list:
-
-- ``all_reduce(values, op)`` with op in ``sum``, ``avg``, ``prod``, ``min``, ``max``:
-  the element-wise reduction across ranks (``avg``: the sum divided by the number of ranks);
-- ``all_gather(values)``: each value stacked across ranks, shape ``(n_ranks, *shape)``;
-- ``broadcast(values, root)``: root's values.
+"""Collective implementations behind one interface (:class:`~synkhronos.comm.base.Comm`).
 
 :class:`~synkhronos.comm.jax_runtime.JaxComm` runs them as jitted ``shard_map``
 programs over the JAX multi-process runtime (Gloo on CPU, NCCL on NVIDIA
@@ -15,19 +6,21 @@ GPUs). It is the path accelerators use and the test suite runs it on CPU.
 :class:`~synkhronos.comm.shm.ShmComm` is the CPU-only path through shared
 memory, the default on CPU because it runs near memory bandwidth.
 
-Either may also define ``reserve(nbytes, result_bytes, reduce_bytes)``, which the
-master calls before a collective so that buffers of ``nbytes`` per rank fit (and,
-for ``ShmComm``, to pick the shared region of a single all-reduce result and the
-path of a large all-reduce: :mod:`synkhronos.comm.paths`), and ``refresh()``,
-which every rank calls after a collective.
+``fork(collectives=...)`` takes a name in :data:`KINDS` or a :class:`Comm`
+subclass of one's own (importable by the workers under the same module path).
 """
 
+import importlib
+
+from .base import Comm, CommContext, Reservation
 from .jax_runtime import JaxComm
 from .shm import ShmComm
 
-__all__ = ["JaxComm", "ShmComm", "make_comm", "KINDS", "default_kind"]
+__all__ = ["Comm", "CommContext", "Reservation", "JaxComm", "ShmComm", "KINDS", "default_kind",
+           "comm_class", "class_path"]
 
-KINDS = ("jax", "shm")
+#: the implementations ``fork(collectives=...)`` knows by name
+KINDS = {"jax": JaxComm, "shm": ShmComm}
 
 
 def default_kind(platform):
@@ -35,14 +28,29 @@ def default_kind(platform):
     return "shm" if platform == "cpu" else "jax"
 
 
-def make_comm(kind, **shm_context):
-    """Return the collective implementation named ``kind`` ("jax" or "shm").
+def class_path(cls):
+    """``module:qualname`` of a Comm class, how a worker finds it."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
-    ``shm_context`` holds what :class:`ShmComm` needs (control block, prefix,
-    ranks, liveness check); the JAX runtime needs nothing.
+
+def comm_class(kind):
+    """The Comm class named ``kind``: a name in :data:`KINDS`, a class, or its ``module:qualname``.
+
+    Examples
+    --------
+    >>> comm_class("shm").__name__, comm_class("synkhronos.comm:JaxComm").__name__
+    ('ShmComm', 'JaxComm')
     """
-    if kind == "jax":
-        return JaxComm()
-    if kind == "shm":
-        return ShmComm(**shm_context)
-    raise ValueError(f"unknown collective implementation {kind!r}; choose from {list(KINDS)}")
+    if isinstance(kind, type) and issubclass(kind, Comm):
+        return kind
+    if isinstance(kind, str) and kind in KINDS:
+        return KINDS[kind]
+    if isinstance(kind, str) and ":" in kind:
+        module, _, name = kind.partition(":")
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, type) and issubclass(obj, Comm):
+            return obj
+    raise ValueError(f"collectives must be one of {list(KINDS)} or a subclass of "
+                     f"synkhronos.comm.Comm, got {kind!r}")

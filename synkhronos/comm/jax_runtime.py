@@ -9,11 +9,9 @@ import contextlib
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+
+from .base import Comm
 
 __all__ = ["JaxComm"]
 
@@ -21,44 +19,68 @@ _AXIS = "d"
 
 
 def _psum_from_root(root):
+    import jax
+    import jax.numpy as jnp
+
     def body(a):
         keep = jax.lax.axis_index(_AXIS) == root
         return jax.lax.psum(jnp.where(keep, a, jnp.zeros_like(a)), _AXIS)
     return body
 
 
-_BODIES = {
-    "sum": lambda a: jax.lax.psum(a, _AXIS),
-    "avg": lambda a: jax.lax.pmean(a, _AXIS),
-    "max": lambda a: jax.lax.pmax(a, _AXIS),
-    "min": lambda a: jax.lax.pmin(a, _AXIS),
-    "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS, tiled=True), axis=0, keepdims=True),
-    "gather": lambda a: jax.lax.all_gather(a, _AXIS, tiled=True)[None],
-}
+def _bodies():
+    """The shard_map body of each collective (JAX imported on first use, not with synkhronos)."""
+    import jax
+    import jax.numpy as jnp
+    return {
+        "sum": lambda a: jax.lax.psum(a, _AXIS),
+        "avg": lambda a: jax.lax.pmean(a, _AXIS),
+        "max": lambda a: jax.lax.pmax(a, _AXIS),
+        "min": lambda a: jax.lax.pmin(a, _AXIS),
+        "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS, tiled=True), axis=0, keepdims=True),
+        "gather": lambda a: jax.lax.all_gather(a, _AXIS, tiled=True)[None],
+    }
 
 
-class JaxComm:
-    """Collectives over every process's single local device."""
+class JaxComm(Comm):
+    """Collectives over every process's single local device, through the JAX runtime.
+
+    Parameters
+    ----------
+    context : CommContext
+        Only the ranks are used: the JAX runtime watches its peers itself, and
+        the master runs this rank's part in a thread it watches.
+    """
 
     name = "jax"
 
-    def __init__(self):
+    def __init__(self, context):
+        import jax
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec
+        super().__init__(context)
         devices = sorted(jax.devices(), key=lambda d: d.process_index)
-        self.n_ranks = len(devices)
+        if len(devices) != self.n_ranks:
+            raise RuntimeError(f"the JAX runtime has {len(devices)} devices for {self.n_ranks} ranks")
         self.device = jax.local_devices()[0]
         self.mesh = Mesh(np.array(devices), (_AXIS,))
-        self.sharding = NamedSharding(self.mesh, P(_AXIS))
+        self.spec = PartitionSpec(_AXIS)
+        self.sharding = NamedSharding(self.mesh, self.spec)
+        self._bodies = _bodies()
         self._programs = {}
         self._connected = False
 
     def _program(self, key, body):
+        import jax
         fn = self._programs.get(key)
         if fn is None:
             fn = self._programs[key] = jax.jit(jax.shard_map(
-                body, mesh=self.mesh, in_specs=P(_AXIS), out_specs=P(_AXIS)))
+                body, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec))
         return fn
 
     def _run(self, key, body, x):
+        import jax
+        import jax.numpy as jnp
         local = jax.device_put(jnp.reshape(x, (1, -1)), self.device)
         bool_input = local.dtype == jnp.bool_
         if bool_input:  # collectives do not take bool: travel as int8
@@ -75,10 +97,11 @@ class JaxComm:
         return out.astype(jnp.bool_) if bool_input else out
 
     def all_reduce(self, values, op):
-        return _unflat(self._run(op, _BODIES[op], _flat(values)), values)
+        return _unflat(self._run(op, self._bodies[op], _flat(values)), values)
 
     def all_gather(self, values):
-        stacked = self._run("gather", _BODIES["gather"], _flat(values))
+        import jax.numpy as jnp
+        stacked = self._run("gather", self._bodies["gather"], _flat(values))
         per_rank = [_unflat(stacked[r], values) for r in range(self.n_ranks)]
         return [jnp.stack([per_rank[r][i] for r in range(self.n_ranks)]) for i in range(len(values))]
 
@@ -103,6 +126,7 @@ def _stdout_silenced():
 
 def _flat(values):
     """One flat device vector of ``values`` (one collective launch for all of them)."""
+    import jax.numpy as jnp
     return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
 
 

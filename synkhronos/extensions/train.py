@@ -6,8 +6,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from .. import collectives, lifecycle
-from ..function import function
+from ..api import collectives
+from ..runtime.master import current
+from ..api.function import function
 from ..scatter import batch_from_spec, parse_batch_s
 
 __all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function",
@@ -64,7 +65,7 @@ class _WeightedStep:
         (target, flat_grad), = grad_updates
         dtype = self.grad_shared.type.dtype
         batch_rows = pt.scalar("batch_rows", dtype=dtype)
-        weight = pt.cast(x.shape[0], dtype) * lifecycle.current().n_parallel / batch_rows
+        weight = pt.cast(x.shape[0], dtype) * current().n_parallel / batch_rows
         self.f_grad = function(list(inputs), (loss, "avg"), bcast_inputs=[batch_rows],
                                updates=[(target, flat_grad * weight, "sum")], name="train_grad",
                                **function_kwargs)

@@ -20,7 +20,7 @@ import weakref
 
 import numpy as np
 
-from ..shmem import Segment
+from ...shmem import Segment
 
 __all__ = ["SharedResults", "MAX_REGIONS", "MIN_REGION_BYTES"]
 

@@ -2,69 +2,41 @@
 
 Layout (all in one segment created by the master)::
 
-    header   int64[16]        opcode, payload gen/size, master rank, collective state, plan id
+    header   int64[16]        opcode, payload gen/size, master rank, decision, plan slot/generation
     args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
     status   int64[n, 8]      per rank: state, result generation and size, rows, warnings
     records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
-    barrier  sem_t[n]         rank -> rank: the shared-memory collectives' barrier
-    filled   sem_t[n, n]      rank r -> rank q: a chunk of the pipelined all-reduce is ready
-    freed    sem_t[n, n]      rank q -> rank r: that chunk's ring slot may be written again
 
-Semaphores are process-shared POSIX semaphores (futexes) placed inside the
-segment. A waiter spins briefly on ``sem_trywait`` before blocking: a round
-trip through a spinning waiter is several times faster than one through a
-sleeping one. Every
-blocking wait is sliced into short timed waits with a liveness check between
-slices, so nothing waits forever on a dead peer.
+Semaphores are process-shared POSIX semaphores (:class:`synkhronos.shmem.Semaphore`)
+placed inside the segment. Every blocking wait is sliced into short timed waits
+with a liveness check between slices, so nothing waits forever on a dead peer.
+What a collective implementation needs in shared memory it keeps in segments of
+its own (:mod:`synkhronos.comm.shm`).
 """
-
-import ctypes
-import ctypes.util
-import errno
-import time
 
 import numpy as np
 
-from .shmem import Segment
+from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
 
 __all__ = ["ControlBlock", "Op", "Status", "Decision", "Words"]
 
 ARGS = 1 << 16
 #: bytes per rank for a call's scalar results, written in place instead of packed
 RECORD_BYTES = 256
-#: decoded call plans a worker keeps; the master never names an older one (Runtime._publish_plan)
-PLAN_CACHE = 256
 _HEADER = 16
 _STATUS_FIELDS = 8
-_SEM_SLOT = 64
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-for _fn, _args in (("sem_init", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]),
-                   ("sem_post", [ctypes.c_void_p]),
-                   ("sem_trywait", [ctypes.c_void_p]),
-                   ("sem_timedwait", [ctypes.c_void_p, ctypes.POINTER(_Timespec)]),
-                   ("sem_destroy", [ctypes.c_void_p])):
-    getattr(_libc, _fn).argtypes = _args
-    getattr(_libc, _fn).restype = ctypes.c_int
-
 
 class Op:
     """Command opcodes."""
     STOP = 1
     SHIP = 2          # payload: pickled functions and shared-variable values
-    CALL = 3          # args: see function.encode_call
+    CALL = 3          # args: a CallPlan (synkhronos.wire.plan)
     DROP_DATA = 4     # args: data ids whose mappings to release
     GET_SHARED = 5    # payload: shared-variable uids -> result: their values
     SET_SHARED = 6    # payload: {uid: value} for one rank
-    COLLECTIVE = 7    # args: see collectives.CollectivePlan
+    COLLECTIVE = 7    # args: a collective (synkhronos.wire.collective)
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
 
     @classmethod
@@ -138,51 +110,6 @@ class Words:
         return self._ints(self.get())
 
 
-class Semaphore:
-    """A process-shared POSIX semaphore living at ``address`` inside a segment."""
-
-    def __init__(self, address):
-        self.address = address
-
-    def init(self):
-        if _libc.sem_init(self.address, 1, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-
-    def post(self):
-        _libc.sem_post(self.address)
-
-    def try_acquire(self):
-        return _libc.sem_trywait(self.address) == 0
-
-    def acquire(self, timeout):
-        """Block up to ``timeout`` seconds; return True if acquired."""
-        deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        while True:
-            if _libc.sem_timedwait(self.address, ctypes.byref(ts)) == 0:
-                return True
-            err = ctypes.get_errno()
-            if err == errno.ETIMEDOUT:
-                return False
-            if err != errno.EINTR:
-                raise OSError(err, "sem_timedwait failed")
-            # EINTR: return to Python so a pending KeyboardInterrupt is raised.
-            return False
-
-    def wait(self, check, spin=100e-6, slice_=0.1):
-        """Acquire, spinning ``spin`` seconds first, then calling ``check()`` between slices.
-
-        ``check`` raises to abandon the wait (a dead peer, a timeout).
-        """
-        if spin > 0:
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:
-                if self.try_acquire():
-                    return
-        while not self.acquire(slice_):
-            check()
-
-
 class ControlBlock:
     """The master's command block, created by the master and attached by workers.
 
@@ -200,32 +127,18 @@ class ControlBlock:
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
         self._records_offset = int_bytes
-        sem_offset = -(-(int_bytes + n_ranks * RECORD_BYTES) // _SEM_SLOT) * _SEM_SLOT
-        size = sem_offset + _SEM_SLOT * (2 * n_ranks + 1 + 2 * n_ranks * n_ranks)
-        self.segment = Segment(name, size, create=create)
+        sem_offset = -(-(int_bytes + n_ranks * RECORD_BYTES) // SEMAPHORE_BYTES) * SEMAPHORE_BYTES
+        self.segment = Segment(name, sem_offset + SEMAPHORE_BYTES * (n_ranks + 1), create=create)
         self.header = self.segment.array(np.int64, (_HEADER,))
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)
         self.status = self.segment.array(np.int64, (n_ranks, _STATUS_FIELDS),
                                          offset=8 * (_HEADER + ARGS))
         self._record_fields = {}
         self.rows = self.status[:, self.ROWS]       # rows each rank computed in the last call
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self.segment.mm, sem_offset))
-        self.go = [Semaphore(base + _SEM_SLOT * r) for r in range(n_ranks)]
-        self.done = Semaphore(base + _SEM_SLOT * n_ranks)
-        self.barrier = [Semaphore(base + _SEM_SLOT * (n_ranks + 1 + r)) for r in range(n_ranks)]
-        pipes = base + _SEM_SLOT * (2 * n_ranks + 1)
-        self.filled = [[Semaphore(pipes + _SEM_SLOT * (r * n_ranks + q)) for q in range(n_ranks)]
-                       for r in range(n_ranks)]
-        pipes += _SEM_SLOT * n_ranks * n_ranks
-        self.freed = [[Semaphore(pipes + _SEM_SLOT * (r * n_ranks + q)) for q in range(n_ranks)]
-                      for r in range(n_ranks)]
-        if create:
-            for sem in self.go + [self.done] + self.barrier + sum(self.filled + self.freed, []):
-                sem.init()
+        *self.go, self.done = semaphores_in(self.segment, sem_offset, n_ranks + 1, create)
 
     # header fields
-    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, FAULT, COMM_GEN, PLAN_ID, \
-        RESULT_REGION, REDUCE_PATH = range(10)
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN = range(7)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES = range(6)
 

@@ -1,8 +1,9 @@
 """``Data``: arrays in OS shared memory that every process maps.
 
-The master owns every segment. A worker maps a Data segment the first time a
-command names it (by Data id and segment generation) and drops its mapping
-when the master announces a reallocation or ``free_memory()``.
+The master owns every segment (:class:`synkhronos.runtime.data_store.DataStore`);
+a worker maps a Data segment the first time a command names it and drops its
+mapping when the master announces a reallocation, ``free_memory()`` or that
+the Data was garbage collected.
 """
 
 import math
@@ -11,11 +12,10 @@ import weakref
 
 import numpy as np
 
-from . import lifecycle
-from .shmem import GrowableSegment, SegmentMirror
-from .transport import DTYPES, dtype_code
+from ..runtime.master import current, serialized
+from ..transport import dtype_code
 
-__all__ = ["Data", "data", "DataMirrors", "condition_value", "release_large_staging",
+__all__ = ["Data", "data", "condition_value", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]
 
 #: a Data that stages numpy arguments is kept for the next call only up to this size
@@ -59,18 +59,18 @@ class Data:
     master's view (``d[3:5] = x``); ``d.data`` is that numpy view.
     """
 
-    def __init__(self, runtime, data_id, dtype, ndim, minibatch=False, name=None):
-        self._rt = runtime
-        self.id = data_id
+    def __init__(self, state, dtype, ndim, minibatch=False, name=None):
         self._dtype = np.dtype(dtype)
         dtype_code(self._dtype)  # rejects unsupported dtypes early
+        state.check_open()
+        self._state = state
+        self.id, self._segment = state.data.new_segment()
         self._ndim = int(ndim)
         self.minibatch = bool(minibatch)
         self.name = name
-        self._segment = GrowableSegment(f"{runtime.prefix}_d{data_id}")
         self._shape = None
         # dropped with its last reference, as a numpy array is (the workers let go at the next command)
-        weakref.finalize(self, _release_unreferenced, self._segment, runtime, data_id,
+        weakref.finalize(self, _release_unreferenced, self._segment, state, self.id,
                          os.getpid()).atexit = False
 
     # --- properties -------------------------------------------------------------------------
@@ -101,14 +101,24 @@ class Data:
 
     @property
     def gen(self):
+        """The generation of the segment holding the value (a new one at each reallocation)."""
         return self._segment.gen
+
+    def belongs_to(self, state):
+        """True if this Data was made in the runtime ``state`` (not in one closed since)."""
+        return self._state is state
+
+    def segment_name(self):
+        """The name of the shared-memory segment holding the value (in ``/dev/shm``), or None."""
+        segment = self._segment.segment
+        return None if segment is None else segment.name
 
     @property
     def data(self):
         """The numpy view of the master's shared memory (None before allocation)."""
         if self._shape is None:
             return None
-        self._rt.check_open()
+        self._state.check_open()
         return self._segment.segment.array(self._dtype, self._shape)
 
     def __len__(self):
@@ -136,7 +146,7 @@ class Data:
         """Return ``value`` as an array this Data can hold (dtype and ndim checked)."""
         return condition_value(value, self._dtype, self._ndim, force_cast, what=f"value for {self!r}")
 
-    @lifecycle.serialized
+    @serialized
     def set_value(self, value, force_cast=False, oversize=1):
         """Write ``value``, reshaping the view if it fits, else reallocating.
 
@@ -148,7 +158,7 @@ class Data:
         self._resize(value.shape, oversize)
         self.data[...] = value
 
-    @lifecycle.serialized
+    @serialized
     def set_length(self, length, oversize=1):
         """Change the number of rows; existing rows are kept, added rows are zero."""
         _check_oversize(oversize)
@@ -165,7 +175,7 @@ class Data:
             keep = min(len(old), len(view))
             view[:keep] = old[:keep]
 
-    @lifecycle.serialized
+    @serialized
     def set_shape(self, shape, oversize=1):
         """Set a new shape of the same ndim; the contents are zero afterwards."""
         _check_oversize(oversize)
@@ -177,29 +187,24 @@ class Data:
         self._resize(shape, oversize)
         self.data[...] = 0
 
-    @lifecycle.serialized
+    @serialized
     def free_memory(self):
         """Release the shared memory in the master and every worker."""
-        self._rt.check_open()
+        self._state.check_open()
         self._segment.free()
         self._shape = None
-        self._rt.announce_data_drop([self.id])
+        self._state.drop_data([self.id])
 
     def _resize(self, shape, oversize):
-        self._rt.check_open()
+        self._state.check_open()
         needed = math.prod(shape) * self._dtype.itemsize
         had = self._segment.segment is not None
         if self._segment.ensure(needed, oversize=oversize) and had:
-            self._rt.announce_data_drop([self.id])
+            self._state.drop_data([self.id])
         self._shape = tuple(shape)
 
-    def _release(self):
-        """Unlink at runtime close (workers are already gone)."""
-        self._segment.free()
-        self._shape = None
 
-
-@lifecycle.serialized
+@serialized
 def release_large_staging(staging):
     """Free and forget the Data in dict ``staging`` that hold more than ``STAGING_KEEP_BYTES``.
 
@@ -213,19 +218,26 @@ def release_large_staging(staging):
             d.free_memory()
 
 
-def _release_unreferenced(segment, runtime, data_id, owner_pid):
+def _release_unreferenced(segment, state, data_id, owner_pid):
     """Free the shared memory of a Data nobody refers to any more.
 
-    Runs from the garbage collector, in whichever thread: it only unlinks the
-    segment here and queues the id for the workers, which drop their mappings
-    before the runtime's next command (:meth:`Runtime.drop_released_data`).
-    In a child made by ``os.fork()`` it does nothing: the segment is the
-    parent's.
+    Runs from the garbage collector, in whichever thread: the segment is
+    unlinked and its id queued for the workers, which drop their mappings
+    before the runtime's next command. In a child made by ``os.fork()`` it
+    does nothing: the segment is the parent's.
     """
-    if os.getpid() != owner_pid or not runtime.is_open or segment.segment is None:
+    if os.getpid() != owner_pid or not state.is_open or segment.segment is None:
         return
-    segment.free()
-    runtime.released_data.append(data_id)
+    state.data.release_unreferenced(data_id, segment)
+
+
+def staging_data(state, key, value):
+    """A Data of ``state`` kept under ``key`` that holds ``value`` (staging numpy values for the workers)."""
+    d = state.staging.get(key)
+    if d is None or d.dtype != value.dtype or d.ndim != value.ndim:
+        d = state.staging[key] = Data(state, value.dtype, value.ndim, name=f"scratch:{key}")
+    d.set_value(value, oversize=1 if d.alloc_size >= value.size else 1.25)
+    return d
 
 
 def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
@@ -259,7 +271,7 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     >>> x_dat = synk.data(np.zeros((100, 5), "float32"))     # doctest: +SKIP
     >>> y_dat = synk.data(var=y, shape=(100,))                 # doctest: +SKIP
     """
-    rt = lifecycle.current()
+    state = current()
     _check_oversize(oversize)
     if var is not None:
         dtype, ndim = var.type.dtype, var.type.ndim
@@ -272,29 +284,9 @@ def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=Fals
     if dtype is None or ndim is None:
         raise TypeError("data() needs var=, value=, or dtype= with ndim= or shape= to know its "
                         "dtype and ndim")
-    d = rt.new_data(dtype, ndim, minibatch=minibatch, name=name)
+    d = Data(state, dtype, ndim, minibatch=minibatch, name=name)
     if value is not None:
         d.set_value(value, force_cast=force_cast, oversize=oversize)
     elif shape is not None:
         d.set_shape(shape, oversize=oversize)
     return d
-
-
-class DataMirrors:
-    """A worker's mappings of the master's Data segments."""
-
-    def __init__(self, prefix):
-        self.prefix = prefix
-        self.mirrors = {}
-
-    def view(self, data_id, gen, code, shape):
-        mirror = self.mirrors.get(data_id)
-        if mirror is None:
-            mirror = self.mirrors[data_id] = SegmentMirror(f"{self.prefix}_d{data_id}")
-        return mirror.get(gen).view(DTYPES[code], shape)
-
-    def drop(self, data_ids):
-        for data_id in data_ids:
-            mirror = self.mirrors.pop(int(data_id), None)
-            if mirror is not None:
-                mirror.release()

@@ -1,6 +1,6 @@
 """The worker process: wait for a command, run it, report, repeat.
 
-Started by the master as ``python -m synkhronos.worker`` with its settings in
+Started by the master as ``python -m synkhronos.runtime.worker`` with its settings in
 the ``SYNK_WORKER`` environment variable. A worker ignores SIGINT (the master
 handles Ctrl-C and stops the workers) and exits on its own when the master
 process goes away.
@@ -20,12 +20,17 @@ import warnings
 
 import numpy as np
 
-from . import devices, randomness, shipping
-from .control import PLAN_CACHE, ControlBlock, Decision, Op, Status, Words
-from .data import DataMirrors
-from .errors import exception_name
-from .shmem import GrowableSegment, SegmentMirror
-from .transport import pack_arrays, packed_nbytes, write_pickle
+from .. import randomness, shipping
+from ..comm import CommContext, comm_class
+from ..device_arrays import place_on_device
+from ..errors import exception_name
+from ..platform import jax_init
+from ..shmem import GrowableSegment, SegmentMirror
+from ..transport import pack_arrays, packed_nbytes, write_pickle
+from ..wire.collective import shapes_of
+from ..wire.control import ControlBlock, Decision, Op, Status, Words
+from ..wire.plan import PlanMemo, result_record
+from .data_store import DataMirrors
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,7 +53,7 @@ class Worker:
         self.n_ranks = cfg["n_ranks"]
         self.master_pid = cfg["master_pid"]
         self.spin = cfg["spin"]
-        self.comm_kind = cfg["comm"]
+        self.comm_class = comm_class(cfg["comm"])
         self.prefix = cfg["prefix"]
         prefix = cfg["prefix"]
         self.ctl = ControlBlock(f"{prefix}_ctl", self.n_ranks)
@@ -59,12 +64,11 @@ class Worker:
         self.warnings_out = GrowableSegment(f"{prefix}_w{self.rank}", track=True)
         self.pending_warnings = []
         self.payload = SegmentMirror(f"{prefix}_p")
-        self.index = SegmentMirror(f"{prefix}_ix")
         self.datas = DataMirrors(prefix)
         self.functions = {}
         self.shared = {}
-        self.plans = {}            # plan id -> CallPlan (see Runtime._publish_plan)
-        self._run_share = self._decode_plan = self._record = None     # set by the first SHIP
+        self.plans = PlanMemo()
+        self._run_share = None     # set by the first SHIP
         self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
@@ -127,10 +131,11 @@ class Worker:
     def ship(self):
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
-        from .function import CallPlan, CompiledFunction, result_record, run_share
-        self._run_share, self._decode_plan, self._record = run_share, CallPlan.decode, result_record
+        from ..rank.compiled import CompiledFunction
+        from ..rank.executor import run_share
+        self._run_share = run_share
         payload = shipping.loads(self.payload_bytes(), self.shared)
-        devices.set_precision(payload["float_x"])   # the master's, so every rank computes alike
+        jax_init.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         self.shared.update(payload["shared"])
         self._set_values({uid: var.get_value(borrow=True) for uid, var in payload["shared"].items()
                           if randomness.is_generator(var)})      # this rank's own streams
@@ -139,32 +144,16 @@ class Worker:
             self.functions[spec.fid] = CompiledFunction(spec)
 
     def call(self):
-        plan = self.plan()
+        plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
         compiled = self.functions[plan.fid]
-        rows, outs = self._run_share(compiled, plan, self.rank, self.n_ranks, self.data_view)
+        rows, outs = self._run_share(compiled, plan, self.rank, self.n_ranks, self.datas.view)
         if rows and outs:
-            record = self._record(compiled.spec, plan)
+            record = result_record(compiled.spec, plan)
             if record is not None:
                 self.ctl.put_record(record, self.rank, outs)
             else:
                 self.write_arrays([np.asarray(o) for o in outs])
         return rows
-
-    def plan(self):
-        """The call's plan: decoded from args the first time its id is seen, then from the cache."""
-        plan_id = int(self.ctl.header[ControlBlock.PLAN_ID])
-        plan = self.plans.get(plan_id)
-        if plan is None:
-            plan = self.plans[plan_id] = self._decode_plan(self.ctl.args, self.index_view)
-            if len(self.plans) > PLAN_CACHE:       # ids only grow, dicts keep insertion order:
-                del self.plans[next(iter(self.plans))]     # the first key is the oldest
-        return plan
-
-    def index_view(self, gen, start, n):
-        return self.index.get(gen).array(np.int64, (n,), offset=8 * start)
-
-    def data_view(self, ref):
-        return self.datas.view(ref.data_id, ref.gen, ref.code, ref.shape)
 
     def drop_data(self):
         n = int(self.ctl.args[0])
@@ -185,24 +174,26 @@ class Worker:
             if randomness.is_generator(var):
                 value = randomness.device_stream(value, offset)
             var.set_value(value)
-            devices.place_on_device([var])
+            place_on_device([var])
+
+    def comm(self):
+        """This rank's collective implementation (built at the first collective)."""
+        if self._comm is None:
+            self._comm = self.comm_class(CommContext(
+                prefix=self.prefix, rank=self.rank, n_ranks=self.n_ranks,
+                master_rank=int(self.ctl.header[ControlBlock.MASTER_RANK]), check=self.check_master,
+                spin=self.spin))
+        return self._comm
 
     def collective(self):
         """Prepare, report, wait for the master's decision, then execute (or skip)."""
-        from .collectives import prepare_collective
-        if self._comm is None:
-            from .comm import make_comm
-            self._comm = make_comm(self.comm_kind, ctl=self.ctl, prefix=self.prefix, rank=self.rank,
-                                   n_ranks=self.n_ranks, master_rank=int(self.ctl.header[
-                                       ControlBlock.MASTER_RANK]), check=self.check_master,
-                                   spin=self.spin)
+        from ..rank.collectives import prepare_collective
         error = None
         try:
-            self._maybe_injected_fault()
             execute = prepare_collective(
-                self._comm, Words(self.ctl.args), self.rank, self.n_ranks,
+                self.comm(), Words(self.ctl.args), self.rank, self.n_ranks,
                 int(self.ctl.header[ControlBlock.MASTER_RANK]), self.shared.__getitem__,
-                self.data_view, self.index_view)
+                self.datas.view, self.datas.index_view)
             self.ctl.set_status(self.rank, Status.PREPARED)
         except Exception as e:
             error = e
@@ -216,13 +207,7 @@ class Worker:
         execute()
         return 0
 
-    def _maybe_injected_fault(self):
-        if int(self.ctl.header[ControlBlock.FAULT]) == self.rank + 1:
-            self.ctl.header[ControlBlock.FAULT] = 0
-            raise RuntimeError(f"fault injected for testing in rank {self.rank}")
-
     def get_shapes(self):
-        from .collectives import shapes_of
         uids = Words(self.ctl.args).get_list()
         shapes = shapes_of(self.shared[uid].container.storage[0] for uid in uids)
         self.write_arrays([np.array(s, dtype=np.int64) for s in shapes])
@@ -230,7 +215,7 @@ class Worker:
     def cleanup(self):
         self.result.free()
         self.warnings_out.free()
-        if self._comm is not None and hasattr(self._comm, "release"):
+        if self._comm is not None:
             self._comm.release()
 
 
@@ -268,7 +253,7 @@ def main():
     profiler = cProfile.Profile() if cfg["profile"] else None
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
-        devices.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
+        jax_init.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
                                    cfg["timeout"], cfg["float_x"], threads=cfg["threads"])
         if profiler:
             profiler.enable()
@@ -283,7 +268,7 @@ def main():
             profiler.dump_stats(f"synk_profile_rank{worker.rank}.prof")
         worker.cleanup()
     try:
-        devices.shutdown_process()
+        jax_init.shutdown_process()
     except Exception:       # the master may have left the JAX runtime first
         log.debug("leaving the JAX runtime failed in rank %d", worker.rank, exc_info=True)
     return 0

@@ -7,28 +7,28 @@ private result, publishes that chunk and copies the peers' reduced chunks.
 Buffers larger than the caches can be pipelined instead: the published parts
 stream through small per-pair rings and are reduced while still in the cache;
 the master picks one of the two ways for each large all-reduce from the
-times it measured (:mod:`synkhronos.comm.paths`).
+times it measured (:mod:`synkhronos.comm.shm.paths`).
 Gather and broadcast publish whole values. Results are private, 64-byte
 aligned host buffers that the CPU device adopts without another copy, reused
 once no device array holds them. Each byte moves a few times through memory,
 so this runs at a good fraction of memory bandwidth where Gloo over loopback
 reaches a few percent of it (see bench/RESULTS.md).
 
-The barrier is all-to-all over one process-shared semaphore per rank, kept in
-the control block: rank ``r`` posts every peer's semaphore once, then takes
-its own ``n - 1`` times. Every wait is sliced, with a liveness check.
+The barrier is all-to-all over one process-shared semaphore per rank, kept
+with the master's choices in :class:`~.control.ShmControl`: rank ``r`` posts
+every peer's semaphore once, then takes its own ``n - 1`` times. Every wait is
+sliced, with a liveness check.
 """
 
-import os
-import signal
 import time
 
 import numpy as np
 
-from ..control import ControlBlock
-from ..devices import adopt, copy_large, private_empty, to_device
-from ..modes import COMBINE
-from ..shmem import GrowableSegment, SegmentMirror
+from ...device_arrays import adopt, copy_large, private_empty, to_device
+from ...modes import COMBINE
+from ...shmem import GrowableSegment, SegmentMirror
+from ..base import Comm
+from .control import ShmControl
 from .paths import PIPELINED, PathChooser
 from .regions import SharedResults
 
@@ -44,63 +44,72 @@ SLOT_ALIGN = 4096
 #: cache it was just written to, so only the values and the result cross the memory bus. It
 #: beats publishing everything and then reducing for buffers from PIPELINE_MIN_BYTES on, while
 #: the two cores share a cache; when they do not, publishing is faster, so the master chooses
-#: between the two from the times it measures (synkhronos.comm.paths).
+#: between the two from the times it measures (synkhronos.comm.shm.paths).
 CHUNK_BYTES = 1 << 20
 RING_CHUNKS = 2
 PIPELINE_MIN_BYTES = 8 << 20
 
 
-class ShmComm:
+class ShmComm(Comm):
     """Shared-memory collectives among the processes of one runtime (CPU only).
 
     Parameters
     ----------
-    ctl : ControlBlock
-        Holds the barrier semaphores and the buffer segment's generation.
-    prefix : str
-        The runtime's segment prefix.
-    rank, n_ranks, master_rank : int
-    check : callable
-        Called between slices of every wait; raises to abandon it.
-    spin : float
-        Seconds to poll before sleeping in a barrier.
+    context : CommContext
+        ``check`` is called between slices of every wait; ``spin`` is how long a
+        barrier polls before it sleeps.
     """
 
     name = "shm"
     #: every wait returns to Python between slices and calls ``check``, so the master
     #: can run its part inline instead of in a watched thread
-    calls_check_while_waiting = True
+    waits_in_python = True
+    platforms = ("cpu",)
 
-    def __init__(self, ctl, prefix, rank, n_ranks, master_rank, check, spin=0.0):
-        self.ctl, self.rank, self.n_ranks = ctl, rank, n_ranks
-        self.check, self.spin = check, spin
-        base = f"{prefix}_cm"
-        self.owner = GrowableSegment(base) if rank == master_rank else None
-        self.mirror = None if self.owner else SegmentMirror(base)
-        self.results = SharedResults(prefix, rank, n_ranks, master_rank)
-        self.paths = PathChooser() if rank == master_rank else None
+    def __init__(self, context):
+        super().__init__(context)
+        self.check, self.spin = context.check, context.spin
+        is_master = context.rank == context.master_rank
+        self.control = ShmControl(context.prefix, context.n_ranks, create=is_master)
+        base = f"{context.prefix}_cm"
+        self.owner = GrowableSegment(base) if is_master else None
+        self.mirror = None if is_master else SegmentMirror(base)
+        self.results = SharedResults(context.prefix, context.rank, context.n_ranks,
+                                     context.master_rank)
+        #: the master's choice between the two ways of a large all-reduce (see .paths)
+        self.paths = PathChooser() if is_master else None
         self._cold = False
 
     # --- buffers ----------------------------------------------------------------------------
-    def reserve(self, nbytes, result_bytes=0, reduce_bytes=0):
-        """Master, before the command: make every slot hold ``nbytes``.
+    def reserve(self, reservation):
+        """Master, before the command: make every slot hold ``reservation.nbytes``.
 
-        ``result_bytes``: the size of the one all-reduce result this collective
-        makes, which then goes to a shared region (0: no shared result).
-        ``reduce_bytes``: the size of the all-reduce it runs, whose path
-        (pipelined or published) is chosen here for every rank (0: none).
+        The one all-reduce result of ``reservation.result_bytes`` (if any) goes
+        to a shared region; the path (pipelined or published) of an all-reduce
+        of ``reservation.reduce_bytes`` is chosen here for every rank.
         """
-        slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+        slot = -(-int(reservation.nbytes) // SLOT_ALIGN) * SLOT_ALIGN
         regions_made = int(self.results.gens.sum())
         grew = self.owner.ensure(slot * self.n_ranks, oversize=1.25)
+        words, reduce_bytes = self.control.words, reservation.reduce_bytes
         if grew:
-            self.ctl.header[ControlBlock.COMM_GEN] = self.owner.gen
-        self.ctl.header[ControlBlock.RESULT_REGION] = (
-            self.results.choose(int(result_bytes)) if result_bytes else -1)
-        self.ctl.header[ControlBlock.REDUCE_PATH] = (
+            words[ShmControl.BUFFER_GEN] = self.owner.gen
+        words[ShmControl.RESULT_REGION] = (
+            self.results.choose(int(reservation.result_bytes)) if reservation.result_bytes else -1)
+        words[ShmControl.REDUCE_PATH] = (
             self.paths.choose(reduce_bytes) if self._pipelinable(reduce_bytes) else PIPELINED)
         # a call that first touches new shared memory is slow on either path: not timed
         self._cold = grew or int(self.results.gens.sum()) != regions_made
+
+    @property
+    def chosen_path(self):
+        """The path the master chose for the latest large all-reduce (:mod:`.paths`)."""
+        return int(self.control.words[ShmControl.REDUCE_PATH])
+
+    @property
+    def chosen_region(self):
+        """The shared region the latest single all-reduce result went to (-1: a private result)."""
+        return int(self.control.words[ShmControl.RESULT_REGION])
 
     def refresh(self):
         """After a collective: let go of the shared results no array of this rank holds."""
@@ -108,7 +117,7 @@ class ShmComm:
 
     def _result_buffer(self, dtype, count):
         """Where this all-reduce's result goes: the shared region the master picked, or private."""
-        region = int(self.ctl.header[ControlBlock.RESULT_REGION])
+        region = int(self.control.words[ShmControl.RESULT_REGION])
         if region >= 0 and count * np.dtype(dtype).itemsize <= self.results.sizes[region]:
             return self.results.array(region, dtype, count), True
         return private_empty((count,), dtype), False
@@ -117,7 +126,7 @@ class ShmComm:
         if self.owner is not None:
             segment = self.owner.segment
         else:
-            segment = self.mirror.get(int(self.ctl.header[ControlBlock.COMM_GEN]))
+            segment = self.mirror.get(int(self.control.words[ShmControl.BUFFER_GEN]))
         slot_bytes = segment.size // self.n_ranks // SLOT_ALIGN * SLOT_ALIGN
         itemsize = np.dtype(dtype).itemsize
         if count * itemsize > slot_bytes:
@@ -131,14 +140,15 @@ class ShmComm:
         else:
             self.mirror.release()
         self.results.release()
+        self.control.release()
 
     # --- synchronization --------------------------------------------------------------------
     def barrier(self):
         for q in range(self.n_ranks):
             if q != self.rank:
-                self.ctl.barrier[q].post()
+                self.control.barrier[q].post()
         for _ in range(self.n_ranks - 1):
-            self.ctl.barrier[self.rank].wait(self.check, spin=self.spin)
+            self.control.barrier[self.rank].wait(self.check, spin=self.spin)
 
     # --- collectives ------------------------------------------------------------------------
     def _layout(self, values):
@@ -180,14 +190,14 @@ class ShmComm:
         chunk and copies its peers' into a private result (2.5 reads, 2 writes).
         ``op="avg"`` divides each chunk by the number of ranks as it is reduced.
         From ``PIPELINE_MIN_BYTES`` on, the parts go the way the master chose for
-        this call (:mod:`synkhronos.comm.paths`): through the rings, or published.
+        this call (:mod:`synkhronos.comm.shm.paths`): through the rings, or published.
         """
         hosts, offsets, total, slots = self._layout(values)
         dtype = slots[0].dtype
         nbytes = total * dtype.itemsize
         if not self._pipelinable(nbytes):
             return self._all_reduce_published(hosts, offsets, total, slots, op)
-        path = int(self.ctl.header[ControlBlock.REDUCE_PATH])
+        path = int(self.control.words[ShmControl.REDUCE_PATH])
         start = time.perf_counter()
         if path == PIPELINED:
             step = CHUNK_BYTES // dtype.itemsize
@@ -244,11 +254,8 @@ class ShmComm:
         outgoing = {q: ring(me, q) for q in peers}
         incoming = {r: ring(r, me) for r in peers}
         out, shared = self._result_buffer(slots[0].dtype, total)
-        filled, freed = self.ctl.filled, self.ctl.freed
-        die_at = RING_CHUNKS if int(self.ctl.header[ControlBlock.FAULT]) == -(me + 1) else -1
+        filled, freed = self.control.filled, self.control.freed
         for i in range(max(counts)):
-            if i == die_at:      # Runtime.inject_collective_fault(rank, during="ring")
-                os.kill(os.getpid(), signal.SIGKILL)
             at = (i % RING_CHUNKS) * step
             for q in peers:
                 if i < counts[q]:

@@ -1,0 +1,392 @@
+"""Collectives on shared variables: moving device-resident state between ranks.
+
+Each function takes one shared variable or a list, as objects or by name; every
+variable must be used by some ``synk.function`` (only then do the workers hold
+it). The master validates everything (shapes on every rank included) before
+any process enters a collective, so a wrong argument raises here and never
+leaves ranks waiting in a collective. Reductions check shapes in the
+collective's prepare phase instead (no extra round trip per call): a rank
+whose shape differs from the master's makes every rank skip the collective.
+
+Device collectives (all_reduce, reduce, broadcast, gather, all_gather) run on
+every process through :mod:`synkhronos.comm`; several variables of one dtype
+travel as one flat buffer, so one call makes one collective launch per dtype.
+``scatter`` and broadcasting a ``Data`` are host paths: every process reads its
+own rows from shared memory and puts them on its device.
+"""
+
+
+import math
+import warnings
+
+import numpy as np
+
+from .. import randomness
+from ..comm import Reservation
+from ..errors import ShapeMismatch, WorkerError
+from ..runtime.master import current, serialized
+from ..scatter import Batch, chunk, parse_batch
+from ..transport import dtype_code
+from ..wire.collective import (ALL_REDUCE, BROADCAST, GATHER, KEEP_ALL, KEEP_MASTER, READ_DATA,
+                               REDUCE_OPS, RETURN, dtype_groups, shapes_of)
+from ..wire.plan import put_batch
+from .data import Data, condition_value, release_large_staging, staging_data
+from .shapes import check_shared_shape
+
+__all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
+           "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds"]
+
+#: what a message suggests for a value that does not cast safely to a shared variable's dtype
+_COLLECTIVE_CAST = "make the shared variable of that dtype"
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments
+# ------------------------------------------------------------------------------------------------
+
+def resolve_shareds(shared_vars):
+    """Return (list of shared variables, was_single) from one variable/name or a list."""
+    state = current()
+    single = not isinstance(shared_vars, (list, tuple))
+    items = [shared_vars] if single else list(shared_vars)
+    if not items:
+        raise ValueError("no shared variables given")
+    known = {id(var): var for var in state.known_shared()}
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            found = [v for v in known.values() if v.name == item]
+            if len(found) != 1:
+                raise ValueError(f"no shared variable named {item!r} is used by a synk.function"
+                                 if not found else
+                                 f"{len(found)} shared variables are named {item!r}; pass the object")
+            out.append(found[0])
+        elif id(item) in known:
+            out.append(item)
+        else:
+            raise ValueError(f"shared variable {item} is not used by any synk.function, so the "
+                             f"workers do not hold it; build a function that uses it first")
+    if len({id(v) for v in out}) != len(out):
+        raise ValueError("a shared variable is listed more than once")
+    for var in out:
+        if randomness.is_generator(var):
+            raise TypeError(f"{var} is a random generator: each device draws from a stream of its "
+                            f"own (see the user guide), and collectives move tensors only")
+    return out, single
+
+
+def _old_nccl(state, nccl, what):
+    """Accept the original's ``nccl=`` where it still holds; say where the choice moved otherwise.
+
+    The original chose per call between NCCL (``nccl=True``) and a CPU path;
+    synkhronos chooses per runtime (``fork(collectives=...)``): the JAX runtime
+    (NCCL on GPUs), or shared memory on CPU.
+    """
+    if nccl is None:
+        return
+    if not nccl and state.comm_kind != "shm":
+        raise TypeError(f"{what}(nccl=False): the collective path is chosen per runtime now; for the "
+                        f"shared-memory CPU path use synk.fork(collectives='shm') (CPU only)")
+    warnings.warn(f"{what}(nccl=...) is no longer needed: the path is chosen by "
+                  f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning, stacklevel=3)
+
+
+def _check_rank(state, rank):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < state.n_parallel:
+        raise ValueError(f"rank must be an int in [0, {state.n_parallel}), got {rank!r}")
+    return int(rank)
+
+
+def _check_op(op, vars_):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {list(REDUCE_OPS)}, got {op!r}")
+    if op == "avg":
+        for var in vars_:
+            if not np.issubdtype(np.dtype(var.type.dtype), np.floating) and \
+                    not np.issubdtype(np.dtype(var.type.dtype), np.complexfloating):
+                raise TypeError(f"op 'avg' cannot average {var} of dtype {var.type.dtype} exactly; "
+                                f"use 'sum'")
+    return op
+
+
+def _values_list(values, n, what):
+    values = [values] if n == 1 and not isinstance(values, (list, tuple)) else list(values)
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} shared variables")
+    return values
+
+
+# ------------------------------------------------------------------------------------------------
+# The master's side
+# ------------------------------------------------------------------------------------------------
+
+@serialized
+def get_shapes(shared_vars):
+    """Shape of each variable on every rank: a list over ranks (a list of those for a list).
+
+    Examples
+    --------
+    >>> synk.get_shapes(w)            # doctest: +SKIP
+    [(5, 3), (6, 3)]
+    """
+    state = current()
+    vars_, single = resolve_shareds(shared_vars)
+    shapes = state.all_shapes(vars_)
+    return shapes[0] if single else shapes
+
+
+def get_lengths(shared_vars):
+    """Length (axis 0) of each variable on every rank, like :func:`get_shapes`."""
+    shapes = get_shapes(shared_vars)
+    single = not isinstance(shared_vars, (list, tuple))
+    lengths = [[s[0] if s else 1 for s in per_var] for per_var in ([shapes] if single else shapes)]
+    return lengths[0] if single else lengths
+
+
+def _group_bytes(vars_, sizes):
+    """Largest byte size over the dtype groups, given each variable's item count.
+
+    Each variable may start on a 64-byte boundary in a group's flat buffer.
+    """
+    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
+               for idx in dtype_groups(vars_))
+
+
+def _require_equal_shapes(vars_, shapes, what):
+    for var, per_rank in zip(vars_, shapes):
+        if len(set(per_rank)) > 1:
+            raise ValueError(f"{what} needs {var} to have the same shape on every rank, but the "
+                             f"shapes are {per_rank} (rank order)")
+
+
+@serialized
+def all_reduce(shared_vars, op="avg", nccl=None):
+    """Reduce across ranks; every rank's copy becomes the result.
+
+    Parameters
+    ----------
+    shared_vars : shared variable, name, or list of them
+    op : {"avg", "sum", "prod", "min", "max"}
+
+    Examples
+    --------
+    >>> synk.all_reduce(grad_shared, op="avg")     # doctest: +SKIP
+    """
+    _old_nccl(current(), nccl, "all_reduce")
+    _reduce(shared_vars, op, KEEP_ALL)
+
+
+@serialized
+def reduce(shared_vars, op="avg", in_place=True, nccl=None):
+    """Reduce across ranks into the master.
+
+    With ``in_place=True`` the master's copy becomes the result (workers keep
+    theirs); with ``in_place=False`` the result is returned and no copy changes.
+    """
+    _old_nccl(current(), nccl, "reduce")
+    out = _reduce(shared_vars, op, KEEP_MASTER if in_place else RETURN)
+    return None if in_place else out
+
+
+def _reduce(shared_vars, op, keep):
+    """All-reduce / reduce with no shape round trip: the master sends its shapes and every rank
+    checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
+    state = current()
+    vars_, single = resolve_shareds(shared_vars)
+    _check_op(op, vars_)
+    own = shapes_of(v.container.storage[0] for v in vars_)
+    nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
+    one_launch = len(list(dtype_groups(vars_))) == 1
+
+    def fill(w):
+        w.put(ALL_REDUCE).put_list(state.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
+        for shape in own:
+            w.put_list(shape)
+    try:
+        out = state.run_collective(fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes))
+    except WorkerError as e:
+        if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
+            _require_equal_shapes(vars_, state.all_shapes(vars_), f"{op} reduction")
+        raise
+    if keep == RETURN:
+        return out[0] if single else out
+
+
+@serialized
+def broadcast(shared_vars, values=None, nccl=None):
+    """Copy the master's value(s) to every rank, optionally setting them first.
+
+    ``values`` may be numpy arrays or :class:`Data`; a Data value is read from
+    shared memory by every rank itself.
+    """
+    state = current()
+    _old_nccl(state, nccl, "broadcast")
+    vars_, single = resolve_shareds(shared_vars)
+    if values is not None:
+        values = _values_list(values, len(vars_), "values")
+        if all(isinstance(v, Data) for v in values):
+            return _read_data(state, vars_, values, None, chunked=False)
+        for var, value in zip(vars_, values):
+            value = value.data if isinstance(value, Data) else value
+            var.set_value(condition_value(value, var.type.dtype, var.type.ndim,
+                                          what=f"value for {var}",
+                                          cast_hint=_COLLECTIVE_CAST))
+    shapes = shapes_of(v.container.storage[0] for v in vars_)
+
+    def fill(w):
+        w.put(BROADCAST).put_list(state.uids_of(vars_))
+        for shape in shapes:
+            w.put_list(shape)
+    sizes = [math.prod(shape) for shape in shapes]
+    state.run_collective(fill, Reservation(_group_bytes(vars_, sizes)))
+
+
+@serialized
+def scatter(shared_vars, values, batch=None):
+    """Split each value along axis 0 across ranks (near-equal contiguous chunks).
+
+    Parameters
+    ----------
+    shared_vars : shared variable, name, or list of them
+    values : numpy array or Data, or a list of them (one per variable)
+    batch : int, slice or sequence of int, optional
+        Rows of every value to scatter (as ``batch`` in a function call).
+    """
+    state = current()
+    vars_, _ = resolve_shareds(shared_vars)
+    values = _values_list(values, len(vars_), "values")
+    datas = []
+    for i, (var, value) in enumerate(zip(vars_, values)):
+        if isinstance(value, Data):
+            if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
+                raise TypeError(f"Data for {var} has dtype {value.dtype} and ndim {value.ndim}; "
+                                f"expected {var.type.dtype} and {var.type.ndim}")
+            datas.append(value)
+        else:
+            arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"value for {var}",
+                                  cast_hint=_COLLECTIVE_CAST)
+            if arr.ndim == 0:
+                raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
+            datas.append(staging_data(state, ("scatter", i), arr))
+    _read_data(state, vars_, datas, batch, chunked=True)
+    release_large_staging(state.staging)
+
+
+def _read_data(state, vars_, datas, batch, chunked):
+    plans = []
+    for var, d in zip(vars_, datas):
+        if d.shape is None:
+            raise TypeError(f"Data for {var} holds no value")
+        if d.ndim == 0:
+            if chunked:
+                raise TypeError(f"cannot scatter a 0-d Data to {var}; use broadcast")
+            b = Batch(total=0)
+        else:
+            b, _ = parse_batch(batch, [d], [str(var)])
+        rows = [hi - lo for lo, hi in (chunk(0, b.total, state.n_parallel, r) for r in range(state.n_parallel))] \
+            if chunked else [b.total] * state.n_parallel
+        for n in rows:
+            check_shared_shape(var, (n,) + d.shape[1:] if d.ndim else (),
+                                  "scatter" if chunked else "broadcast")
+        plans.append((d, b))
+    with_indices = [b for _, b in plans if not b.is_range]
+    # every batch here comes from the same ``batch``, so one copy of its indices serves all
+    index_gen = state.write_indices(with_indices[:1]) if with_indices else 0
+
+    def fill(w):
+        w.put(READ_DATA).put_list(state.uids_of(vars_)).put(int(chunked), index_gen)
+        for d, b in plans:
+            w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
+            put_batch(w, b)
+    state.run_collective(fill)
+
+
+@serialized
+def gather(shared_vars, nd_up=1, nccl=None):
+    """Collect every rank's copy in the master, in rank order.
+
+    ``nd_up=1`` stacks on a new leading axis (shapes must be equal); ``nd_up=0``
+    concatenates along axis 0 (lengths may differ). Nothing is changed.
+    """
+    state = current()
+    _old_nccl(state, nccl, "gather")
+    vars_, single = resolve_shareds(shared_vars)
+    if nd_up not in (0, 1):
+        raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
+    out = _gather(state, vars_, RETURN, nd_up)
+    return out[0] if single else out
+
+
+@serialized
+def all_gather(shared_vars, nccl=None):
+    """Every rank's copy becomes the concatenation (axis 0) of all ranks' copies."""
+    state = current()
+    _old_nccl(state, nccl, "all_gather")
+    vars_, _ = resolve_shareds(shared_vars)
+    _gather(state, vars_, KEEP_ALL, 0)
+
+
+def _gather(state, vars_, keep, nd_up):
+    shapes = state.all_shapes(vars_)
+    if keep == KEEP_ALL:
+        for var, per_rank in zip(vars_, shapes):
+            if all(per_rank):
+                check_shared_shape(var, (sum(s[0] for s in per_rank),) + per_rank[0][1:],
+                                      "all_gather")
+    if nd_up:
+        _require_equal_shapes(vars_, shapes, "gather with nd_up=1")
+    else:
+        for var, per_rank in zip(vars_, shapes):
+            if any(len(s) == 0 for s in per_rank):
+                raise ValueError(f"{var} is 0-d on some rank, so it cannot be concatenated; "
+                                 f"use gather(..., nd_up=1)")
+            if len({s[1:] for s in per_rank}) > 1:
+                raise ValueError(f"{var} has different trailing shapes across ranks {per_rank}; "
+                                 f"only axis 0 may differ")
+
+    def fill(w):
+        w.put(GATHER).put_list(state.uids_of(vars_)).put(keep, nd_up)
+        for per_rank in shapes:
+            w.put_list(s[0] if s else -1 for s in per_rank)
+    padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
+    return state.run_collective(fill, Reservation(_group_bytes(vars_, padded)))
+
+
+# ------------------------------------------------------------------------------------------------
+# One rank's copy (host paths)
+# ------------------------------------------------------------------------------------------------
+
+@serialized
+def get_value(rank, shared_vars):
+    """Return the value(s) of shared variable(s) on device ``rank`` (master included).
+
+    Examples
+    --------
+    >>> w1 = synk.get_value(1, w)       # doctest: +SKIP
+    """
+    state = current()
+    rank = _check_rank(state, rank)
+    vars_, single = resolve_shareds(shared_vars)
+    values = state.get_values(rank, vars_)
+    return values[0] if single else values
+
+
+@serialized
+def set_value(rank, shared_vars, values, batch=None):
+    """Set the value(s) of shared variable(s) on device ``rank`` only.
+
+    ``batch`` (int, slice or index list) selects rows of each value first.
+    """
+    state = current()
+    rank = _check_rank(state, rank)
+    vars_, _ = resolve_shareds(shared_vars)
+    values = _values_list(values, len(vars_), "values")
+    arrays = []
+    for var, value in zip(vars_, values):
+        arr = np.asarray(value.data if isinstance(value, Data) else value)
+        if batch is not None:
+            arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
+        arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
+                                          cast_hint=_COLLECTIVE_CAST))
+        check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
+    state.set_values(rank, vars_, arrays)

@@ -1,0 +1,501 @@
+"""``synk.function``: record a PyTensor graph, ship it, compile it everywhere, call it.
+
+A :class:`Function` lives in the master. Its
+:class:`~synkhronos.wire.spec.FunctionSpec` (the symbolic graph and modes)
+is cloudpickled to the workers by ``distribute()``; every process compiles it
+with PyTensor's JAX backend (:class:`~synkhronos.rank.compiled.CompiledFunction`).
+A call is validated here, in the master, before any process wakes; it travels
+as a :class:`~synkhronos.wire.plan.CallPlan`, every rank computes its share of
+the rows (:func:`synkhronos.rank.executor.run_share`), and the master reduces
+the results.
+"""
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.compile.mode import get_mode
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Variable
+
+from .. import randomness, shipping
+from ..modes import check_output_mode, check_update_mode, reduce_ranks
+from ..platform.jax_init import set_precision
+from ..rank.compiled import CompiledFunction, needs_static_shapes, spec_graph
+from ..runtime.master import State, current, serialized
+from ..scatter import check_num_slices, chunk, parse_batch, parse_batch_s
+from ..transport import dtype_code
+from ..wire.plan import CallPlan, InputRef, result_record
+from ..wire.spec import FunctionSpec
+from .data import Data, condition_value, data, release_large_staging, staging_data
+from .shapes import check_argument_shape, declared_rows, shape_text
+
+__all__ = ["function", "Function"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Recording
+# ------------------------------------------------------------------------------------------------
+
+def _normalize_outputs(outputs):
+    """Return ([(var, mode)], bare) from the user's ``outputs``."""
+    if outputs is None:
+        return [], False
+    bare = isinstance(outputs, Variable) or (isinstance(outputs, tuple) and len(outputs) == 2
+                                             and isinstance(outputs[0], Variable)
+                                             and not isinstance(outputs[1], Variable))
+    items = [outputs] if bare else list(outputs)
+    pairs = []
+    for item in items:
+        if isinstance(item, Variable):
+            var, mode = item, "avg"
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Variable):
+            var, mode = item
+        else:
+            raise TypeError(f"each output must be a variable or a (variable, mode) pair, got {item!r}")
+        pairs.append((var, check_output_mode(var, mode)))
+    return pairs, bare
+
+
+def _normalize_updates(updates):
+    """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
+
+    A random generator's update is its next state: it has no mode and is
+    applied on every slice (each slice draws anew).
+    """
+    if updates is None:
+        return [], []
+    items = list(updates.items()) if isinstance(updates, dict) else list(updates)
+    triples, generators = [], []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
+                            f"got {item!r}")
+        shared, value = item[0], item[1]
+        mode = item[2] if len(item) == 3 else "avg"
+        if not isinstance(shared, SharedVariable):
+            raise TypeError(f"update target {shared!r} is not a shared variable")
+        if randomness.is_generator(shared):
+            generators.append((shared, value))
+            continue
+        triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
+    return triples, generators
+
+
+def _check_inputs(inputs, what):
+    inputs = [] if inputs is None else list(inputs)
+    for var in inputs:
+        if not isinstance(var, Variable) or isinstance(var, SharedVariable) or var.owner is not None:
+            raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
+                            f"got {var!r}")
+    return inputs
+
+
+def _check_free_rows(inputs):
+    """Refuse scattered inputs declared with a static row count.
+
+    Each device computes its own share of a call's rows, and a graph built
+    for a fixed row count may hold that count anywhere (a reshape, a
+    divisor): it cannot be split correctly. Graphs on free rows that need
+    concrete shapes are compiled per row count instead (see CompiledFunction).
+    """
+    for var in inputs:
+        rows = declared_rows(var)
+        if rows is not None:
+            free = shape_text((None,) + tuple(var.type.shape[1:]))
+            raise TypeError(
+                f"scattered input {var} is declared with a static row count, shape "
+                f"{shape_text(var.type.shape)}, but each device computes its own share of a call's rows, and a "
+                f"graph built for {rows} rows may hold that number anywhere; declare the rows free, "
+                f"pt.tensor({(var.name or 'x')!r}, shape={free}, ...): synkhronos compiles each "
+                f"device's graph for the rows it gets when JAX needs static shapes "
+                f"(pytensor-ml's convolutions work so)")
+
+
+def _check_mode(kwargs):
+    """Refuse a compilation ``mode`` whose functions do not run on a JAX device.
+
+    Every process keeps its shared variables on its own JAX device between
+    calls, and the collectives exchange those device arrays; a function linked
+    for another backend (``"FAST_RUN"``, ``"NUMBA"``, ...) computes on numpy
+    arrays outside that device.
+    """
+    mode = kwargs.get("mode")
+    if mode is None:
+        return
+    from pytensor.link.jax.linker import JAXLinker     # imports JAX: not when synkhronos is imported
+    try:
+        linker = get_mode(mode).linker
+    except Exception as e:
+        raise ValueError(f"mode={mode!r} is not a PyTensor compilation mode: {e}") from None
+    if not isinstance(linker, JAXLinker):
+        raise ValueError(f"mode={mode!r} does not compile for JAX, and synkhronos runs every "
+                         f"function on each process's JAX device (CPU or GPU alike); leave mode "
+                         f"unset (synkhronos's JAX mode), or pass mode=\"JAX\" or a "
+                         f"pytensor Mode whose linker is \"jax\"")
+
+
+# ------------------------------------------------------------------------------------------------
+# The user's Function
+# ------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+#: validated plans a Function keeps for repeated calls (see Function._plan_key)
+_PLANS_KEPT = 16
+#: marks a plan key of explicit indices (see Function._plan_key)
+_INDICES = object()
+
+
+class Function:
+    """A data-parallel PyTensor function, made by :func:`function`.
+
+    Call it like the PyTensor function it wraps, with :class:`Data` or numpy
+    arguments; see :meth:`__call__`.
+    """
+
+    def __init__(self, state, spec, bare, compiled):
+        self._state = state
+        self.spec = spec
+        self._bare = bare
+        self._scratch = {}
+        self._reference = None    # the plain PyTensor function, compiled at the first as_pytensor
+        #: numpy arguments are cast to their inputs' dtypes as pytensor.function's option does
+        self._downcast = bool(spec.kwargs.get("allow_input_downcast"))
+        #: this process's compiled function (the master computes its own share of every call)
+        self.compiled = compiled
+        self._input_names = [var.name if var.name else f"input {i}"
+                             for i, var in enumerate(spec.all_inputs)]
+        self._n_inputs = len(spec.all_inputs)
+        # per output: its mode and declared dtype (the reduction of every call looks them up)
+        self._reductions = [(mode, np.dtype(var.type.dtype)) for var, mode in spec.outputs]
+        self._plans = {}          # see _plan_key
+
+    @property
+    def name(self):
+        """The function's name (given, or ``synk_function_<id>``)."""
+        return self.spec.name
+
+    def get_shared(self):
+        """The shared variables this function reads or updates (as PyTensor's ``Function.get_shared``)."""
+        return list(dict.fromkeys(self.spec.shared_variables()))
+
+    @property
+    def output_modes(self):
+        """The reduction mode of each output, in order."""
+        return [m for _, m in self.spec.outputs]
+
+    @property
+    def update_modes(self):
+        """The accumulation mode of each update (used with ``num_slices > 1``)."""
+        return [m for _, _, m in self.spec.updates]
+
+    def __repr__(self):
+        return f"synk.Function({self.name!r})"
+
+    # --- single process reference ---------------------------------------------------------
+    def as_pytensor(self, *args):
+        """Run the plain single-process PyTensor function in the master on numpy inputs.
+
+        Updates apply to the master's copies of the shared variables only.
+        """
+        out = [np.asarray(o) for o in self._run_reference(args)]
+        return out[0] if self._bare else out
+
+    as_theano = as_pytensor
+
+    def _run_reference(self, args):
+        """Run the plain PyTensor function, compiled for any rows (or per shape if JAX needs it)."""
+        if self._reference is None:
+            self._reference = CompiledFunction(self.spec, reference=True)
+        return self._reference.run(list(args))
+
+    def build_inputs(self, *values, force_cast=False, oversize=1., minibatch=False):
+        """Make one :class:`Data` per input (scattered, then broadcast) from ``values``."""
+        all_inputs = self.spec.all_inputs
+        if len(values) != len(all_inputs):
+            raise TypeError(f"{self.name} has {len(all_inputs)} inputs, got {len(values)} values")
+        return [data(value=v, var=var, force_cast=force_cast, oversize=oversize,
+                     minibatch=minibatch and i < len(self.spec.inputs))
+                for i, (var, v) in enumerate(zip(all_inputs, values))]
+
+    # --- calling ---------------------------------------------------------------------------
+    @serialized
+    def __call__(self, *args, batch=None, batch_s=None, num_slices=1, output_subset=None, **kwargs):
+        """Run on every device and return the reduced outputs.
+
+        Parameters
+        ----------
+        *args : Data or numpy arrays
+            One per input (scattered inputs first, then ``bcast_inputs``), or by
+            input name as keywords.
+        batch : int, slice, or sequence of int, optional
+            Rows of the scattered inputs to use: ``n`` means ``[0, n)``.
+        batch_s : optional
+            Rows of the sliceable shared variables (see ``sliceable_shareds``).
+        num_slices : int
+            Each rank computes its share in this many slices and accumulates.
+        output_subset : list of int, optional
+            Indices of the outputs to compute and return.
+        """
+        state = current()
+        if state is not self._state:
+            raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
+                               f"build it again after fork()")
+        key = self._plan_key(args, kwargs, batch, batch_s, num_slices, output_subset)
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
+            if key is not None:
+                if len(self._plans) >= _PLANS_KEPT:
+                    self._plans.clear()
+                self._plans[key] = plan
+        elif not plan.batch.is_range:
+            # the kept plan of an earlier call with as many indices: only the indices are new
+            n_scat = len(self.spec.inputs)
+            plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat])[0])
+        state.ensure_shipped()
+        if not state.is_registered(self.spec.fid):
+            raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
+                            f"build it again from picklable ops")
+        outputs = self._reduce(plan, *state.run_call(plan, result_record(self.spec, plan)))
+        if self._scratch:
+            release_large_staging(self._scratch)
+        return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _plan_key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+        """What makes a validated plan reusable, or None for calls that are validated every time.
+
+        A training loop repeats one call shape: the same Data (same segment
+        generation and shape, so the same rows are valid), a fixed ``batch``
+        size and ``num_slices``. Such a call reuses its plan and skips its
+        validation. A ``batch`` of explicit indices (a numpy array) into Data
+        that are not ``minibatch`` reuses the plan of the last call with as many
+        indices, and only the new indices are validated. ``batch_s`` (rows
+        checked against every rank),
+        numpy arguments and keywords always take the full path.
+        """
+        if kwargs or batch_s is not None or output_subset is not None or self.spec.sliceable_shareds:
+            return None
+        indexed = type(batch) is np.ndarray
+        if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
+                or len(args) != self._n_inputs:
+            return None
+        key = [(_INDICES, batch.shape) if indexed else batch, num_slices]
+        for d in args:
+            if type(d) is not Data or not d.belongs_to(self._state) or d.shape is None or \
+                    (indexed and d.minibatch):    # a minibatch Data's offset follows the indices
+                return None
+            key += (d.id, d.gen, d.shape, d.minibatch)
+        return tuple(key)
+
+    def _plan(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+        spec = self.spec
+        num_slices = check_num_slices(num_slices)
+        if batch_s is not None and not spec.sliceable_shareds:
+            raise TypeError(f"batch_s was given but {self.name} has no sliceable_shareds; "
+                            f"pass sliceable_shareds= to synk.function to slice shared variables")
+        subset = self._subset(output_subset)
+        datas = [self._as_data(i, v) for i, v in enumerate(self._collect_args(args, kwargs))]
+        n_scat = len(spec.inputs)
+        names = self._input_names[:n_scat]
+        batch_plan, offsets = parse_batch(batch, datas[:n_scat], names)
+        if n_scat and batch_plan.total == 0:
+            raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
+                             f"give at least one row")
+        sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
+        rows = ([b.total for b in sliced] if sliced else
+                [hi - lo for lo, hi in (chunk(0, batch_plan.total, self._state.n_parallel, r)
+                                        for r in range(self._state.n_parallel))] if n_scat else [])
+        if spec.updates and rows and min(rows) == 0:
+            raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
+                             f"device: {rows}): it would skip its updates and its state would drift; "
+                             f"give at least one row per device")
+
+        def ref(d, offset):
+            return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
+
+        return CallPlan(spec.fid, num_slices, batch_plan, subset,
+                        [ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
+                        [ref(d, 0) for d in datas[n_scat:]], sliced)
+
+    def _plan_batch_s(self, batch_s, batch_plan):
+        """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""
+        sliceables = self.spec.sliceable_shareds
+        if not sliceables:
+            return []
+        shapes = self._state.all_shapes(sliceables)
+        names = [str(s) for s in sliceables]
+        for name, per_rank in zip(names, shapes):
+            if any(len(shape) == 0 for shape in per_rank):
+                raise TypeError(f"sliceable shared {name} is 0-d on some rank; it needs rows")
+        sliced = parse_batch_s(batch_s, [[shape[0] for shape in per_rank] for per_rank in shapes],
+                               names)
+        if batch_plan is not None:
+            for rank, b in enumerate(sliced):
+                lo, hi = chunk(0, batch_plan.total, self._state.n_parallel, rank)
+                if hi - lo != b.total:
+                    raise ValueError(f"rank {rank} gets {hi - lo} rows of the scattered inputs but "
+                                     f"{b.total} rows of the sliceable shareds; they must match")
+        return sliced
+
+    def _subset(self, output_subset):
+        n = len(self.spec.outputs)
+        if output_subset is None:
+            return list(range(n))
+        subset = list(output_subset)
+        for i in subset:
+            if not isinstance(i, (int, np.integer)) or not 0 <= i < n:
+                raise ValueError(f"output_subset entry {i!r} is not an output index in [0, {n})")
+        return [int(i) for i in subset]
+
+    def _input_name(self, i):
+        return self._input_names[i]
+
+    def _collect_args(self, args, kwargs):
+        all_inputs = self.spec.all_inputs
+        if not kwargs and len(args) == len(all_inputs):
+            return args
+        names = self._input_names
+        if len(args) > len(all_inputs):
+            raise TypeError(f"{self.name} takes {len(all_inputs)} inputs {names}, got {len(args)} "
+                            f"positional arguments")
+        values = list(args) + [_MISSING] * (len(all_inputs) - len(args))
+        for key, value in kwargs.items():
+            matches = [i for i, v in enumerate(all_inputs) if v.name == key]
+            if not matches:
+                raise TypeError(f"{self.name} has no input named {key!r}; its inputs are {names}")
+            if values[matches[0]] is not _MISSING:
+                raise TypeError(f"input {key!r} of {self.name} was given twice")
+            values[matches[0]] = value
+        missing = [names[i] for i, v in enumerate(values) if v is _MISSING]
+        if missing:
+            raise TypeError(f"{self.name} is missing inputs {missing}")
+        return values
+
+    def _as_data(self, i, value):
+        var = self.spec.all_inputs[i]
+        name = self._input_name(i)
+        scattered = i < len(self.spec.inputs)
+        if isinstance(value, Data):
+            if not value.belongs_to(self._state):
+                raise ValueError(f"Data for input {name!r} belongs to a closed runtime; "
+                                 f"make it again with synk.data() after fork()")
+            if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
+                raise TypeError(f"input {name!r} expects dtype {var.type.dtype} and ndim "
+                                f"{var.type.ndim}, got Data with dtype {value.dtype} and ndim "
+                                f"{value.ndim}; make the Data for this input with "
+                                f"synk.data(value, var={name}, force_cast=True)")
+            if value.shape is None:
+                raise TypeError(f"Data for input {name!r} holds no value; set_value() it first")
+            if scattered and value.ndim == 0:
+                raise TypeError(f"scattered input {name!r} is 0-d and cannot be split by rows; "
+                                f"make it a bcast_input")
+            check_argument_shape(var, name, value.shape, scattered)
+            return value
+        arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}",
+                              force_cast=self._downcast,
+                              cast_hint="build the function with synk.function(..., "
+                                        "allow_input_downcast=True)")
+        check_argument_shape(var, name, arr.shape, scattered)
+        scratch = self._scratch.get(i)
+        if scratch is None:
+            scratch = self._scratch[i] = Data(self._state, var.type.dtype, var.type.ndim,
+                                              name=f"{self.name}:{name}")
+        scratch.set_value(arr, oversize=1 if scratch.alloc_size >= arr.size else 1.25)
+        return scratch
+
+    def _reduce(self, plan, rows, columns):
+        """Reduce each selected output across ranks (see :meth:`State.run_call`).
+
+        Ranks that computed no rows are left out. Mode None takes the master's
+        result, or the lowest computing rank's if the master had no rows. Each
+        output has the dtype of its symbolic variable.
+        """
+        if not columns:
+            return []
+        everyone = 0 not in rows
+        ranks = None if everyone else [rank for rank, n in enumerate(rows) if n]
+        own = self._state.master_rank if rows[self._state.master_rank] else ranks[0]
+        weights = rows if everyone else [rows[rank] for rank in ranks]
+        reduced = []
+        for column, i in zip(columns, plan.subset):
+            mode, dtype = self._reductions[i]
+            if mode is None:
+                value = column[own]
+            else:
+                if not everyone:
+                    column = column[ranks] if isinstance(column, np.ndarray) else \
+                        [column[r] for r in ranks]
+                value = reduce_ranks(mode, column, weights)
+            # JAX may compute some reductions wider than the graph declares; return the declared dtype.
+            reduced.append(np.asarray(value, dtype=dtype))
+        return reduced
+
+
+@serialized
+def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
+             sliceable_shareds=None, name=None, **kwargs):
+    """Build a data-parallel function over every device of the runtime.
+
+    Parameters
+    ----------
+    inputs : list of Variable
+        Scattered inputs: split along axis 0 across devices.
+    outputs : Variable, (Variable, mode), or a list of those
+        Modes: ``"avg"`` (default, weighted by rows), ``"sum"``, ``"prod"``,
+        ``"min"``, ``"max"``, ``"gather"`` (concatenate in rank order), ``None``
+        (the master's own result).
+    bcast_inputs : list of Variable, optional
+        Inputs given whole to every device.
+    updates : list of (shared, value[, mode]) or dict
+        Applied locally on every device; the mode matters with ``num_slices > 1``.
+    givens : optional
+        As in :func:`pytensor.function`.
+    sliceable_shareds : list of SharedVariable, optional
+        Shared variables holding per-device data that ``batch_s`` indexes.
+    name : str, optional
+    **kwargs
+        Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
+
+    Returns
+    -------
+    Function
+
+    Examples
+    --------
+    >>> f = synk.function([x, y], [(loss, "avg"), (err, "sum")])     # doctest: +SKIP
+    >>> loss, err = f(x_dat, y_dat, batch=idx, num_slices=4)         # doctest: +SKIP
+    """
+    state = current()
+    _check_mode(kwargs)
+    inputs = _check_inputs(inputs, "inputs")
+    _check_free_rows(inputs)
+    bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
+    seen = set()
+    for var in inputs + bcast_inputs:
+        if id(var) in seen:
+            raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
+        seen.add(id(var))
+    pairs, bare = _normalize_outputs(outputs)
+    triples, generators = _normalize_updates(updates)
+    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
+    sliceable = list(sliceable_shareds or [])
+    spec = FunctionSpec(state.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
+                        sliceable, kwargs)
+    spec.name = name or f"synk_function_{spec.fid}"
+    spec.generator_updates = generators + randomness.generator_updates(
+        inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
+    used = set(spec.shared_variables() + [g[0] for g in givens])
+    for var in sliceable:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
+        if var not in used:
+            raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
+    for key, value in givens:
+        if value in sliceable and (key.type.dtype, key.type.ndim) != (value.type.dtype, value.type.ndim):
+            raise TypeError(f"givens replaces {key} (dtype {key.type.dtype}, ndim {key.type.ndim}) with "
+                            f"sliceable shared {value} (dtype {value.type.dtype}, ndim "
+                            f"{value.type.ndim}); make {value} of that dtype and ndim")
+    shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
+    set_precision(State.float_x())       # the same rule every rank applies
+    compiled = CompiledFunction(spec)    # compile errors surface here, in the master
+    state.register_function(spec, compiled)
+    return Function(state, spec, bare, compiled)

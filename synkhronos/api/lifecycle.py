@@ -1,0 +1,157 @@
+"""``fork`` / ``distribute`` / ``close``: start the runtime, bring the workers up to date, stop it.
+
+Everything is validated here before anything in the process changes; the
+runtime itself is :class:`synkhronos.runtime.master.State`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..comm import Comm, comm_class, default_kind
+from ..platform import jax_init
+from ..runtime import master
+from ..runtime.master import Settings, current, serialized
+
+__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu"]
+
+
+@serialized
+def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | None = None,
+         profile_workers: bool = False, threads_per_device: int | None = None, timeout: float = 60,
+         spin_us: float | None = None, stall_timeout: float = 600,
+         collectives: str | type[Comm] | None = None, **options) -> int:
+    """Start one process per device; the calling process becomes rank ``master_rank``.
+
+    Parameters
+    ----------
+    n_parallel : int, optional
+        Number of devices (processes). Default: every GPU, or on a machine
+        without accelerators one CPU device per available core.
+    master_rank : int
+        The rank of the calling process.
+    platform : {"cpu", "gpu", None}
+        JAX platform; default: GPU if a JAX GPU plugin finds one, else CPU.
+    profile_workers : bool
+        Run every worker under cProfile, writing ``synk_profile_rank{r}.prof``.
+    threads_per_device : int, optional
+        CPU threads each process may use (XLA and BLAS pools); default
+        ``cores // n_parallel``, at least 1.
+    timeout : float
+        Seconds allowed for the JAX runtime to connect all processes.
+    stall_timeout : float
+        Seconds the master waits for every rank to finish a command or reach a
+        collective before it raises :class:`StallError` (naming the ranks that
+        arrived and those that did not) and shuts the runtime down. Set it above
+        your longest single call.
+    collectives : {"shm", "jax"} or Comm subclass, optional
+        How collectives on shared variables travel: ``"jax"`` through the JAX
+        runtime (Gloo on CPU, NCCL on GPU), ``"shm"`` through shared memory (CPU
+        only, near memory bandwidth), or an implementation of one's own (a
+        subclass of :class:`synkhronos.comm.Comm` the workers can import).
+        Default: ``"shm"`` on CPU, else ``"jax"``.
+    spin_us : float, optional
+        Microseconds a waiting process polls before it sleeps. Polling keeps the
+        per-call latency low (a sleeping process takes tens of µs to wake); it
+        costs CPU only while idle between calls. Default 2000 when every process
+        has a core of its own, else 0.
+
+    Returns
+    -------
+    int
+        The number of devices in use.
+
+    Notes
+    -----
+    In this process, ``fork`` sets the environment variables JAX and BLAS read
+    at start-up, JAX's platform and multi-process settings, numpy's BLAS thread
+    count and (on CPU) glibc's allocator settings; ``close`` puts them back,
+    except that glibc stops tuning its thresholds dynamically once they were set.
+
+    Examples
+    --------
+    >>> import synkhronos as synk
+    >>> n = synk.fork(2)            # doctest: +SKIP
+    """
+    platform = _old_fork_options(options, platform)
+    if options:
+        raise TypeError(f"fork() got unknown options {sorted(options)}")
+    if master.forked_from() is not None:
+        raise RuntimeError(f"fork() cannot run in a process made by os.fork() from synkhronos's "
+                           f"master (pid {master.forked_from()}): it inherited the master's JAX "
+                           f"runtime without its threads; start such processes with "
+                           f"multiprocessing's 'spawn' start method instead")
+    if master.active() is not None:
+        raise RuntimeError("fork() was already called; call synk.close() before forking again")
+    if jax_init.backend_exists():
+        raise RuntimeError("a JAX backend (device context) already exists in this process, so it "
+                           "cannot join the multi-process runtime; call synk.fork() before anything "
+                           "runs a JAX computation or compiles a JAX-mode PyTensor function")
+    platform = platform or jax_init.default_platform()
+    if n_parallel is None:
+        n_parallel = jax_init.count_devices(platform)
+    n_parallel = int(n_parallel)
+    if n_parallel < 1:
+        raise ValueError(f"n_parallel must be >= 1, got {n_parallel}")
+    if not 0 <= master_rank < n_parallel:
+        raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
+    if not stall_timeout or stall_timeout <= 0:
+        raise ValueError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
+    implementation = comm_class(collectives or default_kind(platform))
+    if platform not in implementation.platforms:
+        raise ValueError(f"collectives={implementation.name!r} works on {list(implementation.platforms)}"
+                         f", not on {platform!r}; use collectives='jax'")
+    cores = jax_init.count_devices("cpu")
+    threads = threads_per_device or max(1, cores // n_parallel)
+    if spin_us is None:
+        spin_us = 2000 if n_parallel <= cores else 0
+    master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
+                          spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
+                          collectives=implementation))
+    return n_parallel
+
+
+def _old_fork_options(options, platform):
+    """Take the original's ``fork()`` options out of ``options``; return the platform they ask for.
+
+    ``use_gpu`` still means something (the platform); ``max_n_var`` and
+    ``max_dim`` sized the original's fixed shared-memory arrays and are refused.
+    """
+    if "use_gpu" in options:
+        use_gpu = options.pop("use_gpu")
+        new = "gpu" if use_gpu else "cpu"
+        warnings.warn(f"fork(use_gpu={use_gpu!r}) is fork(platform={new!r}) now", DeprecationWarning,
+                      stacklevel=4)
+        platform = platform or new
+    for name in ("max_n_var", "max_dim"):
+        if name in options:
+            raise TypeError(f"fork() no longer takes {name}=: it sized the original's fixed "
+                            f"shared-memory arrays, and synkhronos sizes its control block itself; "
+                            f"remove it")
+    return platform
+
+
+@serialized
+def distribute() -> None:
+    """Ship every function to the workers and make their shared values equal the master's."""
+    current().ship(sync_values=True)
+
+
+def close() -> None:
+    """Stop and join the workers and free every shared-memory segment (idempotent).
+
+    A command that another thread is running is let finish first (for up to
+    ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
+    command raises).
+    """
+    master.end()
+
+
+def get_n_devices(platform: str | None = None) -> int:
+    """Number of devices ``fork()`` would use, counted without creating a context here."""
+    return jax_init.count_devices(platform)
+
+
+def get_n_gpu() -> int:
+    """Number of GPUs, counted without creating a context here."""
+    return jax_init.count_devices("gpu") if jax_init.has_gpu_plugin() else 0

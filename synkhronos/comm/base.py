@@ -1,0 +1,101 @@
+"""The interface every collective implementation provides.
+
+An implementation is called by every rank at once with a list of arrays of
+one dtype (the same shapes on every rank) and returns a list of device
+arrays, one per input, in one launch for the whole list. The runtime builds
+one per process from a :class:`CommContext` and calls nothing but what
+:class:`Comm` declares, so a new implementation (a hierarchical one for
+several nodes, say) is a subclass and an entry in :data:`synkhronos.comm.KINDS`.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+__all__ = ["Comm", "CommContext", "Reservation"]
+
+
+@dataclass(frozen=True)
+class CommContext:
+    """What a process knows when it builds its collective implementation.
+
+    Attributes
+    ----------
+    prefix : str
+        The runtime's shared-memory name prefix (segments an implementation
+        makes must start with it, so that ``close()`` and the tests find them).
+    rank, n_ranks, master_rank : int
+    check : callable
+        Raises to abandon a wait (a dead peer, a stall, a closed runtime); an
+        implementation whose waits return to Python calls it between slices.
+    spin : float
+        Seconds a waiting process may poll before it sleeps.
+    """
+
+    prefix: str
+    rank: int
+    n_ranks: int
+    master_rank: int
+    check: Callable[[], None]
+    spin: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What the master tells an implementation before a collective (:meth:`Comm.reserve`).
+
+    Attributes
+    ----------
+    nbytes : int
+        The largest buffer per rank the collective moves.
+    result_bytes : int
+        The size of its one all-reduce result, if it makes just one (else 0).
+    reduce_bytes : int
+        The size of the all-reduce it runs, if any (else 0).
+    """
+
+    nbytes: int = 0
+    result_bytes: int = 0
+    reduce_bytes: int = 0
+
+
+class Comm(ABC):
+    """Collectives among the ranks of one runtime, each process with its single local device.
+
+    Parameters
+    ----------
+    context : CommContext
+    """
+
+    #: the name ``fork(collectives=...)`` takes
+    name: ClassVar[str]
+    #: True if every wait returns to Python between slices and calls ``context.check``: the
+    #: master then runs its part in its own thread (else in a thread the master watches)
+    waits_in_python: ClassVar[bool] = False
+    #: True if the implementation works on ``platform`` ("cpu", "gpu", ...)
+    platforms: ClassVar[tuple] = ("cpu", "gpu")
+
+    def __init__(self, context: CommContext):
+        self.context = context
+        self.rank, self.n_ranks = context.rank, context.n_ranks
+
+    @abstractmethod
+    def all_reduce(self, values: Sequence, op: str) -> list:
+        """Element-wise reduction across ranks; ``op`` in sum, avg (sum / n_ranks), prod, min, max."""
+
+    @abstractmethod
+    def all_gather(self, values: Sequence) -> list:
+        """Each value stacked across ranks, shape ``(n_ranks, *shape)``."""
+
+    @abstractmethod
+    def broadcast(self, values: Sequence, root: int) -> list:
+        """``root``'s values on every rank."""
+
+    def reserve(self, reservation: Reservation) -> None:
+        """Master, before the collective's command goes out: make room for it (nothing by default)."""
+
+    def refresh(self) -> None:
+        """Every rank, after a collective: let go of what no result holds (nothing by default)."""
+
+    def release(self) -> None:
+        """At close: free what the implementation holds (nothing by default)."""

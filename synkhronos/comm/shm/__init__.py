@@ -1,0 +1,5 @@
+"""CPU collectives through shared memory (see :mod:`.collectives`)."""
+
+from .collectives import ShmComm
+
+__all__ = ["ShmComm"]

@@ -1,0 +1,100 @@
+"""Moving values between host memory and this process's JAX device.
+
+Every process has exactly one local device. Values from shared memory are
+copied once into private, 64-byte aligned host buffers that the CPU client
+adopts without another copy (on a GPU, ``device_put`` copies them over).
+"""
+
+import numpy as np
+
+from .transport import BufferPool
+
+__all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
+           "wait_until_computed", "COPY_PIECE_BYTES"]
+
+
+def wait_until_computed(values):
+    """Block until every JAX array in ``values`` (any nesting of lists, tuples, dicts) is computed.
+
+    Other leaves (numpy arrays, numbers) are ready already.
+    """
+    import jax
+    for leaf in jax.tree_util.tree_leaves(values):
+        if isinstance(leaf, jax.Array):
+            leaf.block_until_ready()
+
+
+def place_on_device(shared_vars):
+    """Keep the host (numpy) values of tensor ``shared_vars`` as arrays on this process's device.
+
+    A jitted function is compiled for its arguments' shardings: a numpy value
+    has none, a device array (what every update and collective stores) has
+    this device's, so a function first called on numpy values compiled a
+    second time on its second call (a ResNet step: seconds). Placing the values
+    first makes the first call's shardings the lasting ones.
+    """
+    from pytensor.tensor.type import TensorType
+    for var in shared_vars:
+        value = var.container.storage[0]
+        if isinstance(value, (np.ndarray, np.generic)) and isinstance(var.type, TensorType):
+            var.container.storage[0] = to_device(np.asarray(value, var.type.dtype))
+
+
+_HOST_POOL = BufferPool()
+
+
+def to_device(host):
+    """A device array with the values of ``host``, sharing no memory with it.
+
+    ``host`` may be reused as soon as this returns (a shared-memory slot, say).
+    The values are copied once, into a private 64-byte aligned buffer, which the
+    CPU client then adopts without a second copy; on a GPU, ``device_put`` copies
+    that buffer to the device.
+
+    Parameters
+    ----------
+    host : array_like
+
+    Returns
+    -------
+    jax.Array
+        On this process's (only) local device.
+    """
+    host = np.asarray(host)
+    private = private_empty(host.shape, host.dtype)
+    copy_large(private, host)
+    return adopt(private)
+
+
+#: :func:`copy_large` copies arrays larger than this in pieces of this size
+COPY_PIECE_BYTES = 16 << 20
+
+
+def copy_large(dst, src):
+    """``dst[...] = src`` for arrays of one shape; large ones in pieces of ``COPY_PIECE_BYTES``.
+
+    glibc copies very large blocks another way (non-temporal stores, several
+    pages at a time), which from shared memory into a private buffer runs far
+    slower than the same copy in pieces.
+    """
+    if dst.nbytes <= COPY_PIECE_BYTES or not (dst.flags.c_contiguous and src.flags.c_contiguous):
+        np.copyto(dst, src)
+        return
+    d, s = dst.reshape(-1), src.reshape(-1)
+    step = max(1, COPY_PIECE_BYTES // dst.itemsize)
+    for a in range(0, d.size, step):
+        d[a:a + step] = s[a:a + step]
+
+
+def private_empty(shape, dtype):
+    """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds."""
+    return _HOST_POOL.empty(shape, dtype)
+
+
+def adopt(private):
+    """Hand ``private`` (from :func:`private_empty`, never written again) to the device.
+
+    On CPU the device array is a view of ``private`` and keeps it alive.
+    """
+    import jax
+    return jax.device_put(private, jax.local_devices()[0])

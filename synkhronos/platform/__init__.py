@@ -1,0 +1,2 @@
+"""What one process needs from its platform: JAX start-up and shut-down, CPU tuning, and the
+one adapter over PyTensor's and JAX's internals (:mod:`.internals`)."""

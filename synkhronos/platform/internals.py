@@ -1,0 +1,132 @@
+"""The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
+
+Three things have no public API and are reached for here only:
+
+- a PyTensor function linked for JAX is one jitted function behind per-call
+  bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
+  that bookkeeping (:func:`synkhronos.rank.compiled.jitted_call`);
+- whether this process already made a JAX backend (``fork()`` must come first);
+- in a child made by ``os.fork()``, the JAX runtime objects it inherited, to be
+  kept alive and forgotten (:func:`detach_inherited_jax`).
+
+Every reader returns None (or does nothing) when the internals it expects are
+not there, so a PyTensor or JAX release that moves them costs speed, not
+correctness. Importing this module checks the installed versions against
+:data:`SUPPORTED`, which ``pyproject.toml`` pins alike (a test compares them).
+"""
+
+import ctypes
+import importlib.metadata
+import sys
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
+           "detach_inherited_jax"]
+
+#: (lowest version, first version not supported) of each library whose internals are read here
+SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}
+
+
+def _version_tuple(text: str) -> tuple:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != piece:
+            break
+    return tuple(parts)
+
+
+def check_versions() -> None:
+    """Raise ImportError if an installed library is outside the versions in :data:`SUPPORTED`.
+
+    Examples
+    --------
+    >>> check_versions()        # the test environment has supported versions
+    """
+    for name, (low, high) in SUPPORTED.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError(f"synkhronos needs {name}; install it with pip install "
+                              f"'{name}>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}'")
+        if not low <= _version_tuple(installed) < high:
+            raise ImportError(f"synkhronos supports {name} >= {'.'.join(map(str, low))} and < "
+                              f"{'.'.join(map(str, high))}, but {installed} is installed; install a "
+                              f"supported version (pip install -e . picks one)")
+
+
+class JitParts(NamedTuple):
+    """The pieces of a PyTensor function linked by the JAX linker (see :func:`jit_parts`)."""
+
+    jit: Callable[..., Any]       #: the jitted JAX graph, called on every input cell's value
+    cells: list                   #: every input's storage cell, explicit inputs first
+    n_args: int                   #: how many of ``cells`` are the explicit arguments
+    updates: list                 #: (output index, shared variable's storage cell) per update
+    n_outputs: int                #: how many of the graph's outputs the function returns
+
+
+def jit_parts(fn) -> JitParts | None:
+    """The jitted graph and storage cells of ``fn``, or None if ``fn`` is not simply one jitted graph.
+
+    Parameters
+    ----------
+    fn : pytensor.compile.function.types.Function
+        Compiled by PyTensor's JAX linker.
+    """
+    vm = getattr(fn, "vm", None)
+    jit, cells = getattr(vm, "jit_fn", None), getattr(vm, "inputs", None)
+    explicit = getattr(fn, "_input_storage_data", None)
+    updates = getattr(fn, "_update_input_storage", None)
+    n_outputs = getattr(fn, "_n_returned_outputs", None)
+    if None in (jit, cells, explicit, updates, n_outputs) or \
+            any(cell is not own for cell, own in zip(cells, explicit)):
+        return None
+    n_args = sum(1 for inp in fn.maker.inputs if not inp.implicit)
+    return JitParts(jit, list(cells), n_args, [(i, c.storage) for i, c in updates], n_outputs)
+
+
+def jax_backend_exists() -> bool:
+    """True if this process has already made a JAX backend (device context)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()
+
+
+#: JAX objects a forked child inherited and must never destroy (see detach_inherited_jax)
+_inherited: list = []
+
+
+def detach_inherited_jax() -> None:
+    """In a child made by ``os.fork()``: keep the parent's JAX runtime objects alive, and forget them.
+
+    The child inherits the coordination client, the backend and the compiler's
+    thread pool without the threads that serve them; destroying them at the
+    child's exit (JAX's exit hook does) waits for those threads forever or
+    crashes, and talks to the parent's coordination service in the parent's
+    name. They get one reference more here (their destructors never run in the
+    child) and are taken out of JAX's global state, so the child's exit leaves
+    them alone.
+    """
+    if "jax" not in sys.modules:
+        return
+    from jax._src import distributed, xla_bridge
+    from jax._src.interpreters import mlir
+    state = distributed.global_state
+    # the compiler's thread pool too: destroyed at the child's exit, it joins threads the child
+    # does not have (a segmentation fault)
+    held = [state.client, state.service, state.preemption_sync_manager,
+            xla_bridge._default_backend, *xla_bridge._backends.values(), mlir.global_thread_pool]
+    for obj in held:
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    _inherited.extend(held)
+    state.client = state.service = state.preemption_sync_manager = None
+    xla_bridge._default_backend = None
+    xla_bridge._backends = {}
+
+
+check_versions()

@@ -1,0 +1,188 @@
+"""The JAX runtime of one process: platform, threads, multi-process initialization.
+
+Every process (master and workers) runs :func:`initialize_process` with its
+own rank. The same code serves CPU and GPU: only the JAX platform differs, and
+XLA picks the collective library (Gloo on CPU here, NCCL on NVIDIA GPUs).
+
+Precision policy: JAX computes in 64 bit only with ``jax_enable_x64``, and
+PyTensor's JAX backend ties that flag to ``pytensor.config.floatX`` (on for
+float64, off for float32) when it is first imported. synkhronos keeps the same
+rule but applies it in every process, from the master's current floatX, each
+time functions are compiled: ranks that disagreed would exchange buffers of
+different sizes in a collective.
+"""
+
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from . import cpu_blas, cpu_tuning, internals
+
+__all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
+           "initialize_process", "platform", "shutdown_process", "ENV_VARS", "set_precision",
+           "forget_runtime_in_child", "has_gpu_plugin"]
+
+ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+            "TF_CPP_MIN_LOG_LEVEL")
+_GPU_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "jax-rocm7-plugin", "jax-rocm60-plugin")
+
+log = logging.getLogger(__name__)
+
+
+def backend_exists():
+    """True if this process has already created a JAX backend (device context)."""
+    return internals.jax_backend_exists()
+
+
+def has_gpu_plugin():
+    for name in _GPU_PLUGINS:
+        try:
+            importlib.metadata.version(name)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return False
+
+
+def _count_in_subprocess(platform):
+    """Count devices of ``platform`` in a throwaway process (no context here)."""
+    code = ("import jax, json; "
+            f"print(json.dumps(jax.local_device_count({platform!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        return 0
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def default_platform():
+    """``"gpu"`` when a JAX GPU plugin is installed and finds a device, else ``"cpu"``."""
+    if has_gpu_plugin() and _count_in_subprocess("gpu") > 0:
+        return "gpu"
+    return "cpu"
+
+
+def count_devices(platform=None):
+    """Number of devices synkhronos would use, without creating a JAX context here.
+
+    On CPU this is the number of cores available to this process (one process
+    per core); on GPU it is counted in a throwaway subprocess.
+    """
+    platform = platform or default_platform()
+    if platform == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return _count_in_subprocess(platform)
+
+
+def configure_environment(env, platform, threads):
+    """Set the variables that must be in place before JAX/BLAS start in a process.
+
+    ``threads`` is the number of CPU threads this process may use (XLA's CPU
+    thread pool and BLAS). Processes sharing cores otherwise oversubscribe them,
+    and each one's default pools slow the others' steps several-fold.
+    """
+    env["JAX_PLATFORMS"] = platform
+    flags = env.get("XLA_FLAGS", "")
+    if platform == "cpu":
+        flags += " --xla_force_host_platform_device_count=1"
+        if threads == 1:
+            flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    env["XLA_FLAGS"] = flags.strip()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    # XLA's C++ warnings (e.g. one per process about the recoverable-task mode we enable)
+    # would drown the user's output; errors still show. Set it yourself to see everything.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def platform():
+    """The JAX platform this process computes on ("cpu", "gpu", ...)."""
+    import jax
+    return jax.default_backend()
+
+
+def set_precision(float_x):
+    """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
+    import jax
+    import pytensor
+    import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
+    pytensor.config.floatX = float_x
+    jax.config.update("jax_enable_x64", float_x == "float64")
+
+
+#: the JAX settings initialize_process changed in this process, and their earlier values
+_changed_config = {}
+
+
+def _configure_jax(name, value):
+    import jax
+    _changed_config.setdefault(name, getattr(jax.config, name))
+    jax.config.update(name, value)
+
+
+def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64", threads=None):
+    """Join the JAX multi-process runtime as process ``rank`` with one local device.
+
+    On CPU, the process keeps freed memory for reuse, numpy's BLAS gets the
+    process's share of the cores and XLA's thread pool gets ``threads`` threads
+    of this rank's cores (see :mod:`synkhronos.platform.cpu_tuning`).
+    :func:`shutdown_process` undoes these changes where it can.
+    """
+    import jax
+    if platform == "cpu":
+        cpu_tuning.keep_freed_memory_for_reuse()
+        # numpy's BLAS gets the process's own share of the cores even when XLA's pool spans them
+        # all: OpenBLAS's threads wait spinning, and two processes' pools on the same cores slow
+        # each other's steps down badly
+        share = max(1, (os.cpu_count() or 1) // n_ranks)
+        cpu_blas.limit_blas_threads(min(threads, share) if threads else share)
+    _configure_jax("jax_platforms", platform)
+    set_precision(float_x)
+    # A dead worker must become an exception in the master, not a process abort.
+    _configure_jax("jax_enable_recoverability", True)
+    if platform == "cpu":
+        _configure_jax("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM and only logs it (a `kill`, a scheduler's or `docker
+    # stop`'s SIGTERM would no longer end the script); synkhronos has no use for it
+    _configure_jax("jax_enable_preemption_service", False)
+    address = f"127.0.0.1:{port}"
+    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, rank):
+        jax.distributed.initialize(
+            coordinator_address=address,
+            coordinator_bind_address=address,   # loopback only, never all interfaces
+            num_processes=n_ranks,
+            process_id=rank,
+            local_device_ids=None if platform == "cpu" else [rank],
+            initialization_timeout=int(timeout),
+            heartbeat_timeout_seconds=max(10, int(timeout)),
+            shutdown_timeout_seconds=10,
+        )
+        return jax.local_devices()[0]      # the backend (and its thread pool) is made here
+
+
+def forget_runtime_in_child():
+    """In a child made by ``os.fork()``: leave the parent's JAX runtime alone (see
+    :func:`synkhronos.platform.internals.detach_inherited_jax`)."""
+    internals.detach_inherited_jax()
+
+
+def shutdown_process():
+    """Leave the multi-process runtime, drop the backend (so fork() can run again) and give back
+    what :func:`initialize_process` changed: JAX's settings, the BLAS threads, the allocator's
+    defaults (see :func:`synkhronos.platform.cpu_tuning.restore_allocator_defaults`)."""
+    if "jax" not in sys.modules:
+        return
+    import jax
+    try:
+        jax.distributed.shutdown()
+    finally:
+        from jax.extend import backend
+        backend.clear_backends()
+        for name, value in _changed_config.items():
+            jax.config.update(name, value)
+        _changed_config.clear()
+        cpu_blas.restore_blas_threads()
+        cpu_tuning.restore_allocator_defaults()

@@ -1,0 +1,2 @@
+"""What every rank runs, the master included: compiled functions, its share of a call, its part
+of a collective."""

@@ -1,0 +1,361 @@
+"""A :class:`~synkhronos.wire.spec.FunctionSpec` compiled for this process's device.
+
+Every process (the master too) compiles each function with PyTensor's JAX
+backend. Graphs on free rows that JAX can only trace with concrete shapes are
+compiled per argument shape instead (:func:`rebuild_on`).
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pytensor
+from pytensor.compile.builders import OpFromGraph, SymbolicOp
+from pytensor.graph.replace import clone_replace
+from pytensor.graph.traversal import toposort
+from pytensor.tensor.type import TensorType
+
+from ..device_arrays import place_on_device, wait_until_computed
+from ..platform.internals import jit_parts
+from ..platform.jax_init import platform
+from ..rewrites import compile_mode, raise_deferred_interrupt
+from ..transport import aligned_empty
+
+__all__ = ["CompiledFunction", "jitted_call", "GatherBuffer", "rebuild_on", "spec_graph",
+           "needs_static_shapes", "ROW_VARIANTS_KEPT"]
+
+
+def jitted_call(fn):
+    """Call ``fn``'s jitted JAX graph directly, or None if ``fn`` was not linked by PyTensor's JAX linker.
+
+    A PyTensor function linked for JAX is one ``jax.jit`` function behind
+    per-call bookkeeping (profiling checks, an output storage round trip,
+    garbage-collection loops): a good part of a tiny graph's call, paid by
+    every process in every call. The returned callable
+    does what that bookkeeping does for a function whose inputs are trusted:
+    it fills the explicit input cells, runs the jitted graph on every input
+    cell (shared variables included), stores the update values into their
+    shared variables and empties the input cells again (they hold views of
+    shared memory that must not outlive the call). A call with arguments
+    returns once the computation has finished, so no argument is read after
+    the call (JAX dispatches asynchronously; PyTensor's other backends compute
+    before they return). An error is re-raised through ``fn`` itself, with
+    PyTensor's account of the failing node.
+
+    Parameters
+    ----------
+    fn : pytensor.compile.Function
+        Compiled with ``trust_input`` and list outputs.
+
+    Returns
+    -------
+    callable or None
+        ``call(*args)`` returning the list of ``fn``'s outputs.
+    """
+    parts = jit_parts(fn)
+    if parts is None or fn.profile or not fn.maker.fgraph.outputs:
+        return None
+    jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
+    arg_cells = cells[:parts.n_args]
+    # all outputs of one execution become ready together: wait on one array (a random generator's
+    # next state is a dict of arrays, which has no block_until_ready)
+    arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
+    wait = (lambda outputs: outputs[arrays[-1]].block_until_ready()) if arrays else \
+        wait_until_computed
+
+    def call(*args):
+        for cell, arg in zip(arg_cells, args):
+            cell[0] = arg
+        try:
+            outputs = jit(*[cell[0] for cell in cells])
+        except Exception as e:
+            raise_deferred_interrupt(e)
+            return fn(*args)
+        finally:
+            for cell in arg_cells:
+                cell[0] = None
+        for i, storage in updates:
+            storage[0] = outputs[i]
+        # JAX returns before the computation has run, and the arguments are views of shared memory
+        # that the caller may rewrite as soon as the call returns (the next batch into the same
+        # Data): wait for it. Without arguments nothing can change under the computation, and it
+        # may run on past the call.
+        if arg_cells:
+            wait(outputs)
+        raise_deferred_interrupt()
+        return list(outputs[:n_outputs])
+
+    call.fn = fn
+    return call
+
+
+class GatherBuffer:
+    """The one host buffer a scattered input's gathered rows go to, call after call.
+
+    Called as ``buffer(shape, dtype)``, it returns a 64-byte aligned array of
+    that shape in the same memory each time (grown when too small). The rows
+    gathered for a call then land in memory the previous call warmed, in the
+    cache and the TLB; a fresh or pooled buffer per call gathers slower (JAX
+    lets go of a host buffer it adopted a little after the call returns, so
+    back-to-back calls never found the last buffer free and alternated
+    between two).
+
+    Reusing the memory is safe because a call given arguments returns only
+    once its computation has finished (see :func:`jitted_call`), and no output
+    or update value is a view of an input: PyTensor copies an output that
+    would be one (``DeepCopyOp``), so nothing outlives the call with a view of
+    this buffer.
+    """
+
+    def __init__(self):
+        self._owner = np.empty(0, np.uint8)
+
+    def __call__(self, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self._owner.nbytes:
+            self._owner = aligned_empty((nbytes,), np.uint8)
+        return self._owner[:nbytes].view(dtype).reshape(shape)
+
+
+def rebuild_on(variables, replace):
+    """``variables`` rebuilt with the inputs in ``replace`` swapped for variables of other static shapes.
+
+    Every node downstream of a replaced input is rebuilt (``make_node`` on
+    the new inputs), so static shapes propagate; the given graph is not
+    changed. An op that builds its inner graph from its input types (a
+    pytensor-ml layer: PyTensor's ``SymbolicOp``) is applied anew, building
+    that inner graph for the new shapes; any other ``OpFromGraph`` is
+    inlined (its inner graph keeps the shapes it was built for).
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> x = pt.tensor("x", shape=(8, 3))
+    >>> x4 = pt.tensor("x", shape=(4, 3))
+    >>> mean, = rebuild_on([x.mean(0) + x.shape[0]], {x: x4})
+    >>> mean.eval({x4: np.ones((4, 3), x4.dtype)}).tolist()
+    [5.0, 5.0, 5.0]
+    """
+    memo = dict(replace)
+    for node in list(toposort(variables, blockers=list(replace))):
+        inputs = [memo.get(i, i) for i in node.inputs]
+        if all(new is old for new, old in zip(inputs, node.inputs)):
+            continue
+        if isinstance(node.op, SymbolicOp):
+            outs = node.op(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        elif isinstance(node.op, OpFromGraph):
+            inner = node.op.fgraph.bind(dict(zip(node.op.fgraph.inputs, node.inputs)))
+            outs = rebuild_on(inner, {old: new for old, new in zip(node.inputs, inputs) if new is not old})
+        else:
+            outs = node.clone_with_new_inputs(inputs, strict=False).outputs
+        memo.update(zip(node.outputs, outs))
+    return [memo.get(v, v) for v in variables]
+
+
+#: graphs a function keeps compiled for the row counts it is called with (see CompiledFunction)
+ROW_VARIANTS_KEPT = 8
+
+
+def declared_rows(var):
+    """The static row count of input ``var`` (``pt.tensor(shape=(8, 3))``: 8), or None."""
+    return var.type.shape[0] if var.type.ndim else None
+
+
+def needs_static_shapes(e):
+    """True if ``e`` says JAX could not trace a graph without concrete shapes.
+
+    (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
+    shape used as a Python int.)
+    """
+    import jax
+    concretization = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                      jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError)
+    text = str(e)
+    return isinstance(e, concretization) or \
+        (isinstance(e, IndexError) and "static" in text) or \
+        (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
+
+
+def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
+    """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
+
+    With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
+    replaced by an input of that static shape and the graphs are rebuilt on
+    it (:func:`rebuild_on`); the givens are applied in that rebuild
+    (PyTensor's own substitution would not carry the new static shapes on),
+    so none are left to give.
+    """
+    outputs = [v for v, _ in spec.outputs]
+    updates = [(s, v) for s, v, _ in spec.updates]
+    generators = list(spec.generator_updates)
+    if shapes is None:
+        return inputs, outputs, updates, generators, givens
+    replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
+    given = rebuild_on([v for _, v in givens], replace)
+    substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}
+    pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]
+    flat = rebuild_on(sum(pieces, []), substitute)
+    new = []
+    for piece in pieces:
+        new.append(flat[:len(piece)])
+        flat = flat[len(piece):]
+    return ([replace.get(v, v) for v in inputs], new[0],
+            [(s, v) for (s, _), v in zip(updates, new[1])],
+            [(g, v) for (g, _), v in zip(generators, new[2])], [])
+
+
+class CompiledFunction:
+    """A FunctionSpec compiled for this process's device (lazily for the slice variant).
+
+    Sliceable shared variables are replaced (through ``givens``) by extra
+    symbolic inputs, so each call can feed them the rows ``batch_s`` selects
+    from the device-resident value.
+
+    Rows are free in the graph (``synk.function`` refuses a scattered input
+    with a static row count). A graph that JAX can only trace with concrete
+    shapes (``arange`` over the batch in a cross-entropy, pytensor-ml's
+    convolutions) is compiled per shape instead: rebuilt on inputs of the
+    shapes this process is given, rows and all (:func:`rebuild_on`; static
+    shapes only get added, so nothing in the graph can contradict them),
+    keeping the last ``ROW_VARIANTS_KEPT`` shapes. ``by_rows`` says which.
+
+    Parameters
+    ----------
+    spec : FunctionSpec
+    reference : bool
+        Compile the plain single-process PyTensor function instead (PyTensor's
+        own JAX mode and input checks, sliceable shareds used whole): what
+        ``Function.as_pytensor`` runs.
+    """
+
+    def __init__(self, spec, reference=False):
+        self.spec = spec
+        self.reference = reference
+        self.output_modes = [m for _, m in spec.outputs]
+        # named as the user's variables, so that PyTensor's messages name what the user wrote
+        self.sliced_inputs = [] if reference else [s.type(name=s.name) for s in spec.sliceable_shareds]
+        #: which of a call's arguments carry its rows: the scattered and the sliced inputs
+        n_all = len(spec.all_inputs)
+        self._row_args = list(range(len(spec.inputs))) + \
+            list(range(n_all, n_all + len(self.sliced_inputs)))
+        self._run_no_updates = None
+        self._row_variants = {}       # (rows, updates applied) -> runner, least recently used first
+        #: the PyTensor function (updates applied), or None when compiled per row count
+        self.function = None
+        self.by_rows = False
+        try:
+            self.function = self._compile(updates=True)
+        except Exception as e:
+            if not self._row_args or not needs_static_shapes(e):
+                raise
+            self.by_rows = True        # compiled at the first call, for its shapes
+        self._run = self._runner(self.function) if self.function is not None else None
+        if not reference:
+            place_on_device(spec.shared_variables())     # compiled once, for device values
+        #: per scattered input, where its explicitly indexed rows are gathered call after call
+        self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
+
+    def _givens(self):
+        if not self.sliced_inputs:
+            return self.spec.givens
+        replace = dict(zip(self.spec.sliceable_shareds, self.sliced_inputs))
+        user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
+        return user + list(replace.items())
+
+    def _graph(self, shapes=None):
+        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given."""
+        return spec_graph(self.spec, self.spec.all_inputs + self.sliced_inputs, self._givens(),
+                          self.spec.inputs + self.sliced_inputs, shapes)
+
+    def _compile(self, updates, shapes=None):
+        spec = self.spec
+        inputs, outputs, upd, generators, givens = self._graph(shapes)
+        if not updates:      # their values come back as outputs, to accumulate over slices
+            outputs, upd = outputs + [v for _, v in upd], []
+        with warnings.catch_warnings():
+            # the JAX linker says it compiles a copy of each generator's state: as documented
+            warnings.filterwarnings("ignore", message="The RandomType SharedVariables")
+            # and that it drops shape assertions under tracing, once per graph and process
+            warnings.filterwarnings("ignore", message="Skipping Assert", category=UserWarning)
+            mode = spec.pytensor_kwargs() if self.reference else \
+                spec.pytensor_kwargs(compile_mode(platform()))
+            fn = pytensor.function(inputs, outputs, updates=upd + generators, givens=givens, **mode)
+        # The master validated every argument (dtype, ndim, rows) before any process was woken;
+        # PyTensor's per-call input checks would only repeat that in every process.
+        fn.trust_input = not self.reference
+        return fn
+
+    def _runner(self, fn):
+        """How this process calls ``fn``: its jitted graph directly, else ``fn`` itself.
+
+        Either returns only once a computation given arguments has finished (see
+        :func:`jitted_call`).
+        """
+        if self.reference:
+            return fn
+        direct = jitted_call(fn)
+        if direct is not None:
+            return direct
+        shareds = [s for s, _, _ in self.spec.updates]
+
+        def call(*args):
+            try:
+                outputs = fn(*args)
+                if args:
+                    wait_until_computed((outputs, [s.container.storage[0] for s in shareds]))
+            except Exception as e:
+                raise_deferred_interrupt(e)
+                raise
+            raise_deferred_interrupt()
+            return outputs
+        return call
+
+    def _for_shapes(self, shapes, updates):
+        """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
+        key = (tuple(shapes), updates)
+        run = self._row_variants.pop(key, None)
+        if run is None:
+            if len(self._row_variants) >= ROW_VARIANTS_KEPT:
+                del self._row_variants[next(iter(self._row_variants))]     # least recently used
+            run = self._runner(self._compile(updates, shapes))
+        self._row_variants[key] = run
+        return run
+
+    def _for_args(self, args, updates):
+        return self._for_shapes([args[i].shape for i in self._row_args], updates)
+
+    def _generic_or_by_rows(self, args, updates):
+        """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
+        try:
+            if updates:
+                return self._run(*args)
+            if self._run_no_updates is None:
+                self._run_no_updates = self._runner(self._compile(updates=False))
+            return self._run_no_updates(*args)
+        except Exception as e:
+            if not self._row_args or not needs_static_shapes(e):
+                raise
+            self.by_rows = True
+        return self._for_args(args, updates)(*args)
+
+    def run(self, args):
+        """Run once, applying updates."""
+        if self.by_rows:
+            return self._for_args(args, True)(*args)
+        return self._generic_or_by_rows(args, True)
+
+    def run_deferred(self, args):
+        """Run once without applying updates; return (outputs, new update values)."""
+        if self.by_rows:
+            out = self._for_args(args, False)(*args)
+        else:
+            out = self._generic_or_by_rows(args, False)
+        n = len(self.spec.outputs)
+        return out[:n], out[n:]
+
+    def apply(self, values):
+        """Store accumulated update values into the shared variables, on the device."""
+        for (shared, _, _), value in zip(self.spec.updates, values):
+            shared.container.storage[0] = value.astype(shared.type.dtype)

@@ -1,0 +1,137 @@
+"""What every rank runs of a call: its share of the rows, in slices, accumulated.
+
+The master and every worker run :func:`run_share` on their own rank; the
+master then reduces the ranks' results (:mod:`synkhronos.api.function`).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..device_arrays import private_empty
+from ..modes import Accumulator
+from ..scatter import chunk, gather_rows
+
+__all__ = ["Share", "share_of", "run_share", "rows_of"]
+
+
+def rows_of(view, batch, a, b, offset, into=private_empty):
+    """Rows at batch positions [a, b) of a numpy or device array: a view for ranges.
+
+    Explicit indices of a host array are gathered straight into
+    ``into(shape, dtype)``, a 64-byte aligned buffer, which the CPU device
+    adopts as it is; numpy's own fancy indexing result would be copied once
+    more on its way to the device.
+    """
+    if batch.is_range:
+        return view[batch.start + a - offset:batch.start + b - offset]
+    indices = batch.indices[a:b] - offset if offset else batch.indices[a:b]
+    if not isinstance(view, np.ndarray):
+        return view[indices]
+    return gather_rows(view, indices, into(indices.shape + view.shape[1:], view.dtype))
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one rank computes of a plan: batch positions ``[lo, hi)`` in ``n_slices`` slices.
+
+    ``rows`` is what the rank's results are weighted by (its row count, or 1 for
+    a function with no scattered inputs; 0 if it computes nothing). ``cuts``
+    is set when the share is one range of rows and nothing else is sliced:
+    per scattered input ``(InputRef, start, stop)`` in its Data's own rows, so
+    a call needs nothing but the views.
+    """
+
+    lo: int
+    hi: int
+    n_slices: int
+    rows: int
+    counts_rows: bool
+    cuts: tuple = None
+
+
+def share_of(plan, rank, n_ranks):
+    """The :class:`Share` of ``rank`` in ``plan`` (computed once per plan and rank)."""
+    share = plan._shares.get(rank)
+    if share is None:
+        share = plan._shares[rank] = _share(plan, rank, n_ranks)
+    return share
+
+
+def _share(plan, rank, n_ranks):
+    sliced = plan.sliced[rank] if plan.sliced else None
+    if plan.scattered:
+        lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
+        n_slices = plan.num_slices
+    elif sliced is not None:
+        lo, hi, n_slices = 0, sliced.total, plan.num_slices
+    else:
+        lo, hi, n_slices = 0, 1, 1
+    counts_rows = bool(plan.scattered) or sliced is not None
+    rows = 0 if hi == lo else (hi - lo) if counts_rows else 1
+    one_range = plan.batch.is_range and sliced is None and min(n_slices, hi - lo) == 1
+    cuts = tuple((ref, plan.batch.start + lo - ref.offset, plan.batch.start + hi - ref.offset)
+                 for ref in plan.scattered) if one_range else None
+    return Share(lo, hi, n_slices, rows, counts_rows, cuts)
+
+
+def run_share(compiled, plan, rank, n_ranks, view_of):
+    """Compute this rank's share of a call.
+
+    Parameters
+    ----------
+    compiled : CompiledFunction
+    plan : CallPlan
+    rank, n_ranks : int
+    view_of : callable
+        ``view_of(InputRef)`` returns the numpy view of that input's Data.
+
+    Returns
+    -------
+    rows : int
+        Rows this rank computed (1 for a function with no scattered inputs; 0 if
+        its share was empty, in which case nothing ran).
+    outputs : list
+        Per selected output, the rank's accumulation over its slices (device arrays).
+    """
+    share = share_of(plan, rank, n_ranks)
+    if share.rows == 0:
+        return 0, []
+    if share.cuts is not None:
+        # the common call (a range of rows, one slice): views in, nothing to decide or accumulate;
+        # this path is shorter per process than the general one below
+        values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
+                              + [view_of(ref) for ref in plan.bcast])
+        return share.rows, [values[i] for i in plan.subset]
+    scattered = [view_of(ref) for ref in plan.scattered]
+    bcast = [view_of(ref) for ref in plan.bcast]
+    spec = compiled.spec
+    sliceables = [s.container.storage[0] for s in spec.sliceable_shareds]
+    sliced = plan.sliced[rank] if plan.sliced else None
+    lo, hi = share.lo, share.hi
+    pieces = [(a, b) for a, b in (chunk(lo, hi, share.n_slices, s) for s in range(share.n_slices))
+              if b > a]
+
+    def args_for(a, b):
+        args = [rows_of(v, plan.batch, a, b, ref.offset, compiled.gather_buffers[j])
+                for j, (v, ref) in enumerate(zip(scattered, plan.scattered))]
+        args += bcast
+        args += [rows_of(v, sliced, a - lo, b - lo, 0) for v in sliceables]
+        return args
+
+    if len(pieces) == 1:
+        values = compiled.run(args_for(lo, hi))
+        return share.rows, [values[i] for i in plan.subset]
+    import jax.numpy as jnp
+    outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
+    upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
+    for a, b in pieces:
+        n = (b - a) if share.counts_rows else 1
+        values, new = compiled.run_deferred(args_for(a, b)) if upds else (compiled.run(args_for(a, b)), [])
+        for acc, v in zip(upds, new):
+            acc.add(v, n)
+        for acc, i in zip(outs, plan.subset):
+            acc.add(values[i], n)
+    if upds:
+        compiled.apply([acc.result() for acc in upds])
+    return share.rows, [acc.result() for acc in outs]

@@ -1,0 +1,276 @@
+"""The master's side of the command channel: post a command, wait for every rank, watch for faults.
+
+One :class:`Channel` per runtime owns the control block, the payload segment
+the master writes and the mappings of every worker's result and warning
+segments. Every wait is sliced and checks between slices that no worker died
+and that the stall timeout has not passed; either fault calls ``on_fault``
+(which tears the runtime down) and raises a clear error instead of a hang.
+"""
+
+import logging
+import pickle
+import threading
+import time
+import warnings
+
+import numpy as np
+
+from ..errors import StallError, SynkError, WorkerError
+from ..shmem import GrowableSegment, SegmentMirror, unlink
+from ..transport import read_pickle, unpack_arrays, write_bytes
+from ..wire.control import ControlBlock, Decision, Op, Status
+from .processes import describe_exit
+
+__all__ = ["Channel"]
+
+log = logging.getLogger(__name__)
+
+
+class Channel:
+    """Commands from the master to the workers, and their results and errors back.
+
+    Parameters
+    ----------
+    prefix : str
+        The runtime's segment prefix.
+    n_ranks, master_rank : int
+    spin : float
+        Seconds a wait polls before it sleeps.
+    stall_timeout : float
+        Seconds a wait allows before it raises :class:`StallError`.
+    on_fault : callable
+        Called (with no arguments) before a fault is raised: a dead worker, a
+        stall, Ctrl-C during a wait.
+    """
+
+    def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault):
+        self.prefix = prefix
+        self.n_ranks, self.master_rank = n_ranks, master_rank
+        self.worker_ranks = [r for r in range(n_ranks) if r != master_rank]
+        self.spin, self.stall_timeout = spin, stall_timeout
+        self.on_fault = on_fault
+        self.procs = {}
+        self.ctl = ControlBlock(f"{prefix}_ctl", n_ranks, create=True)
+        self.ctl.header[ControlBlock.MASTER_RANK] = master_rank
+        self.payload = GrowableSegment(f"{prefix}_p")
+        self.results = {r: SegmentMirror(f"{prefix}_r{r}") for r in self.worker_ranks}
+        self.worker_warnings = {r: SegmentMirror(f"{prefix}_w{r}") for r in self.worker_ranks}
+        self._warning_registry = {}    # shared by every rank: one warning shows once
+        self._collective_watch = None
+
+    # --- one command ------------------------------------------------------------------------
+    def command(self, opcode, ranks=None, local=None):
+        """Run command ``opcode`` on ``ranks`` (default: all workers) and ``local()`` here.
+
+        Every addressed rank finishes before this returns or raises, so a failure
+        never leaves the control channel half-way through a command.
+        """
+        ranks = self.worker_ranks if ranks is None else ranks
+        self.ctl.post_command(opcode, ranks)
+        local_result, local_error = self._run_local(local)
+        self.wait_done(ranks, what=opcode)     # named only if something goes wrong
+        self._raise_rank_errors(local_error, ranks)
+        return local_result
+
+    def collective(self, local_prepare, waits_in_python):
+        """Run a collective in two phases: every rank prepares, then (if all could) executes.
+
+        A rank that fails to prepare makes every rank skip the collective, so no
+        rank waits in it for a peer that will never come; the runtime stays usable.
+        The execution is watched: a dead rank, or one that does not finish within
+        the stall timeout, shuts the runtime down with an error instead of a hang.
+        ``waits_in_python``: the collective implementation calls
+        :meth:`check_during_collective` while it waits (see
+        :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
+        in this thread; otherwise in a thread watched from this one.
+        """
+        ranks = self.worker_ranks
+        self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
+        self.ctl.post_command(Op.COLLECTIVE, ranks)
+        execute, local_error = self._run_local(local_prepare)
+        self.wait_done(ranks, what="preparing a collective")
+        failed = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] == Status.ERROR]
+        go = local_error is None and not failed
+        self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
+        self.ctl.release(ranks)
+        if not go:
+            self.wait_done(ranks, what="skipping a collective")
+            self._raise_rank_errors(local_error, ranks)
+        if waits_in_python:
+            result = self._run_inline_watched(execute, ranks, what="a collective")
+        else:
+            result = self._run_in_watched_thread(execute, ranks, what="a collective")
+        self._raise_worker_errors(ranks)
+        return result
+
+    def _run_local(self, fn):
+        """Run this rank's part; Ctrl-C tears the runtime down, other errors are returned."""
+        try:
+            return (fn() if fn is not None else None), None
+        except KeyboardInterrupt:
+            self.on_fault()
+            raise
+        except Exception as e:
+            return None, e
+
+    def _run_inline_watched(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) here; its waits call the watch."""
+        self._collective_watch = self._watch(ranks, what, time.time() + self.stall_timeout)
+        try:
+            result = fn()
+        except KeyboardInterrupt:
+            self.on_fault()
+            raise
+        finally:
+            self._collective_watch = None
+        self.wait_done(ranks, what=what)
+        return result
+
+    def check_during_collective(self):
+        """The check the master's collective waits call: peers alive and not stalled."""
+        if self._collective_watch is not None:
+            self._collective_watch()
+
+    def _run_in_watched_thread(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
+
+        For collectives that block inside native code (the JAX runtime): only
+        another thread can notice a dead or stalled peer meanwhile.
+        """
+        box = {}
+
+        def target():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                box["error"] = e
+        thread = threading.Thread(target=target, name="synk-collective", daemon=True)
+        thread.start()
+        deadline = time.time() + self.stall_timeout
+        # no spinning here: a spinning main thread would hold the GIL the collective thread needs
+        self.wait_done(ranks, what=what, deadline=deadline, spin=0)
+        thread.join(max(0.0, deadline - time.time()))
+        if thread.is_alive():
+            self.on_fault()
+            raise StallError(what, arrived=sorted(ranks), missing=[self.master_rank],
+                             timeout=self.stall_timeout)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    # --- errors and warnings ----------------------------------------------------------------
+    def _raise_rank_errors(self, local_error, ranks):
+        """Raise the error of this rank's part (``local_error``), else of the first worker that failed.
+
+        Either way it is a :class:`WorkerError` naming the rank (also an
+        instance of the original builtin type, see :meth:`WorkerError.raised`).
+        """
+        if isinstance(local_error, SynkError):
+            raise local_error
+        if local_error is not None:
+            raise WorkerError.from_exception(self.master_rank, local_error) from local_error
+        self._raise_worker_errors(ranks)
+
+    def _raise_worker_errors(self, ranks):
+        status = self.ctl.status
+        for rank in ranks:
+            if status[rank, ControlBlock.WARN_NBYTES]:
+                self._forward_warnings(rank)
+            if status[rank, ControlBlock.STATE] == Status.ERROR:
+                exc_type, message, tb = self.read_result_pickle(rank)
+                raise WorkerError.raised(rank, exc_type, message, tb)
+
+    def _forward_warnings(self, rank):
+        """Show the warnings worker ``rank`` raised through this process's ``warnings``.
+
+        They obey the script's filters, and one the ranks share shows once.
+        """
+        row = self.ctl.status[rank]
+        seg = self.worker_warnings[rank].get(int(row[ControlBlock.WARN_GEN]))
+        caught = read_pickle(seg, int(row[ControlBlock.WARN_NBYTES]))
+        row[ControlBlock.WARN_NBYTES] = 0
+        for message, category, filename, lineno in caught:
+            warnings.warn_explicit(message, category, filename, lineno,
+                                   registry=self._warning_registry)
+
+    # --- waiting ----------------------------------------------------------------------------
+    def wait_done(self, ranks, what, deadline=None, spin=None):
+        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""
+        spin = self.spin if spin is None else spin
+        check = self._watch(ranks, what, deadline or time.time() + self.stall_timeout)
+        try:
+            for _ in ranks:
+                self.ctl.done.wait(check, spin=spin)
+        except KeyboardInterrupt:
+            self.on_fault()
+            raise
+
+    def _watch(self, ranks, what, deadline):
+        """A check that raises (after ``on_fault``) if a rank died or ``deadline`` passed.
+
+        ``what`` names the wait in messages: a phrase, or the opcode of a command.
+        """
+        def check():
+            nonlocal what
+            if not isinstance(what, str):
+                what = f"a {Op.name(what)} command"
+            dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
+            if dead:
+                rank, code = next(iter(dead.items()))
+                self.on_fault()
+                raise WorkerError(rank, "died", describe_exit(code),
+                                  f"worker process ended during {what}; the runtime was shut down, "
+                                  f"call synk.fork() to start again")
+            if time.time() > deadline:
+                arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
+                missing = [r for r in ranks if r not in arrived]
+                self.on_fault()
+                raise StallError(what, arrived=sorted(arrived + [self.master_rank]), missing=missing,
+                                 timeout=self.stall_timeout)
+        return check
+
+    # --- payloads and results ---------------------------------------------------------------
+    def send_payload(self, blob):
+        """Put pickled bytes where the next command's workers read them."""
+        nbytes = write_bytes(self.payload, blob)
+        self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
+        self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
+
+    def send_pickled(self, obj):
+        """:meth:`send_payload` for a plain picklable object."""
+        self.send_payload(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def read_result_pickle(self, rank):
+        seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
+        return read_pickle(seg, int(self.ctl.status[rank, ControlBlock.RESULT_NBYTES]))
+
+    def read_result_arrays(self, rank):
+        seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
+        return [np.array(a) for a in unpack_arrays(seg.mm)]
+
+    # --- end --------------------------------------------------------------------------------
+    def stop_workers(self):
+        """Ask every worker to stop and wait a little; the caller reaps them either way."""
+        if not all(p.poll() is None for p in self.procs.values()):
+            return
+        self.ctl.post_command(Op.STOP, self.worker_ranks)
+        try:
+            self.wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 5)
+        except Exception:       # the caller stops them by force
+            log.debug("workers did not stop when asked", exc_info=True)
+
+    def release(self):
+        """Unlink the channel's segments, the workers' result and warning segments included.
+
+        A worker's segments are unlinked by every generation it may have made
+        (workers are gone by now; their resource trackers unlink the rest).
+        """
+        self.payload.free()
+        for rank in self.worker_ranks:
+            for kind, mirror, field in (("r", self.results[rank], ControlBlock.RESULT_GEN),
+                                        ("w", self.worker_warnings[rank], ControlBlock.WARN_GEN)):
+                mirror.release()
+                gen = int(self.ctl.status[rank, field])
+                for g in range(max(1, gen - 1), gen + 2):
+                    unlink(f"{self.prefix}_{kind}{rank}g{g}")
+        self.ctl.unlink()

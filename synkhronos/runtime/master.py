@@ -1,0 +1,518 @@
+"""The master's one runtime :class:`State`, and its lifecycle: :func:`begin` ... :func:`end`.
+
+``synk.fork()`` validates its arguments and calls :func:`begin`, which starts
+one worker process per extra device (the master is itself a rank), all of
+them joining the JAX multi-process runtime. The :class:`State` owns every
+shared-memory segment and every process of that session; :func:`end` (what
+``synk.close()`` and the exit hook call) stops and joins the workers, unlinks
+the segments and gives the process back what ``begin`` changed in it.
+
+Everything that talks to the workers runs under one lock (:func:`serialized`):
+a call, a collective or a Data change is one conversation through the one
+control block.
+"""
+
+import atexit
+import functools
+import logging
+import os
+import threading
+
+import numpy as np
+
+from .. import randomness, shipping
+from ..comm import CommContext, Reservation, class_path, comm_class
+from ..device_arrays import place_on_device
+from ..platform import jax_init
+from ..rank.collectives import prepare_collective
+from ..rank.executor import run_share
+from ..shmem import new_prefix
+from ..wire.collective import shapes_of
+from ..wire.control import ARGS, Op, Words
+from ..wire.plan import PlanSlots
+from .channel import Channel
+from .data_store import DataStore
+from .processes import free_port, launch_worker, reap
+
+__all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "CLOSE_WAIT"]
+
+log = logging.getLogger(__name__)
+
+#: how long end() waits for another thread's command to finish before it stops the workers anyway
+CLOSE_WAIT = 10.0
+
+
+class _Lifecycle:
+    """The module's one piece of global state: the running State and how the last one ended."""
+
+    def __init__(self):
+        self.state = None
+        self.closed_once = False
+        self.forked_from = None      # in a child made by os.fork() of a master: the master's pid
+        #: one thread at a time talks to the workers (re-entrant: a collective may stage a Data)
+        self.lock = threading.RLock()
+
+
+_life = _Lifecycle()
+
+
+def serialized(fn):
+    """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
+
+    Two threads calling functions at once would otherwise write their commands
+    into the same control block and read each other's results.
+    """
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with _life.lock:
+            return fn(*args, **kwargs)
+    return locked
+
+
+def current():
+    """Return the running :class:`State`, or raise (saying what to do) if there is none."""
+    state = _life.state
+    if state is None:
+        if _life.forked_from is not None:
+            raise RuntimeError(f"this process was made by os.fork() from synkhronos's master (pid "
+                               f"{_life.forked_from}); the runtime belongs to that process and cannot "
+                               f"be used here: call synkhronos from the master")
+        if _life.closed_once:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+        raise RuntimeError("synkhronos is not running; call synk.fork() first")
+    return state
+
+
+def active():
+    """The running :class:`State`, or None."""
+    return _life.state
+
+
+def forked_from():
+    """In a child made by ``os.fork()`` of a master: the master's pid; else None."""
+    return _life.forked_from
+
+
+def _forget_runtime_in_child():
+    """After ``os.fork()`` in the master: the child leaves the parent's runtime alone.
+
+    A data-loader pool or a helper process forked from the user's script
+    inherits the runtime's objects; at its exit it must not stop the parent's
+    workers, unlink the parent's segments or shut down the parent's JAX
+    runtime (which hung and left the parent to abort).
+    """
+    # another thread of the parent may have held the lock at the fork: it is never released here
+    _life.lock = threading.RLock()
+    if _life.state is not None:
+        _life.forked_from = os.getppid()
+        _life.state = None
+        jax_init.forget_runtime_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_runtime_in_child)
+
+
+class Settings:
+    """A runtime's validated settings (see ``synk.fork`` for their meaning)."""
+
+    def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers, spin,
+                 stall_timeout, collectives):
+        self.n_parallel, self.master_rank, self.platform = n_parallel, master_rank, platform
+        self.threads, self.timeout, self.profile_workers = threads, timeout, profile_workers
+        self.spin, self.stall_timeout, self.collectives = spin, stall_timeout, collectives
+
+
+class State:
+    """Processes, segments and registries of one ``fork() ... close()`` session.
+
+    Read-only to the rest of the package: ``n_parallel``, ``master_rank``,
+    ``platform``, ``comm_kind`` (the name of the collective implementation),
+    ``prefix`` (every segment's name starts with it), ``worker_pids`` and
+    ``is_open``.
+    """
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.n_parallel, self.master_rank = settings.n_parallel, settings.master_rank
+        self.platform = settings.platform
+        self._comm_class = comm_class(settings.collectives)
+        self.comm_kind = self._comm_class.name
+        self.prefix = new_prefix()
+        self.worker_ranks = [r for r in range(self.n_parallel) if r != self.master_rank]
+        self.is_open = False
+        self._channel = None
+        self.data = DataStore(self.prefix)
+        #: values a layer above keeps per runtime (numpy arguments staged as Data, say)
+        self.staging = {}
+        self._compiled = {}         # function id -> this process's CompiledFunction
+        self._unshipped = []        # function ids (with their specs) not yet sent to the workers
+        self._specs = {}
+        self._next_fid = 0
+        self._shared = {}           # id(var) -> (uid, var)
+        self._shared_by_uid = {}
+        self._shipped_uids = set()
+        self._comm = None
+        self._plans = PlanSlots()
+
+    # --- start and stop ---------------------------------------------------------------------
+    def start(self):
+        """Start the workers, wait until each is ready, then join the JAX runtime with them."""
+        s = self.settings
+        self._channel = Channel(self.prefix, self.n_parallel, self.master_rank, s.spin,
+                                s.stall_timeout, on_fault=self.abort)
+        self.is_open = True
+        port = free_port()
+        env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
+        for rank in self.worker_ranks:
+            self._channel.procs[rank] = launch_worker(dict(
+                prefix=self.prefix, rank=rank, n_ranks=self.n_parallel, port=port,
+                platform=s.platform, timeout=s.timeout, spin=s.spin,
+                comm=class_path(self._comm_class), float_x=self.float_x(), threads=s.threads,
+                profile=bool(s.profile_workers)), env)
+        self._channel.wait_done(self.worker_ranks, what="start-up")
+        jax_init.initialize_process(self.master_rank, self.n_parallel, port, s.platform, s.timeout,
+                                    self.float_x(), threads=s.threads)
+
+    @property
+    def worker_pids(self):
+        """The process id of every worker, by rank."""
+        return {rank: p.pid for rank, p in self._channel.procs.items()} if self._channel else {}
+
+    @staticmethod
+    def float_x():
+        import pytensor
+        return pytensor.config.floatX
+
+    def stop(self):
+        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime."""
+        if not self.is_open:
+            return
+        try:
+            self._channel.stop_workers()
+        finally:
+            reap(self._channel.procs.values())
+            self._release_segments()
+            self._detach_shared_values()
+            self.is_open = False
+            try:
+                jax_init.shutdown_process()
+            except Exception:           # the workers are gone already; nothing is left to wait for
+                log.debug("leaving the JAX runtime failed in the master", exc_info=True)
+
+    def abort(self):
+        """Tear everything down after a fault (dead worker, stall, Ctrl-C)."""
+        if _life.state is self:
+            _life.state = None
+        if self._channel is None:
+            return
+        for p in self._channel.procs.values():
+            if p.poll() is None:
+                p.kill()
+        self.stop()
+
+    def _release_segments(self):
+        self.data.release_all()
+        if self._comm is not None:
+            self._comm.release()
+        self._channel.release()
+
+    def _detach_shared_values(self):
+        """Move the master's shared values to numpy so they outlive the JAX backend."""
+        for _, var in self._shared.values():
+            value = var.container.storage[0]
+            if not isinstance(value, np.ndarray):
+                var.container.storage[0] = np.asarray(value)
+
+    def check_open(self):
+        if not self.is_open:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+
+    # --- the collective implementation ------------------------------------------------------
+    @property
+    def comm(self):
+        """This process's collective implementation (built on first use)."""
+        if self._comm is None:
+            self._comm = self._comm_class(CommContext(
+                prefix=self.prefix, rank=self.master_rank, n_ranks=self.n_parallel,
+                master_rank=self.master_rank, check=self._check_during_collective,
+                spin=self.settings.spin))
+        return self._comm
+
+    def _check_during_collective(self):
+        self.check_open()
+        self._channel.check_during_collective()
+
+    # --- registries -------------------------------------------------------------------------
+    def next_function_id(self):
+        return self._next_fid
+
+    def register_function(self, spec, compiled):
+        """Keep ``spec`` (to ship) and this process's ``compiled`` function (to run calls)."""
+        self._specs[spec.fid], self._compiled[spec.fid] = spec, compiled
+        self._unshipped.append(spec.fid)
+        self._next_fid = spec.fid + 1
+        for var in spec.shared_variables():
+            self.uid_of(var)
+
+    @property
+    def n_functions(self):
+        """How many functions are registered (built, and shipped or about to be)."""
+        return len(self._specs)
+
+    def is_registered(self, fid):
+        """False once a function that could not be shipped was unregistered."""
+        return fid in self._specs
+
+    def uid_of(self, var):
+        """The stable id under which every process knows shared variable ``var``."""
+        entry = self._shared.get(id(var))
+        if entry is None:
+            entry = self._shared[id(var)] = (len(self._shared), var)
+            self._shared_by_uid[entry[0]] = var
+        return entry[0]
+
+    def uids_of(self, vars_):
+        return [self.uid_of(v) for v in vars_]
+
+    def known_shared(self):
+        """Every shared variable some function of this runtime uses."""
+        return [var for _, var in self._shared.values()]
+
+    def shared_by_uid(self, uid):
+        return self._shared_by_uid[uid]
+
+    # --- Data -------------------------------------------------------------------------------
+    def drop_data(self, data_ids):
+        """Have the workers let go of their mappings of ``data_ids``."""
+        self.check_open()
+        ids = list(data_ids)
+        self._channel.ctl.args[0] = len(ids)
+        self._channel.ctl.args[1:1 + len(ids)] = ids
+        self._channel.command(Op.DROP_DATA)
+
+    def _drop_released_data(self):
+        ids, released = [], self.data.released
+        while released and len(ids) < ARGS - 1:
+            ids.append(released.popleft())
+        self.drop_data(ids)
+
+    # --- shipping functions -----------------------------------------------------------------
+    def ensure_shipped(self):
+        """Bring the workers up to date before a command: new functions shipped, freed Data dropped.
+
+        Checked on every call: keep it O(1).
+        """
+        self.check_open()
+        if self.data.released:
+            self._drop_released_data()
+        if self._unshipped:
+            self.ship(sync_values=False)
+
+    def ship(self, sync_values):
+        """Send every function not yet shipped to every worker, which compiles them.
+
+        With ``sync_values``, every shared variable the workers already hold is
+        set to the master's value.
+        """
+        self.check_open()
+        specs = [self._specs[fid] for fid in self._unshipped]
+        new_shared, values = {}, {}
+        for spec in specs:
+            for var in spec.shared_variables():
+                uid = self.uid_of(var)
+                if uid not in self._shipped_uids:
+                    new_shared[uid] = var
+        if sync_values:
+            for uid, var in self._shared.values():
+                if uid in self._shipped_uids:
+                    value = var.get_value(borrow=True)
+                    values[uid] = value if randomness.is_generator(var) else np.asarray(value)
+        shipped = self._shipped_uids
+
+        def uid_of_shipped(obj):
+            entry = self._shared.get(id(obj))
+            return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
+
+        payload = dict(functions=specs, shared=new_shared, values=values, float_x=self.float_x())
+        graph_vars = [v for spec in specs for v in spec.graph_vars()]
+        try:
+            blob = shipping.dumps(payload, graph_vars, uid_of_shipped)
+        except Exception as e:
+            # what cannot travel now never will: unregister it, so other functions still ship
+            for spec in specs:
+                del self._specs[spec.fid], self._compiled[spec.fid]
+            self._unshipped = []
+            names = ", ".join(spec.name for spec in specs)
+            raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
+                            f"they were unregistered, other functions still work") from e
+        self._channel.send_payload(blob)
+        self._channel.command(Op.SHIP)
+        self._shipped_uids.update(new_shared)
+        self._unshipped = []
+
+    # --- calls ------------------------------------------------------------------------------
+    def run_call(self, plan, record):
+        """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
+
+        Parameters
+        ----------
+        plan : CallPlan
+        record : numpy.dtype or None
+            The structured dtype in which ranks return the results
+            (:func:`~synkhronos.wire.plan.result_record`), or None.
+
+        Returns
+        -------
+        rows : list of int
+            Rows each rank computed (0: it computed nothing and returned nothing).
+        columns : list
+            Per selected output, its value on every rank: a 1-D array over ranks
+            when the results travel as records, else a list by rank (None for a
+            rank without rows).
+        """
+        self.ensure_shipped()
+        channel, ctl = self._channel, self._channel.ctl
+        index_arrays = plan.index_arrays()
+        if index_arrays:
+            plan.index_gen = self.data.write_indices(index_arrays)
+        self._plans.publish(plan.encode(), ctl.header, ctl.args)
+        fields = ctl.record_fields(record) if record is not None else None
+        master, compiled = self.master_rank, self._compiled[plan.fid]
+
+        def local():
+            rows, outs = run_share(compiled, plan, master, self.n_parallel, self.data.view)
+            ctl.rows[master] = rows
+            if fields is None:
+                return [np.asarray(o) for o in outs] if rows else None
+            if rows:
+                ctl.put_record(record, master, outs)
+
+        outs = channel.command(Op.CALL, local=local)
+        if not plan.subset:            # a call selecting no outputs (only updates) returns nothing
+            return None, []
+        rows = ctl.rows.tolist()
+        if fields is not None:
+            return rows, list(fields)
+        per_rank = [outs if rank == master else
+                    channel.read_result_arrays(rank) if rows[rank] else None
+                    for rank in range(self.n_parallel)]
+        return rows, [[None if values is None else values[j] for values in per_rank]
+                      for j in range(len(plan.subset))]
+
+    # --- collectives and shared values ------------------------------------------------------
+    def run_collective(self, fill, reservation=None):
+        """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.
+
+        ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
+        the collective implementation first.
+        """
+        self.ensure_shipped()
+        comm, ctl = self.comm, self._channel.ctl
+        comm.reserve(reservation or Reservation())
+        fill(Words(ctl.args))
+
+        def local_prepare():
+            return prepare_collective(comm, Words(ctl.args), self.master_rank, self.n_parallel,
+                                      self.master_rank, self.shared_by_uid, self.data.view,
+                                      self.data.index_view)
+        return [np.asarray(v) for v in self._channel.collective(local_prepare,
+                                                                comm.waits_in_python)]
+
+    def write_indices(self, batches):
+        """Put explicit indices where every rank reads them (see :meth:`DataStore.write_indices`)."""
+        return self.data.write_indices(batches)
+
+    def all_shapes(self, vars_):
+        """Per variable, its shape on every rank (one round trip)."""
+        self.ensure_shipped()
+        Words(self._channel.ctl.args).put_list(self.uids_of(vars_))
+        own = shapes_of(v.container.storage[0] for v in vars_)
+        self._channel.command(Op.GET_SHAPES)
+        per_rank = {self.master_rank: own}
+        for rank in self.worker_ranks:
+            per_rank[rank] = [tuple(int(s) for s in a) for a in self._channel.read_result_arrays(rank)]
+        return [[per_rank[r][i] for r in range(self.n_parallel)] for i in range(len(vars_))]
+
+    def get_values(self, rank, vars_):
+        """The values of ``vars_`` on ``rank``, as numpy arrays."""
+        self.ensure_shipped()
+        if rank == self.master_rank:
+            return [np.array(v.get_value()) for v in vars_]
+        self._channel.send_pickled(self.uids_of(vars_))
+        self._channel.command(Op.GET_SHARED, ranks=[rank])
+        return self._channel.read_result_arrays(rank)
+
+    def set_values(self, rank, vars_, arrays):
+        """Set ``vars_`` to ``arrays`` on ``rank`` only."""
+        self.ensure_shipped()
+        if rank == self.master_rank:
+            for var, arr in zip(vars_, arrays):
+                var.set_value(arr)
+            place_on_device(vars_)
+        else:
+            self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
+            self._channel.command(Op.SET_SHARED, ranks=[rank])
+
+
+# ------------------------------------------------------------------------------------------------
+# Lifecycle
+# ------------------------------------------------------------------------------------------------
+
+#: the environment variables begin() changed in this process, with their earlier values
+_user_environment = {}
+
+
+def begin(settings):
+    """Start a runtime with ``settings`` (validated by ``synk.fork``); return its :class:`State`.
+
+    The master's environment gets what JAX and BLAS read at start-up
+    (:func:`~synkhronos.platform.jax_init.configure_environment`); :func:`end`
+    puts it back.
+    """
+    if _life.state is not None:
+        raise RuntimeError("fork() was already called; call synk.close() before forking again")
+    _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
+                              if k not in _user_environment})
+    jax_init.configure_environment(os.environ, settings.platform, settings.threads)
+    state = _life.state = State(settings)
+    try:
+        state.start()
+    except BaseException:
+        state.abort()
+        _life.state = None
+        _restore_environment()
+        raise
+    # atexit runs handlers last-in first-out: registering now (after JAX registered its own
+    # clean-up, which shuts the distributed runtime down) stops our workers before JAX's
+    # shutdown barrier waits for them.
+    atexit.unregister(end)
+    atexit.register(end)
+    return state
+
+
+def end():
+    """Stop the running State, if any, and restore the environment (idempotent).
+
+    A command that another thread is running is let finish first (for up to
+    ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
+    command raises).
+    """
+    locked = _life.lock.acquire(timeout=CLOSE_WAIT)
+    try:
+        state, _life.state = _life.state, None
+        if state is not None:
+            _life.closed_once = True
+            state.stop()
+            _restore_environment()
+    finally:
+        if locked:
+            _life.lock.release()
+
+
+def _restore_environment():
+    for key, value in _user_environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _user_environment.clear()

@@ -1,0 +1,208 @@
+"""A function call as it travels: a validated :class:`CallPlan`, encoded as integers.
+
+The master encodes each call's plan into the control block's ``args``; every
+rank decodes it. Training repeats one call shape over and over, so a plan is
+named by a slot of a small table that master and workers keep alike
+(:class:`PlanSlots`, :class:`PlanMemo`): a repeated plan costs a worker one
+header read instead of a decode.
+"""
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..scatter import Batch
+from .control import RECORD_BYTES, ControlBlock, Words
+
+__all__ = ["InputRef", "CallPlan", "put_batch", "get_batch", "result_record", "PlanSlots",
+           "PlanMemo", "PLAN_SLOTS"]
+
+@dataclass
+class InputRef:
+    """Where one input's rows live: a Data segment generation, shape and row offset."""
+
+    data_id: int
+    gen: int
+    code: int
+    offset: int
+    shape: tuple
+
+
+def put_batch(words, batch):
+    """Encode a Batch (its indices live in the index segment at ``batch.index_offset``)."""
+    words.put(*_batch_words([], batch))
+
+
+def _batch_words(words, batch):
+    words += [batch.total, int(batch.is_range), batch.start, batch.stop, batch.index_offset]
+    return words
+
+
+def get_batch(words, index_lookup, index_gen):
+    total, is_range, start, stop, offset = (words.get() for _ in range(5))
+    if is_range:
+        return Batch(total, start, stop)
+    return Batch(total, indices=index_lookup(index_gen, offset, total), index_offset=offset)
+
+
+@dataclass
+class CallPlan:
+    """A validated call, as every process needs it.
+
+    ``sliced`` holds, per rank, the Batch of rows of the sliceable shared
+    variables that rank uses (empty when the function has none).
+    """
+
+    fid: int
+    num_slices: int
+    batch: Batch
+    subset: list
+    scattered: list        # [InputRef]
+    bcast: list            # [InputRef]
+    sliced: list = field(default_factory=list)
+    index_gen: int = 0
+    _words: tuple = field(default=None, repr=False, compare=False)
+    _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
+    _record: object = field(default=False, repr=False, compare=False)        # see result_record
+
+    def with_batch(self, batch):
+        """This plan with another ``batch`` of as many rows (the same shares, the same record).
+
+        Examples
+        --------
+        >>> plan = CallPlan(0, 1, Batch(2, indices=np.array([3, 1])), [0], [], [])
+        >>> plan.with_batch(Batch(2, indices=np.array([0, 5]))).batch.indices
+        array([0, 5])
+        """
+        plan = copy.copy(self)
+        plan.batch, plan._words = batch, None
+        return plan
+
+    def index_arrays(self):
+        """Batches whose explicit indices must be written to the index segment."""
+        if self.batch.is_range and not self.sliced:
+            return []
+        return [b for b in [self.batch] + self.sliced if not b.is_range]
+
+    def encode(self):
+        """The plan as a tuple of ints (for :meth:`decode` from the control block's args).
+
+        A plan with explicit indices is encoded afresh (its ``index_gen`` and
+        offsets change from call to call); any other plan once.
+        """
+        words = self._words
+        if words is None:
+            words = tuple(self._encode())
+            if not self.index_arrays():
+                self._words = words
+        return words
+
+    def _encode(self):
+        words = [self.fid, self.num_slices, self.index_gen, len(self.subset), *self.subset]
+        _batch_words(words, self.batch)
+        words += [len(self.scattered), len(self.bcast)]
+        for ref in self.scattered + self.bcast:
+            words += [ref.data_id, ref.gen, ref.code, ref.offset, len(ref.shape), *ref.shape]
+        words.append(len(self.sliced))
+        for b in self.sliced:
+            _batch_words(words, b)
+        return words
+
+    @classmethod
+    def decode(cls, args, index_lookup):
+        """Read a plan written by :meth:`encode`; ``index_lookup(gen, start, n)`` returns indices."""
+        w = Words(args)
+        fid, k, index_gen = w.get(), w.get(), w.get()
+        subset = w.get_list()
+        batch = get_batch(w, index_lookup, index_gen)
+        n_scat, n_bcast = w.get(), w.get()
+        refs = []
+        for _ in range(n_scat + n_bcast):
+            data_id, gen, code, offset = (w.get() for _ in range(4))
+            refs.append(InputRef(data_id, gen, code, offset, tuple(w.get_list())))
+        sliced = [get_batch(w, index_lookup, index_gen) for _ in range(w.get())]
+        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], sliced, index_gen)
+
+
+def result_record(spec, plan):
+    """The structured dtype in which ranks return this call's results, or None.
+
+    When every selected output is a scalar (0-d in the graph) and together they
+    fit a rank's record in the control block, each rank writes them there, in
+    the outputs' declared dtypes (see :meth:`ControlBlock.records`); any other
+    call packs its arrays into the rank's result segment.
+    """
+    record = plan._record
+    if record is False:
+        fields = [spec.outputs[i][0].type for i in plan.subset]
+        record = None
+        if fields and all(t.ndim == 0 for t in fields):
+            dtype = np.dtype([(f"o{j}", t.dtype) for j, t in enumerate(fields)])
+            record = dtype if dtype.itemsize <= RECORD_BYTES else None
+        plan._record = record
+    return record
+
+
+#: plans named at once; a worker keeps the decoded plan of each slot
+PLAN_SLOTS = 256
+
+
+class PlanSlots:
+    """The master's side of the plan table: which slot names which encoded plan.
+
+    A new plan takes a free slot, or the least recently used one, and its
+    words are written to ``args``; the header names the slot and the slot's
+    generation (bumped on every reuse), so a worker decodes exactly when its
+    copy of the slot is from another generation. Nothing depends on master and
+    worker evicting alike.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> slots, header, args = PlanSlots(2), np.zeros(16, np.int64), np.zeros(64, np.int64)
+    >>> [slots.publish(w, header, args) for w in [(1,), (2,), (1,), (3,)]]
+    [True, True, False, True]
+    >>> int(header[ControlBlock.PLAN_SLOT]), int(header[ControlBlock.PLAN_GEN])    # (3,) took (2,)'s
+    (1, 2)
+    """
+
+    def __init__(self, n_slots=PLAN_SLOTS):
+        self.n_slots = n_slots
+        self._slot_of = {}                 # encoded plan -> slot, least recently used first
+        self._gens = [0] * n_slots
+
+    def publish(self, words, header, args):
+        """Name plan ``words`` (a tuple of ints) in ``header``; write them to ``args`` if new.
+
+        Returns True if the words were written.
+        """
+        slot = self._slot_of.pop(words, None)
+        new = slot is None
+        if new:
+            if len(self._slot_of) < self.n_slots:
+                slot = len(self._slot_of)
+            else:
+                slot = self._slot_of.pop(next(iter(self._slot_of)))
+            self._gens[slot] += 1
+            Words(args).put(*words)
+        self._slot_of[words] = slot
+        header[ControlBlock.PLAN_SLOT] = slot
+        header[ControlBlock.PLAN_GEN] = self._gens[slot]
+        return new
+
+
+class PlanMemo:
+    """A worker's side of the plan table: the decoded plan of each slot, by generation."""
+
+    def __init__(self, n_slots=PLAN_SLOTS):
+        self._slots = [(0, None)] * n_slots
+
+    def plan(self, header, args, index_lookup):
+        """The plan the header names: from the table, or decoded from ``args`` if newer."""
+        slot, gen = int(header[ControlBlock.PLAN_SLOT]), int(header[ControlBlock.PLAN_GEN])
+        held, plan = self._slots[slot]
+        if held != gen:
+            plan = CallPlan.decode(args, index_lookup)
+            self._slots[slot] = (gen, plan)
+        return plan

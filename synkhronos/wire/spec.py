@@ -1,0 +1,62 @@
+"""What travels to every process to compile a function: its symbolic graphs and options.
+
+A :class:`FunctionSpec` is cloudpickled to the workers (:mod:`synkhronos.shipping`);
+every process compiles it for its own device
+(:class:`synkhronos.rank.compiled.CompiledFunction`).
+"""
+
+from dataclasses import dataclass, field
+
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.traversal import ancestors
+
+__all__ = ["FunctionSpec", "shared_variables", "JAX_MODE"]
+
+#: the PyTensor mode of the single-process reference (and the default a user's mode replaces)
+JAX_MODE = "JAX"
+
+
+def shared_variables(graph_vars):
+    """All shared variables the graph of ``graph_vars`` depends on, in a stable order."""
+    return [v for v in ancestors(graph_vars) if isinstance(v, SharedVariable)]
+
+
+@dataclass
+class FunctionSpec:
+    """Everything a process needs to compile a Function; this is what gets shipped."""
+
+    fid: int
+    name: str
+    inputs: list
+    bcast_inputs: list
+    outputs: list          # [(var, mode)]
+    updates: list          # [(shared, value, mode)]
+    givens: list
+    sliceable_shareds: list
+    kwargs: dict = field(default_factory=dict)
+    #: (generator, next state): every random generator the graphs draw from (see .randomness)
+    generator_updates: list = field(default_factory=list)
+
+    @property
+    def all_inputs(self):
+        return self.inputs + self.bcast_inputs
+
+    def pytensor_kwargs(self, default_mode=JAX_MODE):
+        """Keyword arguments for a ``pytensor.function`` built from this spec.
+
+        A ``mode`` the user gave is used as it is; otherwise ``default_mode``
+        (PyTensor's own JAX mode for the single-process reference, or
+        synkhronos's for a device: :func:`synkhronos.rewrites.compile_mode`).
+        """
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("mode", default_mode)
+        kwargs.setdefault("on_unused_input", "ignore")
+        return kwargs
+
+    def graph_vars(self):
+        return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
+                + [g[1] for g in self.givens] + [nxt for _, nxt in self.generator_updates])
+
+    def shared_variables(self):
+        """Every shared variable the function reads or updates (the workers must hold them)."""
+        return shared_variables(self.graph_vars()) + [s for s, _, _ in self.updates]
