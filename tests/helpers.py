@@ -60,18 +60,138 @@ WarnRows = _host_identity("WarnRows", _warn_rows,
                           "Identity that warns (UserWarning) with the number of rows it sees.")
 
 
-def run_script(code, timeout=120, env=None):
-    """Run ``code`` (dedented) in a fresh Python with this checkout importable; return the result.
+def run_script(code, timeout=120, env=None, args=()):
+    """Run ``code`` (dedented) in a fresh Python with this checkout and these helpers importable.
 
     For what must happen in a process of its own: a script's exit, os.fork(),
-    a small /dev/shm. ``env`` adds variables; a value of None removes one.
+    a small /dev/shm. ``env`` adds variables; a value of None removes one;
+    ``args`` become ``sys.argv[1:]``.
     """
     import os
     import subprocess
     import sys
     import textwrap
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    environ = dict(os.environ, PYTHONPATH=root, **(env or {}))
+    path = os.pathsep.join([root, os.path.join(root, "tests")])
+    environ = dict(os.environ, PYTHONPATH=path, **(env or {}))
     environ = {k: v for k, v in environ.items() if v is not None}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
                           text=True, timeout=timeout, env=environ)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real events for fault tests: a process says it is inside a call or a collective, then waits there
+# ------------------------------------------------------------------------------------------------
+
+def marker_path(directory, pid):
+    """The file a process creates when it is inside the call or collective a test watches."""
+    import os
+    return os.path.join(str(directory), f"inside-{pid}")
+
+
+def _announce_and_hold(directory, hold_pid, seconds=60.0):
+    """Create this process's marker in ``directory``; if it is ``hold_pid``, stay here ``seconds``."""
+    import os
+    import time
+    with open(marker_path(directory, os.getpid()), "w"):
+        pass
+    if os.getpid() == hold_pid:
+        time.sleep(seconds)
+
+
+def wait_until_dead(pid, timeout=20):
+    """Wait until child process ``pid`` has ended (a zombie its parent has not reaped yet)."""
+    import time
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"process {pid} is still running")
+        time.sleep(0.01)
+
+
+def wait_for_marker(directory, pid, timeout=60):
+    """Wait until process ``pid`` created its marker (it is inside); raise if it never does."""
+    import os
+    import time
+    deadline = time.time() + timeout
+    while not os.path.exists(marker_path(directory, pid)):
+        if time.time() > deadline:
+            raise AssertionError(f"process {pid} never reported being inside")
+        time.sleep(0.01)
+
+
+class InsideCall(Op):
+    """Identity that, when computed, creates the process's marker in ``directory``; the process
+    ``hold_pid`` then stays inside the call for ``seconds`` (for a test to act on it there)."""
+
+    __props__ = ("directory", "hold_pid", "seconds")
+
+    def __init__(self, directory, hold_pid, seconds=60.0):
+        self.directory, self.hold_pid, self.seconds = str(directory), int(hold_pid), float(seconds)
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        _announce_and_hold(self.directory, self.hold_pid, self.seconds)
+        outputs[0][0] = inputs[0]
+
+
+@jax_funcify.register(InsideCall)
+def _jax_inside_call(op, **kwargs):
+    def host(x):
+        _announce_and_hold(op.directory, op.hold_pid, op.seconds)
+        return np.asarray(x)
+
+    def call(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return call
+
+
+def _holding_comm():
+    """A shared-memory Comm that announces itself inside its collectives and holds one rank there.
+
+    Configured through ``SYNK_TEST_HOLD`` = ``directory:rank:where`` (inherited by the workers):
+    ``where="collective"`` holds at the start of every all-reduce, ``"ring"`` at the third chunk
+    of a pipelined all-reduce, which then is the path every large all-reduce takes.
+    """
+    import os
+    from synkhronos.comm import ShmComm
+    from synkhronos.comm.shm.paths import PIPELINED
+
+    class HoldingShmComm(ShmComm):
+        name = "holding-shm"
+
+        def __init__(self, context):
+            super().__init__(context)
+            directory, rank, self.where = os.environ["SYNK_TEST_HOLD"].split(":")
+            self.directory, self.holds = directory, int(rank) == context.rank
+            self._chunks = 0
+            if self.paths is not None and self.where == "ring":
+                self.paths.fixed = PIPELINED
+
+        def _hold(self):
+            _announce_and_hold(self.directory, os.getpid() if self.holds else -1)
+
+        def all_reduce(self, values, op):
+            if self.where == "collective":
+                self._hold()
+            return super().all_reduce(values, op)
+
+        def _reduce_into(self, out, own, peer_parts, op):
+            self._chunks += 1
+            if self.where == "ring" and self._chunks == 3:
+                self._hold()
+            return super()._reduce_into(out, own, peer_parts, op)
+    HoldingShmComm.__qualname__ = "HoldingShmComm"
+    return HoldingShmComm
+
+
+HoldingShmComm = _holding_comm()

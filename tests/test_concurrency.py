@@ -13,7 +13,7 @@ import pytest
 import synkhronos as synk
 from synkhronos.runtime import master
 from conftest import N_PARALLEL, synk_segments
-from helpers import close, run_script
+from helpers import close, run_script, wait_until_dead
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -98,19 +98,21 @@ def test_a_child_made_by_os_fork_leaves_the_runtime_alone():
     assert lines[-2] == "24.0" and lines[-1] == "LEFT []", out.stdout
 
 
-def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hanging():
+def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hanging(tmp_path):
     out = run_script("""
         import os, sys, threading, time, warnings
         warnings.simplefilter("ignore")
         import numpy as np, pytensor.tensor as pt, synkhronos as synk
+        from helpers import InsideCall, wait_for_marker
         synk.fork(2)
         x, w = pt.matrix("x"), pt.matrix("w")
-        f = synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w])
-        X, W = np.ones((2000, 400)), np.ones((400, 400)) * 1e-3
-        f(X, W)
-        busy = threading.Thread(target=lambda: [f(X, W, num_slices=4) for _ in range(40)])
+        # the master stays 3 s inside each call of this function, after saying it is inside
+        held = InsideCall(sys.argv[1], os.getpid(), seconds=3)
+        f = synk.function([x], ((held(x) @ w).sum(), "sum"), bcast_inputs=[w])
+        X, W = np.ones((20, 4)), np.ones((4, 4))
+        busy = threading.Thread(target=lambda: f(X, W))
         busy.start()
-        time.sleep(0.3)                      # the thread is in a call, holding the runtime lock
+        wait_for_marker(sys.argv[1], os.getpid())     # the thread is in a call, holding the lock
         pid = os.fork()
         if pid == 0:
             try:
@@ -122,7 +124,7 @@ def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hang
         busy.join()
         print("STATUS", status, flush=True)
         synk.close()
-    """, timeout=150)
+    """, timeout=150, args=[str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[:2] == ["CHILD True", "STATUS 0"], out.stdout
 
@@ -152,7 +154,7 @@ def test_sigterm_to_a_worker_is_named(synk2):
     x = pt.matrix("x")
     f = synk.function([x], (x.sum(), "sum"))
     os.kill(rt.worker_pids[1], signal.SIGTERM)
-    time.sleep(0.5)
+    wait_until_dead(rt.worker_pids[1])
     with pytest.raises(synk.WorkerError, match="killed by SIGTERM") as info:
         f(np.ones((4, 3)))
     assert info.value.rank == 1 and info.value.how == "died"

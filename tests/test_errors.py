@@ -1,6 +1,7 @@
 """Every misuse raises a clear exception before any process works, and the runtime stays usable."""
 
 import os
+import warnings
 
 import numpy as np
 import pytensor
@@ -156,8 +157,15 @@ def test_error_in_every_rank_is_raised_once(fx, synk2):
     f, xd, bd, X = fx
     x, b = pt.matrix("x"), pt.vector("b")
     g = synk.function([x], (x @ b, "gather"), bcast_inputs=[b])
-    with pytest.raises(Exception):
-        g(np.ones((4, 3)), np.ones(5))           # shapes do not align in any rank
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(synk.WorkerError) as info:
+            g(np.ones((4, 3)), np.ones(5))           # shapes do not align in any rank
+    # one exception, the master's own (rank 0 fails first); the worker's same error is not
+    # raised again, neither now as a warning nor at the next call
+    assert info.value.rank == synk2.master_rank and info.value.how == "raised"
+    assert isinstance(info.value, TypeError) and "dot_general" in str(info.value)
+    assert not [w for w in caught if "rank" in str(w.message)]
     close(g(np.ones((4, 3)), np.ones(3)), 3.0)
     _sum_ok(f, xd, bd, X)
 

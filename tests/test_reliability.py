@@ -19,9 +19,8 @@ import pytest
 
 import synkhronos as synk
 from synkhronos.runtime import master
-from synkhronos.comm.shm.paths import PIPELINED
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import close
+from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_marker
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,71 +44,100 @@ def heavy_function():
     return synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w], name="heavy")
 
 
-@pytest.mark.parametrize("when", ["idle", "mid-call", "mid-collective"])
-def test_killed_worker_becomes_worker_error(synk2, when):
-    rt = synk2
-    prefix, pids = rt.prefix, list(rt.worker_pids.values())
-    victim = rt.worker_pids[1]
-    f = heavy_function()
-    v = pytensor.shared(np.ones(1000), name=f"v_kill_{when}")
-    synk.function([], [(v.sum(), "sum")])
-    X, W = np.ones((4000, 600)), np.ones((600, 600)) * 1e-3
-    synk.distribute()
-    if when == "idle":
-        os.kill(victim, signal.SIGKILL)
-        time.sleep(0.2)
-        call = lambda: f(X, W)                                  # noqa: E731
-    elif when == "mid-call":
-        threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
-        call = lambda: [f(X, W, num_slices=40) for _ in range(100)]   # noqa: E731
-    else:  # the worker is frozen, then killed, while the master waits in the collective
-        os.kill(victim, signal.SIGSTOP)
-        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-        call = lambda: synk.all_reduce(v)                       # noqa: E731
+def _kill_when_inside(directory, pid):
+    """Kill ``pid`` with SIGKILL once it reports being inside (a thread of its own)."""
+    def kill():
+        wait_for_marker(directory, pid)
+        os.kill(pid, signal.SIGKILL)
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_died_promptly(call, prefix, pids, t_max=10):
     t0 = time.time()
     with pytest.raises(synk.WorkerError) as info:
         call()
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < t_max
     assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
     assert master.active() is None
     assert_clean(prefix, pids)
-    synk.fork(N_PARALLEL)                                       # usable again in the same script
+
+
+def _usable_again(**fork_options):
+    synk.fork(N_PARALLEL, **fork_options)                       # usable again in the same script
     x = pt.vector("x")
     close(synk.function([x], (x.sum(), "sum"))(np.arange(4.0)), 6.0)
 
 
-def test_worker_raising_in_a_collective_keeps_runtime_usable(synk2):
+def test_worker_killed_while_idle_becomes_worker_error(synk2):
+    rt = synk2
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
+    f = heavy_function()
+    synk.distribute()
+    os.kill(rt.worker_pids[1], signal.SIGKILL)
+    _assert_died_promptly(lambda: f(np.ones((40, 6)), np.ones((6, 6))), prefix, pids)
+    _usable_again()
+
+
+def test_worker_killed_inside_a_call_becomes_worker_error(synk2, tmp_path):
+    """The worker reports it is computing its share (a host callback in the graph), then is killed."""
+    rt = synk2
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
+    victim = rt.worker_pids[1]
+    x = pt.matrix("x")
+    f = synk.function([x], (InsideCall(tmp_path, victim)(x).sum(), "sum"), name="held")
+    synk.distribute()
+    killer = _kill_when_inside(tmp_path, victim)
+    _assert_died_promptly(lambda: f(np.ones((8, 3))), prefix, pids)
+    killer.join()
+    assert os.path.exists(marker_path(tmp_path, os.getpid()))   # the master computed its share
+    _usable_again()
+
+
+@pytest.mark.parametrize("where", ["collective", "ring"])
+def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkeypatch, where):
+    """A rank reports it is inside an all-reduce (``ring``: while its peer streams chunks to it
+    through their rings), then is killed: an error, no hang, no leak.
+
+    The collectives are the shared-memory ones, through a subclass that announces itself
+    (``fork(collectives=...)`` takes any Comm subclass the workers can import).
+    """
+    if master.active() is not None:
+        synk.close()
+    monkeypatch.setenv("SYNK_TEST_HOLD", f"{tmp_path}:1:{where}")
+    synk.fork(N_PARALLEL, collectives=HoldingShmComm)
+    rt = master.current()
+    assert rt.comm_kind == "holding-shm"
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
+    size = 3_000_000 if where == "ring" else 10          # 12 MB: large enough for the rings
+    v = pytensor.shared(np.ones(size, "float32"), name=f"v_held_{where}")
+    synk.function([], [(v.sum(), "sum")])
+    synk.distribute()
+    killer = _kill_when_inside(tmp_path, rt.worker_pids[1])
+    _assert_died_promptly(lambda: synk.all_reduce(v, op="sum"), prefix, pids)
+    killer.join()
+    monkeypatch.delenv("SYNK_TEST_HOLD")
+    _usable_again()
+
+
+def test_worker_failing_to_prepare_a_collective_keeps_runtime_usable(synk2):
+    """Only the worker cannot read the Data (its segment is gone): it fails while preparing, every
+    rank skips the collective, and nothing changed anywhere."""
     v = pytensor.shared(np.ones(3), name="v_fault")
     synk.function([], [(v.sum(), "sum")])
     synk.set_value(1, v, np.full(3, 5.0))
-    synk2.inject_collective_fault(1)
+    d = synk.data(np.full(3, 7.0))
+    os.unlink("/dev/shm/" + d.segment_name())      # the master keeps its mapping; workers cannot map it
     with pytest.raises(synk.WorkerError) as info:
-        synk.all_reduce(v, op="sum")
+        synk.broadcast(v, d)
     assert info.value.rank == 1 and info.value.how == "raised"
-    assert "fault injected" in str(info.value) and "Traceback" in info.value.worker_traceback
-    close(synk.get_value(0, v), 1.0)                            # nobody entered the collective
+    assert isinstance(info.value, FileNotFoundError)
+    assert "Traceback" in info.value.worker_traceback
+    close(synk.get_value(0, v), 1.0)                            # nobody changed anything
+    close(synk.get_value(1, v), 5.0)
     synk.all_reduce(v, op="sum")
     close(synk.get_value(1, v), 6.0)
-
-
-def test_worker_dying_inside_the_pipelined_all_reduce_becomes_worker_error(synk2):
-    """A rank dies while its peer streams chunks through their rings: an error, no hang, no leak."""
-    rt = synk2
-    prefix, pids = rt.prefix, list(rt.worker_pids.values())
-    big = pytensor.shared(np.ones(3_000_000, "float32"), name="v_ring_death")   # 12 MB: pipelined
-    synk.function([], [(big.sum(), "sum")])
-    synk.distribute()
-    rt.comm.paths.fixed = PIPELINED          # the master may otherwise choose to publish
-    rt.inject_collective_fault(1, during="ring")
-    t0 = time.time()
-    with pytest.raises(synk.WorkerError) as info:
-        synk.all_reduce(big, op="sum")
-    assert time.time() - t0 < 10
-    assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
-    assert_clean(prefix, pids)
-    synk.fork(N_PARALLEL)
-    x = pt.vector("x")
-    close(synk.function([x], (x.sum(), "sum"))(np.arange(4.0)), 6.0)
 
 
 @pytest.mark.parametrize("what", ["collective", "call"])
@@ -134,9 +162,12 @@ def test_stall_names_the_ranks(what):
     synk.fork(N_PARALLEL)
 
 
-def _script(code):
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+def _script(code, marker_dir="."):
+    """Start a master script; its calls create markers in ``marker_dir`` (see helpers.InsideCall)."""
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(marker_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=path))
 
 
 def _read_ready(proc):
@@ -147,10 +178,13 @@ def _read_ready(proc):
 
 MASTER = """
     import sys, time, numpy as np, pytensor.tensor as pt, synkhronos as synk
+    from helpers import InsideCall
     synk.fork(2)
     rt = synk.runtime.master.current()
     x, w = pt.matrix("x"), pt.matrix("w")
-    f = synk.function([x], ((x @ w @ w.T).sum(), "sum"), bcast_inputs=[w])
+    # every process says when it is inside a call (sys.argv[1]: where), and goes on
+    f = synk.function([x], ((InsideCall(sys.argv[1], -1)(x) @ w @ w.T).sum(), "sum"),
+                      bcast_inputs=[w])
     d = synk.data(np.ones((100, 10)))
     f(np.ones((8, 10)), np.ones((10, 10)))
     print(rt.prefix, *list(rt.worker_pids.values()), flush=True)
@@ -178,22 +212,22 @@ def _assert_workers_and_segments_gone(prefix, pids, within=10):
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
-def test_master_killed_workers_exit_and_memory_is_freed():
-    proc = _script(MASTER)
+def test_master_killed_workers_exit_and_memory_is_freed(tmp_path):
+    proc = _script(MASTER, tmp_path)
     prefix, pids = _read_ready(proc)
-    time.sleep(0.5)
     proc.kill()
     proc.wait()
     _assert_workers_and_segments_gone(prefix, pids)
 
 
 @pytest.mark.parametrize("when", ["idle", "in a call"])
-def test_sigterm_ends_the_script_and_frees_everything(when):
+def test_sigterm_ends_the_script_and_frees_everything(when, tmp_path):
     """JAX's runtime catches SIGTERM for itself; synkhronos gives it back to the script."""
     idle = MASTER.replace("    while True:\n        f(X, W, num_slices=40)", "    time.sleep(60)")
-    proc = _script(idle if when == "idle" else MASTER)
+    proc = _script(idle if when == "idle" else MASTER, tmp_path)
     prefix, pids = _read_ready(proc)
-    time.sleep(0.5)
+    if when == "in a call":
+        _wait_inside_a_loop_call(tmp_path, proc.pid)
     proc.send_signal(signal.SIGTERM)
     try:
         proc.communicate(timeout=20)
@@ -204,10 +238,18 @@ def test_sigterm_ends_the_script_and_frees_everything(when):
     _assert_workers_and_segments_gone(prefix, pids)
 
 
-def test_ctrl_c_during_a_long_call():
-    proc = _script(MASTER)
+def _wait_inside_a_loop_call(directory, pid):
+    """Wait until the script's master is inside a call of its loop (past the first, warm-up one)."""
+    marker = marker_path(directory, pid)
+    if os.path.exists(marker):                   # the warm-up call's marker: start afresh
+        os.unlink(marker)
+    wait_for_marker(directory, pid)
+
+
+def test_ctrl_c_during_a_long_call(tmp_path):
+    proc = _script(MASTER, tmp_path)
     prefix, pids = _read_ready(proc)
-    time.sleep(0.5)
+    _wait_inside_a_loop_call(tmp_path, proc.pid)
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=20)

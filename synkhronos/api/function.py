@@ -194,9 +194,12 @@ class Function:
     def as_pytensor(self, *args):
         """Run the plain single-process PyTensor function in the master on numpy inputs.
 
-        Updates apply to the master's copies of the shared variables only.
+        Updates apply to the master's copies of the shared variables only. Each
+        output has its variable's declared dtype, as the distributed call's
+        (PyTensor's JAX backend computes some reductions wider).
         """
-        out = [np.asarray(o) for o in self._run_reference(args)]
+        out = [np.asarray(o, dtype=dtype)
+               for o, (_, dtype) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out
 
     as_theano = as_pytensor
