@@ -8,7 +8,7 @@ process's own share of the cores.
 import ctypes
 import os
 
-__all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads"]
+__all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads", "current_blas_threads"]
 
 
 #: threads numpy's BLAS was limited to in this process (None: not limited; see limit_blas_threads)
@@ -70,6 +70,12 @@ def restore_blas_threads():
         setter, threads = _previous
         setter(ctypes.c_int(threads))
     _blas_threads = _previous = None
+
+
+def current_blas_threads():
+    """The thread count numpy's BLAS (OpenBLAS) uses now, or None if it cannot be asked."""
+    functions = _numpy_openblas()
+    return None if functions is None else int(functions[1]())
 
 
 def blas_threads():

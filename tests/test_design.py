@@ -1,0 +1,153 @@
+"""The package's shape holds: layers import downwards only, importing changes nothing outside,
+fork() is undone by close(), the supported versions are the pinned ones, docstring examples run."""
+
+import ast
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+
+import pytest
+
+import synkhronos
+from helpers import run_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "synkhronos")
+
+#: layers from the top; a module may import its own layer and the ones below, never one above
+LAYERS = ["face", "extensions", "api", "runtime", "rank", "wire", "comm", "base"]
+
+
+def _layer(module):
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"                      # synkhronos/__init__.py: the public names
+    return parts[1] if parts[1] in LAYERS else "base"
+
+
+def _imports(path, module):
+    """The synkhronos modules ``path`` (module ``module``) imports, at any depth of the file."""
+    tree = ast.parse(open(path).read())
+    package = module.rsplit(".", 1)[0] if not path.endswith("__init__.py") else module
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("synkhronos"):
+                names = [f"{target}.{a.name}" for a in node.names]
+                found.update(n for n in names if _is_module(n)) or None
+                if not any(_is_module(n) for n in names):
+                    found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("synkhronos"))
+    return found
+
+
+def _is_module(name):
+    rel = name.split(".")[1:]
+    base = os.path.join(PACKAGE, *rel)
+    return os.path.exists(base + ".py") or os.path.isdir(base)
+
+
+def _modules():
+    for info in pkgutil.walk_packages(synkhronos.__path__, "synkhronos."):
+        spec = importlib.util.find_spec(info.name)
+        yield info.name, spec.origin
+
+
+def _graph():
+    return {name: _imports(path, name) for name, path in _modules()}
+
+
+def test_layers_import_downwards_only():
+    upward = []
+    for module, targets in _graph().items():
+        for target in targets:
+            if LAYERS.index(_layer(target)) < LAYERS.index(_layer(module)):
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward
+
+
+def test_no_import_circles():
+    graph = _graph()
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for t in graph.get(todo.pop(), ()):
+                t = t if t in graph else t.rsplit(".", 1)[0]
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+    circles = [m for m in graph if m in reach(m) and not m.endswith("__init__")
+               and m != "synkhronos"]
+    assert not circles, circles
+
+
+def test_the_worker_never_imports_the_user_api():
+    graph = _graph()
+    seen, todo = set(), ["synkhronos.runtime.worker"]
+    while todo:
+        for t in graph.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    assert not [m for m in seen if m.startswith("synkhronos.api")], sorted(seen)
+
+
+def test_importing_synkhronos_changes_nothing_outside_it():
+    out = run_script("""
+        import os, sys, warnings
+        import pytensor
+        from pytensor.compile.mode import optdb
+        env, filters = dict(os.environ), list(warnings.filters)
+        before = set(optdb._names) if hasattr(optdb, "_names") else set(optdb.__db__)
+        import synkhronos
+        after = set(optdb._names) if hasattr(optdb, "_names") else set(optdb.__db__)
+        print("jax" in sys.modules, dict(os.environ) == env, list(warnings.filters) == filters,
+              sorted(after - before))
+    """)
+    assert out.stdout.split("\n")[0] == "False True True []", out.stdout + out.stderr
+
+
+def test_close_gives_the_process_back_what_fork_changed():
+    out = run_script("""
+        import os, jax, numpy as np, synkhronos as synk
+        from synkhronos.platform.cpu_blas import current_blas_threads
+        names = ["jax_enable_recoverability", "jax_cpu_collectives_implementation",
+                 "jax_enable_preemption_service"]
+        def state():
+            return ([getattr(jax.config, n) for n in names], current_blas_threads(),
+                    {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS",
+                                                    "TF_CPP_MIN_LOG_LEVEL")})
+        before = state()
+        synk.fork(2, threads_per_device=1)
+        during = state()
+        synk.close()
+        print(before == state(), before != during, during[1])
+    """)
+    assert out.stdout.split() == ["True", "True", "1"], out.stdout + out.stderr
+
+
+def test_supported_versions_are_the_pinned_ones():
+    from synkhronos.platform.internals import SUPPORTED
+    pins = open(os.path.join(ROOT, "pyproject.toml")).read()
+    for name, (low, high) in SUPPORTED.items():
+        pin = re.search(rf'"{name}>=([\d.]+),<([\d.]+)"', pins)
+        assert pin, f"{name} is not pinned in pyproject.toml"
+        assert pin.groups() == (".".join(map(str, low)), ".".join(map(str, high))), name
+
+
+@pytest.mark.parametrize("module", [name for name, _ in _modules()
+                                    if not name.endswith("worker")])
+def test_docstring_examples_run(module):
+    failures, _ = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert failures == 0
