@@ -15,11 +15,16 @@ travel as one flat buffer, so one call makes one collective launch per dtype.
 own rows from shared memory and puts them on its device.
 """
 
+from __future__ import annotations
+
 
 import math
 import warnings
 
+from typing import Sequence, Union
+
 import numpy as np
+from pytensor.compile.sharedvalue import SharedVariable
 
 from .. import randomness
 from ..comm import Reservation
@@ -36,6 +41,8 @@ from .shapes import check_shared_shape
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds"]
 
+#: one shared variable or its name, or a list of those
+Shareds = Union[SharedVariable, str, Sequence[Union[SharedVariable, str]]]
 #: what a message suggests for a value that does not cast safely to a shared variable's dtype
 _COLLECTIVE_CAST = "make the shared variable of that dtype"
 
@@ -121,7 +128,7 @@ def _values_list(values, n, what):
 # ------------------------------------------------------------------------------------------------
 
 @serialized
-def get_shapes(shared_vars):
+def get_shapes(shared_vars: Shareds) -> list:
     """Shape of each variable on every rank: a list over ranks (a list of those for a list).
 
     Examples
@@ -135,7 +142,7 @@ def get_shapes(shared_vars):
     return shapes[0] if single else shapes
 
 
-def get_lengths(shared_vars):
+def get_lengths(shared_vars: Shareds) -> list:
     """Length (axis 0) of each variable on every rank, like :func:`get_shapes`."""
     shapes = get_shapes(shared_vars)
     single = not isinstance(shared_vars, (list, tuple))
@@ -160,7 +167,7 @@ def _require_equal_shapes(vars_, shapes, what):
 
 
 @serialized
-def all_reduce(shared_vars, op="avg", nccl=None):
+def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) -> None:
     """Reduce across ranks; every rank's copy becomes the result.
 
     Parameters
@@ -177,7 +184,8 @@ def all_reduce(shared_vars, op="avg", nccl=None):
 
 
 @serialized
-def reduce(shared_vars, op="avg", in_place=True, nccl=None):
+def reduce(shared_vars: Shareds, op: str = "avg", in_place: bool = True,
+           nccl: bool | None = None) -> np.ndarray | list[np.ndarray] | None:
     """Reduce across ranks into the master.
 
     With ``in_place=True`` the master's copy becomes the result (workers keep
@@ -213,7 +221,7 @@ def _reduce(shared_vars, op, keep):
 
 
 @serialized
-def broadcast(shared_vars, values=None, nccl=None):
+def broadcast(shared_vars: Shareds, values=None, nccl: bool | None = None) -> None:
     """Copy the master's value(s) to every rank, optionally setting them first.
 
     ``values`` may be numpy arrays or :class:`Data`; a Data value is read from
@@ -242,7 +250,7 @@ def broadcast(shared_vars, values=None, nccl=None):
 
 
 @serialized
-def scatter(shared_vars, values, batch=None):
+def scatter(shared_vars: Shareds, values, batch=None) -> None:
     """Split each value along axis 0 across ranks (near-equal contiguous chunks).
 
     Parameters
@@ -302,7 +310,8 @@ def _read_data(state, vars_, datas, batch, chunked):
 
 
 @serialized
-def gather(shared_vars, nd_up=1, nccl=None):
+def gather(shared_vars: Shareds, nd_up: int = 1,
+           nccl: bool | None = None) -> np.ndarray | list[np.ndarray]:
     """Collect every rank's copy in the master, in rank order.
 
     ``nd_up=1`` stacks on a new leading axis (shapes must be equal); ``nd_up=0``
@@ -318,7 +327,7 @@ def gather(shared_vars, nd_up=1, nccl=None):
 
 
 @serialized
-def all_gather(shared_vars, nccl=None):
+def all_gather(shared_vars: Shareds, nccl: bool | None = None) -> None:
     """Every rank's copy becomes the concatenation (axis 0) of all ranks' copies."""
     state = current()
     _old_nccl(state, nccl, "all_gather")
@@ -357,7 +366,7 @@ def _gather(state, vars_, keep, nd_up):
 # ------------------------------------------------------------------------------------------------
 
 @serialized
-def get_value(rank, shared_vars):
+def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
     """Return the value(s) of shared variable(s) on device ``rank`` (master included).
 
     Examples
@@ -372,7 +381,7 @@ def get_value(rank, shared_vars):
 
 
 @serialized
-def set_value(rank, shared_vars, values, batch=None):
+def set_value(rank: int, shared_vars: Shareds, values, batch=None) -> None:
     """Set the value(s) of shared variable(s) on device ``rank`` only.
 
     ``batch`` (int, slice or index list) selects rows of each value first.

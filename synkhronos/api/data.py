@@ -6,6 +6,8 @@ mapping when the master announces a reallocation, ``free_memory()`` or that
 the Data was garbage collected.
 """
 
+from __future__ import annotations
+
 import math
 import os
 import weakref
@@ -147,7 +149,7 @@ class Data:
         return condition_value(value, self._dtype, self._ndim, force_cast, what=f"value for {self!r}")
 
     @serialized
-    def set_value(self, value, force_cast=False, oversize=1):
+    def set_value(self, value, force_cast: bool = False, oversize: float = 1) -> None:
         """Write ``value``, reshaping the view if it fits, else reallocating.
 
         A reallocation makes a new segment of ``prod(shape) * oversize`` items
@@ -159,7 +161,7 @@ class Data:
         self.data[...] = value
 
     @serialized
-    def set_length(self, length, oversize=1):
+    def set_length(self, length: int, oversize: float = 1) -> None:
         """Change the number of rows; existing rows are kept, added rows are zero."""
         _check_oversize(oversize)
         if self._ndim == 0:
@@ -176,7 +178,7 @@ class Data:
             view[:keep] = old[:keep]
 
     @serialized
-    def set_shape(self, shape, oversize=1):
+    def set_shape(self, shape: tuple[int, ...], oversize: float = 1) -> None:
         """Set a new shape of the same ndim; the contents are zero afterwards."""
         _check_oversize(oversize)
         shape = tuple(int(s) for s in shape)
@@ -188,7 +190,7 @@ class Data:
         self.data[...] = 0
 
     @serialized
-    def free_memory(self):
+    def free_memory(self) -> None:
         """Release the shared memory in the master and every worker."""
         self._state.check_open()
         self._segment.free()
@@ -240,8 +242,9 @@ def staging_data(state, key, value):
     return d
 
 
-def data(value=None, var=None, dtype=None, ndim=None, shape=None, minibatch=False,
-         force_cast=False, oversize=1, name=None):
+def data(value=None, var=None, dtype=None, ndim: int | None = None,
+         shape: tuple[int, ...] | None = None, minibatch: bool = False, force_cast: bool = False,
+         oversize: float = 1, name: str | None = None) -> Data:
     """Make a :class:`Data` in shared memory visible to every process.
 
     Parameters

@@ -10,6 +10,10 @@ the rows (:func:`synkhronos.rank.executor.run_share`), and the master reduces
 the results.
 """
 
+from __future__ import annotations
+
+from typing import Sequence, Union
+
 import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
@@ -29,6 +33,11 @@ from .data import Data, condition_value, data, release_large_staging, staging_da
 from .shapes import check_argument_shape, declared_rows, shape_text
 
 __all__ = ["function", "Function"]
+
+#: what ``outputs`` takes: a variable, a (variable, mode) pair, or a list of those
+Outputs = Union[Variable, tuple, Sequence]
+#: what ``updates`` takes: (shared, new value[, mode]) items, or a dict shared -> new value
+Updates = Union[Sequence[tuple], dict]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +182,7 @@ class Function:
         """The function's name (given, or ``synk_function_<id>``)."""
         return self.spec.name
 
-    def get_shared(self):
+    def get_shared(self) -> list[SharedVariable]:
         """The shared variables this function reads or updates (as PyTensor's ``Function.get_shared``)."""
         return list(dict.fromkeys(self.spec.shared_variables()))
 
@@ -191,7 +200,7 @@ class Function:
         return f"synk.Function({self.name!r})"
 
     # --- single process reference ---------------------------------------------------------
-    def as_pytensor(self, *args):
+    def as_pytensor(self, *args: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Run the plain single-process PyTensor function in the master on numpy inputs.
 
         Updates apply to the master's copies of the shared variables only. Each
@@ -210,7 +219,8 @@ class Function:
             self._reference = CompiledFunction(self.spec, reference=True)
         return self._reference.run(list(args))
 
-    def build_inputs(self, *values, force_cast=False, oversize=1., minibatch=False):
+    def build_inputs(self, *values, force_cast: bool = False, oversize: float = 1.,
+                     minibatch: bool = False) -> list[Data]:
         """Make one :class:`Data` per input (scattered, then broadcast) from ``values``."""
         all_inputs = self.spec.all_inputs
         if len(values) != len(all_inputs):
@@ -221,7 +231,9 @@ class Function:
 
     # --- calling ---------------------------------------------------------------------------
     @serialized
-    def __call__(self, *args, batch=None, batch_s=None, num_slices=1, output_subset=None, **kwargs):
+    def __call__(self, *args: Data | np.ndarray, batch: int | slice | Sequence[int] | None = None,
+                 batch_s=None, num_slices: int = 1, output_subset: Sequence[int] | None = None,
+                 **kwargs) -> np.ndarray | list[np.ndarray] | None:
         """Run on every device and return the reduced outputs.
 
         Parameters
@@ -434,8 +446,10 @@ class Function:
 
 
 @serialized
-def function(inputs, outputs=None, bcast_inputs=None, updates=None, givens=None,
-             sliceable_shareds=None, name=None, **kwargs):
+def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
+             bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
+             givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
+             name: str | None = None, **kwargs) -> Function:
     """Build a data-parallel function over every device of the runtime.
 
     Parameters

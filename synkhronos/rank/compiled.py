@@ -257,6 +257,11 @@ class CompiledFunction:
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
+    @property
+    def calls_jit_directly(self):
+        """True if calls skip PyTensor's per-call bookkeeping (see :func:`jitted_call`)."""
+        return self._run is not None and getattr(self._run, "fn", None) is self.function
+
     def _givens(self):
         if not self.sliced_inputs:
             return self.spec.givens
