@@ -1,6 +1,6 @@
 """Shipping graphs to the workers: pickling that neither recurses with the graph nor copies shared state.
 
-Functions travel to the workers as their :class:`~synkhronos.function.FunctionSpec`,
+Functions travel to the workers as their :class:`~synkhronos.wire.spec.FunctionSpec`,
 cloudpickled (pytensor-ml layers are ops with local closures, which plain pickle
 refuses). Two things are added to cloudpickle:
 

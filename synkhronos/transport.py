@@ -64,7 +64,7 @@ def _aligned_view(owner, shape, dtype, nbytes):
 class BufferPool:
     """Reuses large 64-byte aligned host buffers once nothing else refers to them.
 
-    A buffer handed to the CPU device (see :func:`synkhronos.devices.adopt`) stays
+    A buffer handed to the CPU device (see :func:`synkhronos.device_arrays.adopt`) stays
     referenced by its device array; when that array dies the buffer is free
     again. A fresh large buffer costs a page fault per 4 KB on first touch,
     which would dominate a collective that runs near memory bandwidth.

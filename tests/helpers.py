@@ -1,4 +1,12 @@
-"""Test helpers: a reference run that leaves the master's state alone, and a failing op."""
+"""Test helpers: a reference run that leaves the master's state alone, ops that fail or warn,
+and the real events fault tests wait for (a process inside a call or a collective)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
 
 import jax
 import numpy as np
@@ -6,6 +14,9 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.jax.dispatch import jax_funcify
 import pytensor.tensor as pt
+
+from synkhronos.comm import ShmComm
+from synkhronos.comm.shm.paths import PIPELINED
 
 
 def reference(f, *arrays):
@@ -30,7 +41,6 @@ def _check_rows(values):
 
 
 def _warn_rows(values):
-    import warnings
     warnings.warn(f"WarnRows saw {len(values)} rows", UserWarning)
     return np.asarray(values)
 
@@ -67,10 +77,6 @@ def run_script(code, timeout=120, env=None, args=()):
     a small /dev/shm. ``env`` adds variables; a value of None removes one;
     ``args`` become ``sys.argv[1:]``.
     """
-    import os
-    import subprocess
-    import sys
-    import textwrap
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join([root, os.path.join(root, "tests")])
     environ = dict(os.environ, PYTHONPATH=path, **(env or {}))
@@ -85,14 +91,11 @@ def run_script(code, timeout=120, env=None, args=()):
 
 def marker_path(directory, pid):
     """The file a process creates when it is inside the call or collective a test watches."""
-    import os
     return os.path.join(str(directory), f"inside-{pid}")
 
 
 def _announce_and_hold(directory, hold_pid, seconds=60.0):
     """Create this process's marker in ``directory``; if it is ``hold_pid``, stay here ``seconds``."""
-    import os
-    import time
     with open(marker_path(directory, os.getpid()), "w"):
         pass
     if os.getpid() == hold_pid:
@@ -101,7 +104,6 @@ def _announce_and_hold(directory, hold_pid, seconds=60.0):
 
 def wait_until_dead(pid, timeout=20):
     """Wait until child process ``pid`` has ended (a zombie its parent has not reaped yet)."""
-    import time
     deadline = time.time() + timeout
     while True:
         try:
@@ -117,8 +119,6 @@ def wait_until_dead(pid, timeout=20):
 
 def wait_for_marker(directory, pid, timeout=60):
     """Wait until process ``pid`` created its marker (it is inside); raise if it never does."""
-    import os
-    import time
     deadline = time.time() + timeout
     while not os.path.exists(marker_path(directory, pid)):
         if time.time() > deadline:
@@ -155,43 +155,34 @@ def _jax_inside_call(op, **kwargs):
     return call
 
 
-def _holding_comm():
+class HoldingShmComm(ShmComm):
     """A shared-memory Comm that announces itself inside its collectives and holds one rank there.
 
     Configured through ``SYNK_TEST_HOLD`` = ``directory:rank:where`` (inherited by the workers):
     ``where="collective"`` holds at the start of every all-reduce, ``"ring"`` at the third chunk
     of a pipelined all-reduce, which then is the path every large all-reduce takes.
     """
-    import os
-    from synkhronos.comm import ShmComm
-    from synkhronos.comm.shm.paths import PIPELINED
 
-    class HoldingShmComm(ShmComm):
-        name = "holding-shm"
+    name = "holding-shm"
 
-        def __init__(self, context):
-            super().__init__(context)
-            directory, rank, self.where = os.environ["SYNK_TEST_HOLD"].split(":")
-            self.directory, self.holds = directory, int(rank) == context.rank
-            self._chunks = 0
-            if self.paths is not None and self.where == "ring":
-                self.paths.fixed = PIPELINED
+    def __init__(self, context):
+        super().__init__(context)
+        directory, rank, self.where = os.environ["SYNK_TEST_HOLD"].split(":")
+        self.directory, self.holds = directory, int(rank) == context.rank
+        self._chunks = 0
+        if self.paths is not None and self.where == "ring":
+            self.paths.fixed = PIPELINED
 
-        def _hold(self):
-            _announce_and_hold(self.directory, os.getpid() if self.holds else -1)
+    def _hold(self):
+        _announce_and_hold(self.directory, os.getpid() if self.holds else -1)
 
-        def all_reduce(self, values, op):
-            if self.where == "collective":
-                self._hold()
-            return super().all_reduce(values, op)
+    def all_reduce(self, values, op):
+        if self.where == "collective":
+            self._hold()
+        return super().all_reduce(values, op)
 
-        def _reduce_into(self, out, own, peer_parts, op):
-            self._chunks += 1
-            if self.where == "ring" and self._chunks == 3:
-                self._hold()
-            return super()._reduce_into(out, own, peer_parts, op)
-    HoldingShmComm.__qualname__ = "HoldingShmComm"
-    return HoldingShmComm
-
-
-HoldingShmComm = _holding_comm()
+    def _reduce_into(self, out, own, peer_parts, op):
+        self._chunks += 1
+        if self.where == "ring" and self._chunks == 3:
+            self._hold()
+        return super()._reduce_into(out, own, peer_parts, op)

@@ -41,10 +41,9 @@ def _imports(path, module):
             else:
                 target = node.module or ""
             if target.startswith("synkhronos"):
-                names = [f"{target}.{a.name}" for a in node.names]
-                found.update(n for n in names if _is_module(n)) or None
-                if not any(_is_module(n) for n in names):
-                    found.add(target)
+                # "from .pkg import module" imports those modules; "from .module import name", the module
+                modules = [m for m in (f"{target}.{a.name}" for a in node.names) if _is_module(m)]
+                found.update(modules or [target])
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("synkhronos"))
     return found

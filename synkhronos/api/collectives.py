@@ -299,7 +299,7 @@ def _read_data(state, vars_, datas, batch, chunked):
         plans.append((d, b))
     with_indices = [b for _, b in plans if not b.is_range]
     # every batch here comes from the same ``batch``, so one copy of its indices serves all
-    index_gen = state.write_indices(with_indices[:1]) if with_indices else 0
+    index_gen = state.data.write_indices(with_indices[:1]) if with_indices else 0
 
     def fill(w):
         w.put(READ_DATA).put_list(state.uids_of(vars_)).put(int(chunked), index_gen)

@@ -72,7 +72,7 @@ class Comm(ABC):
     #: True if every wait returns to Python between slices and calls ``context.check``: the
     #: master then runs its part in its own thread (else in a thread the master watches)
     waits_in_python: ClassVar[bool] = False
-    #: True if the implementation works on ``platform`` ("cpu", "gpu", ...)
+    #: the JAX platforms ("cpu", "gpu", ...) the implementation works on
     platforms: ClassVar[tuple] = ("cpu", "gpu")
 
     def __init__(self, context: CommContext):

@@ -39,6 +39,10 @@ def _version_tuple(text: str) -> tuple:
     return tuple(parts)
 
 
+def _dotted(version: tuple) -> str:
+    return ".".join(map(str, version))
+
+
 def check_versions() -> None:
     """Raise ImportError if an installed library is outside the versions in :data:`SUPPORTED`.
 
@@ -51,11 +55,11 @@ def check_versions() -> None:
             installed = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             raise ImportError(f"synkhronos needs {name}; install it with pip install "
-                              f"'{name}>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}'")
+                              f"'{name}>={_dotted(low)},<{_dotted(high)}'")
         if not low <= _version_tuple(installed) < high:
-            raise ImportError(f"synkhronos supports {name} >= {'.'.join(map(str, low))} and < "
-                              f"{'.'.join(map(str, high))}, but {installed} is installed; install a "
-                              f"supported version (pip install -e . picks one)")
+            raise ImportError(f"synkhronos supports {name} >= {_dotted(low)} and < {_dotted(high)}, "
+                              f"but {installed} is installed; install a supported version "
+                              f"(pip install -e . picks one)")
 
 
 class JitParts(NamedTuple):

@@ -17,11 +17,12 @@ import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import randomness, shipping
-from ..comm import CommContext, Reservation, class_path, comm_class
+from ..comm import CommContext, Reservation, class_path
 from ..device_arrays import place_on_device
 from ..platform import jax_init
 from ..rank.collectives import prepare_collective
@@ -112,14 +113,23 @@ def _forget_runtime_in_child():
 os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
+@dataclass(frozen=True)
 class Settings:
-    """A runtime's validated settings (see ``synk.fork`` for their meaning)."""
+    """A runtime's validated settings (see ``synk.fork`` for their meaning).
 
-    def __init__(self, n_parallel, master_rank, platform, threads, timeout, profile_workers, spin,
-                 stall_timeout, collectives):
-        self.n_parallel, self.master_rank, self.platform = n_parallel, master_rank, platform
-        self.threads, self.timeout, self.profile_workers = threads, timeout, profile_workers
-        self.spin, self.stall_timeout, self.collectives = spin, stall_timeout, collectives
+    ``spin`` and ``stall_timeout`` are in seconds; ``collectives`` is the
+    :class:`~synkhronos.comm.Comm` class.
+    """
+
+    n_parallel: int
+    master_rank: int
+    platform: str
+    threads: int
+    timeout: float
+    profile_workers: bool
+    spin: float
+    stall_timeout: float
+    collectives: type
 
 
 class State:
@@ -135,7 +145,7 @@ class State:
         self.settings = settings
         self.n_parallel, self.master_rank = settings.n_parallel, settings.master_rank
         self.platform = settings.platform
-        self._comm_class = comm_class(settings.collectives)
+        self._comm_class = settings.collectives
         self.comm_kind = self._comm_class.name
         self.prefix = new_prefix()
         self.worker_ranks = [r for r in range(self.n_parallel) if r != self.master_rank]
@@ -354,6 +364,9 @@ class State:
     def run_call(self, plan, record):
         """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
 
+        The caller has brought the workers up to date (:meth:`ensure_shipped`)
+        and checked that the function is still registered.
+
         Parameters
         ----------
         plan : CallPlan
@@ -370,7 +383,6 @@ class State:
             when the results travel as records, else a list by rank (None for a
             rank without rows).
         """
-        self.ensure_shipped()
         channel, ctl = self._channel, self._channel.ctl
         index_arrays = plan.index_arrays()
         if index_arrays:
@@ -417,10 +429,6 @@ class State:
                                       self.data.index_view)
         return [np.asarray(v) for v in self._channel.collective(local_prepare,
                                                                 comm.waits_in_python)]
-
-    def write_indices(self, batches):
-        """Put explicit indices where every rank reads them (see :meth:`DataStore.write_indices`)."""
-        return self.data.write_indices(batches)
 
     def all_shapes(self, vars_):
         """Per variable, its shape on every rank (one round trip)."""

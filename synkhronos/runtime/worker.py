@@ -124,7 +124,7 @@ class Worker:
         return self.payload.get(gen).mm[:nbytes]
 
     def payload_object(self):
-        """The plain pickled object of a command (see ``Runtime.send_pickled``)."""
+        """The plain pickled object of a command (see ``Channel.send_pickled``)."""
         return pickle.loads(self.payload_bytes())
 
     # --- handlers ---------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def main():
         _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     worker = Worker(cfg)
-    # a warning shows once per place here, and then through the master's filters (Runtime.forward_warnings)
+    # a warning shows once per place here, and then through the master's filters (see the Channel)
     warnings.simplefilter("default")
     warnings.showwarning = worker.record_warning
     if os.getppid() != worker.master_pid:
