@@ -229,6 +229,25 @@ class Function:
                      minibatch=minibatch and i < len(self.spec.inputs))
                 for i, (var, v) in enumerate(zip(all_inputs, values))]
 
+    def input_refs(self, *values: Data | np.ndarray) -> list:
+        """Where each scattered input's rows live, as a call would read them.
+
+        ``values`` (one per scattered input, :class:`Data` or numpy) are
+        checked as a call checks its arguments; numpy values are copied into
+        shared memory as a call copies them. Returns one
+        :class:`~synkhronos.wire.plan.InputRef` per value (what a
+        device-driven loop reads its rows from).
+        """
+        self._state.check_open()
+        n = len(self.spec.inputs)
+        if len(values) != n:
+            raise TypeError(f"{self.name} takes {n} scattered inputs, got {len(values)} values")
+        refs = []
+        for i, value in enumerate(values):
+            d = self._as_data(i, value)
+            refs.append(InputRef(d.id, d.gen, dtype_code(d.dtype), 0, d.shape))
+        return refs
+
     # --- calling ---------------------------------------------------------------------------
     @serialized
     def __call__(self, *args: Data | np.ndarray, batch: int | slice | Sequence[int] | None = None,

@@ -1,5 +1,6 @@
-"""Extensions: flattened-gradient optimizers (:mod:`.updates`) and training helpers (:mod:`.train`)."""
+"""Extensions: flattened-gradient optimizers (:mod:`.updates`), training helpers and device-driven
+loops (:mod:`.train`) and their sync rules (:mod:`.sync`)."""
 
-from . import train, updates
+from . import sync, train, updates
 
-__all__ = ["updates", "train"]
+__all__ = ["updates", "train", "sync"]

@@ -1,5 +1,11 @@
-"""Training helpers built on the flattened-gradient rules of :mod:`.updates`."""
+"""Training helpers built on the flattened-gradient rules of :mod:`.updates`.
 
+:func:`make_train_function` builds one training step that the master drives
+(three commands a step); :func:`run` runs many such steps on the devices
+themselves, with the sync rules of :mod:`.sync`.
+"""
+
+import time
 import warnings
 
 import numpy as np
@@ -7,12 +13,15 @@ import pytensor
 import pytensor.tensor as pt
 
 from ..api import collectives
-from ..runtime.master import current
 from ..api.function import function
+from ..runtime.master import current, serialized
 from ..scatter import batch_from_spec, parse_batch_s
+from ..wire.loop import LoopSpec, epoch_order, steps_per_epoch
+from .history import History, check_from_stats
+from .sync import AllReduce, Rule
 
 __all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function",
-           "make_train_function_theano"]
+           "make_train_function_theano", "run", "epoch_order", "steps_per_epoch"]
 
 
 def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
@@ -50,6 +59,7 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
         rows = len(x_data) if batch is None else batch_from_spec(batch, len(x_data)).total
         return step(rows, x_data, y_data, batch=batch, num_slices=num_slices)
 
+    train_minibatch.runs_on_devices = True      # what run() takes
     return step.expose(train_minibatch)
 
 
@@ -62,6 +72,7 @@ class _WeightedStep:
 
     def __init__(self, loss, params, x, update_rule, args, kwargs, inputs=(), **function_kwargs):
         grad_updates, param_updates, self.grad_shared = update_rule(loss, params, *args, **kwargs)
+        self.params = list(params)
         (target, flat_grad), = grad_updates
         dtype = self.grad_shared.type.dtype
         batch_rows = pt.scalar("batch_rows", dtype=dtype)
@@ -81,6 +92,7 @@ class _WeightedStep:
     def expose(self, train_minibatch):
         """Give the user's step function handles on what it runs."""
         train_minibatch.grad_shared = self.grad_shared
+        train_minibatch.params = self.params
         train_minibatch.functions = (self.f_grad, self.f_upd)
         return train_minibatch
 
@@ -108,6 +120,142 @@ def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_ru
         return step(rows, batch_s=batch_s, num_slices=num_slices)
 
     return step.expose(train_minibatch)
+
+
+def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None, shuffle=True,
+        seed=0, check_every=None, on_check=None) -> History:
+    """Train on the devices themselves: many steps per command, synchronised by a rule of :mod:`.sync`.
+
+    Each device draws its rows of every global step (``batch_size`` rows, split
+    over the devices as in a call) from the epoch's seeded order
+    (:func:`epoch_order`), gathers them from shared memory and steps without a
+    command from the master per step. The master wakes every ``check_every``
+    global steps, records a :class:`~.history.Check` and calls
+    ``on_check(history)``; the devices are idle then, so it may call
+    synkhronos functions (validation) and collectives, and returning True
+    stops the run. When ``run`` returns, every device holds the same final
+    parameters (the center, for the centred rules).
+
+    With ``sync=AllReduce()`` the parameters equal, step for step, those of
+    the master-driven loop ``train_fn(x_data, y_data, batch=order[i*B:(i+1)*B])``
+    over the same orders. Under the other rules every device steps on the mean
+    gradient of its own rows. Under the asynchronous rules the devices claim
+    the minibatches (one device's part of a global step) from a shared
+    counter, so a fast device trains on more of them than a slow one.
+
+    An error inside the loop (a device raising or dying, or no progress for
+    ``stall_timeout``) shuts the runtime down, as a failed collective does:
+    devices in the middle of a synchronous step cannot be brought back.
+
+    Parameters
+    ----------
+    train_fn : callable
+        What :func:`make_train_function` returns.
+    x_data, y_data : Data or numpy.ndarray
+        The training inputs and targets (numpy values are copied to shared memory once).
+    batch_size : int
+        Rows in one global step. The last step of an epoch takes the rows left.
+    steps, epochs : int
+        How long to train: exactly one of them.
+    sync : Rule
+        :class:`~.sync.AllReduce` (default), :class:`~.sync.Average`,
+        :class:`~.sync.EASGD`, :class:`~.sync.Downpour` or :class:`~.sync.RateLimited`.
+    shuffle : bool
+        Visit the rows in a seeded permutation per epoch (else in order).
+    seed : int
+    check_every : int, optional
+        Global steps between checks (default: one epoch).
+    on_check : callable, optional
+        ``on_check(history) -> bool``; True stops the run.
+
+    Returns
+    -------
+    History
+
+    Examples
+    --------
+    >>> train = make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.1)  # doctest: +SKIP
+    >>> history = run(train, x_train, y_train, 128, epochs=10, sync=sync.EASGD(0.5, every=4),
+    ...               on_check=lambda h: h[-1].loss < 0.05)                                # doctest: +SKIP
+    >>> history.plot("curves.png")                                                         # doctest: +SKIP
+    """
+    state = current()
+    sync = AllReduce() if sync is None else sync
+    f_grad, f_upd = _check_run_arguments(train_fn, sync, check_every, on_check)
+    x_ref, y_ref = f_grad.input_refs(x_data, y_data)
+    n_rows = x_ref.shape[0]
+    if y_ref.shape[0] != n_rows:
+        raise ValueError(f"x_data has {n_rows} rows but y_data has {y_ref.shape[0]}; give one "
+                         f"target row per input row")
+    _check_batch_size(batch_size, n_rows, state.n_parallel)
+    per_epoch = steps_per_epoch(n_rows, batch_size)
+    total = _total_steps(steps, epochs, per_epoch)
+    check_every = per_epoch if check_every is None else check_every
+    params = train_fn.params
+    param_ids = {id(p) for p in params}
+    loop_id = state.new_loop_id()
+    spec = LoopSpec(loop_id=loop_id, grad_fid=f_grad.spec.fid, update_fid=f_upd.spec.fid,
+                    grad_uid=state.uid_of(train_fn.grad_shared), param_uids=tuple(state.uids_of(params)),
+                    state_uids=tuple(state.uids_of([s for s, _, _ in f_upd.spec.updates
+                                                    if id(s) not in param_ids])),
+                    x=x_ref, y=y_ref, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
+                    rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
+    phase = serialized(state.run_loop)
+    history = History(sync, center_values=lambda: serialized(state.center_values)(spec))
+    done, elapsed = 0, 0.0
+    try:
+        while done < total:
+            last = min(total, done + check_every)
+            start = time.perf_counter()
+            stats = phase(spec, "run", done, last)
+            seconds = time.perf_counter() - start
+            elapsed += seconds
+            done = last
+            history.append(check_from_stats(stats, done, per_epoch, elapsed, seconds))
+            if on_check is not None and on_check(history):
+                break
+    finally:
+        if state.is_open:       # the final parameters on every device, also after on_check raised
+            phase(spec, "finish")
+        history._center_values = None
+    return history
+
+
+def _check_run_arguments(train_fn, sync, check_every, on_check):
+    """The gradient and update functions of ``train_fn``; every other argument checked."""
+    if not getattr(train_fn, "runs_on_devices", False):
+        raise TypeError("run() takes the step function make_train_function returns (data in shared "
+                        f"memory), got {train_fn!r}")
+    if not isinstance(sync, Rule):
+        raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
+                        f"EASGD(...), ...), got {sync!r}")
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(
+            check_every, (int, np.integer)) or check_every < 1):
+        raise ValueError(f"check_every must be a positive number of steps or None, got {check_every!r}")
+    if on_check is not None and not callable(on_check):
+        raise TypeError(f"on_check must be a callable taking the History, got {on_check!r}")
+    return train_fn.functions
+
+
+def _check_batch_size(batch_size, n_rows, n_devices):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
+            not n_devices <= batch_size <= n_rows:
+        raise ValueError(f"batch_size must be a whole number from {n_devices} (one row per device) "
+                         f"to {n_rows} (the rows of x_data), got {batch_size!r}")
+    left = n_rows % batch_size
+    if 0 < left < n_devices:
+        raise ValueError(f"the last step of every epoch would have {left} rows for {n_devices} "
+                         f"devices ({n_rows} rows, batch_size {batch_size}): every device needs a "
+                         f"row; choose a batch_size that leaves none or at least {n_devices}")
+
+
+def _total_steps(steps, epochs, per_epoch):
+    if (steps is None) == (epochs is None):
+        raise ValueError("give exactly one of steps= (global steps) and epochs= (passes over the rows)")
+    value, name = (steps, "steps") if steps is not None else (epochs, "epochs")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+    return int(steps) if steps is not None else int(epochs) * per_epoch
 
 
 def make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs):

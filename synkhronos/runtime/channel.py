@@ -214,13 +214,7 @@ class Channel:
             nonlocal what
             if not isinstance(what, str):
                 what = f"a {Op.name(what)} command"
-            dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
-            if dead:
-                rank, code = next(iter(dead.items()))
-                self.on_fault()
-                raise WorkerError(rank, "died", describe_exit(code),
-                                  f"worker process ended during {what}; the runtime was shut down, "
-                                  f"call synk.fork() to start again")
+            self._check_alive(ranks, what)
             if time.time() > deadline:
                 arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
@@ -228,6 +222,106 @@ class Channel:
                 raise StallError(what, arrived=sorted(arrived + [self.master_rank]), missing=missing,
                                  timeout=self.stall_timeout)
         return check
+
+    def _check_alive(self, ranks, what):
+        """Raise (after ``on_fault``) if a worker of ``ranks`` has ended."""
+        dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
+        if dead:
+            rank, code = next(iter(dead.items()))
+            self.on_fault()
+            raise WorkerError(rank, "died", describe_exit(code),
+                              f"worker process ended during {what}; the runtime was shut down, "
+                              f"call synk.fork() to start again")
+
+    # --- device-driven loops ----------------------------------------------------------------
+    def loop_phase(self, local, threaded):
+        """Run one phase of a device-driven loop: every worker, and ``local()`` here.
+
+        A phase runs many steps with collectives among the ranks and no command
+        in between, so any failure inside it leaves peers waiting for a rank
+        that will not come: a worker that raises or dies, a stall (no rank
+        still running made a step for ``stall_timeout`` seconds) or an error
+        of ``local()`` shuts the runtime down and raises. ``threaded``:
+        ``local()`` blocks in native collectives, so it runs in a thread
+        while this one watches; otherwise it calls :meth:`check_during_collective`
+        (through its collectives and after every step).
+        """
+        ranks, what = self.worker_ranks, "a training loop"
+        self.ctl.status[:, ControlBlock.PROGRESS] = 0
+        self.ctl.post_command(Op.LOOP, ranks)
+        watch = self._collective_watch = self._loop_watch(ranks, what)
+        try:
+            if threaded:
+                result, error = self._run_local_in_thread(local, watch)
+            else:
+                result, error = self._run_local(local)
+            if error is not None:
+                if isinstance(error, SynkError):
+                    raise error
+                self.on_fault()
+                raise WorkerError.from_exception(self.master_rank, error) from error
+            self._wait_watched(ranks, watch)
+        finally:
+            self._collective_watch = None
+        self._raise_worker_errors(ranks)
+        return result
+
+    def _loop_watch(self, ranks, what, poll=0.02):
+        """The loop's check: workers alive, none failed, and steps still being made.
+
+        Polls the processes at most every ``poll`` seconds (it is called after every step).
+        """
+        status = self.ctl.status
+        last = {"at": 0.0, "moved": time.time(), "progress": None}
+
+        def check():
+            now = time.time()
+            if now < last["at"] + poll:
+                return
+            last["at"] = now
+            self._check_alive(ranks, what)
+            failed = [r for r in ranks if status[r, ControlBlock.STATE] == Status.ERROR]
+            if failed:
+                exc_type, message, tb = self.read_result_pickle(failed[0])
+                self.on_fault()
+                raise WorkerError.raised(failed[0], exc_type, message + " (the runtime was shut "
+                                         "down: call synk.fork() to start again)", tb)
+            running = [r for r in ranks if status[r, ControlBlock.STATE] == Status.IDLE]
+            progress = status[running, ControlBlock.PROGRESS].tolist()
+            if progress != last["progress"] or not running:
+                last["progress"], last["moved"] = progress, now
+            elif now - last["moved"] > self.stall_timeout:
+                self.on_fault()
+                raise StallError(what, arrived=sorted(set(self.worker_ranks) - set(running)
+                                                      | {self.master_rank}),
+                                 missing=running, timeout=self.stall_timeout)
+        return check
+
+    def _run_local_in_thread(self, local, watch):
+        """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
+        box = {}
+
+        def target():
+            box["result"], box["error"] = self._run_local(local)
+        thread = threading.Thread(target=target, name="synk-loop", daemon=True)
+        thread.start()
+        try:
+            while thread.is_alive():
+                thread.join(0.02)
+                watch()
+        except KeyboardInterrupt:
+            self.on_fault()
+            raise
+        return box["result"], box["error"]
+
+    def _wait_watched(self, ranks, watch):
+        """Wait until every rank in ``ranks`` posted ``done``, calling ``watch`` between slices."""
+        try:
+            for _ in ranks:
+                self.ctl.done.wait(watch, spin=self.spin, slice_=0.05)
+        except KeyboardInterrupt:
+            self.on_fault()
+            raise
 
     # --- payloads and results ---------------------------------------------------------------
     def send_payload(self, blob):

@@ -163,6 +163,9 @@ class State:
         self._shipped_uids = set()
         self._comm = None
         self._plans = PlanSlots()
+        self._loops = {}            # loop id -> the master's DeviceLoop, from its first phase to finish
+        self._centers = {}          # loop id -> its central parameters, until the master's loop takes them
+        self._next_loop = 0
 
     # --- start and stop ---------------------------------------------------------------------
     def start(self):
@@ -221,6 +224,11 @@ class State:
         self.stop()
 
     def _release_segments(self):
+        centers = list(self._centers.values()) + [loop.center for loop in self._loops.values()]
+        for center in centers:
+            if center is not None:
+                center.close()
+        self._loops, self._centers = {}, {}
         self.data.release_all()
         if self._comm is not None:
             self._comm.release()
@@ -460,6 +468,94 @@ class State:
         else:
             self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
             self._channel.command(Op.SET_SHARED, ranks=[rank])
+
+
+    # --- device-driven loops ----------------------------------------------------------------
+    def new_loop_id(self):
+        self._next_loop += 1
+        return self._next_loop
+
+    def center_name(self, loop_id):
+        """The segment of loop ``loop_id``'s central parameters."""
+        return f"{self.prefix}_center{loop_id}"
+
+    def run_loop(self, spec, phase, first=0, last=0):
+        """Run one phase of a device-driven loop on every rank (see :mod:`synkhronos.rank.loop`).
+
+        Parameters
+        ----------
+        spec : LoopSpec
+        phase : {"run", "finish"}
+            Global steps ``[first, last)``, or the rule's finish (the final
+            parameters on every device), after which the loop is forgotten.
+
+        Returns
+        -------
+        numpy.ndarray or None
+            For "run": every rank's counters, shape ``(n_ranks, len(STAT_FIELDS))``.
+        """
+        from ..rank.loop import DeviceLoop
+        self.ensure_shipped()
+        if not spec.rule.asynchronous:
+            self.comm.reserve(self._loop_reservation(spec))
+        elif spec.loop_id not in self._centers and spec.loop_id not in self._loops:  # before workers map it
+            self._centers[spec.loop_id] = self._new_center(spec)
+        self._channel.send_pickled(dict(spec=spec, phase=phase, first=first, last=last))
+
+        def master_loop():
+            # made once the workers have the command: a rule may start with a collective
+            loop = self._loops.get(spec.loop_id)
+            if loop is None:
+                loop = self._loops[spec.loop_id] = DeviceLoop(
+                    spec, self.master_rank, self.n_parallel, self.master_rank,
+                    self._compiled[spec.grad_fid], self._compiled[spec.update_fid],
+                    self.shared_by_uid, self.data.view, self.comm,
+                    (lambda shapes, dtypes: self._centers.pop(spec.loop_id)) if spec.center else None,
+                    self._channel.check_during_collective)
+            return loop
+
+        def local():
+            loop = master_loop()
+            return loop.finish() if phase == "finish" else loop.run(first, last)
+        threaded = not self.comm.waits_in_python and not spec.rule.asynchronous
+        try:
+            own = self._channel.loop_phase(local, threaded)
+        finally:
+            if phase == "finish" or not self.is_open:
+                self._loops.pop(spec.loop_id, None)
+        if phase == "finish":
+            return None
+        stats = np.zeros((self.n_parallel, len(own)))
+        stats[self.master_rank] = own
+        for rank in self.worker_ranks:
+            stats[rank] = self._channel.read_result_arrays(rank)[0]
+        return stats
+
+    def center_values(self, spec):
+        """Loop ``spec``'s central parameters now (asynchronous rules), else the master's parameters."""
+        loop = self._loops.get(spec.loop_id)
+        center = loop.center if loop is not None else self._centers.get(spec.loop_id)
+        if center is not None:
+            return center.values()
+        return [np.array(self.shared_by_uid(uid).get_value()) for uid in spec.param_uids]
+
+    def _new_center(self, spec):
+        """The loop's central parameters, made from the master's values."""
+        from ..rank.center import Center
+        params = [self.shared_by_uid(uid) for uid in spec.param_uids]
+        values = [np.asarray(p.container.storage[0]) for p in params]
+        return Center(spec.center, [v.shape for v in values], [p.type.dtype for p in params],
+                      initial=values, check=self._channel.check_during_collective)
+
+    def _loop_reservation(self, spec):
+        """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
+        def nbytes(uid):
+            return np.asarray(self.shared_by_uid(uid).container.storage[0]).nbytes
+        if spec.rule.reduces_gradient:
+            grad = nbytes(spec.grad_uid)
+            return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad)
+        padded = sum(nbytes(uid) + 64 for uid in spec.param_uids + spec.state_uids)
+        return Reservation(nbytes=padded, reduce_bytes=padded)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import warnings
 
@@ -73,7 +74,8 @@ class Worker:
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
-                         Op.STOP: lambda: None}
+                         Op.LOOP: self.loop, Op.STOP: lambda: None}
+        self.loops = {}             # loop id -> this rank's DeviceLoop, from its first phase to finish
 
     def check_master(self):
         if os.getppid() != self.master_pid:
@@ -206,6 +208,40 @@ class Worker:
             return 0
         execute()
         return 0
+
+    def loop(self):
+        """Run one phase of a device-driven loop (many steps), report this rank's counters."""
+        from ..rank.loop import DeviceLoop
+        from ..rank.center import Center
+        message = self.payload_object()
+        spec = message["spec"]
+        loop = self.loops.get(spec.loop_id)
+        if loop is None:
+            center = (lambda shapes, dtypes: Center(spec.center, shapes, dtypes,
+                                                    check=self.check_master)) if spec.center else None
+            loop = self.loops[spec.loop_id] = DeviceLoop(
+                spec, self.rank, self.n_ranks, int(self.ctl.header[ControlBlock.MASTER_RANK]),
+                self.functions[spec.grad_fid], self.functions[spec.update_fid],
+                self.shared.__getitem__, self.datas.view, self.comm(), center, self._beat())
+        if message["phase"] == "finish":
+            self.loops.pop(spec.loop_id).finish()
+            return 0
+        self.write_arrays([loop.run(message["first"], message["last"])])
+        return 0
+
+    def _beat(self, every=0.1):
+        """After every step of a loop: count it for the master's watch; check the master now and then."""
+        row = self.ctl.status[self.rank]
+        field = ControlBlock.PROGRESS
+        next_check = [0.0]
+
+        def beat():
+            row[field] += 1
+            now = time.perf_counter()
+            if now > next_check[0]:
+                next_check[0] = now + every
+                self.check_master()
+        return beat
 
     def get_shapes(self):
         uids = Words(self.ctl.args).get_list()

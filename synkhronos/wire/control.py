@@ -4,7 +4,8 @@ Layout (all in one segment created by the master)::
 
     header   int64[16]        opcode, payload gen/size, master rank, decision, plan slot/generation
     args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
-    status   int64[n, 8]      per rank: state, result generation and size, rows, warnings
+    status   int64[n, 8]      per rank: state, result generation and size, rows, warnings,
+                              steps of a device-driven loop (the master's stall watch)
     records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
@@ -38,6 +39,7 @@ class Op:
     SET_SHARED = 6    # payload: {uid: value} for one rank
     COLLECTIVE = 7    # args: a collective (synkhronos.wire.collective)
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
+    LOOP = 9          # payload: a LoopSpec and its phase (synkhronos.wire.loop) -> result: its stats
 
     @classmethod
     def name(cls, opcode):
@@ -140,7 +142,7 @@ class ControlBlock:
     # header fields
     OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN = range(7)
     # status fields
-    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES = range(6)
+    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = range(7)
 
     def post_command(self, opcode, ranks):
         """Publish the command already written to ``args`` to ``ranks``."""

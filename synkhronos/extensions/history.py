@@ -1,0 +1,124 @@
+"""What a device-driven run reports at every check: :class:`History`."""
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["History", "Check"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of a run: the steps since the previous one, summed over every device.
+
+    Attributes
+    ----------
+    step : int
+        Global steps done (an asynchronous rule's minibatches, over the number of devices).
+    epoch : float
+        Passes over the training rows done.
+    time : float
+        Seconds of training so far (``on_check`` excluded).
+    loss : float
+        Mean training loss over the rows trained on since the previous check.
+    samples_per_s : float
+        Rows trained on since the previous check, per second, by all devices together.
+    sync_fraction : float
+        The fraction of its time a device spent syncing (mean over devices).
+    syncs : int
+        Gradient all-reduces, averages or exchanges made, over all devices.
+    skipped : int
+        Syncs a rate-limited rule skipped.
+    rows_per_device : tuple of int
+        Rows each device trained on since the previous check.
+    """
+
+    step: int
+    epoch: float
+    time: float
+    loss: float
+    samples_per_s: float
+    sync_fraction: float
+    syncs: int
+    skipped: int
+    rows_per_device: tuple
+
+
+class History:
+    """The checks of a run, in order; ``history["loss"]`` is one field over every check.
+
+    ``on_check(history)`` receives it after every check; :meth:`center_values`
+    then reads the current central parameters.
+
+    Examples
+    --------
+    >>> h = History("AllReduce()")
+    >>> h.append(Check(10, 1.0, 0.5, 0.7, 2560.0, 0.1, 10, 0, (640, 640)))
+    >>> len(h), h["loss"], h[-1].step
+    (1, [0.7], 10)
+    """
+
+    def __init__(self, rule, center_values=None):
+        self.rule = rule
+        self.checks = []
+        self._center_values = center_values
+
+    def append(self, check):
+        self.checks.append(check)
+
+    def __len__(self):
+        return len(self.checks)
+
+    def __iter__(self):
+        return iter(self.checks)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return [getattr(c, key) for c in self.checks]
+        return self.checks[key]
+
+    def __repr__(self):
+        last = f", last {asdict(self.checks[-1])}" if self.checks else ""
+        return f"History({self.rule}, {len(self)} checks{last})"
+
+    def center_values(self):
+        """The central parameters now (asynchronous rules), else the master's parameters.
+
+        Each parameter block is read under its lock, a copy at a time: the
+        devices never wait longer than one block's copy. Valid during the run
+        (in ``on_check``).
+        """
+        if self._center_values is None:
+            raise RuntimeError("the run has ended; read the parameters with synk.get_value")
+        return self._center_values()
+
+    def plot(self, path, title=None):
+        """Write the loss and the samples per second against training time to the PNG ``path``."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+        a.plot(self["time"], self["loss"], marker=".")
+        a.set_xlabel("training time (s)"), a.set_ylabel("mean train loss")
+        b.plot(self["time"], self["samples_per_s"], marker=".", color="tab:green")
+        b.set_xlabel("training time (s)"), b.set_ylabel("samples/s")
+        b.set_ylim(bottom=0)
+        fig.suptitle(title or str(self.rule))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def check_from_stats(stats, step, steps_per_epoch, elapsed, seconds):
+    """A :class:`Check` from every rank's counters of one phase (``LoopStats`` rows).
+
+    ``seconds`` is the phase's wall time, ``elapsed`` the training time so far.
+    """
+    steps, rows, loss_sum, sync_s, busy_s, syncs, skipped = np.asarray(stats).T
+    total = rows.sum()
+    return Check(step=int(step), epoch=step / steps_per_epoch, time=float(elapsed),
+                 loss=float(loss_sum.sum() / total) if total else float("nan"),
+                 samples_per_s=float(total / seconds) if seconds > 0 else 0.0,
+                 sync_fraction=float(np.mean(sync_s / np.maximum(busy_s, 1e-12))),
+                 syncs=int(syncs.sum()), skipped=int(skipped.sum()),
+                 rows_per_device=tuple(int(r) for r in rows))

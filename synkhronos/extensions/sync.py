@@ -1,0 +1,18 @@
+"""The sync rules of :func:`synkhronos.extensions.train.run`: how devices keep their parameters together.
+
+``AllReduce()`` (synchronous SGD), ``Average(every=k)`` (BSP weight averaging,
+local SGD), ``EASGD(alpha, every=tau, asynchronous=False)`` (elastic averaging),
+``Downpour(every=k)`` (ASGD with central parameters) and
+``RateLimited(every_n_batches, alpha, beta, max_rate)`` (Legion's rule). Their
+maths and what each device runs are in :mod:`synkhronos.rank.sync`.
+
+Examples
+--------
+>>> from synkhronos.extensions import sync
+>>> sync.EASGD(alpha=0.3, every=4, asynchronous=True)
+EASGD(alpha=0.3, every=4, asynchronous=True)
+"""
+
+from ..rank.sync import EASGD, AllReduce, Average, Downpour, RateLimited, Rule
+
+__all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]

@@ -1,0 +1,113 @@
+"""Central parameters in shared memory, for the asynchronous rules of a device-driven loop.
+
+Layout (one segment ``<prefix>_center<loop id>``, made by the master)::
+
+    words    int64[8]          the next unit of work to claim, exchanges made
+    mutexes  sem_t[1 + blocks] the claim counter's, then one per parameter block
+    blocks   [per parameter]   its central value, 64-byte aligned
+
+Every parameter is one block with its own mutex (a process-shared POSIX
+semaphore holding 1 when free): a push or pull of a block is atomic, and a
+device exchanging one parameter never waits for another device exchanging a
+different one. Devices claim the minibatches they train on from one shared
+counter, so a fast device takes more of them than a slow one.
+"""
+
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
+
+__all__ = ["Center"]
+
+_WORDS = 8
+_ALIGN = 64
+
+
+def _layout(shapes, dtypes):
+    """Byte offset of every block after the header and the mutexes, and the segment size."""
+    offset = -(-(8 * _WORDS + SEMAPHORE_BYTES * (1 + len(shapes))) // _ALIGN) * _ALIGN
+    offsets = []
+    for shape, dtype in zip(shapes, dtypes):
+        offsets.append(offset)
+        offset += -(-(math.prod(shape) * np.dtype(dtype).itemsize) // _ALIGN) * _ALIGN
+    return offsets, max(offset, 1)
+
+
+class Center:
+    """The central parameter values every device of one node exchanges with.
+
+    Parameters
+    ----------
+    name : str
+        The segment's name.
+    shapes, dtypes : sequence
+        One per parameter block.
+    initial : sequence of array, optional
+        The initial central values: given by the creator (the master), which
+        creates the segment; omitted by the devices that attach to it.
+    check : callable
+        Called while a mutex is waited for (raises to abandon the wait).
+    """
+
+    CLAIMED, EXCHANGES = range(2)
+
+    def __init__(self, name, shapes, dtypes, initial=None, check=lambda: None):
+        create = initial is not None
+        offsets, size = _layout(shapes, dtypes)
+        self.segment = Segment(name, size, create=create)
+        self.words = self.segment.array(np.int64, (_WORDS,))
+        self._claim_lock, *self._locks = semaphores_in(self.segment, 8 * _WORDS, 1 + len(shapes),
+                                                       create)
+        self.blocks = [self.segment.array(dtype, tuple(shape), offset)
+                       for shape, dtype, offset in zip(shapes, dtypes, offsets)]
+        self.check = check
+        self._owner = create
+        if create:
+            for block, value in zip(self.blocks, initial):
+                block[...] = value
+            for lock in [self._claim_lock, *self._locks]:
+                lock.post()            # a mutex starts free
+
+    @contextmanager
+    def _held(self, lock):
+        lock.wait(self.check, spin=20e-6, slice_=0.1)
+        try:
+            yield
+        finally:
+            lock.post()
+
+    def locked(self, i):
+        """Hold block ``i`` (``with center.locked(i): ...``) while reading or writing it."""
+        return self._held(self._locks[i])
+
+    def claim(self, limit):
+        """The next unit of work below ``limit`` (the counter moves on by one), or None."""
+        with self._held(self._claim_lock):
+            unit = int(self.words[self.CLAIMED])
+            if unit >= limit:
+                return None
+            self.words[self.CLAIMED] = unit + 1
+            return unit
+
+    def count_exchange(self):
+        with self._held(self._claim_lock):
+            self.words[self.EXCHANGES] += 1
+
+    def values(self):
+        """A copy of every block, each read under its mutex."""
+        out = []
+        for i, block in enumerate(self.blocks):
+            with self.locked(i):
+                out.append(block.copy())
+        return out
+
+    def close(self):
+        """Drop this mapping; the creator also removes the segment's name."""
+        self.blocks = []
+        self.words = None
+        if self._owner:
+            self.segment.unlink()
+        self.segment.release()

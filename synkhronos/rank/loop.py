@@ -1,0 +1,172 @@
+"""What every rank runs of a device-driven training loop: many steps per command.
+
+A step is the training step of ``make_train_function`` without the master:
+the rank takes its rows of the step's global batch from the epoch's order
+(:func:`~synkhronos.wire.loop.epoch_order`), gathers them from the Data in
+shared memory, runs the gradient function, lets the sync rule all-reduce the
+flat gradient if it does (:mod:`synkhronos.rank.sync`), runs the update
+function, and hands the step to the rule. Synchronous rules run the same
+global steps on every rank; under an asynchronous rule every rank claims its
+next minibatch (one device's part of a global step) from a counter the
+ranks share, so a fast device trains on more of them than a slow one.
+"""
+
+import copy
+import time
+
+import numpy as np
+
+from ..device_arrays import to_device
+from ..scatter import chunk, gather_rows
+from ..wire.loop import LoopStats, epoch_order
+
+__all__ = ["DeviceLoop"]
+
+
+class DeviceLoop:
+    """One rank's part of a loop, kept from its first phase to ``finish``.
+
+    Parameters
+    ----------
+    spec : LoopSpec
+    rank, n_ranks, master_rank : int
+    grad, update : CompiledFunction
+        This rank's gradient and update functions.
+    var_of : callable
+        Shared variable by uid.
+    view_of : callable
+        Numpy view of a Data by :class:`~synkhronos.wire.plan.InputRef`.
+    comm : Comm
+        This rank's collective implementation (synchronous rules).
+    center : callable or None
+        ``center(shapes, dtypes)`` maps the central parameters (asynchronous rules).
+    beat : callable
+        Called after every step (progress for the master's watch, liveness checks).
+    """
+
+    def __init__(self, spec, rank, n_ranks, master_rank, grad, update, var_of, view_of, comm,
+                 center, beat):
+        # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
+        self.spec, self.rule = spec, copy.copy(spec.rule)
+        self.rank, self.n_ranks, self.master_rank = rank, n_ranks, master_rank
+        self.grad, self.update = grad, update
+        self.grad_var = var_of(spec.grad_uid)
+        self.params = [var_of(uid) for uid in spec.param_uids]
+        self.state_vars = [var_of(uid) for uid in spec.state_uids]
+        self.x, self.y = view_of(spec.x), view_of(spec.y)
+        self.comm, self.beat = comm, beat
+        self.center = center([np.shape(v.container.storage[0]) for v in self.params],
+                             [v.type.dtype for v in self.params]) if center else None
+        self._rows_dtype = np.dtype(self.grad_var.type.dtype)
+        self._orders = {}
+        #: this rank's seconds spent syncing, and busy in phases, over the whole run
+        self.sync_seconds = 0.0
+        self._busy_before = 0.0
+        self._phase_start = time.perf_counter()
+        #: syncs a rate-limited rule skipped (this phase)
+        self.skipped = 0
+        #: seconds the last step computed (gradient and update), for a test's straggler
+        self.last_compute = 0.0
+        self.rule.start(self)
+
+    # --- what the rules use -----------------------------------------------------------------
+    def elapsed(self):
+        """This rank's seconds inside the run's phases so far."""
+        return self._busy_before + time.perf_counter() - self._phase_start
+
+    def param_values(self):
+        """The parameters' values as host arrays (views on CPU)."""
+        return [np.asarray(v.container.storage[0]) for v in self.params]
+
+    def set_values(self, variables, values):
+        """Make ``values`` (host or device arrays) the values of ``variables`` on this device."""
+        for var, value in zip(variables, values):
+            if isinstance(value, np.ndarray):
+                value = to_device(value.astype(var.type.dtype, copy=False))
+            elif value.dtype != np.dtype(var.type.dtype):
+                value = value.astype(var.type.dtype)
+            var.container.storage[0] = value
+
+    def all_reduce(self, values, op):
+        """Reduce host or device ``values`` over the ranks (one launch per dtype)."""
+        out = [None] * len(values)
+        groups = {}
+        for i, v in enumerate(values):
+            groups.setdefault(np.dtype(v.dtype), []).append(i)
+        for idx in groups.values():
+            for i, r in zip(idx, self.comm.all_reduce([values[i] for i in idx], op)):
+                out[i] = r
+        self.comm.refresh()
+        return out
+
+    def broadcast_from_master(self, values):
+        return self.comm.broadcast(values, self.master_rank)
+
+    # --- steps ------------------------------------------------------------------------------
+    def _order(self, epoch):
+        order = self._orders.get(epoch)
+        if order is None:
+            if len(self._orders) > 1:
+                self._orders.pop(min(self._orders))
+            spec = self.spec
+            order = self._orders[epoch] = epoch_order(spec.n_rows, epoch, spec.seed, spec.shuffle)
+        return order
+
+    def _gathered(self, view, buffer, indices):
+        return gather_rows(view, indices, buffer((len(indices),) + view.shape[1:], view.dtype))
+
+    def _step(self, step, part, stats):
+        """Global step ``step``'s part ``part``: gather, gradient, (all-reduce), update, rule."""
+        spec, n = self.spec, self.n_ranks
+        epoch, i = divmod(step, spec.steps_per_epoch)
+        lo = i * spec.batch_size
+        hi = min(lo + spec.batch_size, spec.n_rows)
+        a, b = chunk(lo, hi, n, part)
+        indices = self._order(epoch)[a:b]
+        rows, batch_rows = b - a, hi - lo
+        start = time.perf_counter()
+        bx, by = self.grad.gather_buffers[:2]
+        x, y = self._gathered(self.x, bx, indices), self._gathered(self.y, by, indices)
+        # a rule without a gradient all-reduce steps on this rank's own mean gradient
+        weight_rows = batch_rows if self.rule.reduces_gradient else rows * n
+        loss = float(self.grad.run([x, y, np.asarray(weight_rows, self._rows_dtype)])[0])
+        if self.rule.reduces_gradient:
+            synced = time.perf_counter()
+            reduced, = self.all_reduce([self.grad_var.container.storage[0]], "avg")
+            self.grad_var.container.storage[0] = reduced
+            self.sync_seconds += time.perf_counter() - synced
+            stats.values[5] += 1
+        self.update.run([])
+        done = time.perf_counter()
+        self.last_compute = done - start
+        if self.rule.after_update(self, rows, batch_rows):
+            self.sync_seconds += time.perf_counter() - done
+            stats.values[5] += 1
+        v = stats.values
+        v[0] += 1
+        v[1] += rows
+        v[2] += loss * rows
+        self.beat()
+
+    def run(self, first, last):
+        """Run global steps ``[first, last)``; return this rank's :class:`LoopStats` array."""
+        stats = LoopStats()
+        self._phase_start = time.perf_counter()
+        sync_before, self.skipped = self.sync_seconds, 0
+        if self.rule.asynchronous:
+            while (unit := self.center.claim(last * self.n_ranks)) is not None:
+                self._step(*divmod(unit, self.n_ranks), stats)
+        else:
+            for step in range(first, last):
+                self._step(step, self.rank, stats)
+        busy = time.perf_counter() - self._phase_start
+        self._busy_before += busy
+        stats.values[3:5] = self.sync_seconds - sync_before, busy
+        stats.values[6] = self.skipped
+        return stats.values
+
+    def finish(self):
+        """Leave every device with the final parameters (the rule's), on this rank."""
+        self.rule.finish(self)
+        if self.center is not None:
+            self.center.close()

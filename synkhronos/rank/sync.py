@@ -1,0 +1,329 @@
+r"""How the devices of a device-driven loop keep their parameters together: the sync rules.
+
+A rule is a small picklable object the user builds (``sync=EASGD(0.5, every=4)``);
+every rank runs its hooks inside :class:`~synkhronos.rank.loop.DeviceLoop`:
+``start`` once, ``after_update`` after each local step (the rule decides when
+to synchronise, and says whether it did), ``finish`` once at the end, leaving
+every device with the same final parameters.
+
+Synchronous rules (every device steps at once, through the collective
+implementation): :class:`AllReduce`, :class:`Average`, :class:`EASGD`.
+Asynchronous rules (each device at its own pace, through central parameters in
+shared memory, :class:`~synkhronos.rank.center.Center`): :class:`EASGD` with
+``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`.
+
+The maths, with :math:`x_r` the parameters of device :math:`r`, :math:`c` the
+center and :math:`n` devices:
+
+- AllReduce: :math:`g = \sum_r \frac{b_r}{B} g_r` every step (synchronous SGD).
+- Average(every=k): every :math:`k` steps :math:`x_r \leftarrow \sum_q w_q x_q`,
+  :math:`w_q` device :math:`q`'s share of the rows since the last average.
+- EASGD(alpha, every=tau): every :math:`\tau` steps :math:`d_r = \alpha (x_r - c)`,
+  :math:`x_r \leftarrow x_r - d_r`, :math:`c \leftarrow c + \sum_r d_r` (asynchronous:
+  :math:`c \leftarrow c + d_r` by device :math:`r` alone, at its own pace).
+- Downpour(every=k): every :math:`k` steps :math:`c \leftarrow c + (x_r - x_r^{pulled})`,
+  :math:`x_r \leftarrow c`.
+- RateLimited(every_n_batches, alpha, beta, max_rate): every ``every_n_batches``
+  steps, unless syncing would take more than ``max_rate`` of the device's time,
+  :math:`c \leftarrow \alpha c + \beta x_r`, :math:`x_r \leftarrow c`.
+"""
+
+import time
+
+import numpy as np
+
+__all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]
+
+
+def _positive_int(value, name, rule):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
+    return int(value)
+
+
+def _fraction(value, name, rule, low_open=False):
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
+    if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+        bounds = "in (0, 1]" if low_open else "in [0, 1]"
+        raise ValueError(f"{rule}: {name} must be {bounds}, got {value!r}")
+    return value
+
+
+class Rule:
+    """Base of the sync rules: what a device does around its local steps.
+
+    Attributes
+    ----------
+    asynchronous : bool
+        Devices step at their own pace and exchange with central parameters in
+        shared memory (one node only); else they step together.
+    reduces_gradient : bool
+        The flat gradient is all-reduced (row-weighted) before every update;
+        else every device steps on its own gradient.
+    """
+
+    asynchronous = False
+    reduces_gradient = False
+
+    def start(self, loop):
+        """Every rank, before its first step of a run."""
+
+    def after_update(self, loop, rows, batch_rows):
+        """Every rank, after each local step of ``rows`` of a global batch of ``batch_rows``.
+
+        Returns True if the rank synchronised (the time is counted as syncing).
+        """
+        return False
+
+    def finish(self, loop):
+        """Every rank, once every rank's last step is done: leave the final parameters."""
+
+    def _settings(self):
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._settings() == other._settings()
+
+    __hash__ = None
+
+
+class AllReduce(Rule):
+    """Synchronous SGD: the row-weighted flat gradient is all-reduced every step.
+
+    The parameters equal, step for step, those of the master-driven loop
+    calling ``train_fn(x, y, batch=order[i * B:(i + 1) * B])``.
+
+    Examples
+    --------
+    >>> AllReduce()
+    AllReduce()
+    """
+
+    reduces_gradient = True
+
+
+class Average(Rule):
+    """BSP weight averaging, or local SGD (Theano-MPI's ``avg_freq``).
+
+    Each device steps on its own gradient; every ``every`` steps the
+    parameters (and, with ``state=True``, the optimizer's state) are
+    averaged, each device weighted by the rows it trained on since the last
+    average. ``Average(every=1)`` with plain SGD is :class:`AllReduce`.
+
+    Parameters
+    ----------
+    every : int
+        Local steps between averages.
+    state : bool
+        Average the optimizer's state (momenta, moments) too.
+
+    Examples
+    --------
+    >>> Average(every=4)
+    Average(every=4, state=False)
+    """
+
+    def __init__(self, every=1, state=False):
+        self.every = _positive_int(every, "every", "Average")
+        self.state = bool(state)
+
+    def start(self, loop):
+        self._steps = self._mine = self._all = 0
+
+    def after_update(self, loop, rows, batch_rows):
+        self._steps += 1
+        self._mine += rows
+        self._all += batch_rows
+        if self._steps < self.every:
+            return False
+        self._average(loop)
+        return True
+
+    def _average(self, loop):
+        weight = self._mine / self._all
+        variables = loop.params + (loop.state_vars if self.state else [])
+        values = [np.asarray(v.container.storage[0]) * weight for v in variables]
+        loop.set_values(variables, loop.all_reduce(values, "sum"))
+        self._steps = self._mine = self._all = 0
+
+    def finish(self, loop):
+        if self._steps:
+            self._average(loop)
+
+
+class EASGD(Rule):
+    """Elastic averaging SGD (Zhang, Choromanska, LeCun 2015; Platoon, Theano-MPI).
+
+    A center variable :math:`c` starts at the master's parameters. Every
+    ``every`` local steps each device moves toward it by
+    :math:`d = \\alpha (x - c)` and the center moves by the devices' pulls:
+    all at once through the collective implementation (synchronous), or each
+    device on its own with the center in shared memory (``asynchronous=True``).
+    At the end every device holds the center.
+
+    Parameters
+    ----------
+    alpha : float
+        The elastic pull in [0, 1] (0: the devices train independently).
+    every : int
+        Local steps between exchanges (:math:`\\tau`).
+    asynchronous : bool
+
+    Examples
+    --------
+    >>> EASGD(0.5, every=4, asynchronous=True)
+    EASGD(alpha=0.5, every=4, asynchronous=True)
+    """
+
+    def __init__(self, alpha=0.5, every=1, asynchronous=False):
+        self.alpha = _fraction(alpha, "alpha", "EASGD")
+        self.every = _positive_int(every, "every", "EASGD")
+        self.asynchronous = bool(asynchronous)
+
+    def start(self, loop):
+        self._steps = 0
+        if not self.asynchronous:     # every rank keeps the same center, from the master's values
+            self._center = [np.array(v) for v in loop.broadcast_from_master(loop.param_values())]
+
+    def after_update(self, loop, rows, batch_rows):
+        self._steps += 1
+        if self._steps % self.every:
+            return False
+        if self.asynchronous:
+            self._exchange_with_center(loop)
+        else:
+            self._exchange_together(loop)
+        return True
+
+    def _exchange_together(self, loop):
+        local = loop.param_values()
+        pulls = [self.alpha * (x - c) for x, c in zip(local, self._center)]
+        loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
+        for c, total in zip(self._center, loop.all_reduce(pulls, "sum")):
+            c += np.asarray(total, c.dtype)
+
+    def _exchange_with_center(self, loop):
+        center, new = loop.center, []
+        for i, x in enumerate(loop.param_values()):
+            with center.locked(i):
+                c = center.blocks[i]
+                d = self.alpha * (x - c)
+                c += d
+            new.append(x - d)
+        center.count_exchange()
+        loop.set_values(loop.params, new)
+
+    def finish(self, loop):
+        final = loop.center.values() if self.asynchronous else self._center
+        loop.set_values(loop.params, final)
+
+
+class _CentralRule(Rule):
+    """An asynchronous rule whose devices push to and pull from central parameters."""
+
+    asynchronous = True
+
+    def finish(self, loop):
+        loop.set_values(loop.params, loop.center.values())
+
+
+class Downpour(_CentralRule):
+    """Downpour SGD / ASGD with a parameter server (Dean et al. 2012; Legion, Platoon).
+
+    Every ``every`` local steps a device adds the update it accumulated since
+    its last pull to the central parameters and pulls them back, without
+    waiting for any other device.
+
+    Parameters
+    ----------
+    every : int
+        Local steps between pushes.
+
+    Examples
+    --------
+    >>> Downpour(every=2)
+    Downpour(every=2)
+    """
+
+    def __init__(self, every=1):
+        self.every = _positive_int(every, "every", "Downpour")
+
+    def start(self, loop):
+        self._steps = 0
+        self._pulled = [np.array(x) for x in loop.param_values()]
+
+    def after_update(self, loop, rows, batch_rows):
+        self._steps += 1
+        if self._steps % self.every:
+            return False
+        center, pulled = loop.center, []
+        for i, (x, last) in enumerate(zip(loop.param_values(), self._pulled)):
+            with center.locked(i):
+                c = center.blocks[i]
+                c += x - last
+                pulled.append(c.copy())
+        center.count_exchange()
+        self._pulled = pulled
+        loop.set_values(loop.params, pulled)
+        return True
+
+
+class RateLimited(_CentralRule):
+    """Legion's ``SharedParamsRateLimited``: blend into the central parameters, at a capped rate.
+
+    Every ``every_n_batches`` local steps a device pushes
+    ``central = alpha * central + beta * local`` and pulls the result, unless
+    that sync would bring the time it spent syncing above ``max_rate`` of its
+    time in the run (it then skips this one).
+
+    Parameters
+    ----------
+    every_n_batches : int
+    alpha, beta : float
+        Weights of the central and the local values.
+    max_rate : float
+        The largest fraction of a device's time spent syncing, in (0, 1].
+
+    Examples
+    --------
+    >>> RateLimited(every_n_batches=2, max_rate=0.1)
+    RateLimited(every_n_batches=2, alpha=0.5, beta=0.5, max_rate=0.1)
+    """
+
+    def __init__(self, every_n_batches=1, alpha=0.5, beta=0.5, max_rate=0.25):
+        self.every_n_batches = _positive_int(every_n_batches, "every_n_batches", "RateLimited")
+        self.alpha = _fraction(alpha, "alpha", "RateLimited")
+        self.beta = _fraction(beta, "beta", "RateLimited")
+        self.max_rate = _fraction(max_rate, "max_rate", "RateLimited", low_open=True)
+
+    def start(self, loop):
+        self._steps = 0
+        self._last_cost = 0.0
+
+    def after_update(self, loop, rows, batch_rows):
+        self._steps += 1
+        if self._steps % self.every_n_batches:
+            return False
+        cost = self._last_cost
+        if loop.sync_seconds + cost > self.max_rate * (loop.elapsed() + cost):
+            loop.skipped += 1
+            return False
+        start = time.perf_counter()
+        center, pulled = loop.center, []
+        for i, x in enumerate(loop.param_values()):
+            with center.locked(i):
+                c = center.blocks[i]
+                c *= self.alpha
+                c += self.beta * x
+                pulled.append(c.copy())
+        center.count_exchange()
+        loop.set_values(loop.params, pulled)
+        self._last_cost = time.perf_counter() - start
+        return True
