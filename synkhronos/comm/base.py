@@ -83,6 +83,16 @@ class Comm(ABC):
     def all_reduce(self, values: Sequence, op: str) -> list:
         """Element-wise reduction across ranks; ``op`` in sum, avg (sum / n_ranks), prod, min, max."""
 
+    def all_reduce_host(self, values: Sequence, op: str) -> list:
+        """:meth:`all_reduce`, the results as host (numpy) arrays.
+
+        For a caller that hands the results straight to a jitted function (a
+        training loop's update): an implementation that reduces on the host
+        then skips making device arrays of them.
+        """
+        import numpy as np
+        return [np.asarray(v) for v in self.all_reduce(values, op)]
+
     @abstractmethod
     def all_gather(self, values: Sequence) -> list:
         """Each value stacked across ranks, shape ``(n_ranks, *shape)``."""

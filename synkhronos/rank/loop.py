@@ -30,8 +30,8 @@ class DeviceLoop:
     ----------
     spec : LoopSpec
     rank, n_ranks, master_rank : int
-    grad, update : CompiledFunction
-        This rank's gradient and update functions.
+    functions : callable
+        This rank's CompiledFunction by function id.
     var_of : callable
         Shared variable by uid.
     view_of : callable
@@ -44,12 +44,12 @@ class DeviceLoop:
         Called after every step (progress for the master's watch, liveness checks).
     """
 
-    def __init__(self, spec, rank, n_ranks, master_rank, grad, update, var_of, view_of, comm,
+    def __init__(self, spec, rank, n_ranks, master_rank, functions, var_of, view_of, comm,
                  center, beat):
         # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
         self.spec, self.rule = spec, copy.copy(spec.rule)
         self.rank, self.n_ranks, self.master_rank = rank, n_ranks, master_rank
-        self.grad, self.update = grad, update
+        self.grad, self.update = functions(spec.grad_fid), functions(spec.update_fid)
         self.grad_var = var_of(spec.grad_uid)
         self.params = [var_of(uid) for uid in spec.param_uids]
         self.state_vars = [var_of(uid) for uid in spec.state_uids]
@@ -81,7 +81,7 @@ class DeviceLoop:
     def set_values(self, variables, values):
         """Make ``values`` (host or device arrays) the values of ``variables`` on this device."""
         for var, value in zip(variables, values):
-            if isinstance(value, np.ndarray):
+            if isinstance(value, (np.ndarray, np.generic)):
                 value = to_device(value.astype(var.type.dtype, copy=False))
             elif value.dtype != np.dtype(var.type.dtype):
                 value = value.astype(var.type.dtype)
@@ -128,11 +128,14 @@ class DeviceLoop:
         bx, by = self.grad.gather_buffers[:2]
         x, y = self._gathered(self.x, bx, indices), self._gathered(self.y, by, indices)
         # a rule without a gradient all-reduce steps on this rank's own mean gradient
-        weight_rows = batch_rows if self.rule.reduces_gradient else rows * n
-        loss = float(self.grad.run([x, y, np.asarray(weight_rows, self._rows_dtype)])[0])
+        weight_rows = np.asarray(batch_rows if self.rule.reduces_gradient else rows * n,
+                                 self._rows_dtype)
+        loss = float(self.grad.run([x, y, weight_rows])[0])
         if self.rule.reduces_gradient:
             synced = time.perf_counter()
-            reduced, = self.all_reduce([self.grad_var.container.storage[0]], "avg")
+            # a host array: the update function takes it as it is (a device array of it costs more)
+            reduced, = self.comm.all_reduce_host([self.grad_var.container.storage[0]], "avg")
+            self.comm.refresh()
             self.grad_var.container.storage[0] = reduced
             self.sync_seconds += time.perf_counter() - synced
             stats.values[5] += 1
@@ -148,6 +151,7 @@ class DeviceLoop:
         v[2] += loss * rows
         self.beat()
 
+
     def run(self, first, last):
         """Run global steps ``[first, last)``; return this rank's :class:`LoopStats` array."""
         stats = LoopStats()
@@ -159,6 +163,7 @@ class DeviceLoop:
         else:
             for step in range(first, last):
                 self._step(step, self.rank, stats)
+        self.set_values([self.grad_var], [self.grad_var.container.storage[0]])
         busy = time.perf_counter() - self._phase_start
         self._busy_before += busy
         stats.values[3:5] = self.sync_seconds - sync_before, busy

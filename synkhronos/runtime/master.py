@@ -508,8 +508,7 @@ class State:
             if loop is None:
                 loop = self._loops[spec.loop_id] = DeviceLoop(
                     spec, self.master_rank, self.n_parallel, self.master_rank,
-                    self._compiled[spec.grad_fid], self._compiled[spec.update_fid],
-                    self.shared_by_uid, self.data.view, self.comm,
+                    self._compiled.__getitem__, self.shared_by_uid, self.data.view, self.comm,
                     (lambda shapes, dtypes: self._centers.pop(spec.loop_id)) if spec.center else None,
                     self._channel.check_during_collective)
             return loop

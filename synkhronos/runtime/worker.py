@@ -221,8 +221,8 @@ class Worker:
                                                     check=self.check_master)) if spec.center else None
             loop = self.loops[spec.loop_id] = DeviceLoop(
                 spec, self.rank, self.n_ranks, int(self.ctl.header[ControlBlock.MASTER_RANK]),
-                self.functions[spec.grad_fid], self.functions[spec.update_fid],
-                self.shared.__getitem__, self.datas.view, self.comm(), center, self._beat())
+                self.functions.__getitem__, self.shared.__getitem__, self.datas.view, self.comm(),
+                center, self._beat())
         if message["phase"] == "finish":
             self.loops.pop(spec.loop_id).finish()
             return 0

@@ -180,7 +180,17 @@ class ShmComm(Comm):
         return [adopt(flat[a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
 
     def all_reduce(self, values, op):
-        """Reduce-scatter, then all-gather through shared memory.
+        """Reduce-scatter, then all-gather through shared memory (see :meth:`_reduce`)."""
+        hosts, offsets, out = self._reduce(values, op)
+        return self._adopt_parts(out, hosts, offsets)
+
+    def all_reduce_host(self, values, op):
+        """:meth:`all_reduce`, the results left as host arrays (no device array made)."""
+        hosts, offsets, out = self._reduce(values, op)
+        return [out[a:a + h.size].reshape(h.shape) for h, a in zip(hosts, offsets)]
+
+    def _reduce(self, values, op):
+        """Reduce-scatter, then all-gather through shared memory: (hosts, offsets, flat result).
 
         Rank ``r`` reduces chunk ``r``, so it publishes only the other chunks of
         its values and reads its own chunk straight from its values. With a
@@ -196,7 +206,7 @@ class ShmComm(Comm):
         dtype = slots[0].dtype
         nbytes = total * dtype.itemsize
         if not self._pipelinable(nbytes):
-            return self._all_reduce_published(hosts, offsets, total, slots, op)
+            return hosts, offsets, self._all_reduce_published(hosts, offsets, total, slots, op)
         path = int(self.control.words[ShmControl.REDUCE_PATH])
         start = time.perf_counter()
         if path == PIPELINED:
@@ -207,7 +217,7 @@ class ShmComm(Comm):
         if self.paths is not None and not self._cold:
             # the master's time is the collective's: the call ends in a barrier
             self.paths.record(nbytes, path, time.perf_counter() - start)
-        return out
+        return hosts, offsets, out
 
     def _pipelinable(self, nbytes):
         """Whether an all-reduce of ``nbytes`` may stream through the rings (else it publishes)."""
@@ -229,7 +239,7 @@ class ShmComm(Comm):
         if not shared:
             self._gather_reduced_chunks(hosts, offsets, slots, out, bounds, peers)
         self.barrier()        # every part of the result is written; peers read our slot until here
-        return self._adopt_parts(out, hosts, offsets)
+        return out
 
     def _all_reduce_pipelined(self, hosts, offsets, total, slots, op, step):
         """Reduce-scatter streamed through per-pair rings, for buffers larger than the caches.
@@ -281,7 +291,7 @@ class ShmComm(Comm):
         if not shared:
             self._gather_reduced_chunks(hosts, offsets, slots, out, bounds, peers)
         self.barrier()             # every rank's part of the result is written
-        return self._adopt_parts(out, hosts, offsets)
+        return out
 
     def _gather_reduced_chunks(self, hosts, offsets, slots, out, bounds, peers):
         """Private results: publish this rank's reduced chunk, copy the peers' into ``out``.
