@@ -17,6 +17,7 @@ import pytensor.tensor as pt
 
 from synkhronos.comm import ShmComm
 from synkhronos.comm.shm.paths import PIPELINED
+from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited
 
 
 def reference(f, *arrays):
@@ -186,3 +187,64 @@ class HoldingShmComm(ShmComm):
         if self.where == "ring" and self._chunks == 3:
             self._hold()
         return super()._reduce_into(out, own, peer_parts, op)
+
+
+# ------------------------------------------------------------------------------------------------
+# Device-driven loops: a straggler
+# ------------------------------------------------------------------------------------------------
+
+#: the rank the slowed rules slow down
+SLOW_RANK = 1
+
+
+class _SlowOneRank:
+    """Mixin for a sync rule: rank ``SLOW_RANK`` sleeps as long as it computed, every step (2x slower).
+
+    The sleep counts as computing, not as syncing.
+    """
+
+    def after_update(self, loop, rows, batch_rows):
+        slept = 0.0
+        if loop.rank == SLOW_RANK:
+            slept = loop.last_compute
+            time.sleep(slept)
+        synced = super().after_update(loop, rows, batch_rows)
+        if synced:
+            loop.sync_seconds -= slept       # the loop times a sync from before this hook
+        return synced
+
+
+class SlowAllReduce(_SlowOneRank, AllReduce):
+    pass
+
+
+class SlowDownpour(_SlowOneRank, Downpour):
+    pass
+
+
+class SlowEASGD(_SlowOneRank, EASGD):
+    pass
+
+
+class SlowRateLimited(_SlowOneRank, RateLimited):
+    pass
+
+
+class _AnnounceAtStart:
+    """Mixin for a sync rule: every rank creates its marker (:func:`marker_path`) as its loop starts."""
+
+    def __init__(self, directory, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._directory = str(directory)
+
+    def start(self, loop):
+        super().start(loop)
+        _announce_and_hold(self._directory, -1)
+
+
+class AnnouncingAllReduce(_AnnounceAtStart, AllReduce):
+    pass
+
+
+class AnnouncingDownpour(_AnnounceAtStart, Downpour):
+    pass

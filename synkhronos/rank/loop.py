@@ -78,6 +78,11 @@ class DeviceLoop:
         """The parameters' values as host arrays (views on CPU)."""
         return [np.asarray(v.container.storage[0]) for v in self.params]
 
+    @staticmethod
+    def device_copy(host):
+        """A device array with the values ``host`` has now (one copy)."""
+        return to_device(host)
+
     def set_values(self, variables, values):
         """Make ``values`` (host or device arrays) the values of ``variables`` on this device."""
         for var, value in zip(variables, values):

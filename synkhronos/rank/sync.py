@@ -81,6 +81,10 @@ class Rule:
     def finish(self, loop):
         """Every rank, once every rank's last step is done: leave the final parameters."""
 
+    def center_values(self, loop):
+        """The center's values now (copies), or None for a rule without one."""
+        return None
+
     def _settings(self):
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
 
@@ -220,9 +224,11 @@ class EASGD(Rule):
         center.count_exchange()
         loop.set_values(loop.params, new)
 
+    def center_values(self, loop):
+        return loop.center.values() if self.asynchronous else [c.copy() for c in self._center]
+
     def finish(self, loop):
-        final = loop.center.values() if self.asynchronous else self._center
-        loop.set_values(loop.params, final)
+        loop.set_values(loop.params, self.center_values(loop))
 
 
 class _CentralRule(Rule):
@@ -230,8 +236,11 @@ class _CentralRule(Rule):
 
     asynchronous = True
 
+    def center_values(self, loop):
+        return loop.center.values()
+
     def finish(self, loop):
-        loop.set_values(loop.params, loop.center.values())
+        loop.set_values(loop.params, self.center_values(loop))
 
 
 class Downpour(_CentralRule):
@@ -257,7 +266,7 @@ class Downpour(_CentralRule):
 
     def start(self, loop):
         self._steps = 0
-        self._pulled = [np.array(x) for x in loop.param_values()]
+        self._pulled = [v.container.storage[0] for v in loop.params]
 
     def after_update(self, loop, rows, batch_rows):
         self._steps += 1
@@ -265,10 +274,11 @@ class Downpour(_CentralRule):
             return False
         center, pulled = loop.center, []
         for i, (x, last) in enumerate(zip(loop.param_values(), self._pulled)):
+            push = x - np.asarray(last)
             with center.locked(i):
                 c = center.blocks[i]
-                c += x - last
-                pulled.append(c.copy())
+                c += push
+                pulled.append(loop.device_copy(c))
         center.count_exchange()
         self._pulled = pulled
         loop.set_values(loop.params, pulled)
@@ -318,11 +328,12 @@ class RateLimited(_CentralRule):
         start = time.perf_counter()
         center, pulled = loop.center, []
         for i, x in enumerate(loop.param_values()):
+            push = self.beta * x
             with center.locked(i):
                 c = center.blocks[i]
                 c *= self.alpha
-                c += self.beta * x
-                pulled.append(c.copy())
+                c += push
+                pulled.append(loop.device_copy(c))
         center.count_exchange()
         loop.set_values(loop.params, pulled)
         self._last_cost = time.perf_counter() - start

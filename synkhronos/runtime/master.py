@@ -531,12 +531,12 @@ class State:
         return stats
 
     def center_values(self, spec):
-        """Loop ``spec``'s central parameters now (asynchronous rules), else the master's parameters."""
+        """Loop ``spec``'s center now (copies), or the master's parameters for a rule without one."""
         loop = self._loops.get(spec.loop_id)
-        center = loop.center if loop is not None else self._centers.get(spec.loop_id)
-        if center is not None:
-            return center.values()
-        return [np.array(self.shared_by_uid(uid).get_value()) for uid in spec.param_uids]
+        values = loop.rule.center_values(loop) if loop is not None else None
+        if values is None:
+            values = [np.array(self.shared_by_uid(uid).get_value()) for uid in spec.param_uids]
+        return values
 
     def _new_center(self, spec):
         """The loop's central parameters, made from the master's values."""

@@ -93,10 +93,11 @@ class SharedResults:
     def refresh(self):
         """Clear this rank's flag on every region none of its arrays views any more."""
         for region in self.mapped:
-            leases = self.leases.get(region, [])
-            if self.held[self.rank, region] and all(lease() is None for lease in leases):
+            # only the live leases are kept: a loop makes one per step and keeps the latest
+            leases = self.leases[region] = [lease for lease in self.leases.get(region, [])
+                                            if lease() is not None]
+            if self.held[self.rank, region] and not leases:
                 self.held[self.rank, region] = 0
-                leases.clear()
 
     def _unmap(self, region):
         _, segment = self.mapped.pop(region)

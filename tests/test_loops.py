@@ -1,0 +1,382 @@
+"""Device-driven training loops (train.run) and the sync rules, against single-process PyTensor."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytensor
+import pytest
+
+import synkhronos as synk
+from synkhronos.extensions import sync, train, updates
+from synkhronos.runtime import master
+from synkhronos.scatter import chunk
+from conftest import N_PARALLEL, child_pids, synk_segments
+from helpers import (AnnouncingAllReduce, AnnouncingDownpour, SlowAllReduce, SlowDownpour,
+                     SlowEASGD, SlowRateLimited, close, wait_for_marker)
+from test_extensions import mlp
+
+pytestmark = pytest.mark.timeout(300)
+
+N_ROWS, BATCH = 203, 21           # 10 and 11 rows per device, and a last step of 14 rows
+
+
+def digits_like(rng, n=N_ROWS):
+    return rng.normal(size=(n, 6)), rng.integers(0, 3, size=n)
+
+
+def global_batches(n_rows, batch, epochs, seed=0):
+    """The global batches run(..., epochs=epochs, seed=seed) takes, in order."""
+    per_epoch = train.steps_per_epoch(n_rows, batch)
+    for epoch in range(epochs):
+        order = train.epoch_order(n_rows, epoch, seed)
+        for i in range(per_epoch):
+            yield order[i * batch:(i + 1) * batch]
+
+
+def values_on(rank, params):
+    return [np.asarray(v) for v in synk.get_value(rank, params)]
+
+
+def reset(params, init, step=None):
+    """Parameters back to ``init`` on every device; with ``step``, its optimizer state to zeros."""
+    for p, v in zip(params, init):
+        p.set_value(v)
+    everything = list(params)
+    if step is not None:
+        state = [s for s in step.functions[1].get_shared() if all(s is not p for p in params)]
+        for s in state:
+            s.set_value(np.zeros_like(s.get_value()))
+        everything += state
+    synk.broadcast(everything)
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    """A small pytensor-ml MLP with a master-driven momentum step, on a running runtime."""
+    if master.active() is None:
+        synk.fork(N_PARALLEL)
+    X, y, loss, params, init = mlp(seed=3)
+    step = train.make_train_function(loss, params, X, y, updates.momentum, learning_rate=0.1)
+    synk.distribute()
+    return step, params, init
+
+
+# ------------------------------------------------------------------------------------------------
+# The same parameters as the master-driven loop and as one process
+# ------------------------------------------------------------------------------------------------
+
+def test_allreduce_equals_master_loop_and_one_process(synk2, rng):
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=5)
+    step = train.make_train_function(loss, params, X, y, updates.momentum, learning_rate=0.1)
+    synk.distribute()
+    x_d, y_d = synk.data(x_np), synk.data(y_np)
+    history = train.run(step, x_d, y_d, BATCH, epochs=2, sync=sync.AllReduce(), check_every=7)
+    device_loop = [values_on(r, params) for r in range(N_PARALLEL)]
+    assert history["step"] == [7, 14, 20] and history[-1].epoch == 2.0
+
+    reset(params, init, step)
+    for batch in global_batches(N_ROWS, BATCH, 2):
+        step(x_d, y_d, batch=batch)
+    master_loop = values_on(0, params)
+
+    Xr, yr, loss_r, params_r, _ = mlp(seed=5)
+    one = train.make_single_process_train_function(loss_r, params_r, Xr, yr, updates.momentum,
+                                                    learning_rate=0.1)
+    for batch in global_batches(N_ROWS, BATCH, 2):
+        one(x_np[batch], y_np[batch])
+    for rank in range(N_PARALLEL):
+        for a, b, c in zip(device_loop[rank], master_loop, [p.get_value() for p in params_r]):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+            np.testing.assert_allclose(a, c, rtol=1e-9, atol=1e-12)
+
+
+def test_allreduce_on_the_jax_runtime_collective(rng):
+    """The collective GPUs use, on CPU: the same parameters as the master-driven loop."""
+    synk.close()
+    synk.fork(N_PARALLEL, collectives="jax")
+    try:
+        x_np, y_np = digits_like(rng)
+        X, y, loss, params, init = mlp(seed=6)
+        step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
+        synk.distribute()
+        train.run(step, x_np, y_np, BATCH, steps=12)
+        device_loop = [values_on(r, params) for r in range(N_PARALLEL)]
+        reset(params, init, step)
+        for batch in list(global_batches(N_ROWS, BATCH, 2))[:12]:
+            step(x_np, y_np, batch=batch)
+        for rank in range(N_PARALLEL):
+            for a, b in zip(device_loop[rank], values_on(0, params)):
+                np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    finally:
+        synk.close()
+
+
+def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=7)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.AllReduce())
+    allreduce = values_on(0, params)
+    reset(params, init, step)
+    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.Average(every=1))
+    for rank in range(N_PARALLEL):
+        for a, b in zip(values_on(rank, params), allreduce):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def local_reference(seed, x_np, y_np, rank, steps, lr):
+    """Rank ``rank``'s own SGD steps on its rows of each global step, in one process."""
+    X, y, loss, params, _ = mlp(seed)
+    one = train.make_single_process_train_function(loss, params, X, y, updates.sgd, learning_rate=lr)
+    for batch in list(global_batches(N_ROWS, BATCH, 2))[:steps]:
+        a, b = chunk(0, len(batch), N_PARALLEL, rank)
+        one(x_np[batch[a:b]], y_np[batch[a:b]])
+    return [p.get_value() for p in params]
+
+
+def test_easgd_with_no_pull_leaves_the_devices_independent(synk2, rng):
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=8)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    seen = {}
+
+    def capture(history):
+        seen.update({r: values_on(r, params) for r in range(N_PARALLEL)})
+        seen["center"] = history.center_values()
+    train.run(step, x_np, y_np, BATCH, steps=9, sync=sync.EASGD(alpha=0.0, every=2), on_check=capture)
+    for rank in range(N_PARALLEL):
+        for a, b in zip(seen[rank], local_reference(8, x_np, y_np, rank, 9, 0.2)):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert not np.allclose(seen[0][0], seen[1][0])
+    for c, v in zip(seen["center"], init):              # the center never moved ...
+        np.testing.assert_allclose(c, v, rtol=1e-12)
+    for rank in range(N_PARALLEL):                      # ... and every device ends on it
+        for a, v in zip(values_on(rank, params), init):
+            np.testing.assert_allclose(a, v, rtol=1e-12)
+
+
+def test_one_easgd_exchange_matches_the_formula(synk2, rng):
+    """With a zero learning rate only the exchange moves anything: d = a(x - c), x -= d, c += sum d."""
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=9)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.0)
+    synk.distribute()
+    local = {r: [v + r * rng.normal(size=v.shape) for v in init] for r in range(N_PARALLEL)}
+    for r in range(N_PARALLEL):
+        synk.set_value(r, params, local[r])
+    seen = {}
+
+    def capture(history):
+        seen.update({r: values_on(r, params) for r in range(N_PARALLEL)})
+        seen["center"] = history.center_values()
+    alpha = 0.3
+    train.run(step, x_np, y_np, BATCH, steps=2, sync=sync.EASGD(alpha=alpha, every=2), on_check=capture)
+    center0 = local[0]                                   # the center starts at the master's values
+    pulls = {r: [alpha * (x - c) for x, c in zip(local[r], center0)] for r in range(N_PARALLEL)}
+    for r in range(N_PARALLEL):
+        for got, x, d in zip(seen[r], local[r], pulls[r]):
+            np.testing.assert_allclose(got, x - d, rtol=1e-12, atol=1e-14)
+    for i, (got, c) in enumerate(zip(seen["center"], center0)):
+        np.testing.assert_allclose(got, c + sum(pulls[r][i] for r in range(N_PARALLEL)),
+                                   rtol=1e-12, atol=1e-14)
+    for r in range(N_PARALLEL):                          # run() ends with every device on the center
+        for got, c in zip(values_on(r, params), seen["center"]):
+            np.testing.assert_allclose(got, c, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every rule trains the digits MLP
+# ------------------------------------------------------------------------------------------------
+
+# (rule, epochs): the asynchronous rules get more epochs
+ACCURACY_RULES = [
+    (sync.AllReduce(), 30),
+    (sync.Average(every=4), 30),
+    (sync.EASGD(alpha=0.5, every=4), 30),
+    (sync.EASGD(alpha=0.5, every=4, asynchronous=True), 40),
+    (sync.Downpour(every=2), 40),
+    (sync.RateLimited(every_n_batches=2, alpha=0.5, beta=0.5, max_rate=0.5), 40),
+]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from demos.mnist import build_model, load_data
+    if master.active() is None:
+        synk.fork(N_PARALLEL)
+    data = load_data()
+    make_graph, params, _ = build_model("custom_mlp:1,128", data["side"])
+    x, y, loss, accuracy = make_graph()
+    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.05)
+    evaluate = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name="evaluate_digits")
+    synk.distribute()
+    init = [p.get_value() for p in params]
+    stores = {k: synk.data(data[k]) for k in ("x_train", "y_train", "x_test", "y_test")}
+    return step, evaluate, params, init, stores
+
+
+@pytest.mark.parametrize("rule,epochs", ACCURACY_RULES, ids=[repr(r) for r, _ in ACCURACY_RULES])
+def test_every_rule_trains_the_digits_mlp(digits, rule, epochs):
+    step, evaluate, params, init, d = digits
+    reset(params, init, step)
+    history = train.run(step, d["x_train"], d["y_train"], 128, epochs=epochs, sync=rule, seed=1)
+    loss, accuracy = evaluate(d["x_test"], d["y_test"])
+    ref_loss, ref_accuracy = evaluate.as_pytensor(d["x_test"].data, d["y_test"].data)
+    close(accuracy, ref_accuracy)
+    assert accuracy >= 0.95, f"{rule}: test accuracy {accuracy:.3f} after {epochs} epochs"
+    assert history[-1].epoch == epochs and history[-1].loss < history[0].loss
+    for rank in range(1, N_PARALLEL):                    # every device holds the final parameters
+        for a, b in zip(values_on(rank, params), values_on(0, params)):
+            np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# A straggler
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide():
+    """A model whose step computes long enough for a sleep to double it."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from demos.mnist import build_model, load_data
+    if master.active() is None:
+        synk.fork(N_PARALLEL)
+    data = load_data()
+    make_graph, params, _ = build_model("custom_mlp:2,512", data["side"])
+    x, y, loss, _ = make_graph()
+    step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.01)
+    synk.distribute()
+    return step, synk.data(data["x_train"]), synk.data(data["y_train"])
+
+
+def samples_per_s(wide, rule, steps=120):
+    step, x_d, y_d = wide
+    history = train.run(step, x_d, y_d, 256, steps=steps, sync=rule, check_every=steps // 2)
+    return history[-1]          # the second half: compiled, warm
+
+
+def test_asynchronous_rules_outpace_allreduce_with_a_straggler(wide):
+    train.run(wide[0], wide[1], wide[2], 256, steps=4)          # compiled before anything is timed
+    for _ in range(3):       # a shared machine: the best of three rounds
+        allreduce = samples_per_s(wide, SlowAllReduce())
+        ratios = {name: samples_per_s(wide, rule).samples_per_s / allreduce.samples_per_s
+                  for name, rule in [("downpour", SlowDownpour(every=1)),
+                                     ("easgd", SlowEASGD(alpha=0.5, every=1, asynchronous=True)),
+                                     ("ratelimited", SlowRateLimited(every_n_batches=1))]}
+        if min(ratios.values()) >= 1.3:
+            break
+    print("samples/s over AllReduce's with a straggler:", ratios)
+    assert min(ratios.values()) >= 1.3, ratios
+
+
+def test_rate_limited_keeps_its_sync_fraction(wide):
+    check = samples_per_s(wide, SlowRateLimited(every_n_batches=1, max_rate=0.1), steps=200)
+    assert check.sync_fraction <= 0.1 + 0.05, check
+    assert check.syncs > 0 and check.skipped > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults, misuse, the History
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("announcing", [AnnouncingAllReduce, AnnouncingDownpour])
+def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
+    if master.active() is None:
+        synk.fork(N_PARALLEL)
+    rt = master.current()
+    x_np, y_np = digits_like(rng, 4000)
+    X, y, loss, params, _ = mlp(seed=11)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.01)
+    synk.distribute()
+    victim, prefix, pids = rt.worker_pids[1], rt.prefix, list(rt.worker_pids.values())
+
+    killed = []
+
+    def kill():
+        wait_for_marker(tmp_path, victim)
+        time.sleep(0.3)
+        killed.append(time.time())
+        os.kill(victim, signal.SIGKILL)
+    threading.Thread(target=kill, daemon=True).start()
+    with pytest.raises(synk.WorkerError) as info:
+        train.run(step, x_np, y_np, 20, epochs=10_000, sync=announcing(tmp_path))
+    assert killed and time.time() - killed[0] < 10
+    assert info.value.rank == 1 and info.value.how == "died"
+    assert master.active() is None
+    deadline = time.time() + 10
+    while time.time() < deadline and ({p for p, _ in child_pids()} & set(pids)
+                                      or any(n.startswith(prefix) for n in synk_segments())):
+        time.sleep(0.1)
+    assert not {p for p, _ in child_pids()} & set(pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
+MISUSE = [
+    (dict(batch_size=1), ValueError, "batch_size must be"),
+    (dict(batch_size=N_ROWS + 1), ValueError, "batch_size must be"),
+    (dict(batch_size=202), ValueError, "last step of every epoch would have 1 rows"),
+    (dict(steps=None, epochs=None), ValueError, "exactly one of steps="),
+    (dict(steps=3, epochs=1), ValueError, "exactly one of steps="),
+    (dict(steps=0), ValueError, "steps must be a positive"),
+    (dict(sync="easgd"), TypeError, "sync must be a rule"),
+    (dict(check_every=0), ValueError, "check_every must be"),
+    (dict(on_check=3), TypeError, "on_check must be a callable"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", MISUSE, ids=[str(m[0]) for m in MISUSE])
+def test_misuse_is_refused_and_the_runtime_stays_usable(model, rng, kwargs, error, message):
+    step, params, init = model
+    x_np, y_np = digits_like(rng)
+    arguments = dict(batch_size=BATCH, steps=3)
+    arguments.update(kwargs)
+    with pytest.raises(error, match=message):
+        train.run(step, x_np, y_np, **arguments)
+    history = train.run(step, x_np, y_np, BATCH, steps=2)
+    assert history[-1].step == 2
+
+
+def test_wrong_functions_and_data_are_refused(model, rng):
+    step, params, init = model
+    x_np, y_np = digits_like(rng)
+    with pytest.raises(TypeError, match="make_train_function returns"):
+        train.run(lambda *a: None, x_np, y_np, BATCH, steps=1)
+    with pytest.raises(ValueError, match="x_data has 203 rows but y_data has 202"):
+        train.run(step, x_np, y_np[:-1], BATCH, steps=1)
+    with pytest.raises(TypeError, match="expects dtype"):
+        train.run(step, synk.data(x_np.astype("float32")), y_np, BATCH, steps=1)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: sync.EASGD(alpha=1.5), "alpha must be in"),
+    (lambda: sync.Average(every=0), "every must be a positive"),
+    (lambda: sync.Downpour(every=2.5), "every must be a positive"),
+    (lambda: sync.RateLimited(max_rate=0), "max_rate must be in"),
+])
+def test_rule_settings_are_checked(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_on_check_stops_the_run_and_the_history_plots(model, rng, tmp_path):
+    step, params, init = model
+    x_np, y_np = digits_like(rng)
+    reset(params, init, step)
+    history = train.run(step, x_np, y_np, BATCH, epochs=5, check_every=3,
+                        on_check=lambda h: len(h) == 2)
+    assert [c.step for c in history] == [3, 6]
+    assert sum(history[0].rows_per_device) == 3 * BATCH
+    assert 0 <= history[-1].sync_fraction <= 1 and history[-1].samples_per_s > 0
+    history.plot(tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    with pytest.raises(RuntimeError, match="run has ended"):
+        history.center_values()
