@@ -14,9 +14,16 @@ scikit-learn's bundled 8x8 handwritten digits (no network needed); ``--data`` ta
 a ``.npz`` (x_train, y_train, x_test, y_test) or a folder of the four IDX files.
 Validation runs with ``num_slices``; the loss/accuracy curves are saved as a PNG.
 
+``--loop device`` (variant ``cpu``) runs the training loop on the devices themselves
+(``synkhronos.extensions.train.run``), synchronised by ``--sync``: ``allreduce``
+(synchronous SGD), ``average`` (local SGD, averaging every 4 steps), ``easgd`` /
+``easgd-async`` (elastic averaging every 4 steps), ``downpour`` (ASGD, pushing every 2 steps)
+or ``ratelimited`` (Legion's rule); the master validates after every epoch.
+
 Examples
 --------
     python demos/mnist.py --variant cpu --devices 2
+    python demos/mnist.py --loop device --sync easgd-async --epochs 20
     python demos/mnist.py --variant device --model cnn --epochs 5
     python demos/mnist.py --variant single --model custom_mlp:3,256 --data mnist.npz
 """
@@ -33,9 +40,19 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from synkhronos.runtime import master
-from synkhronos.extensions import train, updates
+from synkhronos.extensions import sync, train, updates
 
 VARIANTS = ("single", "cpu", "device")
+LOOPS = ("master", "device")
+#: the sync rules of --loop device
+SYNC_RULES = {
+    "allreduce": lambda: sync.AllReduce(),
+    "average": lambda: sync.Average(every=4),
+    "easgd": lambda: sync.EASGD(alpha=0.5, every=4),
+    "easgd-async": lambda: sync.EASGD(alpha=0.5, every=4, asynchronous=True),
+    "downpour": lambda: sync.Downpour(every=2),
+    "ratelimited": lambda: sync.RateLimited(every_n_batches=2, alpha=0.5, beta=0.5, max_rate=0.5),
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -187,10 +204,14 @@ def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
 
 
 def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, data_path=None,
-        plot=None, seed=0, progress=True):
+        plot=None, seed=0, progress=True, loop="master", sync_rule="allreduce"):
     """Train and return a dict with per-epoch curves, test accuracy and mean epoch time."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")
+    if loop not in LOOPS or sync_rule not in SYNC_RULES:
+        raise ValueError(f"loop must be one of {LOOPS} and sync one of {tuple(SYNC_RULES)}")
+    if loop == "device" and variant != "cpu":
+        raise ValueError("--loop device trains on data in shared memory: use it with --variant cpu")
     data = load_data(data_path, seed)
     forked_here = False
     if variant != "single" and master.active() is None:
@@ -198,13 +219,60 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         forked_here = True
     n_devices = 1 if variant == "single" else master.current().n_parallel
     make_graph, params, static = build_model(model, data["side"], seed=seed)
-    step = _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)
+    step = None if loop == "device" else \
+        _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)
     evaluate = _evaluators(variant, make_graph, static, data, n_devices)
     if variant != "single":
         synk.distribute()
         synk.broadcast(params)                   # every device starts from the master's init
     rng = np.random.default_rng(seed + 1)
     history = dict(train_loss=[], val_loss=[], val_acc=[], epoch_time=[])
+    if loop == "device":
+        _device_loop(make_graph, params, data, lr, batch, epochs, SYNC_RULES[sync_rule](), seed,
+                     evaluate, history, progress)
+    else:
+        _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress)
+    history["test_loss"], history["test_acc"] = evaluate("test")
+    history["params"] = [synk.get_value(0, p) if variant != "single" else p.get_value() for p in params]
+    if plot:
+        label = f"{variant}" if loop == "master" else f"device loop, {sync_rule}"
+        save_plot(history, plot, f"{model} / {label} / {n_devices} device(s)")
+    if forked_here:
+        synk.close()
+    return history
+
+
+def _report(history, epoch, progress):
+    if progress:
+        print(f"epoch {epoch + 1:3d}  train loss {history['train_loss'][-1]:.4f}  "
+              f"val loss {history['val_loss'][-1]:.4f}  val acc {history['val_acc'][-1]:.4f}  "
+              f"{history['epoch_time'][-1]:.2f} s")
+
+
+def _device_loop(make_graph, params, data, lr, batch, epochs, rule, seed, evaluate, history,
+                 progress):
+    """Every device runs its own steps (train.run); the master validates after every epoch."""
+    x, y, loss, _ = make_graph(None)
+    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=lr)
+    synk.distribute()
+    x_dat, y_dat = synk.data(data["x_train"]), synk.data(data["y_train"])
+
+    def on_check(h):
+        check = h[-1]
+        v_loss, v_acc = evaluate("val")
+        history["train_loss"].append(check.loss)
+        history["val_loss"].append(v_loss)
+        history["val_acc"].append(v_acc)
+        history["epoch_time"].append(check.time - (h[-2].time if len(h) > 1 else 0.0))
+        _report(history, len(h) - 1, progress)
+        return False
+    history["run"] = train.run(step, x_dat, y_dat, batch, epochs=epochs, sync=rule, seed=seed,
+                               on_check=on_check)
+    history["run_params"] = params
+
+
+def _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress):
+    """The master commands every step (three commands: gradient, all-reduce, update)."""
     n_train = len(data["x_train"])
     steps_per_epoch = n_train // batch
     if variant == "device":
@@ -233,16 +301,7 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         history["train_loss"].append(float(np.mean(losses)))
         history["val_loss"].append(v_loss)
         history["val_acc"].append(v_acc)
-        if progress:
-            print(f"epoch {epoch + 1:3d}  train loss {history['train_loss'][-1]:.4f}  "
-                  f"val loss {v_loss:.4f}  val acc {v_acc:.4f}  {history['epoch_time'][-1]:.2f} s")
-    history["test_loss"], history["test_acc"] = evaluate("test")
-    history["params"] = [synk.get_value(0, p) if variant != "single" else p.get_value() for p in params]
-    if plot:
-        save_plot(history, plot, f"{model} / {variant} / {n_devices} device(s)")
-    if forked_here:
-        synk.close()
-    return history
+        _report(history, epoch, progress)
 
 
 def save_plot(history, path, title):
@@ -273,11 +332,17 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--data", default=None, help="MNIST .npz or IDX folder (default: bundled digits)")
     p.add_argument("--plot", default="demos/output/mnist_curves.png")
+    p.add_argument("--loop", choices=LOOPS, default="master",
+                   help="who drives the steps: the master (a command per step) or the devices")
+    p.add_argument("--sync", choices=tuple(SYNC_RULES), default="allreduce",
+                   help="the sync rule of --loop device")
     args = p.parse_args(argv)
     h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
-            args.plot)
+            args.plot, loop=args.loop, sync_rule=args.sync)
+    loop = "master loop" if args.loop == "master" else f"device loop, {args.sync}"
     print(f"test accuracy {h['test_acc']:.4f}  mean epoch time {np.mean(h['epoch_time']):.2f} s  "
-          f"({args.model}, {args.variant}, {1 if args.variant == 'single' else args.devices} device(s))")
+          f"({args.model}, {args.variant}, {loop}, "
+          f"{1 if args.variant == 'single' else args.devices} device(s))")
     print(f"curves saved to {args.plot}")
     return 0
 

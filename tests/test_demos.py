@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+import synkhronos as synk
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "demos"))
 import mnist  # noqa: E402
@@ -30,6 +32,17 @@ def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
     # device data shuffles within each device, so it agrees statistically
     assert abs(runs["device"]["test_acc"] - runs["single"]["test_acc"]) < 0.05
     assert (tmp_path / "cpu.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("rule,epochs", [("allreduce", 8), ("downpour", 20)])
+def test_the_device_loop_trains_the_digits_mlp(synk2, rule, epochs):
+    """--loop device: the devices run the steps, the master validates every epoch."""
+    h = mnist.run("cpu", "mlp", epochs=epochs, batch=128, lr=0.05, progress=False, loop="device",
+                  sync_rule=rule)
+    assert h["test_acc"] >= 0.90 and len(h["val_acc"]) == epochs
+    assert h["run"][-1].epoch == epochs and h["train_loss"][-1] < h["train_loss"][0]
+    for a, b in zip(h["params"], synk.get_value(1, list(h["run_params"]))):
+        close(a, b)
 
 
 @pytest.mark.parametrize("batch", [50, 128])
