@@ -6,10 +6,10 @@ SIZES = (784, 1024, 1024, 10)
 LR, MOMENTUM = 0.01, 0.9
 
 
-def init_params(seed=0):
+def init_params(seed=0, sizes=SIZES):
     rng = np.random.default_rng(seed)
     params = []
-    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
         params += [(rng.normal(size=(n_in, n_out)) * np.sqrt(2 / n_in)).astype("float32"),
                    np.zeros(n_out, "float32")]
     return params
@@ -20,7 +20,7 @@ def data(n, seed=0):
     return rng.normal(size=(n, SIZES[0])).astype("float32"), rng.integers(0, SIZES[-1], n).astype("int32")
 
 
-def pytensor_graph():
+def pytensor_graph(sizes=SIZES):
     """Return (x, y, loss, params) with float32 shared parameters, computing in float32."""
     import pytensor
     import pytensor.tensor as pt
@@ -31,7 +31,7 @@ def pytensor_graph():
     # float64-accumulated parts of the backward pass, dots included, in float64 (seen in the HLO)
     set_precision("float32")
     x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
-    params = [pytensor.shared(v, name=f"p{i}") for i, v in enumerate(init_params())]
+    params = [pytensor.shared(v, name=f"p{i}") for i, v in enumerate(init_params(sizes=sizes))]
     h = x
     for i in range(0, len(params) - 2, 2):
         h = pt.maximum(h @ params[i] + params[i + 1], 0)

@@ -9,7 +9,7 @@ import sys
 import time
 
 
-def worker(rank, world, port, batches, steps, queue):
+def worker(rank, world, port, batches, steps, queue, sizes=(784, 1024, 1024, 10)):
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -19,14 +19,16 @@ def worker(rank, world, port, batches, steps, queue):
     torch.manual_seed(0)
     result = {}
     for b in batches:
-        model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                              nn.Linear(1024, 10))
+        layers = []
+        for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(n_in, n_out), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1])
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         local = b // world
         rng = np.random.default_rng(rank)
-        x = torch.from_numpy(rng.normal(size=(local, 784)).astype("float32"))
-        y = torch.from_numpy(rng.integers(0, 10, local))
+        x = torch.from_numpy(rng.normal(size=(local, sizes[0])).astype("float32"))
+        y = torch.from_numpy(rng.integers(0, sizes[-1], local))
         loss_fn = nn.CrossEntropyLoss()
 
         def step():
@@ -47,14 +49,14 @@ def worker(rank, world, port, batches, steps, queue):
     dist.destroy_process_group()
 
 
-def main(batches, steps):
+def main(batches, steps, sizes=(784, 1024, 1024, 10)):
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, batches, steps, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, batches, steps, queue, sizes)) for r in range(2)]
     for p in procs:
         p.start()
     result = queue.get(timeout=900)
@@ -66,4 +68,5 @@ def main(batches, steps):
 
 
 if __name__ == "__main__":
-    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]))
+    sizes = tuple(int(s) for s in sys.argv[3].split(",")) if len(sys.argv) > 3 else (784, 1024, 1024, 10)
+    main([int(b) for b in sys.argv[1].split(",")], int(sys.argv[2]), sizes)

@@ -119,7 +119,7 @@ _changed_config = {}
 
 def _configure_jax(name, value):
     import jax
-    _changed_config.setdefault(name, getattr(jax.config, name))
+    _changed_config.setdefault(name, jax.config.values[name])
     jax.config.update(name, value)
 
 
@@ -145,6 +145,9 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     _configure_jax("jax_enable_recoverability", True)
     if platform == "cpu":
         _configure_jax("jax_cpu_collectives_implementation", "gloo")
+        # every process computes on one CPU device and waits for its results anyway: dispatching
+        # a program to a thread of its own costs a small step more than running it in the caller
+        _configure_jax("jax_cpu_enable_async_dispatch", False)
     # JAX's preemption service catches SIGTERM and only logs it (a `kill`, a scheduler's or `docker
     # stop`'s SIGTERM would no longer end the script); synkhronos has no use for it
     _configure_jax("jax_enable_preemption_service", False)
