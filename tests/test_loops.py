@@ -205,17 +205,23 @@ ACCURACY_RULES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def digits():
+def digits_model(spec, rule, learning_rate):
+    """The demo's digits data and model ``spec`` with a master-driven step, on a running runtime."""
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from demos.mnist import build_model, load_data
     if master.active() is None:
         synk.fork(N_PARALLEL)
     data = load_data()
-    make_graph, params, _ = build_model("custom_mlp:1,128", data["side"])
+    make_graph, params, _ = build_model(spec, data["side"])
     x, y, loss, accuracy = make_graph()
-    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.05)
+    step = train.make_train_function(loss, params, x, y, rule, learning_rate=learning_rate)
+    return data, step, params, (x, y, loss, accuracy)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    data, step, params, (x, y, loss, accuracy) = digits_model("custom_mlp:1,128", updates.momentum, 0.05)
     evaluate = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name="evaluate_digits")
     synk.distribute()
     init = [p.get_value() for p in params]
@@ -245,15 +251,7 @@ def test_every_rule_trains_the_digits_mlp(digits, rule, epochs):
 @pytest.fixture(scope="module")
 def wide():
     """A model whose step computes long enough for a sleep to double it."""
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from demos.mnist import build_model, load_data
-    if master.active() is None:
-        synk.fork(N_PARALLEL)
-    data = load_data()
-    make_graph, params, _ = build_model("custom_mlp:2,512", data["side"])
-    x, y, loss, _ = make_graph()
-    step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.01)
+    data, step, _, _ = digits_model("custom_mlp:2,512", updates.sgd, 0.01)
     synk.distribute()
     return step, synk.data(data["x_train"]), synk.data(data["y_train"])
 

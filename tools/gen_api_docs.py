@@ -8,12 +8,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import synkhronos as synk  # noqa: E402
-from synkhronos.extensions import train, updates  # noqa: E402
+from synkhronos.extensions import history, sync, train, updates  # noqa: E402
 
 CLASS_MEMBERS = {
     "Function": ["__call__", "as_pytensor", "build_inputs", "name", "output_modes", "update_modes"],
     "Data": ["set_value", "set_length", "set_shape", "condition_data", "free_memory", "data",
              "alloc_size", "shape", "dtype", "ndim", "size"],
+    "History": ["center_values", "plot"],
 }
 
 
@@ -35,7 +36,9 @@ def render():
            "Generated from the docstrings by `tools/gen_api_docs.py` (`make docs`); do not edit by hand.", ""]
     sections = [("synkhronos", synk, synk.__all__),
                 ("synkhronos.extensions.updates", updates, updates.__all__),
-                ("synkhronos.extensions.train", train, train.__all__)]
+                ("synkhronos.extensions.train", train, train.__all__),
+                ("synkhronos.extensions.sync", sync, sync.__all__),
+                ("synkhronos.extensions.history", history, history.__all__)]
     for title, module, names in sections:
         out += [f"## `{title}`", "", _doc(module), ""]
         for name in names:

@@ -249,7 +249,9 @@ class Channel:
         ranks, what = self.worker_ranks, "a training loop"
         self.ctl.status[:, ControlBlock.PROGRESS] = 0
         self.ctl.post_command(Op.LOOP, ranks)
-        watch = self._collective_watch = self._loop_watch(ranks, what)
+        watch = self._loop_watch(ranks, what)
+        # the thread running local() in native waits leaves the watching to this one
+        self._collective_watch = None if threaded else watch
         try:
             if threaded:
                 result, error = self._run_local_in_thread(local, watch)
