@@ -81,6 +81,10 @@ class History:
         last = f", last {asdict(self.checks[-1])}" if self.checks else ""
         return f"History({self.rule}, {len(self)} checks{last})"
 
+    def end_run(self):
+        """The run has ended: the center is gone (the devices hold the final parameters)."""
+        self._center_values = None
+
     def center_values(self):
         """The central parameters now (asynchronous rules), else the master's parameters.
 

@@ -217,7 +217,7 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
     finally:
         if state.is_open:       # the final parameters on every device, also after on_check raised
             phase(spec, "finish")
-        history._center_values = None
+        history.end_run()
     return history
 
 

@@ -143,17 +143,17 @@ class DeviceLoop:
             self.comm.refresh()
             self.grad_var.container.storage[0] = reduced
             self.sync_seconds += time.perf_counter() - synced
-            stats.values[5] += 1
+            stats.values[LoopStats.SYNCS] += 1
         self.update.run([])
         done = time.perf_counter()
         self.last_compute = done - start
         if self.rule.after_update(self, rows, batch_rows):
             self.sync_seconds += time.perf_counter() - done
-            stats.values[5] += 1
+            stats.values[LoopStats.SYNCS] += 1
         v = stats.values
-        v[0] += 1
-        v[1] += rows
-        v[2] += loss * rows
+        v[LoopStats.STEPS] += 1
+        v[LoopStats.ROWS] += rows
+        v[LoopStats.LOSS_SUM] += loss * rows
         self.beat()
 
 
@@ -171,8 +171,9 @@ class DeviceLoop:
         self.set_values([self.grad_var], [self.grad_var.container.storage[0]])
         busy = time.perf_counter() - self._phase_start
         self._busy_before += busy
-        stats.values[3:5] = self.sync_seconds - sync_before, busy
-        stats.values[6] = self.skipped
+        stats.values[LoopStats.SYNC_SECONDS] = self.sync_seconds - sync_before
+        stats.values[LoopStats.BUSY_SECONDS] = busy
+        stats.values[LoopStats.SKIPPED] = self.skipped
         return stats.values
 
     def finish(self):

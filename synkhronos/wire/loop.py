@@ -68,16 +68,12 @@ STAT_FIELDS = ("steps", "rows", "loss_sum", "sync_seconds", "busy_seconds", "syn
 
 
 class LoopStats:
-    """One rank's counters over one phase, as the float64 array it reports."""
+    """One rank's counters over one phase, as the float64 array it reports (``STAT_FIELDS``)."""
+
+    STEPS, ROWS, LOSS_SUM, SYNC_SECONDS, BUSY_SECONDS, SYNCS, SKIPPED = range(len(STAT_FIELDS))
 
     def __init__(self):
         self.values = np.zeros(len(STAT_FIELDS))
-
-    def __getattr__(self, name):
-        try:
-            return self.values[STAT_FIELDS.index(name)]
-        except ValueError:
-            raise AttributeError(name) from None
 
 
 def steps_per_epoch(n_rows, batch_size):
