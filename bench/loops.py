@@ -208,14 +208,15 @@ def section(results):
     L += ["", "Variants alternate within each round; figures are medians over rounds, ratios the "
           "median of per-round ratios. A device-driven step is the master-driven one without its "
           "three commands (gradient, all-reduce, update): each device gathers its rows, runs the "
-          "gradient program, all-reduces the flat gradient through shared memory straight into the "
-          "update program's input, and runs the update program. What remains per step is mostly XLA "
+          "gradient program, all-reduces the flat gradient through shared memory into the update "
+          "program's input (a small gradient as a host array, a large one as a device array viewing "
+          "the shared result), and runs the update program. What remains per step is mostly XLA "
           "computing the two programs on one core each.", "",
           f"Time to {TARGET:.0%} test accuracy on the digits (the same MLP, batch {DIGITS_BATCH}, "
           "learning rate 0.05, momentum 0.9, 2 devices; training time, validation excluded):", "",
-          "| rule | seconds | epochs | reached | final accuracy |", "|---|---|---|---|---|"]
+          "| rule | ms | epochs | reached | final accuracy |", "|---|---|---|---|---|"]
     for r in results["accuracy"]:
-        L.append(f"| {r['rule']} | {r['seconds']:.2f} | {r['epochs']:.0f} | "
+        L.append(f"| {r['rule']} | {1000 * r['seconds']:.1f} | {r['epochs']:.0f} | "
                  f"{'yes' if r['reached'] else 'no'} | {r['accuracy']:.3f} |")
     L += ["", "The asynchronous rules step on each device's own gradient (half the rows of a "
           "synchronous step) and exchange with the center every few steps; an epoch is the same "

@@ -20,7 +20,12 @@ from ..device_arrays import to_device
 from ..scatter import chunk, gather_rows
 from ..wire.loop import LoopStats, epoch_order
 
-__all__ = ["DeviceLoop"]
+__all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
+
+#: a flat gradient up to this size goes from the all-reduce to the update program as a host array
+#: (making a device array of it costs more than the update's own copy of a small input); a larger
+#: one as a device array, which on CPU views the result without a copy
+HOST_GRADIENT_MAX_BYTES = 1 << 20
 
 
 class DeviceLoop:
@@ -58,6 +63,9 @@ class DeviceLoop:
         self.center = center([np.shape(v.container.storage[0]) for v in self.params],
                              [v.type.dtype for v in self.params]) if center else None
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
+        grad = self.grad_var.container.storage[0]
+        self._all_reduce_gradient = comm.all_reduce_host if \
+            np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES else comm.all_reduce
         self._orders = {}
         #: this rank's seconds spent syncing, and busy in phases, over the whole run
         self.sync_seconds = 0.0
@@ -138,8 +146,7 @@ class DeviceLoop:
         loss = float(self.grad.run([x, y, weight_rows])[0])
         if self.rule.reduces_gradient:
             synced = time.perf_counter()
-            # a host array: the update function takes it as it is (a device array of it costs more)
-            reduced, = self.comm.all_reduce_host([self.grad_var.container.storage[0]], "avg")
+            reduced, = self._all_reduce_gradient([self.grad_var.container.storage[0]], "avg")
             self.comm.refresh()
             self.grad_var.container.storage[0] = reduced
             self.sync_seconds += time.perf_counter() - synced
