@@ -52,11 +52,16 @@ class Reservation:
         The size of its one all-reduce result, if it makes just one (else 0).
     reduce_bytes : int
         The size of the all-reduce it runs, if any (else 0).
+    result_consumed : bool
+        Every rank is done with each all-reduce result before it enters the
+        next all-reduce (a training loop's gradient), so results of any size
+        may share one buffer.
     """
 
     nbytes: int = 0
     result_bytes: int = 0
     reduce_bytes: int = 0
+    result_consumed: bool = False
 
 
 class Comm(ABC):

@@ -552,7 +552,8 @@ class State:
             return np.asarray(self.shared_by_uid(uid).container.storage[0]).nbytes
         if spec.rule.reduces_gradient:
             grad = nbytes(spec.grad_uid)
-            return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad)
+            return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,
+                               result_consumed=True)
         padded = sum(nbytes(uid) + 64 for uid in spec.param_uids + spec.state_uids)
         return Reservation(nbytes=padded, reduce_bytes=padded)
 

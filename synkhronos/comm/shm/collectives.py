@@ -85,7 +85,7 @@ class ShmComm(Comm):
         """Master, before the command: make every slot hold ``reservation.nbytes``.
 
         The one all-reduce result of ``reservation.result_bytes`` (if any) goes
-        to a shared region; the path (pipelined or published) of an all-reduce
+        to a shared region (a small one only when ``result_consumed``); the path (pipelined or published) of an all-reduce
         of ``reservation.reduce_bytes`` is chosen here for every rank.
         """
         slot = -(-int(reservation.nbytes) // SLOT_ALIGN) * SLOT_ALIGN
@@ -95,7 +95,8 @@ class ShmComm(Comm):
         if grew:
             words[ShmControl.BUFFER_GEN] = self.owner.gen
         words[ShmControl.RESULT_REGION] = (
-            self.results.choose(int(reservation.result_bytes)) if reservation.result_bytes else -1)
+            self.results.choose(int(reservation.result_bytes), any_size=reservation.result_consumed)
+            if reservation.result_bytes else -1)
         words[ShmControl.REDUCE_PATH] = (
             self.paths.choose(reduce_bytes) if self._pipelinable(reduce_bytes) else PIPELINED)
         # a call that first touches new shared memory is slow on either path: not timed

@@ -53,9 +53,13 @@ class SharedResults:
         return f"{self.prefix}_rr{region}g{gen}"
 
     # --- the master, while workers are idle --------------------------------------------------
-    def choose(self, nbytes):
-        """Pick (making it if needed) a region for a result of ``nbytes``; -1 for a private result."""
-        if nbytes < MIN_REGION_BYTES:
+    def choose(self, nbytes, any_size=False):
+        """Pick (making it if needed) a region for a result of ``nbytes``; -1 for a private result.
+
+        Results under ``MIN_REGION_BYTES`` are private unless ``any_size`` (the caller is done with
+        each result before the next all-reduce: a region then saves the result's gathering pass).
+        """
+        if nbytes < MIN_REGION_BYTES and not any_size:
             return -1
         self.refresh()
         free = [r for r in range(MAX_REGIONS) if not self.held[:, r].any()]
