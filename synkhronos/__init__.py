@@ -14,6 +14,7 @@ Examples
 >>> synk.close()                                                # doctest: +SKIP
 """
 
+from .api import checkpoint
 from .api.collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
                                get_value, reduce, scatter, set_value)
 from .api.data import Data, data
@@ -23,6 +24,7 @@ from .errors import StallError, SynkError, WorkerError
 
 __all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "function", "Function",
            "data", "Data", "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
-           "get_value", "set_value", "get_lengths", "get_shapes", "SynkError", "WorkerError", "StallError"]
+           "get_value", "set_value", "get_lengths", "get_shapes", "checkpoint", "SynkError", "WorkerError",
+           "StallError"]
 
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@
 themselves, with the sync rules of :mod:`.sync`.
 """
 
+import os
 import time
 import warnings
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 
-from ..api import collectives
+from ..api import checkpoint, collectives
 from ..api.function import function
 from ..runtime.master import current, serialized
 from ..scatter import batch_from_spec, parse_batch_s
@@ -123,7 +124,8 @@ def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_ru
 
 
 def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None, shuffle=True,
-        seed=0, check_every=None, on_check=None) -> History:
+        seed=0, check_every=None, on_check=None, checkpoint_dir=None, checkpoint_every=None,
+        resume=False) -> History:
     """Train on the devices themselves: many steps per command, synchronised by a rule of :mod:`.sync`.
 
     Each device draws its rows of every global step (``batch_size`` rows, split
@@ -167,6 +169,21 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
         Global steps between checks (default: one epoch).
     on_check : callable, optional
         ``on_check(history) -> bool``; True stops the run.
+    checkpoint_dir : str, optional
+        Save the parameters and the optimizer's state (per device where they
+        differ) to ``checkpoint_dir/checkpoint.safetensors`` every
+        ``checkpoint_every`` global steps, with the run's data order
+        (:mod:`synkhronos.checkpoint`).
+    checkpoint_every : int, optional
+    resume : bool
+        Start from the checkpoint in ``checkpoint_dir`` if there is one (the
+        same data, batch size, seed and rule are required). Under
+        :class:`~.sync.AllReduce`, and :class:`~.sync.Average` with
+        ``checkpoint_every`` a multiple of its ``every``, a run killed and
+        resumed continues exactly as if it had not stopped (its checks too,
+        when ``checkpoint_every`` is a multiple of ``check_every``). The other
+        rules resume from the saved parameters; their center starts again
+        from the master's.
 
     Returns
     -------
@@ -200,18 +217,29 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
                                                     if id(s) not in param_ids])),
                     x=x_ref, y=y_ref, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
                     rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
+    saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, [
+        state.shared_by_uid(uid) for uid in spec.param_uids + spec.state_uids],
+        dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
+             rule=repr(sync)))
     phase = serialized(state.run_loop)
     history = History(sync, center_values=lambda: serialized(state.center_values)(spec))
-    done, elapsed = 0, 0.0
+    done, elapsed = saving.resumed_step(), 0.0
+    stats, seconds = 0.0, 0.0
     try:
         while done < total:
-            last = min(total, done + check_every)
+            # checks and checkpoints at whole multiples of their periods, so that a resumed run
+            # checks at the steps the uninterrupted one did
+            last = min(total, _next_multiple(done, check_every), saving.next_step(done))
             start = time.perf_counter()
-            stats = phase(spec, "run", done, last)
-            seconds = time.perf_counter() - start
-            elapsed += seconds
+            stats = stats + phase(spec, "run", done, last)
+            seconds += time.perf_counter() - start
             done = last
+            saving.maybe_save(done)
+            if done % check_every and done < total:
+                continue
+            elapsed += seconds
             history.append(check_from_stats(stats, done, per_epoch, elapsed, seconds))
+            stats, seconds = 0.0, 0.0
             if on_check is not None and on_check(history):
                 break
     finally:
@@ -219,6 +247,57 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
             phase(spec, "finish")
         history.end_run()
     return history
+
+
+def _next_multiple(step, period):
+    return (step // period + 1) * period
+
+
+class _Checkpoints:
+    """Where and when :func:`run` saves, and the step it resumes from.
+
+    The checkpoint is ``<checkpoint_dir>/checkpoint.safetensors``, replaced
+    atomically every ``every`` global steps; its ``extra`` records the run's
+    data order (seed, shuffle, batch size, rows) and rule, which a resumed run
+    must share.
+    """
+
+    FILE = "checkpoint.safetensors"
+
+    def __init__(self, directory, every, resume, variables, order):
+        self.path, self.every, self.variables, self.order = None, None, variables, order
+        self._resumed = 0
+        if directory is None:
+            if every is not None or resume:
+                raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
+            return
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+            raise ValueError(f"checkpoint_every must be a positive number of steps with "
+                             f"checkpoint_dir=, got {every!r}")
+        os.makedirs(directory, exist_ok=True)
+        self.path, self.every = os.path.join(os.fspath(directory), self.FILE), int(every)
+        if resume and os.path.exists(self.path):
+            self._resumed = self._restore()
+
+    def _restore(self):
+        saved = checkpoint.read(self.path)[1]
+        if not isinstance(saved, dict) or saved.get("order") != self.order:
+            raise ValueError(f"the checkpoint {self.path} was written by a run with "
+                             f"{None if not isinstance(saved, dict) else saved.get('order')}, not "
+                             f"{self.order}; resume with the same data, batch size, seed and rule, or "
+                             f"use another checkpoint_dir")
+        return int(checkpoint.restore(self.path, self.variables)["step"])
+
+    def resumed_step(self):
+        """The global step the run starts from (0 unless resumed)."""
+        return self._resumed
+
+    def next_step(self, done):
+        return _next_multiple(done, self.every) if self.path else float("inf")
+
+    def maybe_save(self, done):
+        if self.path and done % self.every == 0:
+            checkpoint.save(self.path, self.variables, step=done, extra=dict(order=self.order))
 
 
 def _check_run_arguments(train_fn, sync, check_every, on_check):

@@ -117,6 +117,7 @@ def _flat_gradient(loss, params):
     grads = optim.get_gradients(loss, params)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
     grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="grad_shared")
+    grad_shared.tag.synk_gradient = True     # scratch between steps: checkpoints leave it out
     flat = flatten_vars(grads).astype(dtype)
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
 
@@ -137,6 +138,8 @@ def nonflat_grads(loss, params):
     grads = optim.get_gradients(loss, params)
     grads_shared = [pytensor.shared(np.zeros(_shape_of(p), dtype=p.type.dtype),
                                     name=f"grad_{p.name or i}") for i, p in enumerate(params)]
+    for g in grads_shared:
+        g.tag.synk_gradient = True
     return grads_shared, grads
 
 

@@ -296,6 +296,10 @@ class State:
         """Every shared variable some function of this runtime uses."""
         return [var for _, var in self._shared.values()]
 
+    def scattered_shared(self):
+        """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
+        return [var for spec in self._specs.values() for var in spec.sliceable_shareds]
+
     def shared_by_uid(self, uid):
         return self._shared_by_uid[uid]
 

@@ -1,0 +1,184 @@
+"""Checkpoints of a runtime's shared variables: :func:`save` and :func:`restore`.
+
+A checkpoint is one `safetensors <https://huggingface.co/docs/safetensors>`_ file:
+every variable's value, once if every device holds the same value, else one per
+device, and in its metadata the step, the caller's ``extra`` (JSON) and the
+layout. The file is written beside its final name, flushed to disk and then
+renamed over it, so a process killed during :func:`save` leaves the previous
+checkpoint whole.
+
+Examples
+--------
+>>> synk.checkpoint.save("run/ckpt.safetensors", step=1000, extra={"epoch": 3})   # doctest: +SKIP
+>>> synk.checkpoint.restore("run/ckpt.safetensors")                            # doctest: +SKIP
+{'step': 1000, 'extra': {'epoch': 3}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+from pytensor.compile.sharedvalue import SharedVariable
+
+from .. import randomness
+from ..runtime.master import current, serialized
+from . import collectives
+
+__all__ = ["save", "restore", "default_variables", "FORMAT_VERSION"]
+
+#: the layout version written into every checkpoint's metadata
+FORMAT_VERSION = 1
+_META_KEY = "synkhronos"
+
+
+def default_variables() -> list[SharedVariable]:
+    """What :func:`save` saves by default: every shared variable of every synkhronos function.
+
+    Left out: flat gradients (``extensions.updates`` marks them), shared
+    variables holding scattered data (``sliceable_shareds``), random generators.
+    """
+    state = current()
+    scattered = {id(v) for v in state.scattered_shared()}
+    return [v for v in state.known_shared()
+            if id(v) not in scattered and not getattr(v.tag, "synk_gradient", False)
+            and not randomness.is_generator(v)]
+
+
+def _check_variables(variables):
+    variables = list(variables)
+    for var in variables:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"checkpoints hold shared variables, got {var!r}")
+        if randomness.is_generator(var):
+            raise TypeError(f"{var} is a random generator; checkpoints hold tensors only (its draws "
+                            f"restart from its seed)")
+    return variables
+
+
+def _key(i, var):
+    return f"{i}/{var.name or 'unnamed'}"
+
+
+@serialized
+def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
+         step: int | None = None, extra=None) -> None:
+    """Write the values of ``variables`` on every device to ``path``, atomically.
+
+    Parameters
+    ----------
+    path : str or path-like
+        The checkpoint file (its directory must exist).
+    variables : list of SharedVariable, optional
+        Default: :func:`default_variables`. A value that differs between
+        devices is saved once per device.
+    step : int, optional
+    extra : optional
+        Anything JSON can hold (data order, epoch, ...), returned by :func:`restore`.
+    """
+    state = current()
+    variables = default_variables() if variables is None else _check_variables(variables)
+    try:
+        extra_text = json.dumps(extra)
+    except TypeError as e:
+        raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
+                        f"lists and dicts") from None
+    per_rank = [state.get_values(rank, variables) for rank in range(state.n_parallel)]
+    tensors, layout = {}, []
+    for i, var in enumerate(variables):
+        values = [np.asarray(values[i]) for values in per_rank]
+        own = values[state.master_rank]
+        replicated = all(v.shape == own.shape and np.array_equal(v, own) for v in values)
+        key = _key(i, var)
+        if replicated:
+            tensors[key] = np.array(own)
+        else:
+            for rank, value in enumerate(values):
+                tensors[f"{key}@{rank}"] = np.array(value)
+        layout.append(dict(key=key, name=var.name, per_rank=not replicated))
+    meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout)
+    _write_atomically(os.fspath(path), tensors, {_META_KEY: json.dumps(meta), "extra": extra_text})
+
+
+def _write_atomically(path, tensors, metadata):
+    from safetensors.numpy import save_file
+    partial = path + ".partial"
+    save_file(tensors, partial, metadata=metadata)
+    with open(partial, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(partial, path)             # atomic: readers see the old file or the new one
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def read(path):
+    """``(metadata, extra, tensors)`` of the checkpoint at ``path`` (no runtime needed)."""
+    from safetensors import safe_open
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    with safe_open(os.fspath(path), "np") as fh:
+        header = fh.metadata() or {}
+        if _META_KEY not in header:
+            raise ValueError(f"{path} is a safetensors file but not a synkhronos checkpoint")
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    return json.loads(header[_META_KEY]), json.loads(header.get("extra", "null")), tensors
+
+
+@serialized
+def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None) -> dict:
+    """Set ``variables`` on every device to the values saved at ``path``.
+
+    ``variables`` are matched to the saved ones by position (default:
+    :func:`default_variables`, in the order the functions were built, as when
+    saving); names, shapes and dtypes are checked. A value saved once goes
+    to every device, whatever the number of devices now; values saved per
+    device need the same number of devices.
+
+    Returns
+    -------
+    dict
+        ``{"step": ..., "extra": ...}`` as given to :func:`save`.
+    """
+    state = current()
+    path = os.fspath(path)
+    meta, extra, tensors = read(path)
+    variables = default_variables() if variables is None else _check_variables(variables)
+    layout = meta["variables"]
+    if len(layout) != len(variables):
+        raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "
+                         f"restore; pass variables= as they were passed to save")
+    replicated, per_rank = [], []
+    for entry, var in zip(layout, variables):
+        if entry["name"] != var.name:
+            raise ValueError(f"{path} holds {entry['name']!r} where {var.name!r} was given; pass "
+                             f"variables= in the order they were saved")
+        if entry["per_rank"]:
+            if meta["n_devices"] != state.n_parallel:
+                raise ValueError(f"{var} was saved per device from {meta['n_devices']} devices; it "
+                                 f"needs as many to restore (running: {state.n_parallel})")
+            values = [tensors[f"{entry['key']}@{r}"] for r in range(state.n_parallel)]
+        else:
+            values = [tensors[entry["key"]]]
+        for value in values:
+            _check_fits(var, value, path)
+        (per_rank if entry["per_rank"] else replicated).append((var, values))
+    for var, (value,) in replicated:
+        var.set_value(value)
+    if replicated:
+        collectives.broadcast([var for var, _ in replicated])
+    for rank in range(state.n_parallel):
+        if per_rank:
+            state.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
+    return {"step": meta["step"], "extra": extra}
+
+
+def _check_fits(var, value, path):
+    own = np.asarray(var.get_value(borrow=True))
+    if value.shape != own.shape or value.dtype != own.dtype:
+        raise ValueError(f"{path} holds {var} as {value.dtype}{list(value.shape)} but it is "
+                         f"{own.dtype}{list(own.shape)} now")

@@ -1,0 +1,230 @@
+"""Checkpoints: save/restore on every device, atomic under SIGKILL, and train.run resuming exactly."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.api import checkpoint
+from synkhronos.extensions import train, updates
+from synkhronos.runtime import master
+from conftest import N_PARALLEL, synk_segments
+from helpers import run_script
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_function(seed=0):
+    rng = np.random.default_rng(seed)
+    w = pytensor.shared(rng.normal(size=(3, 4)), name="w")
+    v = pytensor.shared(np.zeros(4), name="v")
+    x = pt.matrix("x")
+    f = synk.function([x], ((x @ w + v).sum(), "sum"), updates=[(w, w * 1.5)], name="ck_small")
+    return f, w, v
+
+
+def test_save_and_restore_replicated_and_per_device_values(synk2, tmp_path):
+    f, w, v = small_function()
+    synk.distribute()
+    f(np.ones((4, 3)))
+    for rank in range(N_PARALLEL):
+        synk.set_value(rank, v, np.full(4, float(rank)))          # differs per device
+    w_saved = synk.get_value(0, w)
+    path = tmp_path / "c.safetensors"
+    synk.checkpoint.save(path, [w, v], step=12, extra={"epoch": 3, "order": [1, 2]})
+    meta, extra, tensors = checkpoint.read(str(path))
+    assert [e["per_rank"] for e in meta["variables"]] == [False, True] and extra["epoch"] == 3
+    w.set_value(np.zeros((3, 4)))
+    synk.broadcast(w)
+    for rank in range(N_PARALLEL):
+        synk.set_value(rank, v, np.full(4, -1.0))
+    assert synk.checkpoint.restore(path, [w, v]) == {"step": 12, "extra": {"epoch": 3, "order": [1, 2]}}
+    for rank in range(N_PARALLEL):
+        np.testing.assert_array_equal(synk.get_value(rank, w), w_saved)
+        np.testing.assert_array_equal(synk.get_value(rank, v), np.full(4, float(rank)))
+    # the restored values compute what the saved ones did, on every device
+    expected = sum((np.ones((2, 3)) @ w_saved + np.full(4, float(r))).sum() for r in range(N_PARALLEL))
+    np.testing.assert_allclose(f(np.ones((4, 3))), expected, rtol=1e-12)
+
+
+def test_default_variables_are_parameters_and_state_not_gradients_or_data(synk2, rng):
+    X, y = pt.matrix("X"), pt.vector("y")
+    w = pytensor.shared(np.zeros(3), name="w_default")
+    loss = ((X @ w - y) ** 2).mean()
+    step = train.make_train_function(loss, [w], X, y, updates.momentum, learning_rate=0.1)
+    x_dev = pytensor.shared(np.zeros((2, 3)), name="x_dev_ckpt")
+    synk.function([], (x_dev.sum(), "sum"), sliceable_shareds=[x_dev], name="ck_data")
+    synk.distribute()
+    default = {id(v) for v in checkpoint.default_variables()}
+    grad, velocity = step.grad_shared, [s for s in step.functions[1].get_shared()
+                                        if s is not w and s is not step.grad_shared]
+    assert id(w) in default and velocity and all(id(v) in default for v in velocity)
+    assert id(grad) not in default and id(x_dev) not in default
+
+
+def test_restore_misuse_is_refused(synk2, tmp_path):
+    f, w, v = small_function(1)
+    synk.distribute()
+    path = tmp_path / "c.safetensors"
+    synk.checkpoint.save(path, [w, v])
+    with pytest.raises(ValueError, match="holds 2 variables but 1 were given"):
+        synk.checkpoint.restore(path, [w])
+    with pytest.raises(ValueError, match="holds 'w' where 'v' was given"):
+        synk.checkpoint.restore(path, [v, w])
+    other = pytensor.shared(np.zeros(5), name="w")
+    with pytest.raises(ValueError, match=r"holds w as float64\[3, 4\] but it is float64\[5\] now"):
+        synk.checkpoint.restore(path, [other, v])
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        synk.checkpoint.restore(tmp_path / "missing.safetensors", [w, v])
+    with pytest.raises(TypeError, match="JSON-serializable"):
+        synk.checkpoint.save(path, [w], extra={"f": object()})
+    with pytest.raises(TypeError, match="checkpoints hold shared variables"):
+        synk.checkpoint.save(path, [np.zeros(3)])
+    assert synk.checkpoint.restore(path, [w, v])["step"] is None      # still usable
+
+
+def test_per_device_values_need_the_same_device_count(tmp_path):
+    synk.close()
+    try:
+        synk.fork(N_PARALLEL)
+        f, w, v = small_function(2)
+        synk.distribute()
+        synk.set_value(1, v, np.ones(4))
+        path = tmp_path / "c.safetensors"
+        synk.checkpoint.save(path, [w, v])
+        synk.close()
+        synk.fork(1)
+        f, w, v = small_function(3)
+        synk.distribute()
+        with pytest.raises(ValueError, match="saved per device from 2 devices"):
+            synk.checkpoint.restore(path, [w, v])
+        synk.checkpoint.save(tmp_path / "r.safetensors", [w])      # replicated: any device count
+        synk.close()
+        synk.fork(N_PARALLEL)
+        f, w2, _ = small_function(4)
+        synk.distribute()
+        synk.checkpoint.restore(tmp_path / "r.safetensors", [w2])
+        for rank in range(N_PARALLEL):
+            np.testing.assert_array_equal(synk.get_value(rank, w2), w.get_value())
+    finally:
+        synk.close()
+
+
+WRITER = """
+import sys, numpy as np
+from synkhronos.api.checkpoint import _write_atomically
+path = sys.argv[1]
+big = np.zeros(4 << 20)
+for step in range(1, 10**6):
+    big[:] = step
+    _write_atomically(path, {"big": big, "step": np.array(step)},
+                      {"synkhronos": '{"version": 1, "n_devices": 1, "step": %d, "variables": []}' % step,
+                       "extra": "null"})
+    print(step, flush=True)
+"""
+
+
+def test_a_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    """20 writers of 32 MB checkpoints, each SIGKILLed at a random point: the file is always whole."""
+    path = str(tmp_path / "c.safetensors")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    rng = random.Random(0)
+    last_step = 0
+    for _ in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, path], env=env, stdout=subprocess.PIPE,
+                                text=True)
+        proc.stdout.readline()                           # one save done: kill in a later one
+        time.sleep(rng.uniform(0, 0.3))
+        proc.kill()
+        proc.wait()
+        meta, _, tensors = checkpoint.read(path)
+        assert meta["step"] == int(tensors["step"]) and np.all(tensors["big"] == meta["step"])
+        last_step = meta["step"]
+    assert last_step >= 1
+
+
+RUN = """
+import json, os, signal, sys
+import numpy as np, pytensor
+pytensor.config.floatX = "float64"
+import synkhronos as synk
+from synkhronos.extensions import train, updates
+from test_extensions import mlp
+directory, out, kill_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+rng = np.random.default_rng(0)
+X, Y = rng.normal(size=(203, 6)), rng.integers(0, 3, size=203)
+synk.fork(2)
+x, y, loss, params, _ = mlp(seed=4)
+step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.1)
+synk.distribute()
+
+def on_check(history):
+    with open(out, "a") as fh:
+        fh.write(json.dumps([history[-1].step, history[-1].loss]) + "\\n")
+    if history[-1].step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+train.run(step, X, Y, 21, steps=40, check_every=4, on_check=on_check, checkpoint_dir=directory,
+          checkpoint_every=8, resume=resume)
+with open(out, "a") as fh:
+    fh.write(json.dumps(["params"] + [p.get_value().tolist() for p in params]) + "\\n")
+synk.close()
+"""
+
+
+def _records(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_a_killed_run_resumes_with_the_same_losses(tmp_path):
+    before = set(synk_segments())
+    whole, killed = tmp_path / "whole.jsonl", tmp_path / "killed.jsonl"
+    out = run_script(RUN, 200, args=[str(tmp_path / "a"), str(whole), "-1", "0"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_script(RUN, 200, args=[str(tmp_path / "b"), str(killed), "28", "0"])
+    assert out.returncode == -signal.SIGKILL
+    first = _records(killed)
+    assert [s for s, _ in first] == [4, 8, 12, 16, 20, 24, 28]
+    out = run_script(RUN, 200, args=[str(tmp_path / "b"), str(killed), "-1", "1"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    resumed = _records(killed)[len(first):]
+    assert [s for s, _ in resumed[:-1]] == [28, 32, 36, 40]    # from the checkpoint at step 24
+    expected = _records(whole)
+    np.testing.assert_allclose([l for _, l in first[:6] + resumed[:-1]],
+                               [l for _, l in expected[:-1]], rtol=1e-12, atol=1e-15)
+    for a, b in zip(resumed[-1][1:], expected[-1][1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+    deadline = time.time() + 10                              # the killed run left nothing behind
+    while set(synk_segments()) - before and time.time() < deadline:
+        time.sleep(0.1)
+    assert not set(synk_segments()) - before
+
+
+def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
+    from test_extensions import mlp
+    x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
+    X, y, loss, params, _ = mlp(seed=12)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
+    synk.distribute()
+    with pytest.raises(ValueError, match="need checkpoint_dir"):
+        train.run(step, x_np, y_np, 10, steps=2, checkpoint_every=1)
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive"):
+        train.run(step, x_np, y_np, 10, steps=2, checkpoint_dir=tmp_path)
+    train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2, seed=1)
+    with pytest.raises(ValueError, match="written by a run with"):
+        train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2,
+                  seed=2, resume=True)
+    history = train.run(step, x_np, y_np, 10, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2,
+                        seed=1, resume=True)
+    assert [c.step for c in history] == [6]                  # resumed at step 4
+    assert master.active() is not None
