@@ -195,7 +195,10 @@ def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
     if variant == "cpu":
         step = train.make_train_function(loss, params, x, y, rule, learning_rate=lr)
         x_dat, y_dat = synk.data(data["x_train"]), synk.data(data["y_train"])
-        return lambda idx: step(x_dat, y_dat, batch=idx)
+        def do(idx):
+            return step(x_dat, y_dat, batch=idx)
+        do.state_variables = step.state_variables
+        return do
     x_sh = pytensor.shared(data["x_train"][:1], name="x_device")
     y_sh = pytensor.shared(data["y_train"][:1], name="y_device")
     step = train.make_device_train_function(loss, params, x, y, x_sh, y_sh, rule, learning_rate=lr)
@@ -204,7 +207,8 @@ def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
 
 
 def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, data_path=None,
-        plot=None, seed=0, progress=True, loop="master", sync_rule="allreduce"):
+        plot=None, seed=0, progress=True, loop="master", sync_rule="allreduce", checkpoint_dir=None,
+        resume=False):
     """Train and return a dict with per-epoch curves, test accuracy and mean epoch time."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")
@@ -212,6 +216,8 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         raise ValueError(f"loop must be one of {LOOPS} and sync one of {tuple(SYNC_RULES)}")
     if loop == "device" and variant != "cpu":
         raise ValueError("--loop device trains on data in shared memory: use it with --variant cpu")
+    if checkpoint_dir is not None and variant == "single":
+        raise ValueError("--checkpoint-dir saves synkhronos's devices: use it with --variant cpu or device")
     data = load_data(data_path, seed)
     forked_here = False
     if variant != "single" and master.active() is None:
@@ -229,9 +235,10 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
     history = dict(train_loss=[], val_loss=[], val_acc=[], epoch_time=[])
     if loop == "device":
         _device_loop(make_graph, params, data, lr, batch, epochs, SYNC_RULES[sync_rule](), seed,
-                     evaluate, history, progress)
+                     evaluate, history, progress, checkpoint_dir, resume)
     else:
-        _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress)
+        _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress,
+                     checkpoint_dir, resume)
     history["test_loss"], history["test_acc"] = evaluate("test")
     history["params"] = [synk.get_value(0, p) if variant != "single" else p.get_value() for p in params]
     if plot:
@@ -250,7 +257,7 @@ def _report(history, epoch, progress):
 
 
 def _device_loop(make_graph, params, data, lr, batch, epochs, rule, seed, evaluate, history,
-                 progress):
+                 progress, checkpoint_dir=None, resume=False):
     """Every device runs its own steps (train.run); the master validates after every epoch."""
     x, y, loss, _ = make_graph(None)
     step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=lr)
@@ -266,13 +273,27 @@ def _device_loop(make_graph, params, data, lr, batch, epochs, rule, seed, evalua
         history["epoch_time"].append(check.time - (h[-2].time if len(h) > 1 else 0.0))
         _report(history, len(h) - 1, progress)
         return False
+    per_epoch = train.steps_per_epoch(len(data["x_train"]), batch)
     history["run"] = train.run(step, x_dat, y_dat, batch, epochs=epochs, sync=rule, seed=seed,
-                               on_check=on_check)
+                               on_check=on_check, checkpoint_dir=checkpoint_dir,
+                               checkpoint_every=per_epoch if checkpoint_dir else None, resume=resume)
     history["run_params"] = params
 
 
-def _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress):
-    """The master commands every step (three commands: gradient, all-reduce, update)."""
+def _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress,
+                 checkpoint_dir=None, resume=False):
+    """The master commands every step (three commands: gradient, all-reduce, update).
+
+    With ``checkpoint_dir``, every epoch ends with a checkpoint; ``resume`` starts after the last.
+    """
+    path = os.path.join(checkpoint_dir, "mnist.safetensors") if checkpoint_dir else None
+    first = 0
+    if path:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        if resume and os.path.exists(path):
+            first = synk.checkpoint.restore(path, step.state_variables)["step"]
+            if progress:
+                print(f"epoch {first:3d}  resumed from {path}")
     n_train = len(data["x_train"])
     steps_per_epoch = n_train // batch
     if variant == "device":
@@ -287,10 +308,14 @@ def _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, h
         t0 = time.time()
         if variant == "device":
             perms = [rng.permutation(n) for n in lengths]
+            if epoch < first:          # a resumed run draws the same orders from here on
+                continue
             batches = [[p[i * local:(i + 1) * local] for p in perms] for i in range(steps_per_epoch)]
             do = lambda b: step(batch_s=b)                     # noqa: E731
         else:
             perm = rng.permutation(n_train)
+            if epoch < first:
+                continue
             batches = [perm[i * batch:(i + 1) * batch] for i in range(steps_per_epoch)]
             do = step
         it = tqdm(batches, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
@@ -302,6 +327,8 @@ def _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, h
         history["val_loss"].append(v_loss)
         history["val_acc"].append(v_acc)
         _report(history, epoch, progress)
+        if path:
+            synk.checkpoint.save(path, step.state_variables, step=epoch + 1)
 
 
 def save_plot(history, path, title):
@@ -336,9 +363,12 @@ def main(argv=None):
                    help="who drives the steps: the master (a command per step) or the devices")
     p.add_argument("--sync", choices=tuple(SYNC_RULES), default="allreduce",
                    help="the sync rule of --loop device")
+    p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there every epoch")
+    p.add_argument("--resume", action="store_true", help="start from the checkpoint in --checkpoint-dir")
     args = p.parse_args(argv)
     h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
-            args.plot, loop=args.loop, sync_rule=args.sync)
+            args.plot, loop=args.loop, sync_rule=args.sync, checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume)
     loop = "master loop" if args.loop == "master" else f"device loop, {args.sync}"
     print(f"test accuracy {h['test_acc']:.4f}  mean epoch time {np.mean(h['epoch_time']):.2f} s  "
           f"({args.model}, {args.variant}, {loop}, "

@@ -45,6 +45,19 @@ def test_the_device_loop_trains_the_digits_mlp(synk2, rule, epochs):
         close(a, b)
 
 
+@pytest.mark.parametrize("loop", ["master", "device"])
+def test_the_demo_resumes_from_its_checkpoint_exactly(synk2, tmp_path, loop):
+    """--checkpoint-dir D --resume: 2 epochs, then resumed to 4, ends where 4 straight epochs do."""
+    options = dict(model="mlp", batch=128, lr=0.05, progress=False, loop=loop)
+    straight = mnist.run("cpu", epochs=4, **options)
+    mnist.run("cpu", epochs=2, checkpoint_dir=str(tmp_path), **options)
+    resumed = mnist.run("cpu", epochs=4, checkpoint_dir=str(tmp_path), resume=True, **options)
+    assert len(resumed["val_acc"]) == 2
+    close(resumed["val_loss"], straight["val_loss"][2:], rtol=1e-9)
+    for a, b in zip(resumed["params"], straight["params"]):
+        close(a, b, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("batch", [50, 128])
 def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
     """Free rows: an uneven last split and num_slices=4 validation; the same curve as one process."""

@@ -95,6 +95,9 @@ class _WeightedStep:
         train_minibatch.grad_shared = self.grad_shared
         train_minibatch.params = self.params
         train_minibatch.functions = (self.f_grad, self.f_upd)
+        #: the parameters, then the optimizer's state: what a checkpoint of this training holds
+        train_minibatch.state_variables = self.params + [
+            s for s, _, _ in self.f_upd.spec.updates if all(s is not p for p in self.params)]
         return train_minibatch
 
 
@@ -209,16 +212,13 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if check_every is None else check_every
     params = train_fn.params
-    param_ids = {id(p) for p in params}
     loop_id = state.new_loop_id()
     spec = LoopSpec(loop_id=loop_id, grad_fid=f_grad.spec.fid, update_fid=f_upd.spec.fid,
                     grad_uid=state.uid_of(train_fn.grad_shared), param_uids=tuple(state.uids_of(params)),
-                    state_uids=tuple(state.uids_of([s for s, _, _ in f_upd.spec.updates
-                                                    if id(s) not in param_ids])),
+                    state_uids=tuple(state.uids_of(train_fn.state_variables[len(params):])),
                     x=x_ref, y=y_ref, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
                     rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
-    saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, [
-        state.shared_by_uid(uid) for uid in spec.param_uids + spec.state_uids],
+    saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
         dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
              rule=repr(sync)))
     phase = serialized(state.run_loop)
