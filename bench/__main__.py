@@ -61,10 +61,12 @@ def main(argv=None):
     synk_train = training_rounds(1 if args.quick else 3, batches, steps)
     from bench import loops
     loop_results = loops.measure(1 if args.quick else 3, torch_python(), args.quick)
+    from bench import checkpoint_bench
+    saving = checkpoint_bench.measure(3 if args.quick else 7)
     compile_times = {s: run_json([python(), "-m", "bench.compile_time", s]) for s in ("pytensor", "synk")}
 
     write_results(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
-                  loops.section(loop_results))
+                  loops.section(loop_results) + checkpoint_bench.section(saving))
     plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     print(open(os.path.join(HERE, "RESULTS.md")).read())
