@@ -20,7 +20,7 @@ from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
-from .. import randomness, shipping
+from .. import randomness, shipping, trace
 from ..modes import check_output_mode, check_update_mode, reduce_ranks
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction, needs_static_shapes, spec_graph
@@ -269,6 +269,7 @@ class Function:
         output_subset : list of int, optional
             Indices of the outputs to compute and return.
         """
+        since = trace.now() if trace.on else None
         state = current()
         if state is not self._state:
             raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
@@ -289,7 +290,24 @@ class Function:
         if not state.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
                             f"build it again from picklable ops")
+        if trace.on:
+            return self._traced_call(state, plan, output_subset, since)
         outputs = self._reduce(plan, *state.run_call(plan, result_record(self.spec, plan)))
+        if self._scratch:
+            release_large_staging(self._scratch)
+        return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _traced_call(self, state, plan, output_subset, since):
+        """A call recorded in the timeline (``synk.timeline``): its phases on this rank."""
+        trace.begin("call", self.name, since)
+        trace.mark("plan")           # validation and planning
+        try:
+            record = result_record(self.spec, plan)
+            rows, columns = state.run_call(plan, record)
+            trace.mark("wait for devices")
+            outputs = self._reduce(plan, rows, columns)
+        finally:
+            trace.end("reduce")
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs

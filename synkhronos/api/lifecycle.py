@@ -6,21 +6,25 @@ runtime itself is :class:`synkhronos.runtime.master.State`.
 
 from __future__ import annotations
 
+import os
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 from ..comm import Comm, comm_class, default_kind
 from ..platform import jax_init
 from ..runtime import master
 from ..runtime.master import Settings, current, serialized
 
-__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu"]
+__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "timeline"]
 
 
 @serialized
 def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | None = None,
          profile_workers: bool = False, threads_per_device: int | None = None, timeout: float = 60,
          spin_us: float | None = None, stall_timeout: float = 600,
-         collectives: str | type[Comm] | None = None, **options) -> int:
+         collectives: str | type[Comm] | None = None, timeline: str | None = None,
+         **options) -> int:
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     Parameters
@@ -55,6 +59,9 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
         per-call latency low (a sleeping process takes tens of µs to wake); it
         costs CPU only while idle between calls. Default 2000 when every process
         has a core of its own, else 0.
+    timeline : str, optional
+        Record every rank's timeline from now on and write it to this path
+        (Chrome trace JSON) at ``close()``; see :func:`synkhronos.timeline`.
 
     Returns
     -------
@@ -105,9 +112,12 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     threads = threads_per_device or max(1, cores // n_parallel)
     if spin_us is None:
         spin_us = 2000 if n_parallel <= cores else 0
-    master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
-                          spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
-                          collectives=implementation))
+    state = master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
+                                  spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
+                                  collectives=implementation,
+                                  timeline=None if timeline is None else os.fspath(timeline)))
+    if timeline is not None:
+        state.start_timeline()
     return n_parallel
 
 
@@ -135,6 +145,37 @@ def _old_fork_options(options, platform):
 def distribute() -> None:
     """Ship every function to the workers and make their shared values equal the master's."""
     current().ship(sync_values=True)
+
+
+@contextmanager
+def timeline(path: str) -> Iterator[None]:
+    """Record what every rank does inside the ``with`` block; write it to ``path`` as Chrome trace JSON.
+
+    Every call, collective and device-loop step becomes a span on its rank's
+    track, split into its phases: on the master a call's ``plan``,
+    ``gather rows`` and ``compute`` (its own share), ``wait for devices`` and
+    ``reduce``; on a worker ``wait for the command``, ``gather rows``,
+    ``compute``, ``report``; a collective's ``prepare``, ``wait for the
+    go-ahead`` and ``execute``; a loop step's ``gather rows``, ``gradient``,
+    ``all-reduce``, ``update`` and ``sync``. Open the file in Perfetto
+    (ui.perfetto.dev) or ``chrome://tracing``. Recording costs a few
+    timestamps per span; when off, nothing.
+
+    Examples
+    --------
+    >>> with synk.timeline("trace.json"):          # doctest: +SKIP
+    ...     for idx in batches:
+    ...         train(x_data, y_data, batch=idx)
+    """
+    with master.lock():
+        state = current()
+        state.start_timeline()
+    try:
+        yield
+    finally:
+        with master.lock():
+            if state.is_open:
+                state.write_timeline(os.fspath(path))
 
 
 def close() -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import trace
 from ..device_arrays import private_empty
 from ..modes import Accumulator
 from ..scatter import chunk, gather_rows
@@ -102,6 +103,8 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
         # this path is shorter per process than the general one below
         values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
                               + [view_of(ref) for ref in plan.bcast])
+        if trace.on:
+            trace.mark("compute")
         return share.rows, [values[i] for i in plan.subset]
     scattered = [view_of(ref) for ref in plan.scattered]
     bcast = [view_of(ref) for ref in plan.bcast]
@@ -117,17 +120,25 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
                 for j, (v, ref) in enumerate(zip(scattered, plan.scattered))]
         args += bcast
         args += [rows_of(v, sliced, a - lo, b - lo, 0) for v in sliceables]
+        if trace.on:
+            trace.mark("gather rows")
         return args
 
+    def traced(result):
+        if trace.on:
+            trace.mark("compute")
+        return result
+
     if len(pieces) == 1:
-        values = compiled.run(args_for(lo, hi))
+        values = traced(compiled.run(args_for(lo, hi)))
         return share.rows, [values[i] for i in plan.subset]
     import jax.numpy as jnp
     outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
     for a, b in pieces:
         n = (b - a) if share.counts_rows else 1
-        values, new = compiled.run_deferred(args_for(a, b)) if upds else (compiled.run(args_for(a, b)), [])
+        values, new = traced(compiled.run_deferred(args_for(a, b)) if upds else
+                             (compiled.run(args_for(a, b)), []))
         for acc, v in zip(upds, new):
             acc.add(v, n)
         for acc, i in zip(outs, plan.subset):

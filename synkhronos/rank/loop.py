@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from .. import trace
 from ..device_arrays import to_device
 from ..scatter import chunk, gather_rows
 from ..wire.loop import LoopStats, epoch_order
@@ -137,26 +138,39 @@ class DeviceLoop:
         a, b = chunk(lo, hi, n, part)
         indices = self._order(epoch)[a:b]
         rows, batch_rows = b - a, hi - lo
+        if trace.on:
+            trace.begin("step", "step")
         start = time.perf_counter()
         bx, by = self.grad.gather_buffers[:2]
         x, y = self._gathered(self.x, bx, indices), self._gathered(self.y, by, indices)
+        if trace.on:
+            trace.mark("gather rows")
         # a rule without a gradient all-reduce steps on this rank's own mean gradient
         weight_rows = np.asarray(batch_rows if self.rule.reduces_gradient else rows * n,
                                  self._rows_dtype)
         loss = float(self.grad.run([x, y, weight_rows])[0])
+        if trace.on:
+            trace.mark("gradient")
         if self.rule.reduces_gradient:
-            synced = time.perf_counter()
+            reducing = time.perf_counter()
             reduced, = self._all_reduce_gradient([self.grad_var.container.storage[0]], "avg")
             self.comm.refresh()
             self.grad_var.container.storage[0] = reduced
-            self.sync_seconds += time.perf_counter() - synced
+            self.sync_seconds += time.perf_counter() - reducing
             stats.values[LoopStats.SYNCS] += 1
+            if trace.on:
+                trace.mark("all-reduce")
         self.update.run([])
         done = time.perf_counter()
+        if trace.on:
+            trace.mark("update")
         self.last_compute = done - start
-        if self.rule.after_update(self, rows, batch_rows):
+        synced = self.rule.after_update(self, rows, batch_rows)
+        if synced:
             self.sync_seconds += time.perf_counter() - done
             stats.values[LoopStats.SYNCS] += 1
+        if trace.on:
+            trace.end("sync" if synced else None, step=step, part=part, rows=rows)
         v = stats.values
         v[LoopStats.STEPS] += 1
         v[LoopStats.ROWS] += rows

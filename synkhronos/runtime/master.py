@@ -16,26 +16,28 @@ import atexit
 import functools
 import logging
 import os
+import pickle
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import randomness, shipping
+from .. import randomness, shipping, trace
 from ..comm import CommContext, Reservation, class_path
 from ..device_arrays import place_on_device
 from ..platform import jax_init
 from ..rank.collectives import prepare_collective
 from ..rank.executor import run_share
 from ..shmem import new_prefix
-from ..wire.collective import shapes_of
+from ..wire.collective import KIND_NAMES, shapes_of
 from ..wire.control import ARGS, Op, Words
 from ..wire.plan import PlanSlots
 from .channel import Channel
 from .data_store import DataStore
 from .processes import free_port, launch_worker, reap
 
-__all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "CLOSE_WAIT"]
+__all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",
+           "CLOSE_WAIT"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,11 @@ def serialized(fn):
         with _life.lock:
             return fn(*args, **kwargs)
     return locked
+
+
+def lock():
+    """The runtime's lock (re-entrant), for a caller that spans several commands: ``with lock(): ...``."""
+    return _life.lock
 
 
 def current():
@@ -130,6 +137,8 @@ class Settings:
     spin: float
     stall_timeout: float
     collectives: type
+    #: where fork(timeline=...) writes every rank's timeline at close, or None
+    timeline: str = None
 
 
 class State:
@@ -430,17 +439,28 @@ class State:
         ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
         the collective implementation first.
         """
+        since = trace.now() if trace.on else None
         self.ensure_shipped()
         comm, ctl = self.comm, self._channel.ctl
         comm.reserve(reservation or Reservation())
         fill(Words(ctl.args))
 
         def local_prepare():
-            return prepare_collective(comm, Words(ctl.args), self.master_rank, self.n_parallel,
-                                      self.master_rank, self.shared_by_uid, self.data.view,
-                                      self.data.index_view)
-        return [np.asarray(v) for v in self._channel.collective(local_prepare,
-                                                                comm.waits_in_python)]
+            execute = prepare_collective(comm, Words(ctl.args), self.master_rank, self.n_parallel,
+                                         self.master_rank, self.shared_by_uid, self.data.view,
+                                         self.data.index_view)
+            if trace.on:
+                trace.mark("prepare")
+            return execute
+        if not trace.on:
+            return [np.asarray(v) for v in self._channel.collective(local_prepare,
+                                                                    comm.waits_in_python)]
+        trace.begin("collective", KIND_NAMES.get(int(ctl.args[0]), "collective"), since)
+        try:
+            return [np.asarray(v) for v in self._channel.collective(local_prepare,
+                                                                    comm.waits_in_python)]
+        finally:
+            trace.end("execute")
 
     def all_shapes(self, vars_):
         """Per variable, its shape on every rank (one round trip)."""
@@ -473,6 +493,28 @@ class State:
             self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
             self._channel.command(Op.SET_SHARED, ranks=[rank])
 
+
+    # --- timeline ---------------------------------------------------------------------------
+    def start_timeline(self):
+        """Every rank starts recording its timeline (:mod:`synkhronos.trace`)."""
+        self.check_open()
+        trace.start()
+        self._channel.ctl.args[0] = 1
+        self._channel.command(Op.TIMELINE)
+
+    def stop_timeline(self):
+        """Every rank stops recording; return ``{rank: spans}``."""
+        self.check_open()
+        self._channel.ctl.args[0] = 0
+        self._channel.command(Op.TIMELINE)
+        spans = {self.master_rank: trace.stop()}
+        for rank in self.worker_ranks:
+            spans[rank] = pickle.loads(self._channel.read_result_arrays(rank)[0].tobytes())
+        return spans
+
+    def write_timeline(self, path):
+        """Stop recording and write every rank's timeline to ``path`` (Chrome trace JSON)."""
+        trace.write_chrome_trace(path, self.stop_timeline(), self.master_rank)
 
     # --- device-driven loops ----------------------------------------------------------------
     def new_loop_id(self):
@@ -521,9 +563,13 @@ class State:
             loop = master_loop()
             return loop.finish() if phase == "finish" else loop.run(first, last)
         threaded = not self.comm.waits_in_python and not spec.rule.asynchronous
+        if trace.on:
+            trace.begin("loop", f"train.run {phase}")
         try:
             own = self._channel.loop_phase(local, threaded)
         finally:
+            if trace.on:
+                trace.end(None, first=first, last=last)
             if phase == "finish" or not self.is_open:
                 self._loops.pop(spec.loop_id, None)
         if phase == "finish":
@@ -610,6 +656,12 @@ def end():
         state, _life.state = _life.state, None
         if state is not None:
             _life.closed_once = True
+            if state.settings.timeline and state.is_open:
+                try:
+                    state.write_timeline(state.settings.timeline)
+                except Exception:       # closing must not fail for the timeline's sake
+                    log.warning("the timeline could not be written to %s", state.settings.timeline,
+                                exc_info=True)
             state.stop()
             _restore_environment()
     finally:

@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from .. import randomness, shipping
+from .. import randomness, shipping, trace
 from ..comm import CommContext, comm_class
 from ..device_arrays import place_on_device
 from ..errors import exception_name
@@ -36,6 +36,10 @@ from .data_store import DataMirrors
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
+
+
+#: each command's name in the timeline
+_OP_NAMES = {code: name.lower() for name, code in list(vars(Op).items()) if name.isupper()}
 
 
 class MasterGone(SystemExit):
@@ -74,7 +78,7 @@ class Worker:
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
-                         Op.LOOP: self.loop, Op.STOP: lambda: None}
+                         Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STOP: lambda: None}
         self.loops = {}             # loop id -> this rank's DeviceLoop, from its first phase to finish
 
     def check_master(self):
@@ -85,8 +89,12 @@ class Worker:
         """The command loop; returns after STOP."""
         go = self.ctl.go[self.rank]
         while True:
+            waiting = trace.now() if trace.on else None
             go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
+            if trace.on:
+                trace.begin("command", _OP_NAMES.get(opcode, "command"), waiting)
+                trace.mark("wait for the command")
             try:
                 rows = self.handlers[opcode]()
                 self.report(Status.OK, rows or 0)
@@ -94,7 +102,10 @@ class Worker:
                 self.report_error(e)
             if self.pending_warnings:
                 self.report_warnings()
+            reported = trace.now() if trace.on else None
             self.ctl.done.post()
+            if reported is not None:       # the bookkeeping after the post: off the master's path
+                trace.end("report", at=reported)
             if opcode == Op.STOP:
                 return
 
@@ -200,13 +211,19 @@ class Worker:
         except Exception as e:
             error = e
             self.report_error(e)
+        if trace.on:
+            trace.mark("prepare")
         self.ctl.done.post()
         self.ctl.go[self.rank].wait(self.check_master, spin=self.spin, slice_=0.5)
+        if trace.on:
+            trace.mark("wait for the go-ahead")
         if self.ctl.header[ControlBlock.DECISION] != Decision.GO:
             if error is not None:
                 raise error
             return 0
         execute()
+        if trace.on:
+            trace.mark("execute")
         return 0
 
     def loop(self):
@@ -242,6 +259,15 @@ class Worker:
                 next_check[0] = now + every
                 self.check_master()
         return beat
+
+    def timeline(self):
+        """Start recording this rank's timeline, or stop and hand the master what it recorded."""
+        if self.ctl.args[0]:
+            trace.start()
+            return 0
+        spans = trace.stop()
+        self.write_arrays([np.frombuffer(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)])
+        return 0
 
     def get_shapes(self):
         uids = Words(self.ctl.args).get_list()

@@ -14,13 +14,15 @@ and every rank reads it back in :func:`synkhronos.rank.collectives.prepare_colle
 
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "ALL_REDUCE", "BROADCAST", "GATHER", "READ_DATA", "KEEP_ALL",
+__all__ = ["REDUCE_OPS", "ALL_REDUCE", "BROADCAST", "GATHER", "READ_DATA", "KIND_NAMES", "KEEP_ALL",
            "KEEP_MASTER", "RETURN", "dtype_groups", "shapes_of"]
 
 REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
 
 # collective kinds
 ALL_REDUCE, BROADCAST, GATHER, READ_DATA = range(1, 5)
+#: each kind's name in messages and timelines
+KIND_NAMES = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", GATHER: "gather", READ_DATA: "read_data"}
 # who keeps an all-reduce's or gather's result: every rank, the master, or nobody (returned)
 KEEP_ALL, KEEP_MASTER, RETURN = range(3)
 

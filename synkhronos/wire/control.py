@@ -40,6 +40,7 @@ class Op:
     COLLECTIVE = 7    # args: a collective (synkhronos.wire.collective)
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
     LOOP = 9          # payload: a LoopSpec and its phase (synkhronos.wire.loop) -> result: its stats
+    TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans (synkhronos.trace)
 
     @classmethod
     def name(cls, opcode):
