@@ -55,6 +55,8 @@ def main(argv=None):
     from bench import synk_bench
     n = synk.fork(2)
     overhead = synk_bench.call_overhead()
+    from bench import timeline_bench
+    recording = timeline_bench.overhead()
     allreduce = synk_bench.all_reduce(sizes, n)
     gathering = synk_bench.gathering(200_000, 4096, n)
     synk.close()
@@ -66,7 +68,8 @@ def main(argv=None):
     compile_times = {s: run_json([python(), "-m", "bench.compile_time", s]) for s in ("pytensor", "synk")}
 
     write_results(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
-                  loops.section(loop_results) + checkpoint_bench.section(saving))
+                  loops.section(loop_results) + checkpoint_bench.section(saving)
+                  + timeline_bench.section(recording))
     plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     print(open(os.path.join(HERE, "RESULTS.md")).read())

@@ -29,6 +29,7 @@ Examples
 """
 
 import argparse
+import contextlib
 import gzip
 import os
 import sys
@@ -208,7 +209,7 @@ def _stepper(variant, make_graph, static, params, data, lr, batch, n_devices):
 
 def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, data_path=None,
         plot=None, seed=0, progress=True, loop="master", sync_rule="allreduce", checkpoint_dir=None,
-        resume=False):
+        resume=False, timeline=None):
     """Train and return a dict with per-epoch curves, test accuracy and mean epoch time."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")
@@ -218,11 +219,24 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         raise ValueError("--loop device trains on data in shared memory: use it with --variant cpu")
     if checkpoint_dir is not None and variant == "single":
         raise ValueError("--checkpoint-dir saves synkhronos's devices: use it with --variant cpu or device")
+    if timeline is not None and variant == "single":
+        raise ValueError("--timeline records synkhronos's devices: use it with --variant cpu or device")
     data = load_data(data_path, seed)
     forked_here = False
     if variant != "single" and master.active() is None:
         synk.fork(devices)
         forked_here = True
+    recording = synk.timeline(timeline) if timeline else contextlib.nullcontext()
+    with recording:
+        history = _train(variant, model, epochs, batch, lr, data, seed, progress, loop, sync_rule,
+                         checkpoint_dir, resume, plot)
+    if forked_here:
+        synk.close()
+    return history
+
+
+def _train(variant, model, epochs, batch, lr, data, seed, progress, loop, sync_rule, checkpoint_dir,
+           resume, plot):
     n_devices = 1 if variant == "single" else master.current().n_parallel
     make_graph, params, static = build_model(model, data["side"], seed=seed)
     step = None if loop == "device" else \
@@ -244,8 +258,6 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
     if plot:
         label = f"{variant}" if loop == "master" else f"device loop, {sync_rule}"
         save_plot(history, plot, f"{model} / {label} / {n_devices} device(s)")
-    if forked_here:
-        synk.close()
     return history
 
 
@@ -365,10 +377,12 @@ def main(argv=None):
                    help="the sync rule of --loop device")
     p.add_argument("--checkpoint-dir", default=None, help="save a checkpoint there every epoch")
     p.add_argument("--resume", action="store_true", help="start from the checkpoint in --checkpoint-dir")
+    p.add_argument("--timeline", default=None,
+                   help="write every rank's timeline there (Chrome trace JSON: open it in Perfetto)")
     args = p.parse_args(argv)
     h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
             args.plot, loop=args.loop, sync_rule=args.sync, checkpoint_dir=args.checkpoint_dir,
-            resume=args.resume)
+            resume=args.resume, timeline=args.timeline)
     loop = "master loop" if args.loop == "master" else f"device loop, {args.sync}"
     print(f"test accuracy {h['test_acc']:.4f}  mean epoch time {np.mean(h['epoch_time']):.2f} s  "
           f"({args.model}, {args.variant}, {loop}, "

@@ -58,6 +58,16 @@ def test_the_demo_resumes_from_its_checkpoint_exactly(synk2, tmp_path, loop):
         close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_the_demo_writes_a_timeline(synk2, tmp_path):
+    """--timeline: the demo's calls and steps on both ranks, in a file Perfetto opens."""
+    import json
+    path = tmp_path / "trace.json"
+    mnist.run("cpu", "mlp", epochs=1, batch=128, lr=0.05, progress=False, timeline=str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
+    assert {"train_grad", "train_update", "evaluate_val"} <= {e["name"] for e in events}
+
+
 @pytest.mark.parametrize("batch", [50, 128])
 def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
     """Free rows: an uneven last split and num_slices=4 validation; the same curve as one process."""

@@ -8,6 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import synkhronos as synk  # noqa: E402
+from synkhronos.api import checkpoint  # noqa: E402
 from synkhronos.extensions import history, sync, train, updates  # noqa: E402
 
 CLASS_MEMBERS = {
@@ -34,7 +35,8 @@ def _entry(name, obj, level="###"):
 def render():
     out = ["# API reference", "",
            "Generated from the docstrings by `tools/gen_api_docs.py` (`make docs`); do not edit by hand.", ""]
-    sections = [("synkhronos", synk, synk.__all__),
+    sections = [("synkhronos", synk, [n for n in synk.__all__ if n != "checkpoint"]),
+                ("synkhronos.checkpoint", checkpoint, checkpoint.__all__),
                 ("synkhronos.extensions.updates", updates, updates.__all__),
                 ("synkhronos.extensions.train", train, train.__all__),
                 ("synkhronos.extensions.sync", sync, sync.__all__),

@@ -27,7 +27,7 @@ from .. import randomness
 from ..runtime.master import current, serialized
 from . import collectives
 
-__all__ = ["save", "restore", "default_variables", "FORMAT_VERSION"]
+__all__ = ["save", "restore", "read", "default_variables"]
 
 #: the layout version written into every checkpoint's metadata
 FORMAT_VERSION = 1
