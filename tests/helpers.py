@@ -248,3 +248,21 @@ class AnnouncingAllReduce(_AnnounceAtStart, AllReduce):
 
 class AnnouncingDownpour(_AnnounceAtStart, Downpour):
     pass
+
+
+class _FailOnRank1:
+    """Mixin for a sync rule: rank 1 raises ``ValueError`` after its third step."""
+
+    def after_update(self, loop, rows, batch_rows):
+        self._seen = getattr(self, "_seen", 0) + 1
+        if loop.rank == 1 and self._seen == 3:
+            raise ValueError("rank 1 gives up at its third step")
+        return super().after_update(loop, rows, batch_rows)
+
+
+class FailingAllReduce(_FailOnRank1, AllReduce):
+    pass
+
+
+class FailingDownpour(_FailOnRank1, Downpour):
+    pass

@@ -14,8 +14,8 @@ from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
 from synkhronos.scatter import chunk
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import (AnnouncingAllReduce, AnnouncingDownpour, SlowAllReduce, SlowDownpour,
-                     SlowEASGD, SlowRateLimited, close, wait_for_marker)
+from helpers import (AnnouncingAllReduce, AnnouncingDownpour, FailingAllReduce, FailingDownpour,
+                     SlowAllReduce, SlowDownpour, SlowEASGD, SlowRateLimited, close, wait_for_marker)
 from test_extensions import mlp
 
 pytestmark = pytest.mark.timeout(300)
@@ -315,6 +315,29 @@ def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
                                       or any(n.startswith(prefix) for n in synk_segments())):
         time.sleep(0.1)
     assert not {p for p, _ in child_pids()} & set(pids)
+    assert not [n for n in synk_segments() if n.startswith(prefix)]
+
+
+@pytest.mark.parametrize("failing", [FailingAllReduce, FailingDownpour])
+def test_a_device_raising_mid_run_ends_it_with_its_error(rng, failing):
+    """Peers may be waiting for it mid-step: the runtime is shut down, the error names the rank."""
+    if master.active() is None:
+        synk.fork(N_PARALLEL)
+    rt = master.current()
+    prefix = rt.prefix
+    x_np, y_np = digits_like(rng, 400)
+    X, y, loss, params, _ = mlp(seed=13)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.01)
+    synk.distribute()
+    start = time.time()
+    with pytest.raises(synk.WorkerError, match="rank 1 gives up") as info:
+        train.run(step, x_np, y_np, 20, epochs=50, sync=failing())
+    assert time.time() - start < 10
+    assert info.value.rank == 1 and isinstance(info.value, ValueError)
+    assert master.active() is None
+    deadline = time.time() + 10
+    while any(n.startswith(prefix) for n in synk_segments()) and time.time() < deadline:
+        time.sleep(0.1)
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 

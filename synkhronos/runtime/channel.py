@@ -263,10 +263,12 @@ class Channel:
                 self.on_fault()
                 raise WorkerError.from_exception(self.master_rank, error) from error
             self._wait_watched(ranks, watch)
+            watch(force=True)    # a worker that failed after the others finished: as during the phase
         finally:
             self._collective_watch = None
         self._raise_worker_errors(ranks)
         return result
+
 
     def _loop_watch(self, ranks, what, poll=0.02):
         """The loop's check: workers alive, none failed, and steps still being made.
@@ -276,9 +278,9 @@ class Channel:
         status = self.ctl.status
         last = {"at": 0.0, "moved": time.time(), "progress": None}
 
-        def check():
+        def check(force=False):
             now = time.time()
-            if now < last["at"] + poll:
+            if now < last["at"] + poll and not force:
                 return
             last["at"] = now
             self._check_alive(ranks, what)
