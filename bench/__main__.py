@@ -116,6 +116,9 @@ def training_rounds(rounds, batches, steps):
                       "synk_ratio": {str(h): _median_ratio(runs["core_synk"], runs["core_torch"], str(h))
                                      for h in halves}}
     result["torch_version"] = next((r["torch"] for r in runs["torch"] if "torch" in r), None)
+    from synkhronos import rewrites
+    result["products"] = dict(rewrites.products_measured, rewrite=rewrites.use_cpu_rewrite()) \
+        if rewrites.products_measured else {}
     result["rounds"] = rounds
     result["ratios"] = {str(b): {f"{x}/{y}": _median_ratio(runs[x], runs[y], str(b))
                                  for x, y in (("bound", "torch"), ("shared", "torch"),
@@ -268,8 +271,16 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
           "other's threads. Which is faster depends on the step; both are reported. (d) runs one "
           "process with JAX's default thread pool over its 2 host devices."]
     core = synk_train["core"]
+    products = synk_train.get("products") or {}
+    if products:
+        chosen = "numpy's BLAS (the CPU rewrite)" if products["rewrite"] else "XLA's own (no rewrite)"
+        L += ["", f"Products: synkhronos ran {chosen}. At start-up the master timed "
+              f"`x @ w` + `x.T @ d` ({' x '.join(map(str, products['shape']))}, float32, its share of "
+              f"the cores): XLA {1000 * products['xla_s']:.1f} ms, numpy's BLAS "
+              f"{1000 * products['blas_s']:.1f} ms, and every rank compiles with the faster "
+              "(`synkhronos.rewrites.use_cpu_rewrite`)."]
     L += ["", "Where the compute goes: the same step in one process bound to one core (the per-device "
-          "batch), PyTensor's JAX code (plain, and with the CPU rewrite synkhronos compiles with: "
+          "batch), PyTensor's JAX code (plain, and with the CPU rewrite forced on: "
           "`synkhronos/rewrites.py`) against PyTorch's:", "",
           "| rows | PyTensor (JAX), 1 core (samples/s) | + synkhronos CPU rewrite, 1 core | "
           "PyTorch, 1 core (samples/s) | JAX / PyTorch | with rewrite / PyTorch |",

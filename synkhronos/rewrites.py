@@ -10,7 +10,10 @@ bench/RESULTS.md). Smaller products stay in XLA, a transposed left operand
 there through :class:`TransposedDot`'s tiled transposes (XLA runs a skinny
 ``A.T @ B``, an output layer's gradient, far slower than transposed first).
 
-The callback needs numpy's BLAS limited to this process's share of the cores
+Whether that pays depends on the CPU: on some, XLA's products are the faster
+ones. The master times both once (:func:`use_cpu_rewrite`) and every rank
+compiles with the faster. The callback needs numpy's BLAS limited to this
+process's share of the cores
 (:func:`synkhronos.platform.cpu_blas.limit_blas_threads`); without that, products stay in
 XLA. GPUs take transposed operands natively and multiply on the device; there
 the rewrite is left out (see :func:`compile_mode`).
@@ -29,7 +32,8 @@ from pytensor.tensor.math import Dot
 from .platform.cpu_blas import blas_threads
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
-           "REWRITE_TAG", "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
+           "use_cpu_rewrite", "set_cpu_rewrite", "products_measured", "REWRITE_TAG",
+           "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
 
 #: products of at least this many flops run in numpy's BLAS (a host callback costs tens of µs)
 HOST_BLAS_MIN_FLOPS = 1 << 24
@@ -250,14 +254,76 @@ def _install():
 def compile_mode(platform):
     """The PyTensor mode synkhronos compiles with on ``platform`` ("cpu", "gpu", ...).
 
-    The first call registers synkhronos's rewrite with PyTensor, under a tag no
-    other mode includes.
+    On CPU the rewrite is included when :func:`use_cpu_rewrite` says it pays on
+    this machine. The first call registers synkhronos's rewrite with PyTensor,
+    under a tag no other mode includes.
 
     Examples
     --------
+    >>> set_cpu_rewrite(True)
     >>> compile_mode("cpu").provided_optimizer.include >= {"synk_cpu_dots"}
     True
+    >>> set_cpu_rewrite(None)
     """
     _install()
     mode = get_mode("JAX")
-    return mode.including(REWRITE_TAG) if platform == "cpu" else mode
+    return mode.including(REWRITE_TAG) if platform == "cpu" and use_cpu_rewrite() else mode
+
+
+#: whether this process compiles with the CPU rewrite: None until decided (see use_cpu_rewrite)
+_cpu_rewrite = None
+#: what the decision was made from (seconds per product), for reports
+products_measured = {}
+
+
+def set_cpu_rewrite(on):
+    """Compile with the CPU rewrite (True), without it (False), or decide by measuring (None).
+
+    Every rank of a runtime must decide alike: the master measures, and the
+    workers are told (they receive the master's decision with the functions).
+    """
+    global _cpu_rewrite
+    _cpu_rewrite = on
+
+
+def use_cpu_rewrite():
+    """Whether CPU functions compile with the rewrite; measured once per process if undecided.
+
+    Large products in numpy's BLAS beat XLA's CPU products on some CPUs and
+    lose on others; the first call times one large product and its
+    weight-gradient form (``h.T @ d``) both ways, on this process's share of
+    the cores, and keeps the faster (:data:`products_measured` says what it
+    found). Without a BLAS synkhronos can limit, the rewrite is left out.
+    """
+    global _cpu_rewrite
+    if _cpu_rewrite is None:
+        if blas_threads() is None:
+            _cpu_rewrite = False
+        else:
+            products_measured.update(_time_products())
+            _cpu_rewrite = products_measured["blas_s"] < products_measured["xla_s"]
+    return _cpu_rewrite
+
+
+def _time_products(rows=512, k=1024, cols=1024, repeat=3):
+    """Best-of-``repeat`` seconds of ``x @ w`` plus ``x.T @ d`` in XLA and in numpy's BLAS."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    x, w, d = (rng.random(shape, dtype=np.float32) for shape in ((rows, k), (k, cols), (rows, cols)))
+    xla = jax.jit(lambda x, w, d: (x @ w, x.T @ d))
+    jx, jw, jd = (jnp.asarray(v) for v in (x, w, d))
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return dict(xla_s=best(lambda: jax.block_until_ready(xla(jx, jw, jd))),
+                blas_s=best(lambda: (np.dot(x, w), np.dot(x.T, d))),
+                shape=(rows, k, cols))

@@ -7,6 +7,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
+from synkhronos import rewrites
 from helpers import close, reference
 from synkhronos.platform.cpu_blas import blas_threads
 from synkhronos.platform.internals import jit_parts
@@ -14,6 +15,34 @@ from synkhronos.rewrites import (HOST_BLAS_MIN_FLOPS, BlasDot, TransposedDot, co
                                  tiled_transpose, transposed_dot)
 
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def with_the_rewrite():
+    """These tests are about the rewrite: on, whatever this machine's measurement chose."""
+    chosen = rewrites._cpu_rewrite
+    rewrites.set_cpu_rewrite(True)
+    yield
+    rewrites.set_cpu_rewrite(chosen)
+
+
+def test_the_rewrite_is_chosen_by_timing_both_products(synk2):
+    """The master times XLA's products and numpy's BLAS once and keeps the faster, for every rank."""
+    chosen = rewrites._cpu_rewrite
+    try:
+        rewrites.set_cpu_rewrite(None)
+        rewrites.products_measured.clear()
+        decided = rewrites.use_cpu_rewrite()
+        measured = rewrites.products_measured
+        assert measured["xla_s"] > 0 and measured["blas_s"] > 0
+        assert decided == (measured["blas_s"] < measured["xla_s"])
+        x, w = pt.matrix("x"), pt.matrix("w")
+        f = synk.function([x], ((x @ w).sum(), "sum"), bcast_inputs=[w], name="chosen_products")
+        assert ("BlasDot" in ops_of(f.compiled.function)) == decided
+        X, W = np.ones((4, 3)), np.ones((3, 2))
+        close(f(X, W), f.as_pytensor(X, W))
+    finally:
+        rewrites.set_cpu_rewrite(chosen)
 
 
 def ops_of(fn):

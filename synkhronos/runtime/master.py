@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import randomness, shipping, trace
+from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
 from ..device_arrays import place_on_device
 from ..platform import jax_init
@@ -364,7 +364,10 @@ class State:
             entry = self._shared.get(id(obj))
             return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
 
-        payload = dict(functions=specs, shared=new_shared, values=values, float_x=self.float_x())
+        # every rank compiles as the master does: with its precision and its choice of products
+        cpu_rewrite = rewrites.use_cpu_rewrite() if self.platform == "cpu" else False
+        payload = dict(functions=specs, shared=new_shared, values=values, float_x=self.float_x(),
+                       cpu_rewrite=cpu_rewrite)
         graph_vars = [v for spec in specs for v in spec.graph_vars()]
         try:
             blob = shipping.dumps(payload, graph_vars, uid_of_shipped)

@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from .. import randomness, shipping, trace
+from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, comm_class
 from ..device_arrays import place_on_device
 from ..errors import exception_name
@@ -149,6 +149,7 @@ class Worker:
         self._run_share = run_share
         payload = shipping.loads(self.payload_bytes(), self.shared)
         jax_init.set_precision(payload["float_x"])   # the master's, so every rank computes alike
+        rewrites.set_cpu_rewrite(payload["cpu_rewrite"])
         self.shared.update(payload["shared"])
         self._set_values({uid: var.get_value(borrow=True) for uid, var in payload["shared"].items()
                           if randomness.is_generator(var)})      # this rank's own streams
