@@ -39,8 +39,21 @@ def machine():
     import jax
     import pytensor
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} cores, {mem:.0f} GiB, {platform.machine()}, Python {platform.python_version()}, "
-            f"numpy {np.__version__}, jax {jax.__version__}, pytensor {pytensor.__version__}")
+    return (f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.machine()}, Python "
+            f"{platform.python_version()}, numpy {np.__version__}, jax {jax.__version__}, pytensor "
+            f"{pytensor.__version__}")
+
+
+def cpu_model():
+    """The CPU's model name (from /proc/cpuinfo), or the architecture."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main(argv=None):
@@ -263,6 +276,20 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
         L.append(f"| {b} | {_fmt(single, k)} | {_fmt(bound, k)} | {_fmt(shared, k)} | {_fmt(torch, k)} | "
                  f"{_fmt(shard, k)} | {ratio('bound/torch', b)}, {ratio('shared/torch', b)} | "
                  f"{ratio('bound/single', b)}, {ratio('shared/single', b)} |")
+    core = synk_train["core"]
+    L += ["", "Parallel efficiency: 2-device samples/s over twice the samples/s of one process on one "
+          "core with the per-device batch (plain PyTensor, the table below):", "",
+          "| global batch | synkhronos (b) | PyTorch DDP (c, over PyTorch on 1 core) | JAX shard_map (d) | "
+          "goal ≥ 0.95 |", "|---|---|---|---|---|"]
+    for b in batches:
+        k, h = str(b), str(b // 2)
+
+        def efficiency(result, per_core):
+            value, one = (result or {}).get(k), (per_core or {}).get(h)
+            return value / (2 * one) if value and one else float("nan")
+        e_synk = efficiency(bound, core["jax"])
+        L.append(f"| {b} | {e_synk:.2f} | {efficiency(torch, core['torch']):.2f} | "
+                 f"{efficiency(shard, core['jax']):.2f} | {'met' if e_synk >= 0.95 else 'not met'} |")
     L += ["", f"Each figure is the median of {synk_train['rounds']} rounds in which every variant ran once, "
           "in turn; each ratio is the median of the per-round ratios. (b) is the default: each "
           "process's XLA CPU pool has `cores // n_parallel` threads bound to its own cores "
@@ -270,7 +297,6 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
           "over every core, so a process that waits (its all-reduce, Python) leaves its cores to the "
           "other's threads. Which is faster depends on the step; both are reported. (d) runs one "
           "process with JAX's default thread pool over its 2 host devices."]
-    core = synk_train["core"]
     products = synk_train.get("products") or {}
     if products:
         chosen = "numpy's BLAS (the CPU rewrite)" if products["rewrite"] else "XLA's own (no rewrite)"
