@@ -153,6 +153,11 @@ _PLANS_KEPT = 16
 _INDICES = object()
 
 
+def _input_ref(d, offset=0):
+    """Where a call reads the Data ``d`` (its rows from ``offset`` on)."""
+    return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
+
+
 class Function:
     """A data-parallel PyTensor function, made by :func:`function`.
 
@@ -242,11 +247,7 @@ class Function:
         n = len(self.spec.inputs)
         if len(values) != n:
             raise TypeError(f"{self.name} takes {n} scattered inputs, got {len(values)} values")
-        refs = []
-        for i, value in enumerate(values):
-            d = self._as_data(i, value)
-            refs.append(InputRef(d.id, d.gen, dtype_code(d.dtype), 0, d.shape))
-        return refs
+        return [_input_ref(self._as_data(i, value)) for i, value in enumerate(values)]
 
     # --- calling ---------------------------------------------------------------------------
     @serialized
@@ -290,24 +291,17 @@ class Function:
         if not state.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
                             f"build it again from picklable ops")
-        if trace.on:
-            return self._traced_call(state, plan, output_subset, since)
-        outputs = self._reduce(plan, *state.run_call(plan, result_record(self.spec, plan)))
-        if self._scratch:
-            release_large_staging(self._scratch)
-        return outputs[0] if (self._bare and output_subset is None) else outputs
-
-    def _traced_call(self, state, plan, output_subset, since):
-        """A call recorded in the timeline (``synk.timeline``): its phases on this rank."""
-        trace.begin("call", self.name, since)
-        trace.mark("plan")           # validation and planning
+        if since is not None:          # recording a timeline: this call's phases on this rank
+            trace.begin("call", self.name, since)
+            trace.mark("plan")
         try:
-            record = result_record(self.spec, plan)
-            rows, columns = state.run_call(plan, record)
-            trace.mark("wait for devices")
+            rows, columns = state.run_call(plan, result_record(self.spec, plan))
+            if since is not None:
+                trace.mark("wait for devices")
             outputs = self._reduce(plan, rows, columns)
         finally:
-            trace.end("reduce")
+            if since is not None:
+                trace.end("reduce")
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
@@ -361,12 +355,9 @@ class Function:
                              f"device: {rows}): it would skip its updates and its state would drift; "
                              f"give at least one row per device")
 
-        def ref(d, offset):
-            return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
-
         return CallPlan(spec.fid, num_slices, batch_plan, subset,
-                        [ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
-                        [ref(d, 0) for d in datas[n_scat:]], sliced)
+                        [_input_ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
+                        [_input_ref(d) for d in datas[n_scat:]], sliced)
 
     def _plan_batch_s(self, batch_s, batch_plan):
         """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""

@@ -71,6 +71,16 @@ class Center:
             for lock in [self._claim_lock, *self._locks]:
                 lock.post()            # a mutex starts free
 
+    @classmethod
+    def of(cls, name, params, create, check=lambda: None):
+        """The center of the shared variables ``params``, one block each, shaped like their values.
+
+        The creator (``create=True``, the master) fills it with their values now.
+        """
+        values = [np.asarray(p.container.storage[0]) for p in params]
+        return cls(name, [v.shape for v in values], [p.type.dtype for p in params],
+                   initial=values if create else None, check=check)
+
     @contextmanager
     def _held(self, lock):
         lock.wait(self.check, spin=20e-6, slice_=0.1)

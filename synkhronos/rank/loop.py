@@ -19,6 +19,7 @@ import numpy as np
 from .. import trace
 from ..device_arrays import to_device
 from ..scatter import chunk, gather_rows
+from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
@@ -44,8 +45,8 @@ class DeviceLoop:
         Numpy view of a Data by :class:`~synkhronos.wire.plan.InputRef`.
     comm : Comm
         This rank's collective implementation (synchronous rules).
-    center : callable or None
-        ``center(shapes, dtypes)`` maps the central parameters (asynchronous rules).
+    center : Center or None
+        The central parameters (asynchronous rules).
     beat : callable
         Called after every step (progress for the master's watch, liveness checks).
     """
@@ -60,9 +61,7 @@ class DeviceLoop:
         self.params = [var_of(uid) for uid in spec.param_uids]
         self.state_vars = [var_of(uid) for uid in spec.state_uids]
         self.x, self.y = view_of(spec.x), view_of(spec.y)
-        self.comm, self.beat = comm, beat
-        self.center = center([np.shape(v.container.storage[0]) for v in self.params],
-                             [v.type.dtype for v in self.params]) if center else None
+        self.comm, self.center, self.beat = comm, center, beat
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
         grad = self.grad_var.container.storage[0]
         self._all_reduce_gradient = comm.all_reduce_host if \
@@ -101,13 +100,11 @@ class DeviceLoop:
                 value = value.astype(var.type.dtype)
             var.container.storage[0] = value
 
-    def all_reduce(self, values, op):
-        """Reduce host or device ``values`` over the ranks (one launch per dtype)."""
+    def all_reduce(self, variables, values, op):
+        """Reduce ``values`` (host or device, one per shared variable of ``variables``) over the
+        ranks, one launch per dtype."""
         out = [None] * len(values)
-        groups = {}
-        for i, v in enumerate(values):
-            groups.setdefault(np.dtype(v.dtype), []).append(i)
-        for idx in groups.values():
+        for idx in dtype_groups(variables):
             for i, r in zip(idx, self.comm.all_reduce([values[i] for i in idx], op)):
                 out[i] = r
         self.comm.refresh()
@@ -176,7 +173,6 @@ class DeviceLoop:
         v[LoopStats.ROWS] += rows
         v[LoopStats.LOSS_SUM] += loss * rows
         self.beat()
-
 
     def run(self, first, last):
         """Run global steps ``[first, last)``; return this rank's :class:`LoopStats` array."""

@@ -79,7 +79,13 @@ class Rule:
         return False
 
     def finish(self, loop):
-        """Every rank, once every rank's last step is done: leave the final parameters."""
+        """Every rank, once every rank's last step is done: leave the final parameters.
+
+        A centred rule's devices all take the center.
+        """
+        center = self.center_values(loop)
+        if center is not None:
+            loop.set_values(loop.params, center)
 
     def center_values(self, loop):
         """The center's values now (copies), or None for a rule without one."""
@@ -154,7 +160,7 @@ class Average(Rule):
         weight = self._mine / self._all
         variables = loop.params + (loop.state_vars if self.state else [])
         values = [np.asarray(v.container.storage[0]) * weight for v in variables]
-        loop.set_values(variables, loop.all_reduce(values, "sum"))
+        loop.set_values(variables, loop.all_reduce(variables, values, "sum"))
         self._steps = self._mine = self._all = 0
 
     def finish(self, loop):
@@ -210,7 +216,7 @@ class EASGD(Rule):
         local = loop.param_values()
         pulls = [self.alpha * (x - c) for x, c in zip(local, self._center)]
         loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
-        for c, total in zip(self._center, loop.all_reduce(pulls, "sum")):
+        for c, total in zip(self._center, loop.all_reduce(loop.params, pulls, "sum")):
             c += np.asarray(total, c.dtype)
 
     def _exchange_with_center(self, loop):
@@ -227,9 +233,6 @@ class EASGD(Rule):
     def center_values(self, loop):
         return loop.center.values() if self.asynchronous else [c.copy() for c in self._center]
 
-    def finish(self, loop):
-        loop.set_values(loop.params, self.center_values(loop))
-
 
 class _CentralRule(Rule):
     """An asynchronous rule whose devices push to and pull from central parameters."""
@@ -239,8 +242,18 @@ class _CentralRule(Rule):
     def center_values(self, loop):
         return loop.center.values()
 
-    def finish(self, loop):
-        loop.set_values(loop.params, self.center_values(loop))
+    @staticmethod
+    def _push_and_pull(loop, pushes, push):
+        """For every parameter block: ``push(center, pushes[i])`` in place under its lock, then the
+        device takes the center. Returns the pulled device arrays."""
+        center, pulled = loop.center, []
+        for i, value in enumerate(pushes):
+            with center.locked(i):
+                push(center.blocks[i], value)
+                pulled.append(loop.device_copy(center.blocks[i]))
+        center.count_exchange()
+        loop.set_values(loop.params, pulled)
+        return pulled
 
 
 class Downpour(_CentralRule):
@@ -272,16 +285,8 @@ class Downpour(_CentralRule):
         self._steps += 1
         if self._steps % self.every:
             return False
-        center, pulled = loop.center, []
-        for i, (x, last) in enumerate(zip(loop.param_values(), self._pulled)):
-            push = x - np.asarray(last)
-            with center.locked(i):
-                c = center.blocks[i]
-                c += push
-                pulled.append(loop.device_copy(c))
-        center.count_exchange()
-        self._pulled = pulled
-        loop.set_values(loop.params, pulled)
+        updates = [x - np.asarray(last) for x, last in zip(loop.param_values(), self._pulled)]
+        self._pulled = self._push_and_pull(loop, updates, np.ndarray.__iadd__)
         return True
 
 
@@ -326,15 +331,10 @@ class RateLimited(_CentralRule):
             loop.skipped += 1
             return False
         start = time.perf_counter()
-        center, pulled = loop.center, []
-        for i, x in enumerate(loop.param_values()):
-            push = self.beta * x
-            with center.locked(i):
-                c = center.blocks[i]
-                c *= self.alpha
-                c += push
-                pulled.append(loop.device_copy(c))
-        center.count_exchange()
-        loop.set_values(loop.params, pulled)
+        self._push_and_pull(loop, [self.beta * x for x in loop.param_values()], self._blend)
         self._last_cost = time.perf_counter() - start
         return True
+
+    def _blend(self, center, pushed):
+        center *= self.alpha
+        center += pushed

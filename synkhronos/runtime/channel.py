@@ -269,7 +269,6 @@ class Channel:
         self._raise_worker_errors(ranks)
         return result
 
-
     def _loop_watch(self, ranks, what, poll=0.02):
         """The loop's check: workers alive, none failed, and steps still being made.
 

@@ -455,15 +455,14 @@ class State:
             if trace.on:
                 trace.mark("prepare")
             return execute
-        if not trace.on:
-            return [np.asarray(v) for v in self._channel.collective(local_prepare,
-                                                                    comm.waits_in_python)]
-        trace.begin("collective", KIND_NAMES.get(int(ctl.args[0]), "collective"), since)
+        if since is not None:
+            trace.begin("collective", KIND_NAMES.get(int(ctl.args[0]), "collective"), since)
         try:
             return [np.asarray(v) for v in self._channel.collective(local_prepare,
                                                                     comm.waits_in_python)]
         finally:
-            trace.end("execute")
+            if since is not None:
+                trace.end("execute")
 
     def all_shapes(self, vars_):
         """Per variable, its shape on every rank (one round trip)."""
@@ -495,7 +494,6 @@ class State:
         else:
             self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
             self._channel.command(Op.SET_SHARED, ranks=[rank])
-
 
     # --- timeline ---------------------------------------------------------------------------
     def start_timeline(self):
@@ -558,8 +556,7 @@ class State:
                 loop = self._loops[spec.loop_id] = DeviceLoop(
                     spec, self.master_rank, self.n_parallel, self.master_rank,
                     self._compiled.__getitem__, self.shared_by_uid, self.data.view, self.comm,
-                    (lambda shapes, dtypes: self._centers.pop(spec.loop_id)) if spec.center else None,
-                    self._channel.check_during_collective)
+                    self._centers.pop(spec.loop_id, None), self._channel.check_during_collective)
             return loop
 
         def local():
@@ -594,10 +591,8 @@ class State:
     def _new_center(self, spec):
         """The loop's central parameters, made from the master's values."""
         from ..rank.center import Center
-        params = [self.shared_by_uid(uid) for uid in spec.param_uids]
-        values = [np.asarray(p.container.storage[0]) for p in params]
-        return Center(spec.center, [v.shape for v in values], [p.type.dtype for p in params],
-                      initial=values, check=self._channel.check_during_collective)
+        return Center.of(spec.center, [self.shared_by_uid(uid) for uid in spec.param_uids],
+                         create=True, check=self._channel.check_during_collective)
 
     def _loop_reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""

@@ -29,17 +29,13 @@ from ..platform import jax_init
 from ..shmem import GrowableSegment, SegmentMirror
 from ..transport import pack_arrays, packed_nbytes, write_pickle
 from ..wire.collective import shapes_of
-from ..wire.control import ControlBlock, Decision, Op, Status, Words
+from ..wire.control import OP_NAMES, ControlBlock, Decision, Op, Status, Words
 from ..wire.plan import PlanMemo, result_record
 from .data_store import DataMirrors
 
 _PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger(__name__)
-
-
-#: each command's name in the timeline
-_OP_NAMES = {code: name.lower() for name, code in list(vars(Op).items()) if name.isupper()}
 
 
 class MasterGone(SystemExit):
@@ -93,7 +89,7 @@ class Worker:
             go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
             if trace.on:
-                trace.begin("command", _OP_NAMES.get(opcode, "command"), waiting)
+                trace.begin("command", OP_NAMES.get(opcode, "command"), waiting)
                 trace.mark("wait for the command")
             try:
                 rows = self.handlers[opcode]()
@@ -235,8 +231,8 @@ class Worker:
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)
         if loop is None:
-            center = (lambda shapes, dtypes: Center(spec.center, shapes, dtypes,
-                                                    check=self.check_master)) if spec.center else None
+            center = Center.of(spec.center, [self.shared[uid] for uid in spec.param_uids],
+                               create=False, check=self.check_master) if spec.center else None
             loop = self.loops[spec.loop_id] = DeviceLoop(
                 spec, self.rank, self.n_ranks, int(self.ctl.header[ControlBlock.MASTER_RANK]),
                 self.functions.__getitem__, self.shared.__getitem__, self.datas.view, self.comm(),

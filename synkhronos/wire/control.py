@@ -21,7 +21,7 @@ import numpy as np
 
 from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
 
-__all__ = ["ControlBlock", "Op", "Status", "Decision", "Words"]
+__all__ = ["ControlBlock", "Op", "OP_NAMES", "Status", "Decision", "Words"]
 
 ARGS = 1 << 16
 #: bytes per rank for a call's scalar results, written in place instead of packed
@@ -44,11 +44,11 @@ class Op:
 
     @classmethod
     def name(cls, opcode):
-        names = cls.__dict__.get("_names")
-        if names is None:
-            names = {v: k.lower() for k, v in vars(cls).items() if k.isupper()}
-            cls._names = names
-        return names.get(opcode, str(opcode))
+        return OP_NAMES.get(opcode, str(opcode))
+
+
+#: each opcode's name, for messages and timelines
+OP_NAMES = {code: name.lower() for name, code in vars(Op).items() if name.isupper()}
 
 
 class Status:

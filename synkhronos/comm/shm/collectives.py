@@ -85,8 +85,9 @@ class ShmComm(Comm):
         """Master, before the command: make every slot hold ``reservation.nbytes``.
 
         The one all-reduce result of ``reservation.result_bytes`` (if any) goes
-        to a shared region (a small one only when ``result_consumed``); the path (pipelined or published) of an all-reduce
-        of ``reservation.reduce_bytes`` is chosen here for every rank.
+        to a shared region (a small one only when ``result_consumed``); the path
+        (pipelined or published) of an all-reduce of ``reservation.reduce_bytes``
+        is chosen here for every rank.
         """
         slot = -(-int(reservation.nbytes) // SLOT_ALIGN) * SLOT_ALIGN
         regions_made = int(self.results.gens.sum())
