@@ -15,7 +15,8 @@ from synkhronos.runtime import master
 from synkhronos.scatter import chunk
 from conftest import N_PARALLEL, child_pids, synk_segments
 from helpers import (AnnouncingAllReduce, AnnouncingDownpour, FailingAllReduce, FailingDownpour,
-                     SlowAllReduce, SlowDownpour, SlowEASGD, SlowRateLimited, close, wait_for_marker)
+                     SLOW_RANK, SlowAllReduce, SlowDownpour, SlowEASGD, SlowRateLimited, close,
+                     wait_for_marker)
 from test_extensions import mlp
 
 pytestmark = pytest.mark.timeout(300)
@@ -256,24 +257,34 @@ def wide():
     return step, synk.data(data["x_train"]), synk.data(data["y_train"])
 
 
+#: rows per global step: enough compute per step that one exchange with the center stays a small part
+STRAGGLER_BATCH = 512
+
+
 def samples_per_s(wide, rule, steps=120):
     step, x_d, y_d = wide
-    history = train.run(step, x_d, y_d, 256, steps=steps, sync=rule, check_every=steps // 2)
+    history = train.run(step, x_d, y_d, STRAGGLER_BATCH, steps=steps, sync=rule, check_every=steps // 2)
     return history[-1]          # the second half: compiled, warm
 
 
 def test_asynchronous_rules_outpace_allreduce_with_a_straggler(wide):
     # compiled before anything is timed: every rank meets every row count, also those only an
     # asynchronous rule's claims give it (the last, smaller step's parts)
-    train.run(wide[0], wide[1], wide[2], 256, epochs=1)
+    train.run(wide[0], wide[1], wide[2], STRAGGLER_BATCH, epochs=1)
     for _ in range(3):
-        train.run(wide[0], wide[1], wide[2], 256, epochs=2, sync=sync.Downpour())
-    for _ in range(3):       # a shared machine: the best of three rounds
-        allreduce = samples_per_s(wide, SlowAllReduce())
-        ratios = {name: samples_per_s(wide, rule).samples_per_s / allreduce.samples_per_s
-                  for name, rule in [("downpour", SlowDownpour(every=1)),
-                                     ("easgd", SlowEASGD(alpha=0.5, every=1, asynchronous=True)),
-                                     ("ratelimited", SlowRateLimited(every_n_batches=1))]}
+        train.run(wide[0], wide[1], wide[2], STRAGGLER_BATCH, epochs=2, sync=sync.Downpour())
+    rules = {"downpour": lambda: SlowDownpour(every=1),
+             "easgd": lambda: SlowEASGD(alpha=0.5, every=1, asynchronous=True),
+             "ratelimited": lambda: SlowRateLimited(every_n_batches=1)}
+    best = {}                # a shared machine: each rule's best of up to five interleaved rounds
+    for _ in range(5):
+        for name, make in [("allreduce", SlowAllReduce)] + list(rules.items()):
+            check = samples_per_s(wide, make())
+            best[name] = max(best.get(name, 0.0), check.samples_per_s)
+            if name != "allreduce":          # the fast device trained on more of the rows
+                fast, slow = (check.rows_per_device[r] for r in (1 - SLOW_RANK, SLOW_RANK))
+                assert fast > 1.2 * slow, (name, check.rows_per_device)
+        ratios = {name: best[name] / best["allreduce"] for name in rules}
         if min(ratios.values()) >= 1.3:
             break
     print("samples/s over AllReduce's with a straggler:", ratios)
