@@ -19,10 +19,12 @@ from .api.collectives import (all_gather, all_reduce, broadcast, gather, get_len
                                get_value, reduce, scatter, set_value)
 from .api.data import Data, data
 from .api.function import Function, function
-from .api.lifecycle import close, distribute, fork, get_n_devices, get_n_gpu, timeline
+from .api.lifecycle import (close, distribute, fork, get_n_devices, get_n_gpu, local_devices, n_nodes,
+                            node_rank, timeline)
 from .errors import StallError, SynkError, WorkerError
 
-__all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "function", "Function",
+__all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "n_nodes", "node_rank",
+           "local_devices", "function", "Function",
            "data", "Data", "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "checkpoint", "timeline", "SynkError",
            "WorkerError", "StallError"]

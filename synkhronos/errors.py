@@ -35,6 +35,8 @@ class WorkerError(SynkError):
         The worker's exception message.
     worker_traceback : str
         The traceback formatted in the worker process.
+    node : int, optional
+        On several nodes, the node of the failing process.
 
     Examples
     --------
@@ -65,26 +67,30 @@ class WorkerError(SynkError):
         """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
         return cls.raised(rank, exception_name(e), str(e), "".join(traceback.format_exception(e)))
 
-    def __init__(self, rank, how, exc_type, message, worker_traceback=""):
+    def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None):
         self.rank = rank
         self.how = how
         self.exc_type = exc_type
         self.message = message
         self.worker_traceback = worker_traceback
-        text = f"rank {rank} {how}: {exc_type}: {message}"
+        self.node = node
+        where = f"rank {rank}" if node is None else f"rank {rank} (node {node})"
+        text = f"{where} {how}: {exc_type}: {message}"
         if worker_traceback:
             text += f"\n--- traceback in rank {rank} ---\n{worker_traceback.rstrip()}"
         super().__init__(text)
 
     def __reduce__(self):
         return (_rebuild_worker_error, (self.rank, self.how, self.exc_type, self.message,
-                                        self.worker_traceback))
+                                        self.worker_traceback, self.node))
 
 
-def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback):
+def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=None):
     if how == "raised":
-        return WorkerError.raised(rank, exc_type, message, worker_traceback)
-    return WorkerError(rank, how, exc_type, message, worker_traceback)
+        error = WorkerError.raised(rank, exc_type, message, worker_traceback)
+        error.node = node
+        return error
+    return WorkerError(rank, how, exc_type, message, worker_traceback, node)
 
 
 @functools.cache

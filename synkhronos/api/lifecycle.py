@@ -11,12 +11,15 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-from ..comm import Comm, comm_class, default_kind
-from ..platform import jax_init
+from ..comm import Comm, ShmComm, comm_class, default_kind
+from ..comm.hierarchical import HierarchicalComm
+from ..platform import cluster, jax_init
 from ..runtime import master
 from ..runtime.master import Settings, current, serialized
+from ..wire.topology import Topology
 
-__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "timeline"]
+__all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "timeline", "n_nodes",
+           "node_rank", "local_devices"]
 
 
 @serialized
@@ -27,13 +30,19 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
          **options) -> int:
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
+    On several nodes (a script started by ``python -m synkhronos.launch``, or
+    one task per node under Slurm or Open MPI) every node's script calls
+    ``fork`` alike; each starts its node's processes, and all of them join
+    one runtime (see :func:`n_nodes`).
+
     Parameters
     ----------
     n_parallel : int, optional
-        Number of devices (processes). Default: every GPU, or on a machine
-        without accelerators one CPU device per available core.
+        Number of devices (processes) of this node. Default: the launcher's
+        ``--devices-per-node``, else every GPU, or on a machine without
+        accelerators one CPU device per available core.
     master_rank : int
-        The rank of the calling process.
+        The rank of the calling process among its node's processes.
     platform : {"cpu", "gpu", None}
         JAX platform; default: GPU if a JAX GPU plugin finds one, else CPU.
     profile_workers : bool
@@ -66,7 +75,7 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     Returns
     -------
     int
-        The number of devices in use.
+        The number of devices in use, on every node together.
 
     Notes
     -----
@@ -95,8 +104,9 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
                            "cannot join the multi-process runtime; call synk.fork() before anything "
                            "runs a JAX computation or compiles a JAX-mode PyTensor function")
     platform = platform or jax_init.default_platform()
+    place = cluster.find_node()
     if n_parallel is None:
-        n_parallel = jax_init.count_devices(platform)
+        n_parallel = place.devices_per_node or jax_init.count_devices(platform)
     n_parallel = int(n_parallel)
     if n_parallel < 1:
         raise ValueError(f"n_parallel must be >= 1, got {n_parallel}")
@@ -105,6 +115,9 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     if not stall_timeout or stall_timeout <= 0:
         raise ValueError(f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}")
     implementation = comm_class(collectives or default_kind(platform))
+    topology = Topology(place.n_nodes, place.node_rank, n_parallel, place.coordinator)
+    if topology.several_nodes and implementation is ShmComm:
+        implementation = HierarchicalComm        # shared memory within each node only
     if platform not in implementation.platforms:
         raise ValueError(f"collectives={implementation.name!r} works on {list(implementation.platforms)}"
                          f", not on {platform!r}; use collectives='jax'")
@@ -115,10 +128,11 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     state = master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
                                   spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
                                   collectives=implementation,
-                                  timeline=None if timeline is None else os.fspath(timeline)))
+                                  timeline=None if timeline is None else os.fspath(timeline),
+                                  topology=topology))
     if timeline is not None:
         state.start_timeline()
-    return n_parallel
+    return state.n_parallel
 
 
 def _old_fork_options(options, platform):
@@ -196,3 +210,26 @@ def get_n_devices(platform: str | None = None) -> int:
 def get_n_gpu() -> int:
     """Number of GPUs, counted without creating a context here."""
     return jax_init.count_devices("gpu") if jax_init.has_gpu_plugin() else 0
+
+
+def n_nodes() -> int:
+    """How many nodes run the script (1 unless started on several; see :func:`fork`).
+
+    Examples
+    --------
+    >>> n = synk.fork()                           # doctest: +SKIP
+    >>> synk.n_nodes(), synk.node_rank(), synk.local_devices()   # doctest: +SKIP
+    (2, 1, 2)
+    """
+    return current().topology.n_nodes
+
+
+def node_rank() -> int:
+    """Which node this script runs on, from 0; its devices are global ranks
+    ``node_rank() * local_devices()`` on."""
+    return current().topology.node_rank
+
+
+def local_devices() -> int:
+    """The devices (processes) of this node; ``fork()`` returns those of every node."""
+    return current().topology.n_local

@@ -9,8 +9,8 @@ several nodes, say) is a subclass and an entry in :data:`synkhronos.comm.KINDS`.
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar, Sequence
 
 __all__ = ["Comm", "CommContext", "Reservation"]
 
@@ -30,6 +30,10 @@ class CommContext:
         implementation whose waits return to Python calls it between slices.
     spin : float
         Seconds a waiting process may poll before it sleeps.
+    topology : Topology, optional
+        On several nodes, where the process sits (``rank``, ``n_ranks`` and
+        ``master_rank`` are then global ranks, ``master_rank`` this node's
+        master's); None on one node.
     """
 
     prefix: str
@@ -38,6 +42,15 @@ class CommContext:
     master_rank: int
     check: Callable[[], None]
     spin: float = 0.0
+    topology: Any = None
+
+    def on_this_node(self):
+        """The context of this process among its node's processes only (local ranks)."""
+        t = self.topology
+        if t is None:
+            return self
+        return replace(self, rank=t.local_of(self.rank), n_ranks=t.n_local,
+                       master_rank=t.local_of(self.master_rank), topology=None)
 
 
 @dataclass(frozen=True)

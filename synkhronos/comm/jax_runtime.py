@@ -50,16 +50,20 @@ class JaxComm(Comm):
     context : CommContext
         Only the ranks are used: the JAX runtime watches its peers itself, and
         the master runs this rank's part in a thread it watches.
+    devices : list of jax.Device, optional
+        The devices taking part, in rank order (default: every device of the
+        runtime, by process); only their processes call the collectives.
     """
 
     name = "jax"
 
-    def __init__(self, context):
+    def __init__(self, context, devices=None):
         import jax
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec
         super().__init__(context)
-        devices = sorted(jax.devices(), key=lambda d: d.process_index)
+        if devices is None:
+            devices = sorted(jax.devices(), key=lambda d: d.process_index)
         if len(devices) != self.n_ranks:
             raise RuntimeError(f"the JAX runtime has {len(devices)} devices for {self.n_ranks} ranks")
         self.device = jax.local_devices()[0]

@@ -202,6 +202,10 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
     state = current()
     sync = AllReduce() if sync is None else sync
     f_grad, f_upd = _check_run_arguments(train_fn, sync, check_every, on_check)
+    if sync.asynchronous and state.topology.several_nodes:
+        raise ValueError(f"{sync!r} keeps its center in one node's shared memory and cannot span "
+                         f"{state.topology.n_nodes} nodes; across nodes use a synchronous rule "
+                         f"(AllReduce(), Average(every=k) or EASGD(asynchronous=False))")
     x_ref, y_ref = f_grad.input_refs(x_data, y_data)
     n_rows = x_ref.shape[0]
     if y_ref.shape[0] != n_rows:

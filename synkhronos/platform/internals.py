@@ -1,13 +1,18 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Three things have no public API and are reached for here only:
+Five things have no public API and are reached for here only:
 
 - a PyTensor function linked for JAX is one jitted function behind per-call
   bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
   that bookkeeping (:func:`synkhronos.rank.compiled.jitted_call`);
 - whether this process already made a JAX backend (``fork()`` must come first);
 - in a child made by ``os.fork()``, the JAX runtime objects it inherited, to be
-  kept alive and forgotten (:func:`detach_inherited_jax`).
+  kept alive and forgotten (:func:`detach_inherited_jax`);
+- JAX's cluster detection (Slurm, Open MPI, ...), which
+  ``jax.distributed.initialize()`` runs but does not hand out
+  (:func:`detect_jax_cluster`);
+- the client of JAX's coordination service, whose key-value store and list of
+  live tasks the masters of several nodes use (:func:`distributed_client`).
 
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
@@ -21,7 +26,7 @@ import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
-           "detach_inherited_jax"]
+           "detach_inherited_jax", "detect_jax_cluster", "distributed_client"]
 
 #: (lowest version, first version not supported) of each library whose internals are read here
 SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}
@@ -134,3 +139,31 @@ def detach_inherited_jax() -> None:
 
 
 check_versions()
+
+
+def detect_jax_cluster(timeout: int = 60):
+    """What JAX's own cluster detection finds: ``(name, coordinator, n_tasks, task)`` or None.
+
+    The environments are JAX's (Slurm, Open MPI, Kubernetes, Cloud TPU, ...);
+    the opt-in ones (mpi4py) are not tried. Importing JAX here makes no backend.
+    """
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:
+        return None
+    env = next((e for e in getattr(ClusterEnv, "_cluster_types", [])
+                if not e.opt_in_only_method and e.is_env_present()), None)
+    if env is None:
+        return None
+    address, n_tasks, task, _ = ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, timeout)
+    return env.__name__, address, n_tasks, task
+
+
+def distributed_client():
+    """This process's client of JAX's coordination service (after ``jax.distributed.initialize``)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("this process has not joined the JAX distributed runtime")
+    return client

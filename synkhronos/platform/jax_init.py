@@ -123,8 +123,20 @@ def _configure_jax(name, value):
     jax.config.update(name, value)
 
 
-def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64", threads=None):
+#: seconds without a heartbeat after which JAX's coordination service counts a process of several
+#: nodes as dead (a dead node is then named within the fault bound of ten seconds)
+NODE_HEARTBEAT_TIMEOUT = 4
+
+
+def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",
+                       threads=None, local_rank=None, n_local=None):
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
+
+    ``coordinator`` is the ``host:port`` of JAX's coordination service, which
+    process 0 serves, bound to that address only. ``local_rank`` and
+    ``n_local`` place the process among its node's processes (default: one
+    node, ``rank`` of ``n_ranks``); on several nodes a dead process is noticed
+    within :data:`NODE_HEARTBEAT_TIMEOUT` seconds.
 
     On CPU, the process keeps freed memory for reuse, numpy's BLAS gets the
     process's share of the cores and XLA's thread pool gets ``threads`` threads
@@ -137,7 +149,7 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
         # numpy's BLAS gets the process's own share of the cores even when XLA's pool spans them
         # all: OpenBLAS's threads wait spinning, and two processes' pools on the same cores slow
         # each other's steps down badly
-        share = max(1, (os.cpu_count() or 1) // n_ranks)
+        share = max(1, (os.cpu_count() or 1) // (n_local or n_ranks))
         cpu_blas.limit_blas_threads(min(threads, share) if threads else share)
     _configure_jax("jax_platforms", platform)
     set_precision(float_x)
@@ -151,16 +163,18 @@ def initialize_process(rank, n_ranks, port, platform, timeout, float_x="float64"
     # JAX's preemption service catches SIGTERM and only logs it (a `kill`, a scheduler's or `docker
     # stop`'s SIGTERM would no longer end the script); synkhronos has no use for it
     _configure_jax("jax_enable_preemption_service", False)
-    address = f"127.0.0.1:{port}"
-    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, rank):
+    local_rank = rank if local_rank is None else local_rank
+    several_nodes = n_local is not None and n_local != n_ranks
+    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, local_rank):
         jax.distributed.initialize(
-            coordinator_address=address,
-            coordinator_bind_address=address,   # loopback only, never all interfaces
+            coordinator_address=coordinator,
+            coordinator_bind_address=coordinator,   # the given address only, never all interfaces
             num_processes=n_ranks,
             process_id=rank,
-            local_device_ids=None if platform == "cpu" else [rank],
+            local_device_ids=None if platform == "cpu" else [local_rank],
             initialization_timeout=int(timeout),
-            heartbeat_timeout_seconds=max(10, int(timeout)),
+            heartbeat_timeout_seconds=(NODE_HEARTBEAT_TIMEOUT if several_nodes
+                                       else max(10, int(timeout))),
             shutdown_timeout_seconds=10,
         )
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here

@@ -47,11 +47,11 @@ def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
     return execute
 
 
-def _prepare_broadcast(comm, vars_, words, rank, master_rank):
+def _prepare_broadcast(comm, vars_, words, rank, root):
     shapes = [tuple(words.get_list()) for _ in vars_]
     groups = []
     for idx in dtype_groups(vars_):
-        if rank == master_rank:
+        if rank == root:
             values = [vars_[i].container.storage[0] for i in idx]
         else:
             # placeholders of the right shape, never read: np.empty touches no memory (device zeros
@@ -61,7 +61,7 @@ def _prepare_broadcast(comm, vars_, words, rank, master_rank):
 
     def execute():
         for idx, values in groups:
-            for i, v in zip(idx, comm.broadcast(values, master_rank)):
+            for i, v in zip(idx, comm.broadcast(values, root)):
                 _store(vars_[i], v)
         return []
     return execute
@@ -121,8 +121,13 @@ def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
     return execute
 
 
-def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup):
+def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup,
+                       root=None):
     """Prepare this rank's part of the collective encoded in ``words``; return its ``execute()``.
+
+    ``master_rank`` is the rank of this node's master (which keeps or returns
+    results); ``root``, the rank a broadcast sends from (default
+    ``master_rank``; on several nodes node 0's master).
 
     ``execute()`` runs the collective, waits until it is finished on this
     rank's device, and returns the results the master keeps (empty elsewhere).
@@ -133,7 +138,8 @@ def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of,
     if kind == ALL_REDUCE:
         execute = _prepare_all_reduce(comm, vars_, words, rank, master_rank)
     elif kind == BROADCAST:
-        execute = _prepare_broadcast(comm, vars_, words, rank, master_rank)
+        execute = _prepare_broadcast(comm, vars_, words, rank,
+                                     master_rank if root is None else root)
     elif kind == GATHER:
         execute = _prepare_gather(comm, vars_, words, rank, master_rank)
     elif kind == READ_DATA:

@@ -41,10 +41,16 @@ class Channel:
     on_fault : callable
         Called (with no arguments) before a fault is raised: a dead worker, a
         stall, Ctrl-C during a wait.
+    rank_offset : int
+        The global rank of local rank 0 (on several nodes); errors name global ranks.
+    node : int, optional
+        This node, named in errors on several nodes.
     """
 
-    def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault):
+    def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault, rank_offset=0,
+                 node=None):
         self.prefix = prefix
+        self.rank_offset, self.node = rank_offset, node
         self.n_ranks, self.master_rank = n_ranks, master_rank
         self.worker_ranks = [r for r in range(n_ranks) if r != master_rank]
         self.spin, self.stall_timeout = spin, stall_timeout
@@ -72,14 +78,16 @@ class Channel:
         self._raise_rank_errors(local_error, ranks)
         return local_result
 
-    def collective(self, local_prepare, waits_in_python):
+    def collective(self, local_prepare, waits_in_python, agree=None):
         """Run a collective in two phases: every rank prepares, then (if all could) executes.
 
         A rank that fails to prepare makes every rank skip the collective, so no
         rank waits in it for a peer that will never come; the runtime stays usable.
         The execution is watched: a dead rank, or one that does not finish within
         the stall timeout, shuts the runtime down with an error instead of a hang.
-        ``waits_in_python``: the collective implementation calls
+        ``agree(prepared, error)``, on several nodes, returns whether every
+        node prepared (raising this node's error, or naming the node that
+        failed, when not). ``waits_in_python``: the collective implementation calls
         :meth:`check_during_collective` while it waits (see
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
@@ -91,11 +99,15 @@ class Channel:
         self.wait_done(ranks, what="preparing a collective")
         failed = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] == Status.ERROR]
         go = local_error is None and not failed
+        elsewhere = None
+        if agree is not None:
+            go, elsewhere = agree(go)
         self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
         self.ctl.release(ranks)
         if not go:
             self.wait_done(ranks, what="skipping a collective")
             self._raise_rank_errors(local_error, ranks)
+            raise elsewhere
         if waits_in_python:
             result = self._run_inline_watched(execute, ranks, what="a collective")
         else:
@@ -152,8 +164,8 @@ class Channel:
         thread.join(max(0.0, deadline - time.time()))
         if thread.is_alive():
             self.on_fault()
-            raise StallError(what, arrived=sorted(ranks), missing=[self.master_rank],
-                             timeout=self.stall_timeout)
+            raise StallError(what, arrived=self._global(sorted(ranks)),
+                             missing=self._global([self.master_rank]), timeout=self.stall_timeout)
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -168,7 +180,8 @@ class Channel:
         if isinstance(local_error, SynkError):
             raise local_error
         if local_error is not None:
-            raise WorkerError.from_exception(self.master_rank, local_error) from local_error
+            raise self._named(WorkerError.from_exception(self.master_rank + self.rank_offset,
+                                                         local_error)) from local_error
         self._raise_worker_errors(ranks)
 
     def _raise_worker_errors(self, ranks):
@@ -178,7 +191,7 @@ class Channel:
                 self._forward_warnings(rank)
             if status[rank, ControlBlock.STATE] == Status.ERROR:
                 exc_type, message, tb = self.read_result_pickle(rank)
-                raise WorkerError.raised(rank, exc_type, message, tb)
+                raise self._named(WorkerError.raised(rank + self.rank_offset, exc_type, message, tb))
 
     def _forward_warnings(self, rank):
         """Show the warnings worker ``rank`` raised through this process's ``warnings``.
@@ -192,6 +205,13 @@ class Channel:
         for message, category, filename, lineno in caught:
             warnings.warn_explicit(message, category, filename, lineno,
                                    registry=self._warning_registry)
+
+    def _global(self, ranks):
+        return [r + self.rank_offset for r in ranks]
+
+    def _named(self, error):
+        error.node = self.node
+        return error
 
     # --- waiting ----------------------------------------------------------------------------
     def wait_done(self, ranks, what, deadline=None, spin=None):
@@ -219,8 +239,8 @@ class Channel:
                 arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
                 self.on_fault()
-                raise StallError(what, arrived=sorted(arrived + [self.master_rank]), missing=missing,
-                                 timeout=self.stall_timeout)
+                raise StallError(what, arrived=self._global(sorted(arrived + [self.master_rank])),
+                                 missing=self._global(missing), timeout=self.stall_timeout)
         return check
 
     def _check_alive(self, ranks, what):
@@ -229,9 +249,9 @@ class Channel:
         if dead:
             rank, code = next(iter(dead.items()))
             self.on_fault()
-            raise WorkerError(rank, "died", describe_exit(code),
+            raise WorkerError(rank + self.rank_offset, "died", describe_exit(code),
                               f"worker process ended during {what}; the runtime was shut down, "
-                              f"call synk.fork() to start again")
+                              f"call synk.fork() to start again", node=self.node)
 
     # --- device-driven loops ----------------------------------------------------------------
     def loop_phase(self, local, threaded):

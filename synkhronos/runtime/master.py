@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
+from ..errors import WorkerError
 from ..device_arrays import place_on_device
 from ..platform import jax_init
 from ..rank.collectives import prepare_collective
@@ -32,8 +33,10 @@ from ..shmem import new_prefix
 from ..wire.collective import KIND_NAMES, shapes_of
 from ..wire.control import ARGS, Op, Words
 from ..wire.plan import PlanSlots
+from ..wire.topology import Topology
 from .channel import Channel
 from .data_store import DataStore
+from .nodes import NodeLink
 from .processes import free_port, launch_worker, reap
 
 __all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",
@@ -125,7 +128,8 @@ class Settings:
     """A runtime's validated settings (see ``synk.fork`` for their meaning).
 
     ``spin`` and ``stall_timeout`` are in seconds; ``collectives`` is the
-    :class:`~synkhronos.comm.Comm` class.
+    :class:`~synkhronos.comm.Comm` class. ``n_parallel`` and ``master_rank``
+    are this node's (local); ``topology`` places the node among several.
     """
 
     n_parallel: int
@@ -139,25 +143,33 @@ class Settings:
     collectives: type
     #: where fork(timeline=...) writes every rank's timeline at close, or None
     timeline: str = None
+    topology: Topology = None
 
 
 class State:
     """Processes, segments and registries of one ``fork() ... close()`` session.
 
-    Read-only to the rest of the package: ``n_parallel``, ``master_rank``,
+    Read-only to the rest of the package: ``n_parallel`` (devices of every
+    node), ``master_rank`` (this process's global rank), ``topology``,
     ``platform``, ``comm_kind`` (the name of the collective implementation),
     ``prefix`` (every segment's name starts with it), ``worker_pids`` and
-    ``is_open``.
+    ``is_open``. ``worker_ranks`` and ``local_master`` are this node's local
+    ranks (the control channel's).
     """
 
     def __init__(self, settings):
         self.settings = settings
-        self.n_parallel, self.master_rank = settings.n_parallel, settings.master_rank
+        self.topology = settings.topology or Topology(1, 0, settings.n_parallel)
+        self.n_local, self.local_master = settings.n_parallel, settings.master_rank
+        self.n_parallel = self.topology.n_devices
+        self.master_rank = self.topology.global_rank(self.local_master)
         self.platform = settings.platform
         self._comm_class = settings.collectives
         self.comm_kind = self._comm_class.name
         self.prefix = new_prefix()
-        self.worker_ranks = [r for r in range(self.n_parallel) if r != self.master_rank]
+        self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
+        #: on several nodes, the exchanges with the other nodes' masters (after start)
+        self.nodes = None
         self.is_open = False
         self._channel = None
         self.data = DataStore(self.prefix)
@@ -179,21 +191,40 @@ class State:
     # --- start and stop ---------------------------------------------------------------------
     def start(self):
         """Start the workers, wait until each is ready, then join the JAX runtime with them."""
-        s = self.settings
-        self._channel = Channel(self.prefix, self.n_parallel, self.master_rank, s.spin,
-                                s.stall_timeout, on_fault=self.abort)
+        s, t = self.settings, self.topology
+        self._channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
+                                s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
+                                node=t.node_rank if t.several_nodes else None)
         self.is_open = True
-        port = free_port()
+        coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
         env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
         for rank in self.worker_ranks:
             self._channel.procs[rank] = launch_worker(dict(
-                prefix=self.prefix, rank=rank, n_ranks=self.n_parallel, port=port,
-                platform=s.platform, timeout=s.timeout, spin=s.spin,
+                prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
+                topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
                 comm=class_path(self._comm_class), float_x=self.float_x(), threads=s.threads,
                 profile=bool(s.profile_workers)), env)
         self._channel.wait_done(self.worker_ranks, what="start-up")
-        jax_init.initialize_process(self.master_rank, self.n_parallel, port, s.platform, s.timeout,
-                                    self.float_x(), threads=s.threads)
+        jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
+                                    s.timeout, self.float_x(), threads=s.threads,
+                                    local_rank=self.local_master, n_local=self.n_local)
+        if t.several_nodes:
+            self.nodes = NodeLink(t, self._check_during_collective, s.stall_timeout)
+            self._check_nodes_agree()
+
+    def _check_nodes_agree(self):
+        """Every node must run with the same settings; raise naming the first that differs."""
+        s = self.settings
+        mine = dict(devices=self.n_local, master_rank=self.local_master, platform=s.platform,
+                    collectives=self.comm_kind, floatX=self.float_x())
+        for node, theirs in enumerate(self.nodes.exchange("fork()", mine)):
+            for key in mine:
+                if theirs[key] != mine[key]:
+                    raise ValueError(
+                        f"node {node} forked with {key}={theirs[key]!r} but node "
+                        f"{self.topology.node_rank} with {key}={mine[key]!r}: every node must call "
+                        f"fork() alike (the same devices per node, master_rank, platform, "
+                        f"collectives and pytensor.config.floatX)")
 
     @property
     def worker_pids(self):
@@ -262,7 +293,8 @@ class State:
             self._comm = self._comm_class(CommContext(
                 prefix=self.prefix, rank=self.master_rank, n_ranks=self.n_parallel,
                 master_rank=self.master_rank, check=self._check_during_collective,
-                spin=self.settings.spin))
+                spin=self.settings.spin,
+                topology=self.topology if self.topology.several_nodes else None))
         return self._comm
 
     def _check_during_collective(self):
@@ -414,26 +446,75 @@ class State:
         self._plans.publish(plan.encode(), ctl.header, ctl.args)
         fields = ctl.record_fields(record) if record is not None else None
         master, compiled = self.master_rank, self._compiled[plan.fid]
+        local_master = self.local_master
 
         def local():
             rows, outs = run_share(compiled, plan, master, self.n_parallel, self.data.view)
-            ctl.rows[master] = rows
+            ctl.rows[local_master] = rows
             if fields is None:
                 return [np.asarray(o) for o in outs] if rows else None
             if rows:
-                ctl.put_record(record, master, outs)
+                ctl.put_record(record, local_master, outs)
 
-        outs = channel.command(Op.CALL, local=local)
-        if not plan.subset:            # a call selecting no outputs (only updates) returns nothing
+        try:
+            outs = channel.command(Op.CALL, local=local)
+        except Exception as e:
+            self._tell_other_nodes(("call", plan.fid), e)
+            raise
+        if not plan.subset and self.nodes is None:   # a call selecting no outputs (only updates)
             return None, []
         rows = ctl.rows.tolist()
         if fields is not None:
-            return rows, list(fields)
-        per_rank = [outs if rank == master else
-                    channel.read_result_arrays(rank) if rows[rank] else None
-                    for rank in range(self.n_parallel)]
-        return rows, [[None if values is None else values[j] for values in per_rank]
-                      for j in range(len(plan.subset))]
+            columns = [np.array(f) for f in fields]
+        else:
+            per_rank = [outs if rank == local_master else
+                        channel.read_result_arrays(rank) if rows[rank] else None
+                        for rank in range(self.n_local)]
+            columns = [[None if values is None else values[j] for values in per_rank]
+                       for j in range(len(plan.subset))]
+        if self.nodes is not None:
+            rows, columns = self._results_of_every_node(("call", plan.fid), rows, columns)
+        return (rows, columns) if plan.subset else (None, [])
+
+    # --- several nodes ----------------------------------------------------------------------
+    @property
+    def root_rank(self):
+        """The rank whose values a broadcast sends: the master of node 0."""
+        return self.local_master
+
+    def _every_node_prepared(self, kind):
+        """The agreement of a collective's two phases across nodes (see ``Channel.collective``)."""
+        def agree(prepared):
+            nodes = self.nodes.exchange(("collective", kind), prepared)
+            failed = [node for node, ok in enumerate(nodes) if not ok]
+            if not failed:
+                return True, None
+            node = failed[0]
+            return False, WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
+                                      f"node {node} could not prepare the {kind}; every node "
+                                      f"skipped it", node=node)
+        return agree
+
+    def _tell_other_nodes(self, what, error):
+        """On several nodes, after this node failed a command: let the others raise too."""
+        if self.nodes is not None and self.is_open:
+            self.nodes.exchange(what, ("failed", f"{type(error).__name__}: {error}"))
+
+    def _results_of_every_node(self, what, rows, columns):
+        """Every node's per-rank ``rows`` and ``columns``, joined in global rank order."""
+        nodes = self.nodes.exchange(what, ("ok", (rows, columns)))
+        for node, (status, payload) in enumerate(nodes):
+            if status == "failed":
+                raise WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
+                                  f"node {node} failed this call ({payload}); this node's part "
+                                  f"was done and is discarded", node=node)
+        rows = [r for _, (node_rows, _) in nodes for r in node_rows]
+        joined = []
+        for j in range(len(columns)):
+            parts = [node_columns[j] for _, (_, node_columns) in nodes]
+            joined.append(np.concatenate(parts) if isinstance(parts[0], np.ndarray)
+                          else [v for part in parts for v in part])
+        return rows, joined
 
     # --- collectives and shared values ------------------------------------------------------
     def run_collective(self, fill, reservation=None):
@@ -451,15 +532,17 @@ class State:
         def local_prepare():
             execute = prepare_collective(comm, Words(ctl.args), self.master_rank, self.n_parallel,
                                          self.master_rank, self.shared_by_uid, self.data.view,
-                                         self.data.index_view)
+                                         self.data.index_view, root=self.root_rank)
             if trace.on:
                 trace.mark("prepare")
             return execute
         if since is not None:
             trace.begin("collective", KIND_NAMES.get(int(ctl.args[0]), "collective"), since)
         try:
+            kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
+            agree = None if self.nodes is None else self._every_node_prepared(kind)
             return [np.asarray(v) for v in self._channel.collective(local_prepare,
-                                                                    comm.waits_in_python)]
+                                                                    comm.waits_in_python, agree)]
         finally:
             if since is not None:
                 trace.end("execute")
@@ -470,15 +553,19 @@ class State:
         Words(self._channel.ctl.args).put_list(self.uids_of(vars_))
         own = shapes_of(v.container.storage[0] for v in vars_)
         self._channel.command(Op.GET_SHAPES)
-        per_rank = {self.master_rank: own}
+        per_rank = {self.local_master: own}
         for rank in self.worker_ranks:
             per_rank[rank] = [tuple(int(s) for s in a) for a in self._channel.read_result_arrays(rank)]
-        return [[per_rank[r][i] for r in range(self.n_parallel)] for i in range(len(vars_))]
+        ordered = [per_rank[r] for r in range(self.n_local)]
+        if self.nodes is not None:
+            ordered = [shapes for node in self.nodes.exchange("shapes", ordered) for shapes in node]
+        return [[ordered[r][i] for r in range(self.n_parallel)] for i in range(len(vars_))]
 
     def get_values(self, rank, vars_):
         """The values of ``vars_`` on ``rank``, as numpy arrays."""
         self.ensure_shipped()
-        if rank == self.master_rank:
+        rank = self._local_rank_of(rank, "get_value")
+        if rank == self.local_master:
             return [np.array(v.get_value()) for v in vars_]
         self._channel.send_pickled(self.uids_of(vars_))
         self._channel.command(Op.GET_SHARED, ranks=[rank])
@@ -487,13 +574,24 @@ class State:
     def set_values(self, rank, vars_, arrays):
         """Set ``vars_`` to ``arrays`` on ``rank`` only."""
         self.ensure_shipped()
-        if rank == self.master_rank:
+        rank = self._local_rank_of(rank, "set_value")
+        if rank == self.local_master:
             for var, arr in zip(vars_, arrays):
                 var.set_value(arr)
             place_on_device(vars_)
         else:
             self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
             self._channel.command(Op.SET_SHARED, ranks=[rank])
+
+    def _local_rank_of(self, rank, what):
+        """The local rank of global ``rank``, which must be on this node."""
+        t = self.topology
+        if t.node_of(rank) != t.node_rank:
+            raise ValueError(f"{what}: rank {rank} is on node {t.node_of(rank)}, and this is node "
+                             f"{t.node_rank} (ranks {t.offset} to {t.offset + t.n_local - 1}); a "
+                             f"master reaches its own node's ranks only: test synk.node_rank() "
+                             f"first, or move values between nodes with a collective")
+        return t.local_of(rank)
 
     # --- timeline ---------------------------------------------------------------------------
     def start_timeline(self):
@@ -510,7 +608,8 @@ class State:
         self._channel.command(Op.TIMELINE)
         spans = {self.master_rank: trace.stop()}
         for rank in self.worker_ranks:
-            spans[rank] = pickle.loads(self._channel.read_result_arrays(rank)[0].tobytes())
+            spans[self.topology.global_rank(rank)] = pickle.loads(
+                self._channel.read_result_arrays(rank)[0].tobytes())
         return spans
 
     def write_timeline(self, path):
@@ -574,10 +673,12 @@ class State:
                 self._loops.pop(spec.loop_id, None)
         if phase == "finish":
             return None
-        stats = np.zeros((self.n_parallel, len(own)))
-        stats[self.master_rank] = own
+        stats = np.zeros((self.n_local, len(own)))
+        stats[self.local_master] = own
         for rank in self.worker_ranks:
             stats[rank] = self._channel.read_result_arrays(rank)[0]
+        if self.nodes is not None:
+            stats = np.concatenate(self.nodes.exchange(("train.run", phase), stats))
         return stats
 
     def center_values(self, spec):

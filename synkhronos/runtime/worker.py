@@ -31,6 +31,7 @@ from ..transport import pack_arrays, packed_nbytes, write_pickle
 from ..wire.collective import shapes_of
 from ..wire.control import OP_NAMES, ControlBlock, Decision, Op, Status, Words
 from ..wire.plan import PlanMemo, result_record
+from ..wire.topology import Topology
 from .data_store import DataMirrors
 
 _PR_SET_PDEATHSIG = 1
@@ -47,11 +48,17 @@ class Terminated(SystemExit):
 
 
 class Worker:
-    """State of one worker: its rank, the control block, functions, shared vars, Data views."""
+    """State of one worker: its rank, the control block, functions, shared vars, Data views.
+
+    ``rank`` and ``n_ranks`` are the node's (the control block's); ``grank``
+    and ``n_devices`` count every device of every node (what the work is split by).
+    """
 
     def __init__(self, cfg):
         self.rank = cfg["rank"]
         self.n_ranks = cfg["n_ranks"]
+        self.topology = Topology(**cfg["topology"])
+        self.grank, self.n_devices = self.topology.global_rank(self.rank), self.topology.n_devices
         self.master_pid = cfg["master_pid"]
         self.spin = cfg["spin"]
         self.comm_class = comm_class(cfg["comm"])
@@ -156,7 +163,7 @@ class Worker:
     def call(self):
         plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
         compiled = self.functions[plan.fid]
-        rows, outs = self._run_share(compiled, plan, self.rank, self.n_ranks, self.datas.view)
+        rows, outs = self._run_share(compiled, plan, self.grank, self.n_devices, self.datas.view)
         if rows and outs:
             record = result_record(compiled.spec, plan)
             if record is not None:
@@ -178,7 +185,7 @@ class Worker:
 
     def _set_values(self, values):
         """Set shared values from the master; a random generator becomes this rank's own stream."""
-        offset = (self.rank - int(self.ctl.header[ControlBlock.MASTER_RANK])) % self.n_ranks
+        offset = (self.grank - self.root_rank) % self.n_devices
         for uid, value in values.items():
             var = self.shared[uid]
             if randomness.is_generator(var):
@@ -186,13 +193,23 @@ class Worker:
             var.set_value(value)
             place_on_device([var])
 
+    @property
+    def master_rank(self):
+        """The global rank of this node's master."""
+        return self.topology.global_rank(int(self.ctl.header[ControlBlock.MASTER_RANK]))
+
+    @property
+    def root_rank(self):
+        """The global rank of node 0's master: where broadcasts and random streams start."""
+        return int(self.ctl.header[ControlBlock.MASTER_RANK])
+
     def comm(self):
         """This rank's collective implementation (built at the first collective)."""
         if self._comm is None:
             self._comm = self.comm_class(CommContext(
-                prefix=self.prefix, rank=self.rank, n_ranks=self.n_ranks,
-                master_rank=int(self.ctl.header[ControlBlock.MASTER_RANK]), check=self.check_master,
-                spin=self.spin))
+                prefix=self.prefix, rank=self.grank, n_ranks=self.n_devices,
+                master_rank=self.master_rank, check=self.check_master, spin=self.spin,
+                topology=self.topology if self.topology.several_nodes else None))
         return self._comm
 
     def collective(self):
@@ -201,9 +218,8 @@ class Worker:
         error = None
         try:
             execute = prepare_collective(
-                self.comm(), Words(self.ctl.args), self.rank, self.n_ranks,
-                int(self.ctl.header[ControlBlock.MASTER_RANK]), self.shared.__getitem__,
-                self.datas.view, self.datas.index_view)
+                self.comm(), Words(self.ctl.args), self.grank, self.n_devices, self.master_rank,
+                self.shared.__getitem__, self.datas.view, self.datas.index_view, root=self.root_rank)
             self.ctl.set_status(self.rank, Status.PREPARED)
         except Exception as e:
             error = e
@@ -234,7 +250,7 @@ class Worker:
             center = Center.of(spec.center, [self.shared[uid] for uid in spec.param_uids],
                                create=False, check=self.check_master) if spec.center else None
             loop = self.loops[spec.loop_id] = DeviceLoop(
-                spec, self.rank, self.n_ranks, int(self.ctl.header[ControlBlock.MASTER_RANK]),
+                spec, self.grank, self.n_devices, self.master_rank,
                 self.functions.__getitem__, self.shared.__getitem__, self.datas.view, self.comm(),
                 center, self._beat())
         if message["phase"] == "finish":
@@ -312,8 +328,10 @@ def main():
     profiler = cProfile.Profile() if cfg["profile"] else None
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
-        jax_init.initialize_process(worker.rank, worker.n_ranks, cfg["port"], cfg["platform"],
-                                   cfg["timeout"], cfg["float_x"], threads=cfg["threads"])
+        jax_init.initialize_process(worker.grank, worker.n_devices, cfg["coordinator"],
+                                    cfg["platform"], cfg["timeout"], cfg["float_x"],
+                                    threads=cfg["threads"], local_rank=worker.rank,
+                                    n_local=worker.n_ranks)
         if profiler:
             profiler.enable()
         worker.serve()

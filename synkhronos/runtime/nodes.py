@@ -1,0 +1,127 @@
+"""What the masters of several nodes tell each other, through JAX's coordination service.
+
+Every node's master runs the same script and makes the same synkhronos calls
+in the same order. Where a node needs what the others computed (a call's
+per-rank results, the shapes of a collective's values, whether every node
+could prepare a collective), the masters :meth:`NodeLink.exchange` small
+Python objects through the key-value store of JAX's coordination service
+(the same runtime the collectives use; large arrays go through the
+collectives). Each exchange is numbered; its payload names what it is for, so
+masters that drifted apart (a call made on one node only) raise at once
+instead of mixing the results of different calls.
+
+Every wait is sliced: between slices the master checks its own workers, asks
+the coordination service which processes are alive (a dead node is named
+within :data:`~synkhronos.platform.jax_init.NODE_HEARTBEAT_TIMEOUT` seconds
+and a little more) and gives up after the stall timeout.
+"""
+
+import pickle
+import time
+
+from ..errors import StallError, WorkerError
+from ..platform import internals
+from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
+
+__all__ = ["NodeLink", "NodesDiverged"]
+
+#: milliseconds of one slice of a wait for another node's key
+_SLICE_MS = 100
+#: exchanges per key directory; a directory two behind the current one is deleted
+_PER_DIRECTORY = 64
+
+
+class NodesDiverged(RuntimeError):
+    """The masters of the nodes made different synkhronos calls (the script is not the same everywhere)."""
+
+
+class NodeLink:
+    """One master's side of the exchanges among the masters of every node.
+
+    Parameters
+    ----------
+    topology : Topology
+    check : callable
+        Raises if this node's own runtime failed (called between slices).
+    stall_timeout : float
+        Seconds a wait for another node allows before :class:`StallError`.
+    """
+
+    def __init__(self, topology, check, stall_timeout):
+        self.topology = topology
+        self.check = check
+        self.stall_timeout = stall_timeout
+        self.client = internals.distributed_client()
+        self.seq = 0
+
+    def exchange(self, what, obj):
+        """Give every node ``obj``; return every node's, in node order.
+
+        ``what`` names the exchange (a string or tuple); every node must
+        exchange the same ``what`` at the same point, else :class:`NodesDiverged`.
+        """
+        t, seq = self.topology, self.seq
+        self.seq += 1
+        directory = f"synk/x/{seq // _PER_DIRECTORY}"
+        if seq % _PER_DIRECTORY == 0 and seq >= 2 * _PER_DIRECTORY:
+            # every node is past the exchanges of two directories ago (each waits for all others)
+            self.client.key_value_delete(f"synk/x/{seq // _PER_DIRECTORY - 2}")
+        self.client.key_value_set_bytes(f"{directory}/{seq}/{t.node_rank}",
+                                        pickle.dumps((what, obj), protocol=pickle.HIGHEST_PROTOCOL))
+        out = []
+        for node in range(t.n_nodes):
+            if node == t.node_rank:
+                out.append(obj)
+                continue
+            their_what, their_obj = pickle.loads(self._wait_for(f"{directory}/{seq}/{node}", node, what))
+            if their_what != what:
+                raise NodesDiverged(
+                    f"node {t.node_rank} made {_describe(what)} while node {node} made "
+                    f"{_describe(their_what)}: every node must run the same script and make the "
+                    f"same synkhronos calls in the same order")
+            out.append(their_obj)
+        return out
+
+    def _wait_for(self, key, node, what):
+        deadline = time.monotonic() + self.stall_timeout
+        while True:
+            try:
+                return self.client.blocking_key_value_get_bytes(key, _SLICE_MS)
+            except Exception as e:      # JAX raises its runtime error on a slice's deadline
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    self.raise_dead_node(f"waiting for node {node}", e)
+            self.check()
+            self.check_nodes_alive()
+            if time.monotonic() > deadline:
+                t = self.topology
+                raise StallError(f"{_describe(what)} on every node", arrived=list(t.ranks_of(t.node_rank)),
+                                 missing=list(t.ranks_of(node)), timeout=self.stall_timeout)
+
+    def check_nodes_alive(self):
+        """Raise :class:`WorkerError` naming a node whose process the coordination service lost."""
+        t = self.topology
+        try:
+            live = set(self.client.get_live_nodes(list(range(t.n_devices))))
+        except Exception as e:
+            raise self.node_died(0, 0, f"the coordination service on node 0 is gone ({e})") from e
+        missing = [r for r in range(t.n_devices) if r not in live]
+        if missing:
+            rank = missing[0]
+            raise self.node_died(t.node_of(rank), rank, "the coordination service lost it")
+
+    def raise_dead_node(self, doing, error):
+        """After a failed exchange or cross-node collective: name the dead node if there is one."""
+        deadline = time.monotonic() + NODE_HEARTBEAT_TIMEOUT + 2
+        while time.monotonic() < deadline:
+            self.check_nodes_alive()
+            time.sleep(0.2)
+        raise WorkerError(self.topology.offset, "raised", type(error).__name__,
+                          f"{doing}: {error}")
+
+    def node_died(self, node, rank, why):
+        return WorkerError(rank, "died", "node lost", f"node {node} (rank {rank}) died: {why}",
+                           node=node)
+
+
+def _describe(what):
+    return what if isinstance(what, str) else " ".join(str(w) for w in what)
