@@ -236,11 +236,19 @@ class State:
         import pytensor
         return pytensor.config.floatX
 
-    def stop(self):
-        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime."""
+    def stop(self, clean=True):
+        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime.
+
+        On several nodes a ``clean`` stop (``close()``, not a fault) first
+        waits until every node closes, and the process serving the
+        coordination service leaves last: a process whose coordinator is gone
+        before it left would be aborted by JAX.
+        """
         if not self.is_open:
             return
         try:
+            if clean and self.nodes is not None:
+                self.nodes.exchange("close()", None)
             self._channel.stop_workers()
         finally:
             reap(self._channel.procs.values())
@@ -248,6 +256,8 @@ class State:
             self._detach_shared_values()
             self.is_open = False
             try:
+                if self.nodes is not None and self.master_rank == 0:
+                    self.nodes.wait_until_others_left()
                 jax_init.shutdown_process()
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
@@ -261,7 +271,7 @@ class State:
         for p in self._channel.procs.values():
             if p.poll() is None:
                 p.kill()
-        self.stop()
+        self.stop(clean=False)
 
     def _release_segments(self):
         centers = list(self._centers.values()) + [loop.center for loop in self._loops.values()]

@@ -109,6 +109,18 @@ class NodeLink:
             rank = missing[0]
             raise self.node_died(t.node_of(rank), rank, "the coordination service lost it")
 
+    def wait_until_others_left(self, within=10.0):
+        """Serving the coordination service: wait (up to ``within`` s) until every other process left."""
+        deadline = time.monotonic() + within
+        others = [r for r in range(self.topology.n_devices) if r != 0]
+        while time.monotonic() < deadline:
+            try:
+                if not set(self.client.get_live_nodes(others)) & set(others):
+                    return
+            except Exception:      # noqa: BLE001 - nothing more to wait for
+                return
+            time.sleep(0.05)
+
     def raise_dead_node(self, doing, error):
         """After a failed exchange or cross-node collective: name the dead node if there is one."""
         deadline = time.monotonic() + NODE_HEARTBEAT_TIMEOUT + 2

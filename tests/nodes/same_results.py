@@ -1,0 +1,115 @@
+"""Run on every node (``python -m synkhronos.launch ... same_results.py OUT``): calls, collectives and
+training steps; each node writes what it got, and the single-process references, to OUT/node<R>.npz."""
+
+import os
+import sys
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synkhronos.extensions import sync, train, updates
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_extensions import mlp       # noqa: E402  (a pytensor-ml model)
+
+out = {}
+n = synk.fork()
+node, n_local = synk.node_rank(), synk.local_devices()
+rng = np.random.default_rng(0)
+X = rng.normal(size=(23, 4))
+x = pt.matrix("x")
+w = pytensor.shared(rng.normal(size=(4, 3)), name="w")
+z = x @ w
+f = synk.function([x], [(z.sum(), "sum"), (z.mean(), "avg"), (z.max(), "max"), (z.min(), "min"),
+                        (pt.prod(1 + 0.01 * z[:, 0]), "prod"), (z, "gather")], name="f")
+s = pytensor.shared(np.zeros(5), name="s")
+lengths = pytensor.shared(np.zeros((1, 2)), name="lengths")
+scattered = pytensor.shared(np.zeros((1, 2)), name="scattered")
+g = synk.function([], [], updates=[(s, s), (lengths, lengths), (scattered, scattered)], name="g")
+
+model_x, model_y, loss, params, init = mlp(seed=5)
+step = train.make_train_function(loss, params, model_x, model_y, updates.momentum, learning_rate=0.1)
+reference = train.make_single_process_train_function(loss, params, model_x, model_y, updates.momentum,
+                                                      learning_rate=0.1)
+synk.distribute()
+
+# --- calls: the whole Data, global batch indices, slices, num_slices --------------------------------
+x_data = synk.data(X)
+perm = np.random.default_rng(1).permutation(23)
+for name, batch, slices in [("all", None, 1), ("indices", perm[:17], 1), ("slice", slice(3, 20), 1),
+                            ("num_slices", perm, 2)]:
+    got = f(x_data, batch=batch, num_slices=slices)
+    rows = X if batch is None else X[batch]
+    for mode, a, b in zip(["sum", "avg", "max", "min", "prod", "gather"], got, f.as_pytensor(rows)):
+        out[f"call_{name}_{mode}"], out[f"ref_call_{name}_{mode}"] = np.asarray(a), np.asarray(b)
+
+# --- collectives over global ranks -------------------------------------------------------------------
+def own_ranks():
+    return range(node * n_local, (node + 1) * n_local)
+
+def set_everywhere(var, value_of):
+    for rank in own_ranks():
+        synk.set_value(rank, var, value_of(rank))
+
+expect_rank_values = np.stack([np.arange(5.0) + 10 * r + 1 for r in range(n)])
+for op in ["sum", "avg", "max", "min", "prod"]:
+    set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)
+    out[f"reduce_{op}"] = synk.reduce(s, op=op, in_place=False)
+    out[f"ref_reduce_{op}"] = getattr(np, "mean" if op == "avg" else op)(expect_rank_values, axis=0)
+set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)
+synk.all_reduce(s, op="sum")
+out["all_reduce_sum_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
+out["ref_all_reduce_sum_own_ranks"] = np.stack([expect_rank_values.sum(axis=0)] * n_local)
+
+set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)
+out["gather"], out["ref_gather"] = synk.gather(s), expect_rank_values
+set_everywhere(lengths, lambda r: np.full((r + 1, 2), float(r)))
+out["gather_lengths"] = synk.gather(lengths, nd_up=0)
+out["ref_gather_lengths"] = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(n)])
+out["get_lengths"], out["ref_get_lengths"] = np.array(synk.get_lengths(lengths)), np.arange(1, n + 1)
+synk.all_gather(s)
+out["all_gather"], out["ref_all_gather"] = synk.get_value(node * n_local, s), expect_rank_values.ravel()
+
+s.set_value(np.full(5, 100.0 + node))          # node 0's master's value is the one broadcast
+synk.broadcast(s)
+out["broadcast_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
+out["ref_broadcast_own_ranks"] = np.full((n_local, 5), 100.0)
+
+full = np.arange(2.0 * (2 * n + 3)).reshape(-1, 2)
+synk.scatter(scattered, full)
+out["scatter_gathered"], out["ref_scatter_gathered"] = synk.gather(scattered, nd_up=0), full
+
+# --- five training steps -------------------------------------------------------------------------------
+XM = np.random.default_rng(2).normal(size=(29, 6))
+YM = np.random.default_rng(3).integers(0, 3, 29)
+xm, ym = synk.data(XM), synk.data(YM)
+order = np.random.default_rng(4).permutation(29)
+batches = [order[k * 9:(k + 1) * 9] for k in range(3)] + [order[23:], order[:13]]   # uneven splits
+for p, v in zip(params, init):
+    p.set_value(v)
+synk.broadcast(params)
+out["train_losses"] = np.array([step(xm, ym, batch=b) for b in batches])
+trained = [p.get_value() for p in params]
+for p, v in zip(params, init):
+    p.set_value(v)
+out["ref_train_losses"] = np.array([reference(XM[b], YM[b]) for b in batches])
+for i, (a, b) in enumerate(zip(trained, [p.get_value() for p in params])):
+    out[f"train_param{i}"], out[f"ref_train_param{i}"] = a, b
+
+# --- a device-driven loop (synchronous), and the refusal of an asynchronous rule ------------------------
+for p, v in zip(params, init):
+    p.set_value(v)
+synk.broadcast(params)
+history = train.run(step, xm, ym, 10, steps=6, shuffle=True, seed=3, check_every=3)
+out["run_losses"] = np.array(history["loss"])
+out["run_rows"] = np.array(history[-1].rows_per_device)
+try:
+    train.run(step, xm, ym, 10, steps=2, sync=sync.Downpour())
+    out["async_refused"] = np.array("")
+except ValueError as e:
+    out["async_refused"] = np.array(str(e))
+
+np.savez(os.path.join(sys.argv[1], f"node{node}.npz"), **out)
+synk.close()

@@ -1,0 +1,126 @@
+"""Several nodes, simulated on this machine: each node a script started by ``python -m synkhronos.launch``
+in a mount namespace of its own with a private /dev/shm, so nothing can cross nodes through shared memory."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from synkhronos.platform.cluster import find_node
+from synkhronos.runtime.processes import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(HERE, "nodes")
+
+
+def _namespaces_work():
+    if shutil.which("unshare") is None:
+        return "the unshare command is missing (util-linux)"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"unshare -m with a tmpfs /dev/shm needs root: {probe.stderr.strip()}"
+    return None
+
+
+NO_NAMESPACES = _namespaces_work()
+needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
+
+
+def start_nodes(script, args, n_nodes, per_node, logs):
+    """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes."""
+    port = free_port()
+    procs = []
+    for node in range(n_nodes):
+        launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(n_nodes),
+                  "--node-rank", str(node), "--coordinator", f"127.0.0.1:{port}",
+                  "--devices-per-node", str(per_node), script] + [str(a) for a in args]
+        inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
+        log = open(os.path.join(logs, f"node{node}.log"), "w")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+        procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", inner], stdout=log,
+                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    return procs
+
+
+def wait_all(procs, logs, timeout):
+    deadline = time.time() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"the nodes did not finish within {timeout} s:\n" + read_logs(logs))
+    return codes
+
+
+def read_logs(logs):
+    text = []
+    for name in sorted(os.listdir(logs)):
+        if name.endswith(".log"):
+            lines = [l for l in open(os.path.join(logs, name)) if not l[:2] in ("W1", "I1")]
+            text.append(f"--- {name}\n" + "".join(lines[-40:]))
+    return "\n".join(text)
+
+
+def run_same_results(tmp_path, n_nodes, per_node):
+    out = tmp_path / f"{n_nodes}x{per_node}"
+    out.mkdir()
+    procs = start_nodes(os.path.join(SCRIPTS, "same_results.py"), [out], n_nodes, per_node, out)
+    codes = wait_all(procs, out, timeout=240)
+    assert codes == [0] * n_nodes, read_logs(out)
+    return [dict(np.load(out / f"node{node}.npz")) for node in range(n_nodes)]
+
+
+@needs_namespaces
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node):
+    nodes = run_same_results(tmp_path, 2, per_node)
+    one = run_same_results(tmp_path, 1, 2 * per_node)[0]
+    for key in one:
+        if key.startswith("ref_") or key.endswith("_own_ranks") or key == "async_refused":
+            continue
+        for node, got in enumerate(nodes):     # every master gets the same result, the one-node one
+            np.testing.assert_allclose(got[key], one[key], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"{key} on node {node}")
+            if f"ref_{key}" in got:            # and the single-process PyTensor function's
+                np.testing.assert_allclose(got[key], got[f"ref_{key}"], rtol=1e-9, atol=1e-12,
+                                           err_msg=f"{key} on node {node} against one process")
+    for node, got in enumerate(nodes):
+        for key in ("all_reduce_sum_own_ranks", "broadcast_own_ranks"):
+            np.testing.assert_array_equal(got[key], got[f"ref_{key}"], err_msg=f"{key} on node {node}")
+        assert "cannot span 2 nodes" in str(got["async_refused"]), got["async_refused"]
+    assert str(one["async_refused"]) == ""
+
+
+def test_the_launcher_variables_place_the_node():
+    place = find_node({"SYNK_NNODES": "3", "SYNK_NODE_RANK": "2", "SYNK_COORDINATOR": "10.1.2.3:999",
+                       "SYNK_DEVICES_PER_NODE": "4"})
+    assert (place.n_nodes, place.node_rank, place.coordinator, place.devices_per_node) == \
+        (3, 2, "10.1.2.3:999", 4)
+    with pytest.raises(ValueError, match="SYNK_COORDINATOR is not set"):
+        find_node({"SYNK_NNODES": "2", "SYNK_NODE_RANK": "0"})
+
+
+def test_slurm_is_detected_through_jax(monkeypatch):
+    """The variables srun sets for task 1 of a two-node job: JAX's detection gives node and coordinator."""
+    for var in ("SYNK_NNODES", "SYNK_NODE_RANK", "SYNK_COORDINATOR", "JAX_COORDINATOR_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[017-018]")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    place = find_node()
+    assert place.source == "SlurmCluster"
+    assert (place.n_nodes, place.node_rank) == (2, 1)
+    host, port = place.coordinator.split(":")
+    assert host == "gpu017" and int(port) == 4242 % 4096 + 65535 - 4096 + 1
