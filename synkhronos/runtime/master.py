@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
-from ..errors import WorkerError
+from ..errors import SynkError, WorkerError
 from ..device_arrays import place_on_device
 from ..platform import jax_init
 from ..rank.collectives import prepare_collective
@@ -209,7 +209,7 @@ class State:
                                     s.timeout, self.float_x(), threads=s.threads,
                                     local_rank=self.local_master, n_local=self.n_local)
         if t.several_nodes:
-            self.nodes = NodeLink(t, self._check_during_collective, s.stall_timeout)
+            self.nodes = NodeLink(t, self._check_during_collective, s.stall_timeout, self.abort)
             self._check_nodes_agree()
 
     def _check_nodes_agree(self):
@@ -551,8 +551,13 @@ class State:
         try:
             kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
             agree = None if self.nodes is None else self._every_node_prepared(kind)
-            return [np.asarray(v) for v in self._channel.collective(local_prepare,
-                                                                    comm.waits_in_python, agree)]
+            try:
+                results = self._channel.collective(local_prepare, comm.waits_in_python, agree)
+            except Exception as e:
+                if self.nodes is not None and not isinstance(e, SynkError) and self.is_open:
+                    self.nodes.raise_dead_node(f"the {kind} across nodes", e)   # a lost peer's name
+                raise
+            return [np.asarray(v) for v in results]
         finally:
             if since is not None:
                 trace.end("execute")

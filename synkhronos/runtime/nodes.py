@@ -45,11 +45,14 @@ class NodeLink:
         Raises if this node's own runtime failed (called between slices).
     stall_timeout : float
         Seconds a wait for another node allows before :class:`StallError`.
+    on_fault : callable
+        Shuts this node's runtime down before a lost node or a stall is raised.
     """
 
-    def __init__(self, topology, check, stall_timeout):
+    def __init__(self, topology, check, stall_timeout, on_fault):
         self.topology = topology
         self.check = check
+        self.on_fault = on_fault
         self.stall_timeout = stall_timeout
         self.client = internals.distributed_client()
         self.seq = 0
@@ -94,6 +97,7 @@ class NodeLink:
             self.check_nodes_alive()
             if time.monotonic() > deadline:
                 t = self.topology
+                self.on_fault()
                 raise StallError(f"{_describe(what)} on every node", arrived=list(t.ranks_of(t.node_rank)),
                                  missing=list(t.ranks_of(node)), timeout=self.stall_timeout)
 
@@ -103,11 +107,11 @@ class NodeLink:
         try:
             live = set(self.client.get_live_nodes(list(range(t.n_devices))))
         except Exception as e:
-            raise self.node_died(0, 0, f"the coordination service on node 0 is gone ({e})") from e
+            raise self.node_died(0, 0, f"the coordination service it served is gone ({e})") from e
         missing = [r for r in range(t.n_devices) if r not in live]
         if missing:
             rank = missing[0]
-            raise self.node_died(t.node_of(rank), rank, "the coordination service lost it")
+            raise self.node_died(t.node_of(rank), rank, "its process left JAX's coordination service")
 
     def wait_until_others_left(self, within=10.0):
         """Serving the coordination service: wait (up to ``within`` s) until every other process left."""
@@ -127,12 +131,13 @@ class NodeLink:
         while time.monotonic() < deadline:
             self.check_nodes_alive()
             time.sleep(0.2)
-        raise WorkerError(self.topology.offset, "raised", type(error).__name__,
-                          f"{doing}: {error}")
+        raise WorkerError(self.topology.offset, "raised", type(error).__name__, f"{doing}: {error}",
+                          node=self.topology.node_rank) from error
 
     def node_died(self, node, rank, why):
-        return WorkerError(rank, "died", "node lost", f"node {node} (rank {rank}) died: {why}",
-                           node=node)
+        self.on_fault()
+        return WorkerError(rank, "died", "node lost", f"{why}; this node's runtime was shut down, "
+                           f"call synk.fork() on every node to start again", node=node)
 
 
 def _describe(what):

@@ -1,0 +1,43 @@
+"""Run on two nodes (``... killed_node.py OUT``): node 1's master SIGKILLs itself after three calls;
+node 0 keeps calling and writes what it saw (the error, how long it took, its segments left) to OUT."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synkhronos.runtime import master
+
+out = sys.argv[1]
+what = sys.argv[2]                       # "call" or "all_reduce": what node 0 is doing meanwhile
+synk.fork()
+node, state = synk.node_rank(), master.current()
+with open(os.path.join(out, f"pids{node}.json"), "w") as f:
+    json.dump([os.getpid()] + list(state.worker_pids.values()), f)
+x = pt.matrix("x")
+w = pytensor.shared(np.ones((3, 2)), name="w")
+f = synk.function([x], [((x @ w).sum(), "sum")], name="f")
+synk.distribute()
+x_data = synk.data(np.ones((8, 3)))
+for _ in range(3):
+    f(x_data)
+    synk.all_reduce(w)
+if node == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.time()
+try:
+    while time.time() - start < 60:
+        f(x_data) if what == "call" else synk.all_reduce(w)
+    result = dict(error=None)
+except synk.WorkerError as e:
+    result = dict(error=str(e), node=e.node, how=e.how, seconds=time.time() - start)
+result["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
+result["closed"] = master.active() is None
+with open(os.path.join(out, "result.json"), "w") as f:
+    json.dump(result, f)
