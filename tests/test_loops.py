@@ -274,7 +274,7 @@ def test_asynchronous_rules_outpace_allreduce_with_a_straggler(wide):
     for _ in range(3):
         train.run(wide[0], wide[1], wide[2], STRAGGLER_BATCH, epochs=2, sync=sync.Downpour())
     rules = {"downpour": lambda: SlowDownpour(every=1),
-             "easgd": lambda: SlowEASGD(alpha=0.5, every=1, asynchronous=True),
+             "easgd": lambda: SlowEASGD(alpha=0.5, every=2, asynchronous=True),
              "ratelimited": lambda: SlowRateLimited(every_n_batches=1)}
     best = {}                # a shared machine: each rule's best of up to five interleaved rounds
     for _ in range(5):

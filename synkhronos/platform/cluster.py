@@ -73,8 +73,16 @@ def _from_launcher(environ):
     return NodePlace(n_nodes, node_rank, coordinator, devices, "launcher")
 
 
+#: prefixes of the variables the schedulers JAX detects set; without one, JAX is not imported to look
+#: (an import before ``fork()`` configures the environment would let XLA's start-up lines through)
+#: (Slurm, Open MPI, Kubernetes; not JAX's TPU-only environments, and not a variable JAX sets itself)
+SCHEDULER_VARIABLE_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "KUBERNETES_SERVICE_HOST")
+
+
 def _from_jax_cluster_detection():
     """JAX's cluster detection (Slurm, Open MPI, ...): tasks are nodes; None outside a cluster."""
+    if not any(name.startswith(SCHEDULER_VARIABLE_PREFIXES) for name in os.environ):
+        return None
     detected = internals.detect_jax_cluster()
     if detected is None:
         return None
