@@ -81,9 +81,7 @@ def run_same_results(tmp_path, n_nodes, per_node):
 
 @needs_namespaces
 @pytest.mark.timeout(600)
-# one device per node: the cross-node path alone (two devices per node, the shared-memory step as
-# well, can hang in this simulation on two cores; see issue 18's note)
-@pytest.mark.parametrize("per_node", [1])
+@pytest.mark.parametrize("per_node", [1, 2])     # 1: the cross-node step alone; 2: shared memory too
 def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node):
     nodes = run_same_results(tmp_path, 2, per_node)
     one = run_same_results(tmp_path, 1, 2 * per_node)[0]
@@ -139,9 +137,10 @@ def _alive(pid):
 
 @needs_namespaces
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("doing", ["call", "all_reduce"])
-def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing):
-    procs = start_nodes(os.path.join(SCRIPTS, "killed_node.py"), [tmp_path, doing], 2, 1, tmp_path)
+@pytest.mark.parametrize("doing,per_node", [("call", 1), ("all_reduce", 1), ("all_reduce", 2)])
+def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing, per_node):
+    procs = start_nodes(os.path.join(SCRIPTS, "killed_node.py"), [tmp_path, doing], 2, per_node,
+                        tmp_path)
     codes = wait_all(procs, tmp_path, timeout=120)
     assert codes[0] == 0 and codes[1] != 0, read_logs(tmp_path)
     result = __import__("json").load(open(tmp_path / "result.json"))

@@ -255,12 +255,25 @@ class State:
             self._release_segments()
             self._detach_shared_values()
             self.is_open = False
+            if self.nodes is not None:
+                try:
+                    self._leave_nodes(clean)
+                except Exception:       # the coordinator is gone: nobody is left to wait for
+                    log.debug("leaving the other nodes failed", exc_info=True)
             try:
-                if self.nodes is not None and self.master_rank == 0:
-                    self.nodes.wait_until_others_left()
                 jax_init.shutdown_process()
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
+
+    def _leave_nodes(self, clean):
+        """On several nodes: stop beating; the process serving the coordinator leaves last."""
+        if not clean:
+            self.nodes.close()
+        elif self.master_rank == 0:
+            self.nodes.close()
+            self.nodes.wait_until_others_left()
+        else:
+            self.nodes.leave()
 
     def abort(self):
         """Tear everything down after a fault (dead worker, stall, Ctrl-C)."""

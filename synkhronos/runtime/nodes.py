@@ -10,13 +10,17 @@ collectives). Each exchange is numbered; its payload names what it is for, so
 masters that drifted apart (a call made on one node only) raise at once
 instead of mixing the results of different calls.
 
-Every wait is sliced: between slices the master checks its own workers, asks
-the coordination service which processes are alive (a dead node is named
-within :data:`~synkhronos.platform.jax_init.NODE_HEARTBEAT_TIMEOUT` seconds
-and a little more) and gives up after the stall timeout.
+Every master beats: a thread of its own writes a counter under its node's
+key every :data:`BEAT_EVERY` seconds while the runtime runs. Every wait is
+sliced: between slices the master checks its own workers and the other
+nodes' beats (a node not heard from for :data:`LOST_AFTER` seconds is named
+as lost) and gives up after the stall timeout. (The coordination service's
+own list of live processes is no use here: asking it waits until every
+process asked has asked too.)
 """
 
 import pickle
+import threading
 import time
 
 from ..errors import StallError, WorkerError
@@ -29,6 +33,10 @@ __all__ = ["NodeLink", "NodesDiverged"]
 _SLICE_MS = 100
 #: exchanges per key directory; a directory two behind the current one is deleted
 _PER_DIRECTORY = 64
+#: seconds between two beats of a master
+BEAT_EVERY = 0.5
+#: seconds without a beat after which a node counts as lost
+LOST_AFTER = NODE_HEARTBEAT_TIMEOUT
 
 
 class NodesDiverged(RuntimeError):
@@ -56,6 +64,26 @@ class NodeLink:
         self.stall_timeout = stall_timeout
         self.client = internals.distributed_client()
         self.seq = 0
+        self._heard = {}              # node -> (its last beat, when it changed)
+        self._stop_beating = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="synk-node-beat", daemon=True)
+        self._beater.start()
+
+    def _beat(self):
+        count = 0
+        key = f"synk/beat/{self.topology.node_rank}"
+        while not self._stop_beating.is_set():
+            count += 1
+            try:
+                self.client.key_value_set(key, str(count), allow_overwrite=True)
+            except Exception:         # noqa: BLE001 - the coordinator is gone; the waits notice
+                return
+            self._stop_beating.wait(BEAT_EVERY)
+
+    def close(self):
+        """Stop beating (the runtime is ending)."""
+        self._stop_beating.set()
+        self._beater.join(timeout=2 * BEAT_EVERY)
 
     def exchange(self, what, obj):
         """Give every node ``obj``; return every node's, in node order.
@@ -93,6 +121,11 @@ class NodeLink:
             except Exception as e:      # JAX raises its runtime error on a slice's deadline
                 if "DEADLINE_EXCEEDED" not in str(e):
                     self.raise_dead_node(f"waiting for node {node}", e)
+            # a blocking get that timed out can miss the key's later arrival (seen on the
+            # coordination service of jaxlib 0.12): look for it directly as well
+            found = self._try_get(key)
+            if found is not None:
+                return found
             self.check()
             self.check_nodes_alive()
             if time.monotonic() > deadline:
@@ -101,33 +134,47 @@ class NodeLink:
                 raise StallError(f"{_describe(what)} on every node", arrived=list(t.ranks_of(t.node_rank)),
                                  missing=list(t.ranks_of(node)), timeout=self.stall_timeout)
 
-    def check_nodes_alive(self):
-        """Raise :class:`WorkerError` naming a node whose process the coordination service lost."""
-        t = self.topology
+    def _try_get(self, key):
         try:
-            live = set(self.client.get_live_nodes(list(range(t.n_devices))))
-        except Exception as e:
-            raise self.node_died(0, 0, f"the coordination service it served is gone ({e})") from e
-        missing = [r for r in range(t.n_devices) if r not in live]
-        if missing:
-            rank = missing[0]
-            raise self.node_died(t.node_of(rank), rank, "its process left JAX's coordination service")
+            return self.client.key_value_try_get_bytes(key)
+        except Exception as e:     # NOT_FOUND: not there yet
+            if "NOT_FOUND" not in str(e):
+                raise
+            return None
+
+    def check_nodes_alive(self):
+        """Raise :class:`WorkerError` naming a node not heard from for :data:`LOST_AFTER` seconds."""
+        t, now = self.topology, time.monotonic()
+        for node in range(t.n_nodes):
+            if node == t.node_rank:
+                continue
+            try:
+                beat = self._try_get(f"synk/beat/{node}")
+            except Exception as e:
+                raise self.node_died(0, 0, f"the coordination service it served is gone ({e})") from e
+            last = self._heard.get(node)
+            if last is None or beat != last[0]:
+                self._heard[node] = (beat, now)
+            elif now - last[1] > LOST_AFTER:
+                raise self.node_died(node, t.ranks_of(node)[0],
+                                     f"node {node} has not been heard from for {LOST_AFTER:g} s")
+
+    def leave(self):
+        """Before this master leaves the JAX runtime (its workers already left): say so."""
+        self.close()
+        self.client.key_value_set(f"synk/left/{self.topology.node_rank}", "1", allow_overwrite=True)
 
     def wait_until_others_left(self, within=10.0):
-        """Serving the coordination service: wait (up to ``within`` s) until every other process left."""
+        """Serving the coordination service: wait (up to ``within`` s) until every other node left."""
         deadline = time.monotonic() + within
-        others = [r for r in range(self.topology.n_devices) if r != 0]
-        while time.monotonic() < deadline:
-            try:
-                if not set(self.client.get_live_nodes(others)) & set(others):
-                    return
-            except Exception:      # noqa: BLE001 - nothing more to wait for
-                return
-            time.sleep(0.05)
+        for node in range(1, self.topology.n_nodes):
+            while time.monotonic() < deadline and self._try_get(f"synk/left/{node}") is None:
+                time.sleep(0.02)
+        time.sleep(0.1)     # their last message to the service (leaving) follows the key
 
     def raise_dead_node(self, doing, error):
         """After a failed exchange or cross-node collective: name the dead node if there is one."""
-        deadline = time.monotonic() + NODE_HEARTBEAT_TIMEOUT + 2
+        deadline = time.monotonic() + LOST_AFTER + 2
         while time.monotonic() < deadline:
             self.check_nodes_alive()
             time.sleep(0.2)
