@@ -226,10 +226,14 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
     if variant != "single" and master.active() is None:
         synk.fork(devices)
         forked_here = True
+    node = synk.node_rank() if variant != "single" else 0
+    if node:                     # on several nodes (python -m synkhronos.launch), node 0 reports
+        progress, plot, timeline = False, None, None
     recording = synk.timeline(timeline) if timeline else contextlib.nullcontext()
     with recording:
         history = _train(variant, model, epochs, batch, lr, data, seed, progress, loop, sync_rule,
                          checkpoint_dir, resume, plot)
+    history["node"] = node
     if forked_here:
         synk.close()
     return history
@@ -254,7 +258,8 @@ def _train(variant, model, epochs, batch, lr, data, seed, progress, loop, sync_r
         _master_loop(variant, step, data, batch, epochs, n_devices, rng, evaluate, history, progress,
                      checkpoint_dir, resume)
     history["test_loss"], history["test_acc"] = evaluate("test")
-    history["params"] = [synk.get_value(0, p) if variant != "single" else p.get_value() for p in params]
+    history["n_devices"] = n_devices
+    history["params"] = [p.get_value() for p in params]       # the master's device's values
     if plot:
         label = f"{variant}" if loop == "master" else f"device loop, {sync_rule}"
         save_plot(history, plot, f"{model} / {label} / {n_devices} device(s)")
@@ -383,10 +388,12 @@ def main(argv=None):
     h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
             args.plot, loop=args.loop, sync_rule=args.sync, checkpoint_dir=args.checkpoint_dir,
             resume=args.resume, timeline=args.timeline)
+    if h["node"]:
+        return 0
     loop = "master loop" if args.loop == "master" else f"device loop, {args.sync}"
     print(f"test accuracy {h['test_acc']:.4f}  mean epoch time {np.mean(h['epoch_time']):.2f} s  "
           f"({args.model}, {args.variant}, {loop}, "
-          f"{1 if args.variant == 'single' else args.devices} device(s))")
+          f"{1 if args.variant == 'single' else h['n_devices']} device(s))")
     print(f"curves saved to {args.plot}")
     return 0
 

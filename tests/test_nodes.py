@@ -153,3 +153,21 @@ def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing,
     while any(_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):
+    demo = os.path.join(ROOT, "demos", "mnist.py")
+    args = ["--devices", "1", "--epochs", "3", "--plot", tmp_path / "two.png"]
+    procs = start_nodes(demo, args, 2, 1, tmp_path)
+    assert wait_all(procs, tmp_path, timeout=240) == [0, 0], read_logs(tmp_path)
+    printed = open(tmp_path / "node0.log").read().replace("\r", "\n").splitlines()
+    two = [line for line in printed if line.startswith("test accuracy")]
+    assert not [line for line in open(tmp_path / "node1.log") if line.startswith("test accuracy")]
+    one = subprocess.run([sys.executable, demo, "--devices", "2", "--epochs", "3", "--plot",
+                          str(tmp_path / "one.png")], capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-2000:]
+    one = [line for line in one.stdout.splitlines() if line.startswith("test accuracy")]
+    assert len(two) == 1 and len(one) == 1, (two, one)
+    assert two[0].split()[2] == one[0].split()[2], (two, one)      # the same test accuracy
