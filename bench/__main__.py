@@ -78,11 +78,13 @@ def main(argv=None):
     loop_results = loops.measure(1 if args.quick else 3, torch_python(), args.quick)
     from bench import checkpoint_bench
     saving = checkpoint_bench.measure(3 if args.quick else 7)
+    from bench import nodes_bench
+    nodes = nodes_bench.measure(batches, steps, 3 if args.quick else 7)
     compile_times = {s: run_json([python(), "-m", "bench.compile_time", s]) for s in ("pytensor", "synk")}
 
     write_results(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                   loops.section(loop_results) + checkpoint_bench.section(saving)
-                  + timeline_bench.section(recording))
+                  + timeline_bench.section(recording) + nodes_bench.section(nodes))
     plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     print(open(os.path.join(HERE, "RESULTS.md")).read())

@@ -29,7 +29,11 @@ def _psum_from_root(root):
 
 
 def _bodies():
-    """The shard_map body of each collective (JAX imported on first use, not with synkhronos)."""
+    """The shard_map body of each collective (JAX imported on first use, not with synkhronos).
+
+    A body takes this rank's flat values and returns the result every rank
+    holds alike (replicated), so the program's output needs no slicing.
+    """
     import jax
     import jax.numpy as jnp
     return {
@@ -37,8 +41,8 @@ def _bodies():
         "avg": lambda a: jax.lax.pmean(a, _AXIS),
         "max": lambda a: jax.lax.pmax(a, _AXIS),
         "min": lambda a: jax.lax.pmin(a, _AXIS),
-        "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS, tiled=True), axis=0, keepdims=True),
-        "gather": lambda a: jax.lax.all_gather(a, _AXIS, tiled=True)[None],
+        "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS), axis=0),
+        "gather": lambda a: jax.lax.all_gather(a, _AXIS),
     }
 
 
@@ -76,28 +80,35 @@ class JaxComm(Comm):
 
     def _program(self, key, body):
         import jax
+        from jax.sharding import PartitionSpec
         fn = self._programs.get(key)
         if fn is None:
+            # an all_gather's result is the same on every rank, but JAX's replication check
+            # cannot tell (it types it as varying): unchecked for the gathering bodies only
+            gathers = key in ("gather", "prod")
             fn = self._programs[key] = jax.jit(jax.shard_map(
-                body, mesh=self.mesh, in_specs=self.spec, out_specs=self.spec))
+                body, mesh=self.mesh, in_specs=self.spec, out_specs=PartitionSpec(),
+                check_vma=not gathers))
         return fn
 
     def _run(self, key, body, x):
+        """``body`` over every rank's flat ``x``: this rank's flat vector is its shard of one global
+        vector, and the replicated result is read from this rank's device without a copy."""
         import jax
         import jax.numpy as jnp
-        local = jax.device_put(jnp.reshape(x, (1, -1)), self.device)
+        local = jax.device_put(x, self.device)
         bool_input = local.dtype == jnp.bool_
         if bool_input:  # collectives do not take bool: travel as int8
             local = local.astype(jnp.int8)
         glob = jax.make_array_from_single_device_arrays(
-            (self.n_ranks, local.shape[1]), self.sharding, [local])
+            (self.n_ranks * local.shape[0],), self.sharding, [local])
         if not self._connected:
             # Gloo prints "[Gloo] Rank r is connected to ..." on stdout as the ranks first connect
             with _stdout_silenced():
-                out = self._program(key, body)(glob).addressable_data(0)[0].block_until_ready()
+                out = self._program(key, body)(glob).addressable_data(0).block_until_ready()
             self._connected = True
         else:
-            out = self._program(key, body)(glob).addressable_data(0)[0]
+            out = self._program(key, body)(glob).addressable_data(0)
         return out.astype(jnp.bool_) if bool_input else out
 
     def all_reduce(self, values, op):
@@ -105,9 +116,9 @@ class JaxComm(Comm):
 
     def all_gather(self, values):
         import jax.numpy as jnp
-        stacked = self._run("gather", self._bodies["gather"], _flat(values))
-        per_rank = [_unflat(stacked[r], values) for r in range(self.n_ranks)]
-        return [jnp.stack([per_rank[r][i] for r in range(self.n_ranks)]) for i in range(len(values))]
+        stacked = self._run("gather", self._bodies["gather"], _flat(values))     # (n_ranks, size)
+        return [jnp.reshape(part, (self.n_ranks,) + np.shape(v))
+                for part, v in zip(_split(stacked, values, axis=1), values)]
 
     def broadcast(self, values, root):
         return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
@@ -129,15 +140,23 @@ def _stdout_silenced():
 
 
 def _flat(values):
-    """One flat device vector of ``values`` (one collective launch for all of them)."""
+    """One flat vector of ``values`` (one collective launch for all of them); a single flat value
+    is itself."""
     import jax.numpy as jnp
+    if len(values) == 1 and np.ndim(values[0]) == 1:
+        return values[0]
     return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
 
 
+def _split(flat, like, axis=0):
+    """``flat`` cut along ``axis`` into the sizes of ``like`` (the whole of it for one value)."""
+    if len(like) == 1:
+        return [flat]
+    bounds = np.cumsum([int(np.prod(np.shape(v), dtype=np.int64)) for v in like])[:-1]
+    import jax.numpy as jnp
+    return jnp.split(flat, bounds, axis=axis)
+
+
 def _unflat(flat, like):
-    out, pos = [], 0
-    for v in like:
-        size = int(np.prod(np.shape(v), dtype=np.int64))
-        out.append(flat[pos:pos + size].reshape(np.shape(v)))
-        pos += size
-    return out
+    return [part if np.shape(part) == np.shape(v) else part.reshape(np.shape(v))
+            for part, v in zip(_split(flat, like), like)]

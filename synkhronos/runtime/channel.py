@@ -9,6 +9,7 @@ and that the stall timeout has not passed; either fault calls ``on_fault``
 
 import logging
 import pickle
+import queue
 import threading
 import time
 import warnings
@@ -63,6 +64,7 @@ class Channel:
         self.worker_warnings = {r: SegmentMirror(f"{prefix}_w{r}") for r in self.worker_ranks}
         self._warning_registry = {}    # shared by every rank: one warning shows once
         self._collective_watch = None
+        self._collective_runner = None     # the thread of collectives that wait in native code
 
     # --- one command ------------------------------------------------------------------------
     def command(self, opcode, ranks=None, local=None):
@@ -149,20 +151,13 @@ class Channel:
         For collectives that block inside native code (the JAX runtime): only
         another thread can notice a dead or stalled peer meanwhile.
         """
-        box = {}
-
-        def target():
-            try:
-                box["result"] = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                box["error"] = e
-        thread = threading.Thread(target=target, name="synk-collective", daemon=True)
-        thread.start()
+        if self._collective_runner is None:
+            self._collective_runner = _Runner("synk-collective")
+        box, finished = self._collective_runner.submit(fn)
         deadline = time.time() + self.stall_timeout
         # no spinning here: a spinning main thread would hold the GIL the collective thread needs
         self.wait_done(ranks, what=what, deadline=deadline, spin=0)
-        thread.join(max(0.0, deadline - time.time()))
-        if thread.is_alive():
+        if not finished.wait(max(0.0, deadline - time.time())):
             self.on_fault()
             raise StallError(what, arrived=self._global(sorted(ranks)),
                              missing=self._global([self.master_rank]), timeout=self.stall_timeout)
@@ -391,3 +386,32 @@ class Channel:
                 for g in range(max(1, gen - 1), gen + 2):
                     unlink(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()
+
+
+class _Runner:
+    """One daemon thread that runs the functions handed to it, one at a time.
+
+    Starting a thread per collective costs about a millisecond on a busy
+    machine; a daemon thread never holds up the interpreter's exit, even when
+    a peer left it stuck in a native collective.
+    """
+
+    def __init__(self, name):
+        self._jobs = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            fn, box, finished = self._jobs.get()
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+            finished.set()
+
+    def submit(self, fn):
+        """Run ``fn`` in the thread; return ``(box, finished)``: its result or error lands in
+        ``box`` when the event ``finished`` is set."""
+        box, finished = {}, threading.Event()
+        self._jobs.put((fn, box, finished))
+        return box, finished
