@@ -32,19 +32,24 @@ NO_NAMESPACES = _namespaces_work()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
 
 
-def start_nodes(script, args, n_nodes, per_node, logs):
-    """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes."""
+def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True):
+    """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes.
+
+    With ``private_shm`` each node runs in a mount namespace of its own with a tmpfs /dev/shm;
+    without, the nodes share /dev/shm (each runtime's segments have a prefix of their own).
+    """
     port = free_port()
     procs = []
     for node in range(n_nodes):
         launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(n_nodes),
                   "--node-rank", str(node), "--coordinator", f"127.0.0.1:{port}",
                   "--devices-per-node", str(per_node), script] + [str(a) for a in args]
-        inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
+        if private_shm:
+            inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
+            launch = ["unshare", "-m", "sh", "-c", inner]
         log = open(os.path.join(logs, f"node{node}.log"), "w")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-        procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", inner], stdout=log,
-                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+        procs.append(subprocess.Popen(launch, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     return procs
 
 
@@ -70,21 +75,24 @@ def read_logs(logs):
     return "\n".join(text)
 
 
-def run_same_results(tmp_path, n_nodes, per_node):
+def run_same_results(tmp_path, n_nodes, per_node, private_shm=True):
     out = tmp_path / f"{n_nodes}x{per_node}"
     out.mkdir()
-    procs = start_nodes(os.path.join(SCRIPTS, "same_results.py"), [out], n_nodes, per_node, out)
+    procs = start_nodes(os.path.join(SCRIPTS, "same_results.py"), [out], n_nodes, per_node, out,
+                        private_shm)
     codes = wait_all(procs, out, timeout=240)
     assert codes == [0] * n_nodes, read_logs(out)
     return [dict(np.load(out / f"node{node}.npz")) for node in range(n_nodes)]
 
 
-@needs_namespaces
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("per_node", [1, 2])     # 1: the cross-node step alone; 2: shared memory too
-def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node):
-    nodes = run_same_results(tmp_path, 2, per_node)
-    one = run_same_results(tmp_path, 1, 2 * per_node)[0]
+@pytest.mark.parametrize("per_node,private_shm", [
+    pytest.param(1, True, marks=needs_namespaces),   # the cross-node step alone
+    pytest.param(2, True, marks=needs_namespaces),   # shared memory within each node too
+    (1, False)])                                     # no namespaces: a segment prefix per node
+def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_shm):
+    nodes = run_same_results(tmp_path, 2, per_node, private_shm)
+    one = run_same_results(tmp_path, 1, 2 * per_node, private_shm)[0]
     for key in one:
         if key.startswith("ref_") or key.endswith("_own_ranks") or key == "async_refused":
             continue

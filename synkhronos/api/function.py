@@ -541,6 +541,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
                             f"{value.type.ndim}); make {value} of that dtype and ndim")
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     set_precision(State.float_x())       # the same rule every rank applies
+    state.own_streams(spec.shared_variables())
     compiled = CompiledFunction(spec)    # compile errors surface here, in the master
     state.register_function(spec, compiled)
     return Function(state, spec, bare, compiled)

@@ -170,6 +170,7 @@ class State:
         self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
         #: on several nodes, the exchanges with the other nodes' masters (after start)
         self.nodes = None
+        self._own_streams = {}      # id -> generator already made this node master's own stream
         self.is_open = False
         self._channel = None
         self.data = DataStore(self.prefix)
@@ -438,6 +439,22 @@ class State:
         self._channel.command(Op.SHIP)
         self._shipped_uids.update(new_shared)
         self._unshipped = []
+
+    def own_streams(self, variables):
+        """Before the master compiles a function: on a node after the first, its new generators
+        become its own device's streams.
+
+        Every node's script seeded them alike; node 0's master keeps the draws of the
+        single-process function and every other device (this master included) draws from that
+        stream jumped by its rank's distance, as the workers do (theirs are the master's jumped
+        by their distance from it). A compiled function keeps a copy of its generators' state,
+        so this happens before compiling, once per generator.
+        """
+        distance = (self.master_rank - self.root_rank) % self.n_parallel
+        for var in variables:
+            if distance and randomness.is_generator(var) and id(var) not in self._own_streams:
+                self._own_streams[id(var)] = var        # (kept: the id stays this variable's)
+                var.set_value(randomness.device_stream(var.get_value(borrow=True), distance))
 
     # --- calls ------------------------------------------------------------------------------
     def run_call(self, plan, record):

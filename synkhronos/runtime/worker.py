@@ -185,7 +185,8 @@ class Worker:
 
     def _set_values(self, values):
         """Set shared values from the master; a random generator becomes this rank's own stream."""
-        offset = (self.grank - self.root_rank) % self.n_devices
+        # relative to this node's master, whose own stream is the root's jumped by its distance
+        offset = (self.grank - self.master_rank) % self.n_devices
         for uid, value in values.items():
             var = self.shared[uid]
             if randomness.is_generator(var):

@@ -28,6 +28,9 @@ s = pytensor.shared(np.zeros(5), name="s")
 lengths = pytensor.shared(np.zeros((1, 2)), name="lengths")
 scattered = pytensor.shared(np.zeros((1, 2)), name="scattered")
 g = synk.function([], [], updates=[(s, s), (lengths, lengths), (scattered, scattered)], name="g")
+stream = pytensor.shared(np.random.default_rng(7), name="stream")
+draws = synk.function([x], [(pt.random.normal(size=(x.shape[0],), rng=stream), "gather")],
+                      name="draws")
 
 model_x, model_y, loss, params, init = mlp(seed=5)
 step = train.make_train_function(loss, params, model_x, model_y, updates.momentum, learning_rate=0.1)
@@ -44,6 +47,9 @@ for name, batch, slices in [("all", None, 1), ("indices", perm[:17], 1), ("slice
     rows = X if batch is None else X[batch]
     for mode, a, b in zip(["sum", "avg", "max", "min", "prod", "gather"], got, f.as_pytensor(rows)):
         out[f"call_{name}_{mode}"], out[f"ref_call_{name}_{mode}"] = np.asarray(a), np.asarray(b)
+
+# --- random draws: every device its own stream, as on one node with as many devices ---------------
+out["draws_first"], out["draws_second"] = draws(x_data)[0], draws(x_data)[0]
 
 # --- collectives over global ranks -------------------------------------------------------------------
 def own_ranks():
