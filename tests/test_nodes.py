@@ -103,7 +103,8 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
                 np.testing.assert_allclose(got[key], got[f"ref_{key}"], rtol=1e-9, atol=1e-12,
                                            err_msg=f"{key} on node {node} against one process")
     for node, got in enumerate(nodes):
-        for key in ("all_reduce_sum_own_ranks", "broadcast_own_ranks"):
+        assert bool(got["restored_params"]), f"node {node} restored other parameters"
+        for key in ("all_reduce_sum_own_ranks", "broadcast_own_ranks", "restored_own_ranks"):
             np.testing.assert_array_equal(got[key], got[f"ref_{key}"], err_msg=f"{key} on node {node}")
         assert "cannot span 2 nodes" in str(got["async_refused"]), got["async_refused"]
     assert str(one["async_refused"]) == ""

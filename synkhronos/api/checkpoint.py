@@ -77,6 +77,14 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     step : int, optional
     extra : optional
         Anything JSON can hold (data order, epoch, ...), returned by :func:`restore`.
+
+    Notes
+    -----
+    On several nodes every node calls ``save`` alike; node 0's master writes
+    the file (the masters compare digests of their ranks' values and send node
+    0 only the values that differ between ranks), and every node returns once
+    it is written. To restore on every node, ``path`` must be on a file system
+    every node reads (or copied there).
     """
     state = current()
     variables = default_variables() if variables is None else _check_variables(variables)
@@ -85,21 +93,68 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     except TypeError as e:
         raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
                         f"lists and dicts") from None
-    per_rank = [state.get_values(rank, variables) for rank in range(state.n_parallel)]
+    local = {rank: [np.asarray(v) for v in state.get_values(rank, variables)]
+             for rank in state.topology.ranks_of(state.topology.node_rank)}
+    values_of, replicated = _values_on_every_rank(state, local, len(variables))
     tensors, layout = {}, []
     for i, var in enumerate(variables):
-        values = [np.asarray(values[i]) for values in per_rank]
-        own = values[state.master_rank]
-        replicated = all(v.shape == own.shape and np.array_equal(v, own) for v in values)
         key = _key(i, var)
-        if replicated:
-            tensors[key] = np.array(own)
+        if replicated[i]:
+            tensors[key] = np.array(local[state.master_rank][i])
         else:
-            for rank, value in enumerate(values):
+            for rank, value in enumerate(values_of(i)):
                 tensors[f"{key}@{rank}"] = np.array(value)
-        layout.append(dict(key=key, name=var.name, per_rank=not replicated))
+        layout.append(dict(key=key, name=var.name, per_rank=not replicated[i]))
     meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout)
-    _write_atomically(os.fspath(path), tensors, {_META_KEY: json.dumps(meta), "extra": extra_text})
+    if state.topology.node_rank == 0:             # one writer: node 0's master
+        try:
+            _write_atomically(os.fspath(path), tensors, {_META_KEY: json.dumps(meta),
+                                                         "extra": extra_text})
+        except Exception as e:
+            _tell_nodes(state, f"failed: {type(e).__name__}: {e}")
+            raise
+    _tell_nodes(state, "written")
+
+
+def _values_on_every_rank(state, local, n_vars):
+    """``(values_of, replicated)``: variable ``i``'s value on every global rank, and whether every
+    rank holds the same. On several nodes the masters compare digests first and send each other
+    only the values that differ between ranks."""
+    if state.nodes is None:
+        by_rank = [local[r] for r in range(state.n_parallel)]
+
+        def values_of(i):
+            return [values[i] for values in by_rank]
+        first = [values_of(i)[0] for i in range(n_vars)]
+        replicated = [all(v.shape == first[i].shape and np.array_equal(v, first[i])
+                          for v in values_of(i)) for i in range(n_vars)]
+        return values_of, replicated
+    digests = {rank: [_digest(v) for v in values] for rank, values in local.items()}
+    every = {r: d for node in state.nodes.exchange("checkpoint: digests", digests)
+             for r, d in node.items()}
+    differ = [i for i in range(n_vars) if len({every[r][i] for r in every}) > 1]
+    sent = {rank: {i: values[i] for i in differ} for rank, values in local.items()}
+    by_rank = {r: values for node in state.nodes.exchange("checkpoint: values", sent)
+               for r, values in node.items()}
+
+    def values_of(i):
+        return [by_rank[r][i] for r in range(state.n_parallel)]
+    return values_of, [i not in differ for i in range(n_vars)]
+
+
+def _digest(value):
+    import hashlib
+    value = np.ascontiguousarray(value)
+    return (value.shape, str(value.dtype), hashlib.sha1(value.view(np.uint8).ravel()).hexdigest())
+
+
+def _tell_nodes(state, outcome):
+    """On several nodes: every node learns whether node 0 wrote the checkpoint."""
+    if state.nodes is None:
+        return
+    outcomes = state.nodes.exchange("checkpoint: written", outcome)
+    if outcomes[0] != "written" and state.topology.node_rank != 0:
+        raise RuntimeError(f"node 0 could not write the checkpoint ({outcomes[0]})")
 
 
 def _write_atomically(path, tensors, metadata):
@@ -171,7 +226,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
         var.set_value(value)
     if replicated:
         collectives.broadcast([var for var, _ in replicated])
-    for rank in range(state.n_parallel):
+    for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
         if per_rank:
             state.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
     return {"step": meta["step"], "extra": extra}

@@ -104,6 +104,25 @@ out["ref_train_losses"] = np.array([reference(XM[b], YM[b]) for b in batches])
 for i, (a, b) in enumerate(zip(trained, [p.get_value() for p in params])):
     out[f"train_param{i}"], out[f"ref_train_param{i}"] = a, b
 
+# --- a checkpoint: written once (node 0), a per-rank value from every node, restored on every node --
+set_everywhere(s, lambda r: np.arange(5.0) + r)                      # differs between ranks
+path = os.path.join(sys.argv[1], "checkpoint.safetensors")
+synk.checkpoint.save(path, list(params) + [s], step=5)
+meta, _, tensors = synk.checkpoint.read(path)
+for i, (entry, p) in enumerate(zip(meta["variables"], params)):   # a value once, or rank 0's
+    out[f"checkpoint_param{i}"] = tensors[entry["key"] + ("@0" if entry["per_rank"] else "")]
+out["checkpoint_per_rank"] = np.stack([tensors[f"{meta['variables'][-1]['key']}@{r}"] for r in range(n)])
+out["ref_checkpoint_per_rank"] = np.stack([np.arange(5.0) + r for r in range(n)])
+saved = [p.get_value() for p in params]
+for p in params:
+    p.set_value(np.zeros_like(p.get_value()))
+synk.broadcast(params)
+set_everywhere(s, lambda r: np.zeros(5))
+synk.checkpoint.restore(path, list(params) + [s])
+out["restored_params"] = np.array(all(np.array_equal(a, p.get_value()) for a, p in zip(saved, params)))
+out["restored_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
+out["ref_restored_own_ranks"] = np.stack([np.arange(5.0) + r for r in own_ranks()])
+
 # --- a device-driven loop (synchronous), and the refusal of an asynchronous rule ------------------------
 for p, v in zip(params, init):
     p.set_value(v)
