@@ -97,8 +97,9 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
         if key.startswith("ref_") or key.endswith("_own_ranks") or key == "async_refused":
             continue
         for node, got in enumerate(nodes):     # every master gets the same result, the one-node one
-            np.testing.assert_allclose(got[key], one[key], rtol=1e-10, atol=1e-12,
-                                       err_msg=f"{key} on node {node}")
+            if not key.startswith("sharded_"):     # (node shards: each layout its own rows)
+                np.testing.assert_allclose(got[key], one[key], rtol=1e-10, atol=1e-12,
+                                           err_msg=f"{key} on node {node}")
             if f"ref_{key}" in got:            # and the single-process PyTensor function's
                 np.testing.assert_allclose(got[key], got[f"ref_{key}"], rtol=1e-9, atol=1e-12,
                                            err_msg=f"{key} on node {node} against one process")

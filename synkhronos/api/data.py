@@ -61,7 +61,7 @@ class Data:
     master's view (``d[3:5] = x``); ``d.data`` is that numpy view.
     """
 
-    def __init__(self, state, dtype, ndim, minibatch=False, name=None):
+    def __init__(self, state, dtype, ndim, minibatch=False, name=None, sharded=False):
         self._dtype = np.dtype(dtype)
         dtype_code(self._dtype)  # rejects unsupported dtypes early
         state.check_open()
@@ -69,6 +69,9 @@ class Data:
         self.id, self._segment = state.data.new_segment()
         self._ndim = int(ndim)
         self.minibatch = bool(minibatch)
+        #: this node's own shard of the rows: ``batch=`` indices are local to it and the rows are
+        #: split over this node's devices only
+        self.sharded = bool(sharded)
         self.name = name
         self._shape = None
         # dropped with its last reference, as a numpy array is (the workers let go at the next command)
@@ -244,7 +247,7 @@ def staging_data(state, key, value):
 
 def data(value=None, var=None, dtype=None, ndim: int | None = None,
          shape: tuple[int, ...] | None = None, minibatch: bool = False, force_cast: bool = False,
-         oversize: float = 1, name: str | None = None) -> Data:
+         oversize: float = 1, name: str | None = None, sharded: bool = False) -> Data:
     """Make a :class:`Data` in shared memory visible to every process.
 
     Parameters
@@ -264,6 +267,12 @@ def data(value=None, var=None, dtype=None, ndim: int | None = None,
     oversize : float
         Allocate this factor (1 to 2) more than needed, to grow without reallocating.
     name : str, optional
+    sharded : bool
+        On several nodes: ``value`` is this node's own shard of the rows (each
+        node passes its own). A call on sharded Data takes ``batch=`` indices
+        into the shard, splits them over this node's devices only, and reduces
+        the outputs over every device of every node. On one node it changes
+        nothing.
 
     Returns
     -------
@@ -287,7 +296,7 @@ def data(value=None, var=None, dtype=None, ndim: int | None = None,
     if dtype is None or ndim is None:
         raise TypeError("data() needs var=, value=, or dtype= with ndim= or shape= to know its "
                         "dtype and ndim")
-    d = Data(state, dtype, ndim, minibatch=minibatch, name=name)
+    d = Data(state, dtype, ndim, minibatch=minibatch, name=name, sharded=sharded)
     if value is not None:
         d.set_value(value, force_cast=force_cast, oversize=oversize)
     elif shape is not None:

@@ -153,6 +153,16 @@ _PLANS_KEPT = 16
 _INDICES = object()
 
 
+def _node_local(datas, names):
+    """Whether a call's scattered inputs are every node's own shard (all of them, or none)."""
+    sharded = [d.sharded for d in datas]
+    if any(sharded) and not all(sharded):
+        mixed = ", ".join(f"{n} ({'sharded' if s else 'a full copy'})" for n, s in zip(names, sharded))
+        raise ValueError(f"the scattered inputs mix node shards and full copies: {mixed}; make "
+                         f"every one synk.data(..., sharded=True) or none")
+    return bool(sharded) and all(sharded)
+
+
 def _input_ref(d, offset=0):
     """Where a call reads the Data ``d`` (its rows from ``offset`` on)."""
     return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
@@ -346,10 +356,12 @@ class Function:
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
+        local = _node_local(datas[:n_scat], names)
         sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
+        split = self._state.topology.n_local if local else self._state.n_parallel
         rows = ([b.total for b in sliced] if sliced else
-                [hi - lo for lo, hi in (chunk(0, batch_plan.total, self._state.n_parallel, r)
-                                        for r in range(self._state.n_parallel))] if n_scat else [])
+                [hi - lo for lo, hi in (chunk(0, batch_plan.total, split, r)
+                                        for r in range(split))] if n_scat else [])
         if spec.updates and rows and min(rows) == 0:
             raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
                              f"device: {rows}): it would skip its updates and its state would drift; "
@@ -357,7 +369,7 @@ class Function:
 
         return CallPlan(spec.fid, num_slices, batch_plan, subset,
                         [_input_ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
-                        [_input_ref(d) for d in datas[n_scat:]], sliced)
+                        [_input_ref(d) for d in datas[n_scat:]], sliced, local=local)
 
     def _plan_batch_s(self, batch_s, batch_plan):
         """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""

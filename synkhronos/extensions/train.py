@@ -58,6 +58,8 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
 
     def train_minibatch(x_data, y_data, batch=None, num_slices=1):
         rows = len(x_data) if batch is None else batch_from_spec(batch, len(x_data)).total
+        if getattr(x_data, "sharded", False):     # each node's batch of its own shard: all of them
+            rows = current().rows_of_every_node(rows)
         return step(rows, x_data, y_data, batch=batch, num_slices=num_slices)
 
     train_minibatch.runs_on_devices = True      # what run() takes
@@ -206,6 +208,10 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
         raise ValueError(f"{sync!r} keeps its center in one node's shared memory and cannot span "
                          f"{state.topology.n_nodes} nodes; across nodes use a synchronous rule "
                          f"(AllReduce(), Average(every=k) or EASGD(asynchronous=False))")
+    if getattr(x_data, "sharded", False) and state.topology.several_nodes:
+        raise ValueError("train.run splits every epoch of a full copy of the data over every "
+                         "device of every node; it does not take Data sharded per node: give each "
+                         "node the full data, or call the training step on the shards yourself")
     x_ref, y_ref = f_grad.input_refs(x_data, y_data)
     n_rows = x_ref.shape[0]
     if y_ref.shape[0] != n_rows:

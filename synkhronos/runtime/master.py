@@ -485,11 +485,11 @@ class State:
             plan.index_gen = self.data.write_indices(index_arrays)
         self._plans.publish(plan.encode(), ctl.header, ctl.args)
         fields = ctl.record_fields(record) if record is not None else None
-        master, compiled = self.master_rank, self._compiled[plan.fid]
-        local_master = self.local_master
+        compiled, local_master = self._compiled[plan.fid], self.local_master
+        rank, n_ranks = plan.ranks(self.master_rank, self.n_parallel, local_master, self.n_local)
 
         def local():
-            rows, outs = run_share(compiled, plan, master, self.n_parallel, self.data.view)
+            rows, outs = run_share(compiled, plan, rank, n_ranks, self.data.view)
             ctl.rows[local_master] = rows
             if fields is None:
                 return [np.asarray(o) for o in outs] if rows else None
@@ -517,6 +517,12 @@ class State:
         return (rows, columns) if plan.subset else (None, [])
 
     # --- several nodes ----------------------------------------------------------------------
+    def rows_of_every_node(self, rows):
+        """The rows of every node's batch together (each node's own count on one node)."""
+        if self.nodes is None:
+            return rows
+        return int(sum(self.nodes.exchange("rows of every node", int(rows))))
+
     @property
     def root_rank(self):
         """The rank whose values a broadcast sends: the master of node 0."""

@@ -163,7 +163,8 @@ class Worker:
     def call(self):
         plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
         compiled = self.functions[plan.fid]
-        rows, outs = self._run_share(compiled, plan, self.grank, self.n_devices, self.datas.view)
+        rank, n_ranks = plan.ranks(self.grank, self.n_devices, self.rank, self.n_ranks)
+        rows, outs = self._run_share(compiled, plan, rank, n_ranks, self.datas.view)
         if rows and outs:
             record = result_record(compiled.spec, plan)
             if record is not None:

@@ -51,7 +51,9 @@ class CallPlan:
     """A validated call, as every process needs it.
 
     ``sliced`` holds, per rank, the Batch of rows of the sliceable shared
-    variables that rank uses (empty when the function has none).
+    variables that rank uses (empty when the function has none). ``local``:
+    the scattered inputs are each node's own shard, split over the node's
+    devices only (see :meth:`ranks`).
     """
 
     fid: int
@@ -62,6 +64,7 @@ class CallPlan:
     bcast: list            # [InputRef]
     sliced: list = field(default_factory=list)
     index_gen: int = 0
+    local: bool = False
     _words: tuple = field(default=None, repr=False, compare=False)
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
     _record: object = field(default=False, repr=False, compare=False)        # see result_record
@@ -78,6 +81,10 @@ class CallPlan:
         plan = copy.copy(self)
         plan.batch, plan._words = batch, None
         return plan
+
+    def ranks(self, rank, n_ranks, local_rank, n_local):
+        """The (rank, count) this plan's rows are split by: the node's own for a local plan."""
+        return (local_rank, n_local) if self.local else (rank, n_ranks)
 
     def index_arrays(self):
         """Batches whose explicit indices must be written to the index segment."""
@@ -107,6 +114,7 @@ class CallPlan:
         words.append(len(self.sliced))
         for b in self.sliced:
             _batch_words(words, b)
+        words.append(int(self.local))
         return words
 
     @classmethod
@@ -122,7 +130,8 @@ class CallPlan:
             data_id, gen, code, offset = (w.get() for _ in range(4))
             refs.append(InputRef(data_id, gen, code, offset, tuple(w.get_list())))
         sliced = [get_batch(w, index_lookup, index_gen) for _ in range(w.get())]
-        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], sliced, index_gen)
+        return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], sliced, index_gen,
+                   bool(w.get()))
 
 
 def result_record(spec, plan):

@@ -36,6 +36,11 @@ model_x, model_y, loss, params, init = mlp(seed=5)
 step = train.make_train_function(loss, params, model_x, model_y, updates.momentum, learning_rate=0.1)
 reference = train.make_single_process_train_function(loss, params, model_x, model_y, updates.momentum,
                                                       learning_rate=0.1)
+# fresh optimizer states for the steps on sharded Data
+sharded_step = train.make_train_function(loss, params, model_x, model_y, updates.momentum,
+                                         learning_rate=0.1)
+sharded_reference = train.make_single_process_train_function(loss, params, model_x, model_y,
+                                                              updates.momentum, learning_rate=0.1)
 synk.distribute()
 
 # --- calls: the whole Data, global batch indices, slices, num_slices --------------------------------
@@ -47,6 +52,18 @@ for name, batch, slices in [("all", None, 1), ("indices", perm[:17], 1), ("slice
     rows = X if batch is None else X[batch]
     for mode, a, b in zip(["sum", "avg", "max", "min", "prod", "gather"], got, f.as_pytensor(rows)):
         out[f"call_{name}_{mode}"], out[f"ref_call_{name}_{mode}"] = np.asarray(a), np.asarray(b)
+
+# --- sharded Data: each node its own rows, batch= indices into its shard ----------------------------
+n_nodes = synk.n_nodes()
+shards = np.array_split(np.arange(23), n_nodes)               # node k holds rows shards[k] of X
+own = shards[node]
+x_shard = synk.data(X[own], sharded=True)
+local_batches = [np.array([5, 1, 0, 3]) % len(s) for s in shards]   # each node's own indices
+union = np.concatenate([shard[b] for shard, b in zip(shards, local_batches)])
+for name, batch, rows in [("whole", None, np.arange(23)), ("indices", local_batches[node], union)]:
+    got = f(x_shard, batch=batch)
+    for mode, a, b in zip(["sum", "avg", "max", "min", "prod", "gather"], got, f.as_pytensor(X[rows])):
+        out[f"sharded_{name}_{mode}"], out[f"ref_sharded_{name}_{mode}"] = np.asarray(a), np.asarray(b)
 
 # --- random draws: every device its own stream, as on one node with as many devices ---------------
 out["draws_first"], out["draws_second"] = draws(x_data)[0], draws(x_data)[0]
@@ -105,6 +122,9 @@ for i, (a, b) in enumerate(zip(trained, [p.get_value() for p in params])):
     out[f"train_param{i}"], out[f"ref_train_param{i}"] = a, b
 
 # --- a checkpoint: written once (node 0), a per-rank value from every node, restored on every node --
+for p, v in zip(params, trained):                                    # the five steps' parameters
+    p.set_value(v)
+synk.broadcast(params)
 set_everywhere(s, lambda r: np.arange(5.0) + r)                      # differs between ranks
 path = os.path.join(sys.argv[1], "checkpoint.safetensors")
 synk.checkpoint.save(path, list(params) + [s], step=5)
@@ -135,6 +155,28 @@ try:
     out["async_refused"] = np.array("")
 except ValueError as e:
     out["async_refused"] = np.array(str(e))
+
+# --- training steps on sharded Data: every node's batch of its own rows, one step over all of them --
+XS, YS = XM[:27], YM[:27]
+model_shards = np.array_split(np.arange(27), n_nodes)
+xs, ys = synk.data(XS[model_shards[node]], sharded=True), synk.data(YS[model_shards[node]], sharded=True)
+for p, v in zip(params, init):
+    p.set_value(v)
+synk.broadcast(params)
+losses, ref_losses = [], []
+for k in range(2):
+    picks = [shard[np.array([0, 2, 4, 6, 8][: 5 - k]) + k] for shard in model_shards]
+    mine = picks[node] - model_shards[node][0]                       # indices into this node's shard
+    losses.append(sharded_step(xs, ys, batch=mine))
+out["sharded_train_losses"] = np.array(losses)
+out["sharded_train_params"] = np.concatenate([p.get_value().ravel() for p in params])
+for p, v in zip(params, init):
+    p.set_value(v)
+for k in range(2):
+    rows = np.concatenate([shard[np.array([0, 2, 4, 6, 8][: 5 - k]) + k] for shard in model_shards])
+    ref_losses.append(sharded_reference(XS[rows], YS[rows]))
+out["ref_sharded_train_losses"] = np.array(ref_losses)
+out["ref_sharded_train_params"] = np.concatenate([p.get_value().ravel() for p in params])
 
 np.savez(os.path.join(sys.argv[1], f"node{node}.npz"), **out)
 synk.close()
