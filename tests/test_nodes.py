@@ -182,3 +182,16 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):
     one = [line for line in one.stdout.splitlines() if line.startswith("test accuracy")]
     assert len(two) == 1 and len(one) == 1, (two, one)
     assert two[0].split()[2] == one[0].split()[2], (two, one)      # the same test accuracy
+
+
+@needs_namespaces
+@pytest.mark.timeout(180)
+def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
+    procs = start_nodes(os.path.join(SCRIPTS, "diverged.py"), [tmp_path], 2, 1, tmp_path)
+    assert wait_all(procs, tmp_path, timeout=120) == [0, 0], read_logs(tmp_path)
+    for node in (0, 1):
+        got = __import__("json").load(open(tmp_path / f"node{node}.json"))
+        assert got["error"] is not None, got
+        assert "a call of f" in got["error"] and "a call of g" in got["error"], got
+        assert "same synkhronos calls in the same order" in got["error"], got
+        assert got["after"] == 12.0, got           # the next identical call works on both

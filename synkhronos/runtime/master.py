@@ -499,7 +499,7 @@ class State:
         try:
             outs = channel.command(Op.CALL, local=local)
         except Exception as e:
-            self._tell_other_nodes(("call", plan.fid), e)
+            self._tell_other_nodes(self._call_name(plan), e)
             raise
         if not plan.subset and self.nodes is None:   # a call selecting no outputs (only updates)
             return None, []
@@ -513,10 +513,14 @@ class State:
             columns = [[None if values is None else values[j] for values in per_rank]
                        for j in range(len(plan.subset))]
         if self.nodes is not None:
-            rows, columns = self._results_of_every_node(("call", plan.fid), rows, columns)
+            rows, columns = self._results_of_every_node(self._call_name(plan), rows, columns)
         return (rows, columns) if plan.subset else (None, [])
 
     # --- several nodes ----------------------------------------------------------------------
+    def _call_name(self, plan):
+        """What a call is called in the exchange of its results: ``("a call of", name)``."""
+        return ("a call of", self._specs[plan.fid].name)
+
     def rows_of_every_node(self, rows):
         """The rows of every node's batch together (each node's own count on one node)."""
         if self.nodes is None:

@@ -1,0 +1,30 @@
+"""Run on two nodes (``... diverged.py OUT``): node 0 calls ``f``, node 1 calls ``g``; each writes the
+error it got to OUT/node<R>.json, then both close."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytensor.tensor as pt
+
+import synkhronos as synk
+from synkhronos.runtime.nodes import NodesDiverged
+
+synk.fork()
+node = synk.node_rank()
+x = pt.matrix("x")
+f = synk.function([x], [(x.sum(), "sum")], name="f")
+g = synk.function([x], [(x.mean(), "avg")], name="g")
+synk.distribute()
+x_data = synk.data(np.ones((6, 2)))
+f(x_data)                                   # the same call on both: fine
+try:
+    (f if node == 0 else g)(x_data)
+    error = None
+except NodesDiverged as e:
+    error = str(e)
+after = float(np.asarray(f(x_data)).ravel()[0])     # both go on in step again
+with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
+    json.dump(dict(error=error, after=after), fh)
+synk.close()
