@@ -4,7 +4,8 @@ import builtins
 import functools
 import traceback
 
-__all__ = ["SynkError", "WorkerError", "StallError", "ShapeMismatch", "exception_name"]
+__all__ = ["SynkError", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
+           "exception_name"]
 
 
 def exception_name(e):
@@ -129,6 +130,15 @@ class StallError(SynkError):
 
     def __reduce__(self):
         return (type(self), (self.what, self.arrived, self.missing, self.timeout))
+
+
+class NodesDiverged(SynkError):
+    """The masters of several nodes made different synkhronos calls at the same point.
+
+    Every node must run the same script and make the same calls in the same
+    order; the nodes that disagree raise this at the first difference, naming
+    both calls, and their runtimes stay usable.
+    """
 
 
 class ShapeMismatch(ValueError):

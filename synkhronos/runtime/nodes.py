@@ -23,11 +23,11 @@ import pickle
 import threading
 import time
 
-from ..errors import StallError, WorkerError
+from ..errors import NodesDiverged, StallError, WorkerError
 from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
 
-__all__ = ["NodeLink", "NodesDiverged"]
+__all__ = ["NodeLink"]
 
 #: milliseconds of one slice of a wait for another node's key
 _SLICE_MS = 100
@@ -37,10 +37,6 @@ _PER_DIRECTORY = 64
 BEAT_EVERY = 0.5
 #: seconds without a beat after which a node counts as lost
 LOST_AFTER = NODE_HEARTBEAT_TIMEOUT
-
-
-class NodesDiverged(RuntimeError):
-    """The masters of the nodes made different synkhronos calls (the script is not the same everywhere)."""
 
 
 class NodeLink:

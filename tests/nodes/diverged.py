@@ -9,7 +9,6 @@ import numpy as np
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.runtime.nodes import NodesDiverged
 
 synk.fork()
 node = synk.node_rank()
@@ -22,7 +21,7 @@ f(x_data)                                   # the same call on both: fine
 try:
     (f if node == 0 else g)(x_data)
     error = None
-except NodesDiverged as e:
+except synk.NodesDiverged as e:
     error = str(e)
 after = float(np.asarray(f(x_data)).ravel()[0])     # both go on in step again
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
