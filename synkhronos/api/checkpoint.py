@@ -93,14 +93,14 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     except TypeError as e:
         raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
                         f"lists and dicts") from None
-    local = {rank: [np.asarray(v) for v in state.get_values(rank, variables)]
-             for rank in state.topology.ranks_of(state.topology.node_rank)}
+    local = [[np.asarray(v) for v in state.get_values(rank, variables)]       # by local rank
+             for rank in state.topology.ranks_of(state.topology.node_rank)]
     values_of, replicated = _values_on_every_rank(state, local, len(variables))
     tensors, layout = {}, []
     for i, var in enumerate(variables):
         key = _key(i, var)
         if replicated[i]:
-            tensors[key] = np.array(local[state.master_rank][i])
+            tensors[key] = np.array(local[state.local_master][i])
         else:
             for rank, value in enumerate(values_of(i)):
                 tensors[f"{key}@{rank}"] = np.array(value)
@@ -121,25 +121,22 @@ def _values_on_every_rank(state, local, n_vars):
     rank holds the same. On several nodes the masters compare digests first and send each other
     only the values that differ between ranks."""
     if state.nodes is None:
-        by_rank = [local[r] for r in range(state.n_parallel)]
-
         def values_of(i):
-            return [values[i] for values in by_rank]
-        first = [values_of(i)[0] for i in range(n_vars)]
-        replicated = [all(v.shape == first[i].shape and np.array_equal(v, first[i])
-                          for v in values_of(i)) for i in range(n_vars)]
-        return values_of, replicated
-    digests = {rank: [_digest(v) for v in values] for rank, values in local.items()}
-    every = {r: d for node in state.nodes.exchange("checkpoint: digests", digests)
-             for r, d in node.items()}
-    differ = [i for i in range(n_vars) if len({every[r][i] for r in every}) > 1]
-    sent = {rank: {i: values[i] for i in differ} for rank, values in local.items()}
-    by_rank = {r: values for node in state.nodes.exchange("checkpoint: values", sent)
-               for r, values in node.items()}
+            return [values[i] for values in local]
+        return values_of, [_same_everywhere(values_of(i)) for i in range(n_vars)]
+    digests = state.joined_over_nodes("checkpoint: digests",
+                                      [[_digest(v) for v in values] for values in local])
+    differ = [i for i in range(n_vars) if len({d[i] for d in digests}) > 1]
+    by_rank = state.joined_over_nodes("checkpoint: values",
+                                      [{i: values[i] for i in differ} for values in local])
 
     def values_of(i):
-        return [by_rank[r][i] for r in range(state.n_parallel)]
+        return [values[i] for values in by_rank]
     return values_of, [i not in differ for i in range(n_vars)]
+
+
+def _same_everywhere(values):
+    return all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values)
 
 
 def _digest(value):

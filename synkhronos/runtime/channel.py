@@ -87,9 +87,9 @@ class Channel:
         rank waits in it for a peer that will never come; the runtime stays usable.
         The execution is watched: a dead rank, or one that does not finish within
         the stall timeout, shuts the runtime down with an error instead of a hang.
-        ``agree(prepared, error)``, on several nodes, returns whether every
-        node prepared (raising this node's error, or naming the node that
-        failed, when not). ``waits_in_python``: the collective implementation calls
+        ``agree(prepared)``, on several nodes, returns ``(go, error)``:
+        whether every node prepared, and else the error naming the node that
+        did not (this node's own error is raised first). ``waits_in_python``: the collective implementation calls
         :meth:`check_during_collective` while it waits (see
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
@@ -159,8 +159,7 @@ class Channel:
         self.wait_done(ranks, what=what, deadline=deadline, spin=0)
         if not finished.wait(max(0.0, deadline - time.time())):
             self.on_fault()
-            raise StallError(what, arrived=self._global(sorted(ranks)),
-                             missing=self._global([self.master_rank]), timeout=self.stall_timeout)
+            raise self._stalled(what, arrived=ranks, missing=[self.master_rank])
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -175,8 +174,7 @@ class Channel:
         if isinstance(local_error, SynkError):
             raise local_error
         if local_error is not None:
-            raise self._named(WorkerError.from_exception(self.master_rank + self.rank_offset,
-                                                         local_error)) from local_error
+            raise self._own_error(local_error) from local_error
         self._raise_worker_errors(ranks)
 
     def _raise_worker_errors(self, ranks):
@@ -186,7 +184,7 @@ class Channel:
                 self._forward_warnings(rank)
             if status[rank, ControlBlock.STATE] == Status.ERROR:
                 exc_type, message, tb = self.read_result_pickle(rank)
-                raise self._named(WorkerError.raised(rank + self.rank_offset, exc_type, message, tb))
+                raise self._raised(rank, exc_type, message, tb)
 
     def _forward_warnings(self, rank):
         """Show the warnings worker ``rank`` raised through this process's ``warnings``.
@@ -201,12 +199,23 @@ class Channel:
             warnings.warn_explicit(message, category, filename, lineno,
                                    registry=self._warning_registry)
 
-    def _global(self, ranks):
-        return [r + self.rank_offset for r in ranks]
-
-    def _named(self, error):
+    # errors name global ranks (and, on several nodes, this node): one place turns local ones
+    def _raised(self, rank, exc_type, message, tb):
+        """The error worker ``rank`` (local) raised."""
+        error = WorkerError.raised(rank + self.rank_offset, exc_type, message, tb)
         error.node = self.node
         return error
+
+    def _own_error(self, e):
+        """This process's own error ``e``, as a worker's would be."""
+        error = WorkerError.from_exception(self.master_rank + self.rank_offset, e)
+        error.node = self.node
+        return error
+
+    def _stalled(self, what, arrived, missing):
+        return StallError(what, arrived=sorted(r + self.rank_offset for r in arrived),
+                          missing=sorted(r + self.rank_offset for r in missing),
+                          timeout=self.stall_timeout)
 
     # --- waiting ----------------------------------------------------------------------------
     def wait_done(self, ranks, what, deadline=None, spin=None):
@@ -234,8 +243,7 @@ class Channel:
                 arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
                 self.on_fault()
-                raise StallError(what, arrived=self._global(sorted(arrived + [self.master_rank])),
-                                 missing=self._global(missing), timeout=self.stall_timeout)
+                raise self._stalled(what, arrived=arrived + [self.master_rank], missing=missing)
         return check
 
     def _check_alive(self, ranks, what):
@@ -276,7 +284,7 @@ class Channel:
                 if isinstance(error, SynkError):
                     raise error
                 self.on_fault()
-                raise WorkerError.from_exception(self.master_rank, error) from error
+                raise self._own_error(error) from error
             self._wait_watched(ranks, watch)
             watch(force=True)    # a worker that failed after the others finished: as during the phase
         finally:
@@ -302,17 +310,17 @@ class Channel:
             if failed:
                 exc_type, message, tb = self.read_result_pickle(failed[0])
                 self.on_fault()
-                raise WorkerError.raised(failed[0], exc_type, message + " (the runtime was shut "
-                                         "down: call synk.fork() to start again)", tb)
+                raise self._raised(failed[0], exc_type, message + " (the runtime was shut down: "
+                                   "call synk.fork() to start again)", tb)
             running = [r for r in ranks if status[r, ControlBlock.STATE] == Status.IDLE]
             progress = status[running, ControlBlock.PROGRESS].tolist()
             if progress != last["progress"] or not running:
                 last["progress"], last["moved"] = progress, now
             elif now - last["moved"] > self.stall_timeout:
                 self.on_fault()
-                raise StallError(what, arrived=sorted(set(self.worker_ranks) - set(running)
-                                                      | {self.master_rank}),
-                                 missing=running, timeout=self.stall_timeout)
+                raise self._stalled(what, missing=running,
+                                    arrived=list(set(self.worker_ranks) - set(running)
+                                                 | {self.master_rank}))
         return check
 
     def _run_local_in_thread(self, local, watch):

@@ -539,11 +539,20 @@ class State:
             failed = [node for node, ok in enumerate(nodes) if not ok]
             if not failed:
                 return True, None
-            node = failed[0]
-            return False, WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
-                                      f"node {node} could not prepare the {kind}; every node "
-                                      f"skipped it", node=node)
+            return False, self._error_on(failed[0], f"it could not prepare the {kind}; every node "
+                                                    f"skipped it")
         return agree
+
+    def _error_on(self, node, what):
+        """The error this node raises for a failure on another ``node``."""
+        return WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
+                           f"node {node}: {what}", node=node)
+
+    def joined_over_nodes(self, what, per_local_rank):
+        """``per_local_rank`` (a list over this node's ranks) of every node, by global rank."""
+        if self.nodes is None:
+            return list(per_local_rank)
+        return [item for node in self.nodes.exchange(what, list(per_local_rank)) for item in node]
 
     def _tell_other_nodes(self, what, error):
         """On several nodes, after this node failed a command: let the others raise too."""
@@ -555,9 +564,8 @@ class State:
         nodes = self.nodes.exchange(what, ("ok", (rows, columns)))
         for node, (status, payload) in enumerate(nodes):
             if status == "failed":
-                raise WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
-                                  f"node {node} failed this call ({payload}); this node's part "
-                                  f"was done and is discarded", node=node)
+                raise self._error_on(node, f"it failed this call ({payload}); this node's part "
+                                           f"was done and is discarded")
         rows = [r for _, (node_rows, _) in nodes for r in node_rows]
         joined = []
         for j in range(len(columns)):
@@ -586,10 +594,10 @@ class State:
             if trace.on:
                 trace.mark("prepare")
             return execute
+        kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
         if since is not None:
-            trace.begin("collective", KIND_NAMES.get(int(ctl.args[0]), "collective"), since)
+            trace.begin("collective", kind, since)
         try:
-            kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
             agree = None if self.nodes is None else self._every_node_prepared(kind)
             try:
                 results = self._channel.collective(local_prepare, comm.waits_in_python, agree)
@@ -611,9 +619,7 @@ class State:
         per_rank = {self.local_master: own}
         for rank in self.worker_ranks:
             per_rank[rank] = [tuple(int(s) for s in a) for a in self._channel.read_result_arrays(rank)]
-        ordered = [per_rank[r] for r in range(self.n_local)]
-        if self.nodes is not None:
-            ordered = [shapes for node in self.nodes.exchange("shapes", ordered) for shapes in node]
+        ordered = self.joined_over_nodes("shapes", [per_rank[r] for r in range(self.n_local)])
         return [[ordered[r][i] for r in range(self.n_parallel)] for i in range(len(vars_))]
 
     def get_values(self, rank, vars_):
@@ -732,9 +738,7 @@ class State:
         stats[self.local_master] = own
         for rank in self.worker_ranks:
             stats[rank] = self._channel.read_result_arrays(rank)[0]
-        if self.nodes is not None:
-            stats = np.concatenate(self.nodes.exchange(("train.run", phase), stats))
-        return stats
+        return np.array(self.joined_over_nodes(("train.run", phase), stats))
 
     def center_values(self, spec):
         """Loop ``spec``'s center now (copies), or the master's parameters for a rule without one."""
