@@ -20,6 +20,7 @@ correctness. Importing this module checks the installed versions against
 :data:`SUPPORTED`, which ``pyproject.toml`` pins alike (a test compares them).
 """
 
+import contextlib
 import ctypes
 import importlib.metadata
 import sys
@@ -167,3 +168,17 @@ def distributed_client():
     if client is None:
         raise RuntimeError("this process has not joined the JAX distributed runtime")
     return client
+
+
+@contextlib.contextmanager
+def service_served_elsewhere():
+    """Within the block, ``jax.distributed.initialize`` in process 0 starts no coordination
+    service of its own: one is served by another process (see
+    :mod:`synkhronos.platform.coordination`)."""
+    from jax._src import distributed
+    make = distributed._jax.get_distributed_runtime_service
+    distributed._jax.get_distributed_runtime_service = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        distributed._jax.get_distributed_runtime_service = make

@@ -12,6 +12,7 @@ time functions are compiled: ranks that disagreed would exchange buffers of
 different sizes in a collective.
 """
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -133,7 +134,8 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
-    process 0 serves, bound to that address only. ``local_rank`` and
+    process 0 serves, bound to that address only (on several nodes, a process
+    of its own serves it: :mod:`synkhronos.platform.coordination`). ``local_rank`` and
     ``n_local`` place the process among its node's processes (default: one
     node, ``rank`` of ``n_ranks``); on several nodes a dead process is noticed
     within :data:`NODE_HEARTBEAT_TIMEOUT` seconds.
@@ -165,7 +167,10 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     _configure_jax("jax_enable_preemption_service", False)
     local_rank = rank if local_rank is None else local_rank
     several_nodes = n_local is not None and n_local != n_ranks
-    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, local_rank):
+    # on several nodes the coordination service runs in a process of its own (see
+    # synkhronos.platform.coordination), started by node 0's master
+    served_elsewhere = internals.service_served_elsewhere() if several_nodes else contextlib.nullcontext()
+    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, local_rank), served_elsewhere:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             coordinator_bind_address=coordinator,   # the given address only, never all interfaces

@@ -27,6 +27,7 @@ from ..comm import CommContext, Reservation, class_path
 from ..errors import SynkError, WorkerError
 from ..device_arrays import place_on_device
 from ..platform import jax_init
+from ..platform.coordination import ServiceProcess
 from ..rank.collectives import prepare_collective
 from ..rank.executor import run_share
 from ..shmem import new_prefix
@@ -170,6 +171,8 @@ class State:
         self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
         #: on several nodes, the exchanges with the other nodes' masters (after start)
         self.nodes = None
+        #: on several nodes, node 0's master's: the process serving JAX's coordination service
+        self.service = None
         self._own_streams = {}      # id -> generator already made this node master's own stream
         self.is_open = False
         self._channel = None
@@ -199,6 +202,9 @@ class State:
         self.is_open = True
         coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
         env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
+        if t.several_nodes and t.node_rank == 0:
+            self.service = ServiceProcess(coordinator, self.n_parallel, jax_init.NODE_HEARTBEAT_TIMEOUT,
+                                          env)
         for rank in self.worker_ranks:
             self._channel.procs[rank] = launch_worker(dict(
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
@@ -241,9 +247,10 @@ class State:
         """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime.
 
         On several nodes a ``clean`` stop (``close()``, not a fault) first
-        waits until every node closes, and the process serving the
-        coordination service leaves last: a process whose coordinator is gone
-        before it left would be aborted by JAX.
+        waits until every node closes; node 0 leaves last and then ends the
+        coordination service (JAX aborts a process whose service is gone
+        before it left). After a fault the service stays a while for the
+        other nodes to leave (:mod:`synkhronos.platform.coordination`).
         """
         if not self.is_open:
             return
@@ -265,12 +272,16 @@ class State:
                 jax_init.shutdown_process()
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
+            if self.service is not None:
+                # after a fault the other nodes may still be leaving: the service stays a while
+                self.service.stop(at_once=clean)
+                self.service = None
 
     def _leave_nodes(self, clean):
-        """On several nodes: stop beating; the process serving the coordinator leaves last."""
+        """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
         if not clean:
             self.nodes.close()
-        elif self.master_rank == 0:
+        elif self.topology.node_rank == 0:
             self.nodes.close()
             self.nodes.wait_until_others_left()
         else:

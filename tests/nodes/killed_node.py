@@ -1,5 +1,6 @@
-"""Run on two nodes (``... killed_node.py OUT``): node 1's master SIGKILLs itself after three calls;
-node 0 keeps calling and writes what it saw (the error, how long it took, its segments left) to OUT."""
+"""Run on two nodes (``... killed_node.py OUT DOING [VICTIM]``): node VICTIM's master (default 1)
+SIGKILLs itself after three calls; the other node keeps calling (DOING: "call" or "all_reduce") and
+writes what it saw (the error, how long it took, its segments left) to OUT."""
 
 import json
 import os
@@ -15,11 +16,13 @@ import synkhronos as synk
 from synkhronos.runtime import master
 
 out = sys.argv[1]
-what = sys.argv[2]                       # "call" or "all_reduce": what node 0 is doing meanwhile
+what = sys.argv[2]                       # "call" or "all_reduce": what the survivor does meanwhile
+victim = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 synk.fork()
 node, state = synk.node_rank(), master.current()
 with open(os.path.join(out, f"pids{node}.json"), "w") as f:
-    json.dump([os.getpid()] + list(state.worker_pids.values()), f)
+    json.dump([os.getpid()] + list(state.worker_pids.values())
+              + ([state.service.pid] if state.service is not None else []), f)
 x = pt.matrix("x")
 w = pytensor.shared(np.ones((3, 2)), name="w")
 f = synk.function([x], [((x @ w).sum(), "sum")], name="f")
@@ -28,7 +31,7 @@ x_data = synk.data(np.ones((8, 3)))
 for _ in range(3):
     f(x_data)
     synk.all_reduce(w)
-if node == 1:
+if node == victim:
     os.kill(os.getpid(), signal.SIGKILL)
 start = time.time()
 try:

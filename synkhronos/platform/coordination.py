@@ -1,0 +1,93 @@
+"""JAX's coordination service in a process of its own, for runtimes that span several nodes.
+
+JAX serves the coordination service from the process of rank 0, and a
+client that loses it ends its process (``LOG(FATAL)``, no Python exception,
+no clean-up). On several nodes, rank 0 is node 0's master: had it served the
+service, its death would end every process of every other node that way.
+Served from a process of its own instead, the service outlives node 0's
+master, so the other nodes see node 0 stop beating, name it and shut down
+cleanly, like the death of any other node.
+
+The service process lives until its parent (node 0's master) says stop, and
+for :data:`GRACE` seconds after its parent died (the other nodes' time to
+notice and leave). If node 0's machine itself goes down,
+the service goes with it, and JAX ends the other nodes' processes.
+
+Run as ``python -m synkhronos.platform.coordination ADDRESS N HEARTBEAT``.
+"""
+
+import subprocess
+import sys
+import time
+
+__all__ = ["ServiceProcess", "GRACE"]
+
+#: seconds the service stays after its parent died: the other nodes notice a lost node within
+#: NODE_HEARTBEAT_TIMEOUT seconds and then leave the runtime
+GRACE = 10.0
+_READY, _STOP = "ready", "stop"
+
+
+class ServiceProcess:
+    """The coordination service for ``n_processes`` processes, listening on ``address`` only.
+
+    Parameters
+    ----------
+    address : str
+        ``host:port`` to bind (the coordinator address every process is given).
+    n_processes : int
+    heartbeat_timeout : int
+        Seconds without a heartbeat after which the service counts a process as dead.
+    env : dict
+        The environment of the service process (JAX's platform and log level).
+    """
+
+    def __init__(self, address, n_processes, heartbeat_timeout, env):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "synkhronos.platform.coordination", address, str(n_processes),
+             str(int(heartbeat_timeout))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        line = self.proc.stdout.readline().strip()
+        if line != _READY:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"the coordination service could not start on {address} "
+                               f"(exit code {self.proc.returncode}); is the port in use?")
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def stop(self, at_once=True):
+        """End the service: ``at_once`` when every process has left the runtime, else (after a
+        fault, other nodes may still be leaving) :data:`GRACE` seconds from now."""
+        try:
+            if at_once:
+                self.proc.stdin.write(_STOP + "\n")
+            self.proc.stdin.close()
+        except OSError:     # it ended already
+            pass
+        if not at_once:
+            return
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve(address, n_processes, heartbeat_timeout):
+    """Serve until the parent says stop (then at once) or dies (then after :data:`GRACE` s)."""
+    from jax._src.lib import _jax
+    service = _jax.get_distributed_runtime_service(
+        address, n_processes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=10,
+        recoverable=True)
+    print(_READY, flush=True)
+    said = sys.stdin.read()                 # returns when the parent closes the pipe or dies
+    if _STOP not in said:
+        time.sleep(GRACE)
+    service.shutdown()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
