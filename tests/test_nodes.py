@@ -172,6 +172,40 @@ def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing,
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
 
 
+@pytest.mark.timeout(180)
+def test_a_stalled_node_is_named_on_the_other_and_leaves_nothing_when_it_wakes(tmp_path):
+    """Node 1's master stops (SIGSTOP); node 0 names it within 10 s, then wakes it (SIGCONT).
+
+    The woken node finds itself declared lost: JAX's coordination client ends it (its own fatal
+    error; the missed-heartbeat callback that would avoid it cannot be set from Python), or it
+    raises naming node 0. Either way every process ends and no segment of either node is left:
+    both nodes share this machine's /dev/shm here, so the test sees the stalled node's segments.
+    """
+    procs = start_nodes(os.path.join(SCRIPTS, "killed_node.py"), [tmp_path, "call", 1, "stall"],
+                        2, 1, tmp_path, private_shm=False)
+    codes = wait_all(procs, tmp_path, timeout=120)
+    assert codes[0] == 0, read_logs(tmp_path)
+    result = __import__("json").load(open(tmp_path / "result.json"))
+    assert result["node"] == 1 and result["how"] == "died" and "node 1" in result["error"], result
+    assert result["seconds"] < 10 and result["closed"] and result["segments"] == [], result
+    woke = tmp_path / "woke.json"
+    if codes[1] == 0:          # it ran Python again: it must have raised naming node 0
+        woke = __import__("json").load(open(woke))
+        assert woke["node"] == 0 and woke["closed"] and woke["segments"] == [], woke
+    prefixes = [open(tmp_path / f"prefix{node}.txt").read() for node in (0, 1)]
+    pids = [p for node in (0, 1) for p in __import__("json").load(open(tmp_path / f"pids{node}.json"))]
+    deadline = time.time() + 15
+    while time.time() < deadline and (any(_alive(p) for p in pids)
+                                      or _segments_with(prefixes)):
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
+    assert not _segments_with(prefixes), _segments_with(prefixes)
+
+
+def _segments_with(prefixes):
+    return [n for n in os.listdir("/dev/shm") if n.startswith(tuple(prefixes))]
+
+
 @needs_namespaces
 @pytest.mark.timeout(300)
 def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):

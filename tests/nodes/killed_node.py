@@ -1,6 +1,8 @@
-"""Run on two nodes (``... killed_node.py OUT DOING [VICTIM]``): node VICTIM's master (default 1)
-SIGKILLs itself after three calls; the other node keeps calling (DOING: "call" or "all_reduce") and
-writes what it saw (the error, how long it took, its segments left) to OUT."""
+"""Run on two nodes (``... killed_node.py OUT DOING [VICTIM [HOW]]``): node VICTIM's master (default
+1) SIGKILLs itself (HOW "kill") or stops (HOW "stall": SIGSTOP) after three calls; the other node
+keeps calling (DOING: "call" or "all_reduce") and writes what it saw (the error, how long it took,
+its segments left) to OUT, then wakes a stalled node, which writes what it sees to OUT/woke.json
+if it gets to run Python again."""
 
 import json
 import os
@@ -18,8 +20,11 @@ from synkhronos.runtime import master
 out = sys.argv[1]
 what = sys.argv[2]                       # "call" or "all_reduce": what the survivor does meanwhile
 victim = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+how = sys.argv[4] if len(sys.argv) > 4 else "kill"     # "kill": SIGKILL; "stall": SIGSTOP
 synk.fork()
 node, state = synk.node_rank(), master.current()
+with open(os.path.join(out, f"prefix{node}.txt"), "w") as f:
+    f.write(state.prefix)
 with open(os.path.join(out, f"pids{node}.json"), "w") as f:
     json.dump([os.getpid()] + list(state.worker_pids.values())
               + ([state.service.pid] if state.service is not None else []), f)
@@ -32,7 +37,21 @@ for _ in range(3):
     f(x_data)
     synk.all_reduce(w)
 if node == victim:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    # stalled, then woken by the other node once it gave up on this one: this node's next call
+    # finds the other node gone
+    start = time.time()
+    try:
+        while time.time() - start < 60:
+            f(x_data) if what == "call" else synk.all_reduce(w)
+        woke = dict(error=None)
+    except synk.WorkerError as e:
+        woke = dict(error=str(e), node=e.node, seconds=time.time() - start)
+    woke["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
+    woke["closed"] = master.active() is None
+    with open(os.path.join(out, "woke.json"), "w") as f:
+        json.dump(woke, f)
+    sys.exit(0)
 start = time.time()
 try:
     while time.time() - start < 60:
@@ -44,3 +63,6 @@ result["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.pr
 result["closed"] = master.active() is None
 with open(os.path.join(out, "result.json"), "w") as f:
     json.dump(result, f)
+if how == "stall":
+    with open(os.path.join(out, f"pids{victim}.json")) as f:
+        os.kill(json.load(f)[0], signal.SIGCONT)
