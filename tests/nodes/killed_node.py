@@ -36,33 +36,30 @@ x_data = synk.data(np.ones((8, 3)))
 for _ in range(3):
     f(x_data)
     synk.all_reduce(w)
-if node == victim:
-    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    # stalled, then woken by the other node once it gave up on this one: this node's next call
-    # finds the other node gone
+
+
+def call_until_it_fails(name):
+    """Keep calling (up to 60 s); write the error it ends with, its time and what is left to OUT/name."""
     start = time.time()
     try:
         while time.time() - start < 60:
             f(x_data) if what == "call" else synk.all_reduce(w)
-        woke = dict(error=None)
+        seen = dict(error=None)
     except synk.WorkerError as e:
-        woke = dict(error=str(e), node=e.node, seconds=time.time() - start)
-    woke["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
-    woke["closed"] = master.active() is None
-    with open(os.path.join(out, "woke.json"), "w") as f:
-        json.dump(woke, f)
-    sys.exit(0)
-start = time.time()
-try:
-    while time.time() - start < 60:
-        f(x_data) if what == "call" else synk.all_reduce(w)
-    result = dict(error=None)
-except synk.WorkerError as e:
-    result = dict(error=str(e), node=e.node, how=e.how, seconds=time.time() - start)
-result["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
-result["closed"] = master.active() is None
-with open(os.path.join(out, "result.json"), "w") as f:
-    json.dump(result, f)
-if how == "stall":
-    with open(os.path.join(out, f"pids{victim}.json")) as f:
-        os.kill(json.load(f)[0], signal.SIGCONT)
+        seen = dict(error=str(e), node=e.node, how=e.how, seconds=time.time() - start)
+    seen["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
+    seen["closed"] = master.active() is None
+    with open(os.path.join(out, name), "w") as fh:
+        json.dump(seen, fh)
+
+
+if node == victim:
+    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    # stalled, then woken by the other node once it gave up on this one: this node's next call
+    # finds the other node gone (if JAX's client lets it run Python again)
+    call_until_it_fails("woke.json")
+else:
+    call_until_it_fails("result.json")
+    if how == "stall":
+        with open(os.path.join(out, f"pids{victim}.json")) as fh:
+            os.kill(json.load(fh)[0], signal.SIGCONT)
