@@ -121,6 +121,36 @@ def test_the_launcher_variables_place_the_node():
         find_node({"SYNK_NNODES": "2", "SYNK_NODE_RANK": "0"})
 
 
+@pytest.mark.timeout(120)
+def test_a_taken_coordinator_port_is_named_and_fork_works_after(tmp_path):
+    """Node 0 cannot serve the coordination service on a port in use: fork() raises naming the
+    address, leaves nothing behind, and a one-node fork() works after it."""
+    script = tmp_path / "taken.py"
+    script.write_text(
+        "import os, socket\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "address = f'127.0.0.1:{s.getsockname()[1]}'\n"
+        "node = dict(SYNK_NNODES='2', SYNK_NODE_RANK='0', SYNK_COORDINATOR=address)\n"
+        "os.environ.update(node)\n"
+        "import synkhronos as synk\n"
+        "try:\n"
+        "    synk.fork(1)\n"
+        "    print('forked')\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', address in str(e), e)\n"
+        "for var in node:\n"
+        "    del os.environ[var]\n"
+        "print('AGAIN', synk.fork(2))\n"
+        "synk.close()\n")
+    before = set(os.listdir("/dev/shm"))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "RAISED True" in run.stdout and "is the port in use" in run.stdout, run.stdout
+    assert "AGAIN 2" in run.stdout, run.stdout
+    assert set(os.listdir("/dev/shm")) <= before
+
+
 def test_slurm_is_detected_through_jax(monkeypatch):
     """The variables srun sets for task 1 of a two-node job: JAX's detection gives node and coordinator."""
     for var in ("SYNK_NNODES", "SYNK_NODE_RANK", "SYNK_COORDINATOR", "JAX_COORDINATOR_PORT"):

@@ -13,7 +13,8 @@ for :data:`GRACE` seconds after its parent died (the other nodes' time to
 notice and leave). If node 0's machine itself goes down,
 the service goes with it, and JAX ends the other nodes' processes.
 
-Run as ``python -m synkhronos.platform.coordination ADDRESS N HEARTBEAT``.
+Run as ``python .../synkhronos/platform/coordination.py ADDRESS N HEARTBEAT`` (by path: the
+service process imports JAX's library and nothing of synkhronos).
 """
 
 import subprocess
@@ -44,15 +45,15 @@ class ServiceProcess:
 
     def __init__(self, address, n_processes, heartbeat_timeout, env):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "synkhronos.platform.coordination", address, str(n_processes),
-             str(int(heartbeat_timeout))],
+            [sys.executable, __file__, address, str(n_processes), str(int(heartbeat_timeout))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         line = self.proc.stdout.readline().strip()
         if line != _READY:
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"the coordination service could not start on {address} "
-                               f"(exit code {self.proc.returncode}); is the port in use?")
+                               f"(exit code {self.proc.returncode}): is the port in use? Give every "
+                               f"node a free port of node 0 (--coordinator HOST:PORT)")
 
     @property
     def pid(self):
