@@ -12,9 +12,9 @@ the variables :func:`synkhronos.fork` reads (``SYNK_NNODES``,
 Slurm (``srun --ntasks-per-node=1``) or Open MPI (``mpirun --npernode 1``) no
 launcher is needed: ``fork()`` finds the nodes through JAX's cluster detection.
 
-The process of global rank 0 (on node 0) serves JAX's coordination service at
-``HOST:PORT``, bound to that address only; every process of every node
-connects to it.
+Node 0's master starts a process that serves JAX's coordination service at
+``HOST:PORT``, bound to that address only (:mod:`synkhronos.platform.coordination`);
+every process of every node connects to it.
 """
 
 import argparse

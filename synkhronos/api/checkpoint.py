@@ -121,14 +121,14 @@ def _values_on_every_rank(state, local, n_vars):
     rank holds the same. On several nodes the masters compare digests first and send each other
     only the values that differ between ranks."""
     if state.nodes is None:
-        def values_of(i):
-            return [values[i] for values in local]
-        return values_of, [_same_everywhere(values_of(i)) for i in range(n_vars)]
-    digests = state.joined_over_nodes("checkpoint: digests",
-                                      [[_digest(v) for v in values] for values in local])
-    differ = [i for i in range(n_vars) if len({d[i] for d in digests}) > 1]
-    by_rank = state.joined_over_nodes("checkpoint: values",
-                                      [{i: values[i] for i in differ} for values in local])
+        by_rank = local
+        differ = [i for i in range(n_vars) if not _same_everywhere([values[i] for values in local])]
+    else:
+        digests = state.joined_over_nodes("checkpoint: digests",
+                                          [[_digest(v) for v in values] for values in local])
+        differ = [i for i in range(n_vars) if len({d[i] for d in digests}) > 1]
+        by_rank = state.joined_over_nodes("checkpoint: values",
+                                          [{i: values[i] for i in differ} for values in local])
 
     def values_of(i):
         return [values[i] for values in by_rank]

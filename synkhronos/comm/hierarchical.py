@@ -42,7 +42,7 @@ class HierarchicalComm(Comm):
         self.across = None
         if self.is_leader:
             by_rank = {d.process_index: d for d in jax.devices()}
-            leaders = [by_rank[node * t.n_local + self.leader_local] for node in range(t.n_nodes)]
+            leaders = [by_rank[t.ranks_of(node)[self.leader_local]] for node in range(t.n_nodes)]
             self.across = JaxComm(replace(context, rank=t.node_rank, n_ranks=t.n_nodes,
                                           master_rank=0, topology=None), devices=leaders)
 

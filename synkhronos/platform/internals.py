@@ -1,6 +1,6 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Five things have no public API and are reached for here only:
+Six things have no public API and are reached for here only:
 
 - a PyTensor function linked for JAX is one jitted function behind per-call
   bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
@@ -11,8 +11,11 @@ Five things have no public API and are reached for here only:
 - JAX's cluster detection (Slurm, Open MPI, ...), which
   ``jax.distributed.initialize()`` runs but does not hand out
   (:func:`detect_jax_cluster`);
-- the client of JAX's coordination service, whose key-value store and list of
-  live tasks the masters of several nodes use (:func:`distributed_client`).
+- the client of JAX's coordination service, whose key-value store the masters
+  of several nodes use (:func:`distributed_client`);
+- the coordination service ``jax.distributed.initialize()`` starts in process
+  0, left to a process of its own on several nodes
+  (:func:`service_served_elsewhere`).
 
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
@@ -27,7 +30,8 @@ import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
-           "detach_inherited_jax", "detect_jax_cluster", "distributed_client"]
+           "detach_inherited_jax", "detect_jax_cluster", "distributed_client",
+           "service_served_elsewhere"]
 
 #: (lowest version, first version not supported) of each library whose internals are read here
 SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}

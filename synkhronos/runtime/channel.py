@@ -89,7 +89,8 @@ class Channel:
         the stall timeout, shuts the runtime down with an error instead of a hang.
         ``agree(prepared)``, on several nodes, returns ``(go, error)``:
         whether every node prepared, and else the error naming the node that
-        did not (this node's own error is raised first). ``waits_in_python``: the collective implementation calls
+        did not (this node's own error is raised first). ``waits_in_python``:
+        the collective implementation calls
         :meth:`check_during_collective` while it waits (see
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.

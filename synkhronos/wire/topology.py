@@ -22,8 +22,8 @@ class Topology:
     n_local : int
         Devices (processes) on every node.
     coordinator : str or None
-        ``host:port`` of the JAX coordination service (the process of global
-        rank 0 serves it); None on one node (a loopback port of its own).
+        ``host:port`` of the JAX coordination service (a process node 0's
+        master starts serves it); None on one node (a loopback port of its own).
 
     Examples
     --------
