@@ -401,3 +401,85 @@ def test_a_function_compiles_once(synk2, rng):
         before = len(compiles)
         step(X, Y, batch=np.arange(start, start + 8))
         assert len(compiles) == before, f"compiled again at the step from row {start}"
+
+
+def _momentum_updates(w, v, c):
+    """A heavy-ball step on ``w`` with velocity ``v`` and gradient ``c``: an optimizer's update pass."""
+    v_new = 0.9 * v + c
+    return [(v, v_new), (w, w - 0.1 * v_new)]
+
+
+def _twin_shareds(n, rng, name):
+    start = rng.normal(size=n), rng.normal(size=n)
+    ours = [pytensor.shared(a.copy(), name=f"{name}_{i}") for i, a in enumerate(start)]
+    theirs = [pytensor.shared(a.copy(), name=f"{name}_ref_{i}") for i, a in enumerate(start)]
+    return ours, theirs
+
+
+def _buffer_of(var):
+    """Where the master's value of ``var`` lives (no reference to it is kept)."""
+    return var.container.storage[0].unsafe_buffer_pointer()
+
+
+def test_updates_are_computed_into_the_old_values_buffers_with_pytensors_results(synk2, rng):
+    """A shared variable whose value nobody else holds gets its new value in its old buffer
+    (XLA buffer donation), on every device, and the values are PyTensor's."""
+    n = 20_000
+    (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "inplace")
+    c = pt.vector("c")
+    f = synk.function([], bcast_inputs=[c], updates=_momentum_updates(w, v, c), name="inplace")
+    g = pytensor.function([c], [], updates=_momentum_updates(w_ref, v_ref, c), mode="JAX")
+    buffers = []
+    for _ in range(4):
+        C = rng.normal(size=n)
+        f(C)
+        g(C)
+        buffers.append((_buffer_of(w), _buffer_of(v)))
+    # the first call starts from values placed on the device; from then on the buffers stay
+    assert buffers[1] == buffers[2] == buffers[3]
+    for rank in range(synk2.n_parallel):
+        close(synk.get_value(rank, w), w_ref.get_value())
+        close(synk.get_value(rank, v), v_ref.get_value())
+
+
+def test_a_value_someone_else_holds_is_left_intact_by_an_update(synk2, rng):
+    """``get_value(borrow=True)`` hands out the device array itself: the update must not reuse it."""
+    n = 20_000
+    (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "held")
+    c = pt.vector("c")
+    f = synk.function([], bcast_inputs=[c], updates=_momentum_updates(w, v, c), name="held")
+    g = pytensor.function([c], [], updates=_momentum_updates(w_ref, v_ref, c), mode="JAX")
+    for _ in range(2):
+        C = rng.normal(size=n)
+        f(C), g(C)
+    held = w.get_value(borrow=True)
+    expected = np.array(held)
+    C = rng.normal(size=n)
+    f(C), g(C)
+    assert not held.is_deleted()
+    close(held, expected)
+    close(w.get_value(), w_ref.get_value())
+
+
+def test_an_update_after_an_all_reduce_leaves_the_other_reduced_values_alone(synk2, rng):
+    """All-reduced values are adopted from one shared result region; updating one of them in
+    place must not write into the region the other variables (and the other rank) still read."""
+    n = 300_000                                       # large enough for a shared result region
+    w = pytensor.shared(np.zeros(n), name="reduced_w")
+    u = pytensor.shared(np.zeros(n), name="reduced_u")
+    f = synk.function([], updates=[(w, w * 2 + 1)], name="after_reduce")
+    synk.function([], (u[0], "sum"), name="holds_u")
+    per_rank = [rng.normal(size=(2, n)) for _ in range(synk2.n_parallel)]
+    for rank, (a, b) in enumerate(per_rank):
+        synk.set_value(rank, [w, u], [a, b])
+    for _ in range(2):
+        synk.all_reduce([w, u], op="avg")
+        w_avg = np.mean([a for a, _ in per_rank], axis=0)
+        u_avg = np.mean([b for _, b in per_rank], axis=0)
+        f(), f()
+        for rank in range(synk2.n_parallel):
+            close(synk.get_value(rank, u), u_avg)
+            close(synk.get_value(rank, w), (w_avg * 2 + 1) * 2 + 1)
+        per_rank = [(np.full(n, float(rank)), u_avg) for rank in range(synk2.n_parallel)]
+        for rank, (a, b) in enumerate(per_rank):
+            synk.set_value(rank, [w, u], [a, b])

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytensor.tensor as pt
@@ -152,7 +153,8 @@ def _thread_affinities(pid):
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs 2 cores to bind ranks to")
 def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng):
-    """XLA's CPU pool is bound to the rank's cores; the master's own thread is left free."""
+    """XLA's CPU pool is bound to the rank's cores, and so is the thread that runs its programs:
+    a worker's main thread for good, the master's only during its part of a command."""
     cores = sorted(os.sched_getaffinity(0))
     x = pt.matrix("x")
     f = synk.function([x], (x.sum(0), "sum"))
@@ -163,3 +165,29 @@ def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng
         share = {cores[(rank * synk2.settings.threads + i) % len(cores)] for i in range(synk2.settings.threads)}
         bound = [a for a in _thread_affinities(pid).values() if a == share]
         assert bound, f"rank {rank}: no thread bound to its cores {share}"
+        if pid != os.getpid():
+            assert os.sched_getaffinity(pid) == share, f"rank {rank}'s main thread is not on its cores"
+        else:
+            assert set(synk2._channel.local_cores) == share
+
+
+def test_on_cores_binds_the_thread_for_the_block_and_gives_it_back():
+    from synkhronos.platform.cpu_tuning import on_cores
+    cores = os.sched_getaffinity(0)
+    one = [min(cores)]
+    with on_cores(one):
+        assert os.sched_getaffinity(0) == set(one)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start(), t.join()
+        assert seen == [set(one)]                   # a thread started inside keeps the binding
+        with on_cores(sorted(cores)):               # nested: bound once, by the outer block
+            assert os.sched_getaffinity(0) == set(one)
+        assert os.sched_getaffinity(0) == set(one)
+    assert os.sched_getaffinity(0) == cores
+    with on_cores(None):
+        assert os.sched_getaffinity(0) == cores
+    with pytest.raises(ZeroDivisionError):
+        with on_cores(one):
+            1 / 0
+    assert os.sched_getaffinity(0) == cores

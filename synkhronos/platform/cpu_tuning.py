@@ -1,8 +1,12 @@
-"""CPU-only tuning of a process: the allocator and the cores XLA's thread pool runs on.
+"""CPU-only tuning of a process: the allocator, and the cores XLA's thread pool and the rank's
+computing thread run on.
 
 :func:`restore_allocator_defaults` undoes what :func:`keep_freed_memory_for_reuse`
-changed, as far as glibc allows; :func:`cpu_pool_of` restores the calling
-thread's affinity when its block ends.
+changed, as far as glibc allows. A rank's cores (:func:`cores_of`) take its XLA
+pool (:func:`cpu_pool_of`) and the thread that runs its programs: a worker's
+main thread for good (:func:`stay_on_cores`), the master's only while it runs
+its device's part of a command (:func:`on_cores`), so the user's script is
+otherwise free to run on any core.
 """
 
 import contextlib
@@ -10,8 +14,10 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import threading
 
-__all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cpu_pool_of"]
+__all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cores_of", "cpu_pool_of",
+           "on_cores", "stay_on_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +68,65 @@ def _mallopt(*settings):
         log.debug("mallopt is not available here; the allocator keeps its settings")
 
 
+def cores_of(threads, rank):
+    """The cores of rank ``rank`` with ``threads`` threads: ``[rank * threads, (rank + 1) * threads)``.
+
+    Counted among the cores this process may run on, wrapping around; None
+    when ``threads`` is not given or spans all of them (nothing to bind).
+
+    Examples
+    --------
+    >>> cores_of(None, 1) is None
+    True
+    """
+    original = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if not threads or threads >= len(original):
+        return None
+    return [original[(rank * threads + i) % len(original)] for i in range(threads)]
+
+
 @contextlib.contextmanager
-def cpu_pool_of(threads, rank):
-    """Give the XLA CPU client made inside this block ``threads`` threads on rank ``rank``'s cores.
+def cpu_pool_of(cores):
+    """Give the XLA CPU client made inside this block a thread pool on ``cores`` (None: on all).
 
     XLA sizes its CPU thread pool from the CPU affinity when the client is
     created and ignores its own thread flags (``intra_op_parallelism_threads``
     leaves a matrix product running on every core).
-    So for the block the affinity is narrowed to this rank's share of the
-    cores (cores ``[rank * threads, (rank + 1) * threads)`` of those available):
-    the pool's threads, created meanwhile, keep that binding, one core set per
-    rank as MPI binds its ranks. Then the calling thread's affinity is
-    restored, so the rest of the process (the user's script, in the master)
-    may run on any core.
+    So for the block the affinity is narrowed to this rank's cores
+    (:func:`cores_of`): the pool's threads, created meanwhile, keep that
+    binding, one core set per rank as MPI binds its ranks. Then the calling
+    thread's affinity is restored.
     """
-    original = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-    if not threads or threads >= len(original):
+    with on_cores(cores):
+        yield
+
+
+_pinned = threading.local()
+
+
+@contextlib.contextmanager
+def on_cores(cores):
+    """Run the calling thread on ``cores`` for the block (None: leave it where it may run).
+
+    With async dispatch off, a JAX program runs in the thread that calls it,
+    which hands its matrix products to XLA's pool; a caller free to run on any
+    core then competes with the other ranks' pools for their cores. A thread
+    started inside the block keeps the binding. Nested blocks bind once.
+    """
+    if cores is None or getattr(_pinned, "depth", 0):
         yield
         return
-    share = [original[(rank * threads + i) % len(original)] for i in range(threads)]
-    os.sched_setaffinity(0, share)
+    original = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    _pinned.depth = 1
     try:
         yield
     finally:
+        _pinned.depth = 0
         os.sched_setaffinity(0, original)
+
+
+def stay_on_cores(cores):
+    """Bind the calling thread to ``cores`` for good (None: nothing to do); a worker's main thread."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)

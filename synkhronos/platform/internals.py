@@ -80,6 +80,7 @@ class JitParts(NamedTuple):
     n_args: int                   #: how many of ``cells`` are the explicit arguments
     updates: list                 #: (output index, shared variable's storage cell) per update
     n_outputs: int                #: how many of the graph's outputs the function returns
+    traced: Callable[..., Any] | None  #: the function ``jit`` traces, None if ``jit`` is not plain
 
 
 def jit_parts(fn) -> JitParts | None:
@@ -99,7 +100,10 @@ def jit_parts(fn) -> JitParts | None:
             any(cell is not own for cell, own in zip(cells, explicit)):
         return None
     n_args = sum(1 for inp in fn.maker.inputs if not inp.implicit)
-    return JitParts(jit, list(cells), n_args, [(i, c.storage) for i, c in updates], n_outputs)
+    # PyTensor's linker returns ``jax.jit(traced)`` itself unless some input is a static shape
+    # (then a wrapper that converts those, which has no lower())
+    traced = getattr(jit, "__wrapped__", None) if hasattr(jit, "lower") else None
+    return JitParts(jit, list(cells), n_args, [(i, c.storage) for i, c in updates], n_outputs, traced)
 
 
 def jax_backend_exists() -> bool:

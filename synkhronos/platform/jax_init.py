@@ -23,7 +23,7 @@ import sys
 from . import cpu_blas, cpu_tuning, internals
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "platform", "shutdown_process", "ENV_VARS", "set_precision",
+           "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS", "set_precision",
            "forget_runtime_in_child", "has_gpu_plugin"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -170,7 +170,7 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # on several nodes the coordination service runs in a process of its own (see
     # synkhronos.platform.coordination), started by node 0's master
     served_elsewhere = internals.service_served_elsewhere() if several_nodes else contextlib.nullcontext()
-    with cpu_tuning.cpu_pool_of(threads if platform == "cpu" else None, local_rank), served_elsewhere:
+    with cpu_tuning.cpu_pool_of(device_cores(platform, threads, local_rank)), served_elsewhere:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             coordinator_bind_address=coordinator,   # the given address only, never all interfaces
@@ -183,6 +183,16 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
             shutdown_timeout_seconds=10,
         )
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here
+
+
+def device_cores(platform, threads, local_rank):
+    """The cores of local rank ``local_rank``'s XLA pool and computing thread, or None (any core).
+
+    On CPU with ``threads`` per device, the rank's own share
+    (:func:`synkhronos.platform.cpu_tuning.cores_of`); elsewhere None: an
+    accelerator's host threads are not bound.
+    """
+    return cpu_tuning.cores_of(threads, local_rank) if platform == "cpu" else None
 
 
 def forget_runtime_in_child():

@@ -6,6 +6,7 @@ compiled per argument shape instead (:func:`rebuild_on`).
 """
 
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -57,6 +58,7 @@ def jitted_call(fn):
         return None
     jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
     arg_cells = cells[:parts.n_args]
+    jit, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
     # all outputs of one execution become ready together: wait on one array (a random generator's
     # next state is a dict of arrays, which has no block_until_ready)
     arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
@@ -67,7 +69,11 @@ def jitted_call(fn):
         for cell, arg in zip(arg_cells, args):
             cell[0] = arg
         try:
-            outputs = jit(*[cell[0] for cell in cells])
+            values = [cell[0] for cell in cells]
+            if donated:
+                copy_values_held_elsewhere(values, donated)
+            outputs = jit(*values)
+            del values
         except Exception as e:
             raise_deferred_interrupt(e)
             return fn(*args)
@@ -87,6 +93,55 @@ def jitted_call(fn):
 
     call.fn = fn
     return call
+
+
+def donating_variant(parts, input_types):
+    """``(jit, cells)``: ``parts``' graph jitted to update its shared variables in place, and the
+    input cells it donates; ``(parts.jit, ())`` if it updates no tensor it reads.
+
+    XLA then computes a shared variable's new value into the buffer of its old
+    one (``donate_argnums``) instead of a fresh allocation, so an update pass
+    over the parameters and the optimizer's state touches no new memory. A
+    donated value is gone after the call: :func:`copy_values_held_elsewhere`
+    first hands the graph a copy of any value something else still refers to.
+    XLA writes only into buffers it allocated itself: a value adopted from
+    memory it does not own (a shared-memory result) is released, never
+    overwritten, and the new value gets a buffer of its own.
+
+    Parameters
+    ----------
+    parts : JitParts
+    input_types : list of Type
+        The type of each of ``parts.cells``' inputs.
+    """
+    import jax
+    updated = [storage for _, storage in parts.updates]
+    donated = tuple(j for j, (cell, t) in enumerate(zip(parts.cells, input_types))
+                    if j >= parts.n_args and isinstance(t, TensorType)
+                    and any(cell is storage for storage in updated))
+    if parts.traced is None or not donated:
+        return parts.jit, ()
+    return jax.jit(parts.traced, donate_argnums=donated), donated
+
+
+#: references to a value held only by its input cell, as :func:`copy_values_held_elsewhere` counts
+#: them: the cell, the call's list of values and getrefcount's argument
+_ONLY_IN_ITS_CELL = 3
+
+
+def copy_values_held_elsewhere(values, donated):
+    """Replace each value at ``donated`` that anything but its input cell refers to by a device copy.
+
+    Such a reference (the user's ``get_value(borrow=True)``, a sync rule
+    keeping the last pulled parameters, PyTensor's record of a shared
+    variable's first value, one array in two shared variables) must still see
+    the value after the call that donates it. The copy is XLA's own, so the
+    call after it updates in place again.
+    """
+    import jax
+    for j in donated:
+        if not isinstance(values[j], jax.Array) or sys.getrefcount(values[j]) > _ONLY_IN_ITS_CELL:
+            values[j] = jax.device_put(values[j], may_alias=False)
 
 
 class GatherBuffer:

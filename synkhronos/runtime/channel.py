@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 
 from ..errors import StallError, SynkError, WorkerError
+from ..platform.cpu_tuning import on_cores
 from ..shmem import GrowableSegment, SegmentMirror, unlink
 from ..transport import read_pickle, unpack_arrays, write_bytes
 from ..wire.control import ControlBlock, Decision, Op, Status
@@ -46,11 +47,15 @@ class Channel:
         The global rank of local rank 0 (on several nodes); errors name global ranks.
     node : int, optional
         This node, named in errors on several nodes.
+    local_cores : list of int, optional
+        The cores this rank's part of every command runs on (see
+        :func:`synkhronos.platform.cpu_tuning.on_cores`); None: any core.
     """
 
     def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault, rank_offset=0,
-                 node=None):
+                 node=None, local_cores=None):
         self.prefix = prefix
+        self.local_cores = local_cores
         self.rank_offset, self.node = rank_offset, node
         self.n_ranks, self.master_rank = n_ranks, master_rank
         self.worker_ranks = [r for r in range(n_ranks) if r != master_rank]
@@ -75,7 +80,8 @@ class Channel:
         """
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
-        local_result, local_error = self._run_local(local)
+        with on_cores(self.local_cores):
+            local_result, local_error = self._run_local(local)
         self.wait_done(ranks, what=opcode)     # named only if something goes wrong
         self._raise_rank_errors(local_error, ranks)
         return local_result
@@ -95,6 +101,11 @@ class Channel:
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
         """
+        with on_cores(self.local_cores):
+            return self._collective(local_prepare, waits_in_python, agree)
+
+    def _collective(self, local_prepare, waits_in_python, agree):
+        """The body of :meth:`collective`, on this rank's cores."""
         ranks = self.worker_ranks
         self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
         self.ctl.post_command(Op.COLLECTIVE, ranks)
@@ -270,6 +281,11 @@ class Channel:
         while this one watches; otherwise it calls :meth:`check_during_collective`
         (through its collectives and after every step).
         """
+        with on_cores(self.local_cores):
+            return self._loop_phase(local, threaded)
+
+    def _loop_phase(self, local, threaded):
+        """The body of :meth:`loop_phase`, on this rank's cores."""
         ranks, what = self.worker_ranks, "a training loop"
         self.ctl.status[:, ControlBlock.PROGRESS] = 0
         self.ctl.post_command(Op.LOOP, ranks)

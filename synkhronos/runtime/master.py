@@ -198,7 +198,9 @@ class State:
         s, t = self.settings, self.topology
         self._channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                 s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
-                                node=t.node_rank if t.several_nodes else None)
+                                node=t.node_rank if t.several_nodes else None,
+                                local_cores=jax_init.device_cores(s.platform, s.threads,
+                                                                  self.local_master))
         self.is_open = True
         coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
         env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)

@@ -25,7 +25,7 @@ from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, comm_class
 from ..device_arrays import place_on_device
 from ..errors import exception_name
-from ..platform import jax_init
+from ..platform import cpu_tuning, jax_init
 from ..shmem import GrowableSegment, SegmentMirror
 from ..transport import pack_arrays, packed_nbytes, write_pickle
 from ..wire.collective import shapes_of
@@ -334,6 +334,8 @@ def main():
                                     cfg["platform"], cfg["timeout"], cfg["float_x"],
                                     threads=cfg["threads"], local_rank=worker.rank,
                                     n_local=worker.n_ranks)
+        # the worker's thread runs its programs (no async dispatch): on its own cores, as its pool
+        cpu_tuning.stay_on_cores(jax_init.device_cores(cfg["platform"], cfg["threads"], worker.rank))
         if profiler:
             profiler.enable()
         worker.serve()
