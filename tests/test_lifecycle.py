@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytensor.tensor as pt
@@ -169,6 +170,44 @@ def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng
             assert os.sched_getaffinity(pid) == share, f"rank {rank}'s main thread is not on its cores"
         else:
             assert set(synk2._channel.local_cores) == share
+
+
+def _share_of_time_on(cores, call, thread_id):
+    """The share of samples, taken while ``call()`` ran, in which thread ``thread_id`` was bound
+    to exactly ``cores``."""
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            samples.append(os.sched_getaffinity(thread_id) == set(cores))
+            time.sleep(1e-4)                     # leaves the GIL to the calls
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        call()
+    finally:
+        done.set()
+        sampler.join()
+    return sum(samples) / max(1, len(samples))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 cores to bind ranks to")
+def test_the_master_computes_a_long_call_on_its_cores_and_a_tiny_one_anywhere(synk2, rng):
+    """A call that took a millisecond or more runs, the next time, with the master's thread on
+    its rank's cores; a tiny call does not pay for the binding; the script keeps every core."""
+    cores = os.sched_getaffinity(0)
+    share = synk2._channel.local_cores
+    me = threading.get_native_id()
+    x = pt.matrix("x")
+    long_call = synk.function([x], ((pt.tanh(x @ x.T) @ x).sum(), "sum"), name="long_call")
+    tiny_call = synk.function([x], (x.sum(), "sum"), name="tiny_call")
+    big, small = synk.data(rng.normal(size=(1200, 600))), synk.data(rng.normal(size=(4, 2)))
+    long_call(big), tiny_call(small), tiny_call(small)     # compiled; the long one measured
+    assert _share_of_time_on(share, lambda: [long_call(big) for _ in range(3)], me) > 0.5
+    # a tiny call slowed past the bound by a busy moment binds only the next one
+    assert _share_of_time_on(share, lambda: [tiny_call(small) for _ in range(200)], me) < 0.2
+    assert os.sched_getaffinity(0) == cores
 
 
 def test_on_cores_binds_the_thread_for_the_block_and_gives_it_back():

@@ -28,6 +28,10 @@ __all__ = ["Channel"]
 log = logging.getLogger(__name__)
 
 
+#: a command of a kind whose last one took this long runs on this rank's cores (see Channel)
+BIND_MIN_SECONDS = 1e-3
+
+
 class Channel:
     """Commands from the master to the workers, and their results and errors back.
 
@@ -48,14 +52,16 @@ class Channel:
     node : int, optional
         This node, named in errors on several nodes.
     local_cores : list of int, optional
-        The cores this rank's part of every command runs on (see
-        :func:`synkhronos.platform.cpu_tuning.on_cores`); None: any core.
+        This rank's cores: its part of a loop phase, and of any command whose
+        kind took :data:`BIND_MIN_SECONDS` or more the last time, runs on them
+        (see :func:`synkhronos.platform.cpu_tuning.on_cores`); None: any core.
     """
 
     def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault, rank_offset=0,
                  node=None, local_cores=None):
         self.prefix = prefix
         self.local_cores = local_cores
+        self._long_kinds = set()      # kinds of command whose last one took BIND_MIN_SECONDS or more
         self.rank_offset, self.node = rank_offset, node
         self.n_ranks, self.master_rank = n_ranks, master_rank
         self.worker_ranks = [r for r in range(n_ranks) if r != master_rank]
@@ -72,21 +78,45 @@ class Channel:
         self._collective_runner = None     # the thread of collectives that wait in native code
 
     # --- one command ------------------------------------------------------------------------
-    def command(self, opcode, ranks=None, local=None):
+    def command(self, opcode, ranks=None, local=None, kind=None):
         """Run command ``opcode`` on ``ranks`` (default: all workers) and ``local()`` here.
 
         Every addressed rank finishes before this returns or raises, so a failure
-        never leaves the control channel half-way through a command.
+        never leaves the control channel half-way through a command. ``kind``
+        (default: the opcode) groups commands for :meth:`_on_own_cores_if_long`.
         """
+        return self._on_own_cores_if_long(opcode if kind is None else kind, self._command,
+                                          opcode, ranks, local)
+
+    def _command(self, opcode, ranks, local):
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
-        with on_cores(self.local_cores):
-            local_result, local_error = self._run_local(local)
+        local_result, local_error = self._run_local(local)
         self.wait_done(ranks, what=opcode)     # named only if something goes wrong
         self._raise_rank_errors(local_error, ranks)
         return local_result
 
-    def collective(self, local_prepare, waits_in_python, agree=None):
+    def _on_own_cores_if_long(self, kind, run, *args):
+        """``run(*args)``, on this rank's cores if the last command of ``kind`` took
+        :data:`BIND_MIN_SECONDS` or more.
+
+        Binding the thread and giving its cores back are two system calls of a
+        few microseconds together: nothing next to a step's computation, a good
+        part of a tiny call. So only commands that proved long run bound.
+        """
+        start = time.perf_counter()
+        try:
+            if self.local_cores is not None and kind in self._long_kinds:
+                with on_cores(self.local_cores):
+                    return run(*args)
+            return run(*args)
+        finally:
+            if time.perf_counter() - start >= BIND_MIN_SECONDS:
+                self._long_kinds.add(kind)
+            else:
+                self._long_kinds.discard(kind)
+
+    def collective(self, local_prepare, waits_in_python, agree=None, kind="collective"):
         """Run a collective in two phases: every rank prepares, then (if all could) executes.
 
         A rank that fails to prepare makes every rank skip the collective, so no
@@ -101,8 +131,7 @@ class Channel:
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
         """
-        with on_cores(self.local_cores):
-            return self._collective(local_prepare, waits_in_python, agree)
+        return self._on_own_cores_if_long(kind, self._collective, local_prepare, waits_in_python, agree)
 
     def _collective(self, local_prepare, waits_in_python, agree):
         """The body of :meth:`collective`, on this rank's cores."""

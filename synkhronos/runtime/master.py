@@ -510,7 +510,7 @@ class State:
                 ctl.put_record(record, local_master, outs)
 
         try:
-            outs = channel.command(Op.CALL, local=local)
+            outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
         except Exception as e:
             self._tell_other_nodes(self._call_name(plan), e)
             raise
@@ -613,7 +613,7 @@ class State:
         try:
             agree = None if self.nodes is None else self._every_node_prepared(kind)
             try:
-                results = self._channel.collective(local_prepare, comm.waits_in_python, agree)
+                results = self._channel.collective(local_prepare, comm.waits_in_python, agree, kind)
             except Exception as e:
                 if self.nodes is not None and not isinstance(e, SynkError) and self.is_open:
                     self.nodes.raise_dead_node(f"the {kind} across nodes", e)   # a lost peer's name
