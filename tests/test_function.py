@@ -424,7 +424,7 @@ def _buffer_of(var):
 def test_updates_are_computed_into_the_old_values_buffers_with_pytensors_results(synk2, rng):
     """A shared variable whose value nobody else holds gets its new value in its old buffer
     (XLA buffer donation), on every device, and the values are PyTensor's."""
-    n = 20_000
+    n = 100_000                                       # past DONATE_MIN_BYTES
     (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "inplace")
     c = pt.vector("c")
     f = synk.function([], bcast_inputs=[c], updates=_momentum_updates(w, v, c), name="inplace")
@@ -444,7 +444,7 @@ def test_updates_are_computed_into_the_old_values_buffers_with_pytensors_results
 
 def test_a_value_someone_else_holds_is_left_intact_by_an_update(synk2, rng):
     """``get_value(borrow=True)`` hands out the device array itself: the update must not reuse it."""
-    n = 20_000
+    n = 100_000                                       # past DONATE_MIN_BYTES
     (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "held")
     c = pt.vector("c")
     f = synk.function([], bcast_inputs=[c], updates=_momentum_updates(w, v, c), name="held")

@@ -58,7 +58,8 @@ def jitted_call(fn):
         return None
     jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
     arg_cells = cells[:parts.n_args]
-    jit, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
+    donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
+    chosen = []             # the graph this function runs, chosen at its first call
     # all outputs of one execution become ready together: wait on one array (a random generator's
     # next state is a dict of arrays, which has no block_until_ready)
     arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
@@ -70,9 +71,11 @@ def jitted_call(fn):
             cell[0] = arg
         try:
             values = [cell[0] for cell in cells]
-            if donated:
+            if not chosen:
+                chosen.append(donating if donated and worth_donating(values, donated) else jit)
+            if chosen[0] is donating:
                 copy_values_held_elsewhere(values, donated)
-            outputs = jit(*values)
+            outputs = chosen[0](*values)
             del values
         except Exception as e:
             raise_deferred_interrupt(e)
@@ -97,12 +100,14 @@ def jitted_call(fn):
 
 def donating_variant(parts, input_types):
     """``(jit, cells)``: ``parts``' graph jitted to update its shared variables in place, and the
-    input cells it donates; ``(parts.jit, ())`` if it updates no tensor it reads.
+    input cells it donates; ``(None, ())`` if it updates no tensor it reads.
 
     XLA then computes a shared variable's new value into the buffer of its old
     one (``donate_argnums``) instead of a fresh allocation, so an update pass
-    over the parameters and the optimizer's state touches no new memory. A
-    donated value is gone after the call: :func:`copy_values_held_elsewhere`
+    over the parameters and the optimizer's state touches no new memory.
+    :func:`jitted_call` runs it if, at its first call, the donated values hold
+    :data:`DONATE_MIN_BYTES` or more (:func:`worth_donating`). A donated value
+    is gone after the call: :func:`copy_values_held_elsewhere`
     first hands the graph a copy of any value something else still refers to.
     XLA writes only into buffers it allocated itself: a value adopted from
     memory it does not own (a shared-memory result) is released, never
@@ -120,8 +125,19 @@ def donating_variant(parts, input_types):
                     if j >= parts.n_args and isinstance(t, TensorType)
                     and any(cell is storage for storage in updated))
     if parts.traced is None or not donated:
-        return parts.jit, ()
+        return None, ()
     return jax.jit(parts.traced, donate_argnums=donated), donated
+
+
+#: a function donates its updated values only if they hold this many bytes together: a small
+#: fresh result costs nothing (the allocator hands out memory still warm), a donation's bookkeeping
+#: does, and a tiny step would notice
+DONATE_MIN_BYTES = 1 << 20
+
+
+def worth_donating(values, donated):
+    """True if the values at ``donated`` are large enough for donation to pay (DONATE_MIN_BYTES)."""
+    return sum(getattr(values[j], "nbytes", 0) for j in donated) >= DONATE_MIN_BYTES
 
 
 #: references to a value held only by its input cell, as :func:`copy_values_held_elsewhere` counts
