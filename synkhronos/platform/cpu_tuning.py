@@ -5,8 +5,9 @@ computing thread run on.
 changed, as far as glibc allows. A rank's cores (:func:`cores_of`) take its XLA
 pool (:func:`cpu_pool_of`) and the thread that runs its programs: a worker's
 main thread for good (:func:`stay_on_cores`), the master's only while it runs
-its device's part of a command (:func:`on_cores`), so the user's script is
-otherwise free to run on any core.
+its device's part of a loop phase or of a command that proved long
+(:func:`on_cores`, used by :class:`synkhronos.runtime.channel.Channel`), so the
+user's script is otherwise free to run on any core.
 """
 
 import contextlib

@@ -23,8 +23,8 @@ import sys
 from . import cpu_blas, cpu_tuning, internals
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
-           "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS", "set_precision",
-           "forget_runtime_in_child", "has_gpu_plugin"]
+           "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
+           "set_precision", "forget_runtime_in_child", "has_gpu_plugin"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")

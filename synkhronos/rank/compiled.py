@@ -40,8 +40,9 @@ def jitted_call(fn):
     shared memory that must not outlive the call). A call with arguments
     returns once the computation has finished, so no argument is read after
     the call (JAX dispatches asynchronously; PyTensor's other backends compute
-    before they return). An error is re-raised through ``fn`` itself, with
-    PyTensor's account of the failing node.
+    before they return). Large updated values are computed into their old
+    buffers (:func:`donating_variant`). An error is re-raised through ``fn``
+    itself, with PyTensor's account of the failing node.
 
     Parameters
     ----------

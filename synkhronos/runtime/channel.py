@@ -134,7 +134,7 @@ class Channel:
         return self._on_own_cores_if_long(kind, self._collective, local_prepare, waits_in_python, agree)
 
     def _collective(self, local_prepare, waits_in_python, agree):
-        """The body of :meth:`collective`, on this rank's cores."""
+        """The body of :meth:`collective`."""
         ranks = self.worker_ranks
         self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
         self.ctl.post_command(Op.COLLECTIVE, ranks)
