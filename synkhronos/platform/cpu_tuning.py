@@ -3,7 +3,7 @@ computing thread run on.
 
 :func:`restore_allocator_defaults` undoes what :func:`keep_freed_memory_for_reuse`
 changed, as far as glibc allows. A rank's cores (:func:`cores_of`) take its XLA
-pool (:func:`cpu_pool_of`) and the thread that runs its programs: a worker's
+pool (made inside :func:`on_cores`) and the thread that runs its programs: a worker's
 main thread for good (:func:`stay_on_cores`), the master's only while it runs
 its device's part of a loop phase or of a command that proved long
 (:func:`on_cores`, used by :class:`synkhronos.runtime.channel.Channel`), so the
@@ -17,8 +17,8 @@ import logging
 import os
 import threading
 
-__all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cores_of", "cpu_pool_of",
-           "on_cores", "stay_on_cores"]
+__all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cores_of", "on_cores",
+           "stay_on_cores"]
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +86,6 @@ def cores_of(threads, rank):
     return [original[(rank * threads + i) % len(original)] for i in range(threads)]
 
 
-@contextlib.contextmanager
-def cpu_pool_of(cores):
-    """Give the XLA CPU client made inside this block a thread pool on ``cores`` (None: on all).
-
-    XLA sizes its CPU thread pool from the CPU affinity when the client is
-    created and ignores its own thread flags (``intra_op_parallelism_threads``
-    leaves a matrix product running on every core).
-    So for the block the affinity is narrowed to this rank's cores
-    (:func:`cores_of`): the pool's threads, created meanwhile, keep that
-    binding, one core set per rank as MPI binds its ranks. Then the calling
-    thread's affinity is restored.
-    """
-    with on_cores(cores):
-        yield
-
-
 _pinned = threading.local()
 
 
@@ -112,7 +96,9 @@ def on_cores(cores):
     With async dispatch off, a JAX program runs in the thread that calls it,
     which hands its matrix products to XLA's pool; a caller free to run on any
     core then competes with the other ranks' pools for their cores. A thread
-    started inside the block keeps the binding. Nested blocks bind once.
+    started inside the block keeps the binding: so does the pool of an XLA CPU
+    client made inside it (XLA sizes its pool from the affinity and ignores its
+    thread flags). Nested blocks bind once.
     """
     if cores is None or getattr(_pinned, "depth", 0):
         yield

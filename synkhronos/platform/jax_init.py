@@ -130,7 +130,7 @@ NODE_HEARTBEAT_TIMEOUT = 4
 
 
 def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",
-                       threads=None, local_rank=None, n_local=None):
+                       threads=None, local_rank=None, n_local=None, cores=None):
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
@@ -141,8 +141,8 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     within :data:`NODE_HEARTBEAT_TIMEOUT` seconds.
 
     On CPU, the process keeps freed memory for reuse, numpy's BLAS gets the
-    process's share of the cores and XLA's thread pool gets ``threads`` threads
-    of this rank's cores (see :mod:`synkhronos.platform.cpu_tuning`).
+    process's share of the cores and XLA's thread pool is made on ``cores``,
+    this rank's cores (:func:`device_cores`; see :mod:`synkhronos.platform.cpu_tuning`).
     :func:`shutdown_process` undoes these changes where it can.
     """
     import jax
@@ -170,7 +170,10 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # on several nodes the coordination service runs in a process of its own (see
     # synkhronos.platform.coordination), started by node 0's master
     served_elsewhere = internals.service_served_elsewhere() if several_nodes else contextlib.nullcontext()
-    with cpu_tuning.cpu_pool_of(device_cores(platform, threads, local_rank)), served_elsewhere:
+    # XLA sizes its CPU pool from the affinity when the client is made (inside initialize), and
+    # ignores its thread flags; the pool's threads keep the binding, one core set per rank as MPI
+    # binds its ranks
+    with cpu_tuning.on_cores(cores), served_elsewhere:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             coordinator_bind_address=coordinator,   # the given address only, never all interfaces

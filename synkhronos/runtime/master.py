@@ -196,11 +196,10 @@ class State:
     def start(self):
         """Start the workers, wait until each is ready, then join the JAX runtime with them."""
         s, t = self.settings, self.topology
+        cores = jax_init.device_cores(s.platform, s.threads, self.local_master)
         self._channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                 s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
-                                node=t.node_rank if t.several_nodes else None,
-                                local_cores=jax_init.device_cores(s.platform, s.threads,
-                                                                  self.local_master))
+                                node=t.node_rank if t.several_nodes else None, local_cores=cores)
         self.is_open = True
         coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
         env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
@@ -216,7 +215,7 @@ class State:
         self._channel.wait_done(self.worker_ranks, what="start-up")
         jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
                                     s.timeout, self.float_x(), threads=s.threads,
-                                    local_rank=self.local_master, n_local=self.n_local)
+                                    local_rank=self.local_master, n_local=self.n_local, cores=cores)
         if t.several_nodes:
             self.nodes = NodeLink(t, self._check_during_collective, s.stall_timeout, self.abort)
             self._check_nodes_agree()

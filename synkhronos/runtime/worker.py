@@ -330,12 +330,13 @@ def main():
     profiler = cProfile.Profile() if cfg["profile"] else None
     try:
         worker.ctl.done.post()  # ready: the master now joins the JAX runtime with us
+        cores = jax_init.device_cores(cfg["platform"], cfg["threads"], worker.rank)
         jax_init.initialize_process(worker.grank, worker.n_devices, cfg["coordinator"],
                                     cfg["platform"], cfg["timeout"], cfg["float_x"],
                                     threads=cfg["threads"], local_rank=worker.rank,
-                                    n_local=worker.n_ranks)
+                                    n_local=worker.n_ranks, cores=cores)
         # the worker's thread runs its programs (no async dispatch): on its own cores, as its pool
-        cpu_tuning.stay_on_cores(jax_init.device_cores(cfg["platform"], cfg["threads"], worker.rank))
+        cpu_tuning.stay_on_cores(cores)
         if profiler:
             profiler.enable()
         worker.serve()
