@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytensor
+import pytensor.tensor as pt
 import pytest
 from pytensor_ml import optim
 from pytensor_ml.activations import ReLU
@@ -10,6 +11,7 @@ from pytensor_ml.loss import CrossEntropy, supervised_loss
 from pytensor_ml.pytensorf import collect_trainable_params
 
 import synkhronos as synk
+from synkhronos.api.step import Step
 from synkhronos.extensions import train, updates
 from helpers import close
 
@@ -124,3 +126,66 @@ def test_flatten_helpers():
     back = updates.unflatten_vars(flat, [a, b])
     close(back[0].eval(), a.get_value())
     close(back[1].eval(), b.get_value())
+
+
+def _linear_model(seed, reshaped):
+    """A linear least-squares model; ``reshaped``: its loss reshapes its rows to (2, 3), so it
+    fails on a device whose share is not 2 rows."""
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.random.default_rng(seed).normal(size=3), name=f"w_linear_{reshaped}")
+    rows = pt.reshape(x, (2, 3)) if reshaped else x
+    return x, y, pt.mean((rows @ w - y) ** 2), [w]
+
+
+def test_a_step_is_one_command_on_every_device(synk2, rng, tmp_path):
+    """The gradient call, the all-reduce and the update of a master-driven step: one command."""
+    import json
+    X, y, loss, params, _ = mlp(7)
+    train_step = train.make_train_function(loss, params, X, y, updates.momentum, learning_rate=0.1)
+    X_np, Y_np = data(rng, n=16)
+    x_dat, y_dat = synk.data(X_np), synk.data(Y_np)
+    train_step(x_dat, y_dat)
+    with synk.timeline(tmp_path / "t.json"):
+        for _ in range(3):
+            train_step(x_dat, y_dat)
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    commands = [e["name"] for e in events if e.get("cat") == "command" and e["pid"] == 1]
+    assert commands == ["step"] * 3
+    updates_run = [e for e in events if e.get("name") == "train_update" and e.get("ph") == "X"]
+    assert sorted(e["pid"] for e in updates_run) == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("rows, failing_rank", [(5, 1), (3, 0)])
+def test_a_step_whose_gradient_fails_on_one_rank_changes_nothing(synk2, rng, rows, failing_rank):
+    """Every rank skips the all-reduce and the update; the error names the rank; the next step is exact."""
+    x, y, loss, params = _linear_model(3, reshaped=True)
+    train_step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.1)
+    velocity = [s for s in train_step.state_variables if all(s is not p for p in params)]
+    X_np, Y_np = rng.normal(size=(8, 3)), rng.normal(size=8)
+    x_dat, y_dat = synk.data(X_np), synk.data(Y_np)
+    train_step(x_dat, y_dat, batch=4)                  # 2 rows a device: a velocity to keep
+    before = [synk.get_value(r, params + velocity) for r in range(2)]
+    with pytest.raises(synk.WorkerError, match=f"rank {failing_rank} raised: TypeError") as info:
+        train_step(x_dat, y_dat, batch=rows)
+    assert "reshape" in info.value.worker_traceback
+    for r in range(2):
+        for got, kept in zip(synk.get_value(r, params + velocity), before[r]):
+            np.testing.assert_array_equal(got, kept)
+
+    train_step(x_dat, y_dat, batch=4)
+    x2, y2, loss2, params2 = _linear_model(3, reshaped=False)
+    single = train.make_single_process_train_function(loss2, params2, x2, y2, updates.momentum,
+                                                      learning_rate=0.1)
+    for _ in range(2):                                 # the same two steps, the failed one left out
+        single(X_np[:4], Y_np[:4])
+    for r in range(2):
+        close(synk.get_value(r, params)[0], params2[0].get_value(), rtol=1e-12)
+
+
+def test_a_step_refuses_an_update_with_inputs(synk2):
+    x = pt.vector("x")
+    w = pytensor.shared(np.zeros(2), name="w_step_refuses")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(w, w + 1)], name="step_call")
+    g = synk.function([x], updates=[(w, w * x.sum())], name="step_update_with_input")
+    with pytest.raises(TypeError, match="step_update_with_input takes 1; give it none"):
+        Step(f, w, g)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import contextmanager
 
 from typing import Sequence, Union
 
@@ -201,6 +202,20 @@ def _reduce(shared_vars, op, keep):
     checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
     state = current()
     vars_, single = resolve_shareds(shared_vars)
+    fill, reservation = reduction_command(state, vars_, op, keep)
+    with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
+        out = state.run_collective(fill, reservation)
+    if keep == RETURN:
+        return out[0] if single else out
+
+
+def reduction_command(state, vars_, op, keep=KEEP_ALL):
+    """What a reduction of ``vars_`` sends: ``(fill, reservation)``.
+
+    ``fill(words)`` writes the collective (with the master's shapes, which every
+    rank checks while preparing); ``reservation`` is what it needs of the
+    collective implementation.
+    """
     _check_op(op, vars_)
     own = shapes_of(v.container.storage[0] for v in vars_)
     nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
@@ -210,14 +225,18 @@ def _reduce(shared_vars, op, keep):
         w.put(ALL_REDUCE).put_list(state.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
         for shape in own:
             w.put_list(shape)
+    return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
+
+
+@contextmanager
+def shapes_named_on_mismatch(state, vars_, what):
+    """Turn a rank's :class:`ShapeMismatch` inside the block into an error listing every rank's shapes."""
     try:
-        out = state.run_collective(fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes))
+        yield
     except WorkerError as e:
         if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
-            _require_equal_shapes(vars_, state.all_shapes(vars_), f"{op} reduction")
+            _require_equal_shapes(vars_, state.all_shapes(vars_), what)
         raise
-    if keep == RETURN:
-        return out[0] if single else out
 
 
 @serialized

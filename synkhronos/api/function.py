@@ -280,6 +280,13 @@ class Function:
         output_subset : list of int, optional
             Indices of the outputs to compute and return.
         """
+        return self.call_with_tail(args, kwargs, batch, batch_s, num_slices, output_subset)
+
+    def call_with_tail(self, args, kwargs, batch=None, batch_s=None, num_slices=1,
+                       output_subset=None, tail=None):
+        """:meth:`__call__` with its arguments as a tuple and a dict; ``tail``, a
+        :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
+        the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
         since = trace.now() if trace.on else None
         state = current()
         if state is not self._state:
@@ -305,7 +312,7 @@ class Function:
             trace.begin("call", self.name, since)
             trace.mark("plan")
         try:
-            rows, columns = state.run_call(plan, result_record(self.spec, plan))
+            rows, columns = state.run_call(plan, result_record(self.spec, plan), tail)
             if since is not None:
                 trace.mark("wait for devices")
             outputs = self._reduce(plan, rows, columns)

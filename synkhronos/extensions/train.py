@@ -1,7 +1,7 @@
 """Training helpers built on the flattened-gradient rules of :mod:`.updates`.
 
 :func:`make_train_function` builds one training step that the master drives
-(three commands a step); :func:`run` runs many such steps on the devices
+(one command a step on one node); :func:`run` runs many such steps on the devices
 themselves, with the sync rules of :mod:`.sync`.
 """
 
@@ -15,6 +15,8 @@ import pytensor.tensor as pt
 
 from ..api import checkpoint, collectives
 from ..api.function import function
+from ..api.data import data
+from ..api.step import Step
 from ..runtime.master import current, serialized
 from ..scatter import batch_from_spec, parse_batch_s
 from ..wire.loop import LoopSpec, epoch_order, steps_per_epoch
@@ -30,7 +32,9 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
 
     One step is: every device computes its local gradient into the flat vector,
     ``all_reduce(grad_shared, "avg")`` in one collective, then the same update
-    on every device. Returns the batch loss (row-weighted average).
+    on every device; on one node the three run as one command
+    (:class:`synkhronos.api.step.Step`). Returns the batch loss (row-weighted
+    average).
 
     Each device scales its gradient by ``n_devices * its_rows / batch_rows``
     before the average, so the step equals the full-batch gradient step even
@@ -84,13 +88,15 @@ class _WeightedStep:
                                updates=[(target, flat_grad * weight, "sum")], name="train_grad",
                                **function_kwargs)
         self.f_upd = function([], updates=param_updates, name="train_update")
+        self.step = Step(self.f_grad, self.grad_shared, self.f_upd, op="avg")
+        # the batch's rows travel in a Data the step writes: every call then has the same
+        # arguments, so the call's plan is validated once and reused
+        self._batch_rows = data(np.zeros((), dtype), name="batch_rows")
 
-    def __call__(self, batch_rows, *data, **call_kwargs):
-        rows = np.asarray(batch_rows, dtype=self.grad_shared.type.dtype)
-        batch_loss = self.f_grad(*data, rows, **call_kwargs)
-        collectives.all_reduce(self.grad_shared, op="avg")
-        self.f_upd()
-        return batch_loss
+    @serialized          # the rows written and the step that reads them: one thread's turn
+    def __call__(self, batch_rows, *inputs, **call_kwargs):
+        self._batch_rows.data[()] = batch_rows
+        return self.step(*inputs, self._batch_rows, **call_kwargs)
 
     def expose(self, train_minibatch):
         """Give the user's step function handles on what it runs."""

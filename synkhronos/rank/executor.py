@@ -13,7 +13,7 @@ from ..device_arrays import private_empty
 from ..modes import Accumulator
 from ..scatter import chunk, gather_rows
 
-__all__ = ["Share", "share_of", "run_share", "rows_of"]
+__all__ = ["Share", "share_of", "run_share", "run_update", "rows_of"]
 
 
 def rows_of(view, batch, a, b, offset, into=private_empty):
@@ -146,3 +146,15 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     if upds:
         compiled.apply([acc.result() for acc in upds])
     return share.rows, [acc.result() for acc in outs]
+
+
+def run_update(compiled):
+    """Run a function without inputs (a training step's update) on this rank; its results are dropped.
+
+    A timeline shows it as a call of its own, inside the command that ran it.
+    """
+    if trace.on:
+        trace.begin("call", compiled.spec.name)
+    compiled.run([])
+    if trace.on:
+        trace.end("compute")

@@ -131,15 +131,28 @@ class Channel:
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
         """
-        return self._on_own_cores_if_long(kind, self._collective, local_prepare, waits_in_python, agree)
+        return self._on_own_cores_if_long(kind, self._two_phases, Op.COLLECTIVE, local_prepare,
+                                          waits_in_python, agree, "a collective")
 
-    def _collective(self, local_prepare, waits_in_python, agree):
-        """The body of :meth:`collective`."""
+    def step(self, local_prepare, waits_in_python, kind):
+        """Run a training step in one command: a call, then a collective and an update on every rank.
+
+        The two phases of :meth:`collective`, with each rank's share of the call
+        computed in the first: a rank whose call fails makes every rank skip the
+        rest, exactly as a failed call followed by nothing. ``local_prepare()``
+        computes this rank's share and returns the ``execute()`` that runs the
+        collective and the update and returns the share's results.
+        """
+        return self._on_own_cores_if_long(kind, self._two_phases, Op.STEP, local_prepare,
+                                          waits_in_python, None, "a training step")
+
+    def _two_phases(self, opcode, local_prepare, waits_in_python, agree, what):
+        """The body of :meth:`collective` and :meth:`step`."""
         ranks = self.worker_ranks
         self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
-        self.ctl.post_command(Op.COLLECTIVE, ranks)
+        self.ctl.post_command(opcode, ranks)
         execute, local_error = self._run_local(local_prepare)
-        self.wait_done(ranks, what="preparing a collective")
+        self.wait_done(ranks, what=f"preparing {what}")
         failed = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] == Status.ERROR]
         go = local_error is None and not failed
         elsewhere = None
@@ -148,13 +161,13 @@ class Channel:
         self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
         self.ctl.release(ranks)
         if not go:
-            self.wait_done(ranks, what="skipping a collective")
+            self.wait_done(ranks, what=f"skipping {what}")
             self._raise_rank_errors(local_error, ranks)
             raise elsewhere
         if waits_in_python:
-            result = self._run_inline_watched(execute, ranks, what="a collective")
+            result = self._run_inline_watched(execute, ranks, what=what)
         else:
-            result = self._run_in_watched_thread(execute, ranks, what="a collective")
+            result = self._run_in_watched_thread(execute, ranks, what=what)
         self._raise_worker_errors(ranks)
         return result
 
@@ -171,14 +184,20 @@ class Channel:
     def _run_inline_watched(self, fn, ranks, what):
         """Run ``fn`` (this rank's part of a collective) here; its waits call the watch."""
         self._collective_watch = self._watch(ranks, what, time.time() + self.stall_timeout)
+        error = result = None
         try:
             result = fn()
         except KeyboardInterrupt:
             self.on_fault()
             raise
+        except SynkError:        # the watch's own: the runtime was shut down
+            raise
+        except Exception as e:   # this rank's part failed after the others started theirs
+            error = e
         finally:
             self._collective_watch = None
         self.wait_done(ranks, what=what)
+        self._raise_rank_errors(error, ranks)
         return result
 
     def check_during_collective(self):

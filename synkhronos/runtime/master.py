@@ -29,10 +29,10 @@ from ..device_arrays import place_on_device
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..rank.collectives import prepare_collective
-from ..rank.executor import run_share
+from ..rank.executor import run_share, run_update
 from ..shmem import new_prefix
 from ..wire.collective import KIND_NAMES, shapes_of
-from ..wire.control import ARGS, Op, Words
+from ..wire.control import ARGS, STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from ..wire.topology import Topology
 from .channel import Channel
@@ -469,7 +469,7 @@ class State:
                 var.set_value(randomness.device_stream(var.get_value(borrow=True), distance))
 
     # --- calls ------------------------------------------------------------------------------
-    def run_call(self, plan, record):
+    def run_call(self, plan, record, tail=None):
         """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
 
         The caller has brought the workers up to date (:meth:`ensure_shipped`)
@@ -481,6 +481,10 @@ class State:
         record : numpy.dtype or None
             The structured dtype in which ranks return the results
             (:func:`~synkhronos.wire.plan.result_record`), or None.
+        tail : StepTail, optional
+            What every rank runs after its share, in the same command, if every
+            rank computed its share: a collective, then a function without
+            inputs (a training step's all-reduce and update; one node only).
 
         Returns
         -------
@@ -509,7 +513,10 @@ class State:
                 ctl.put_record(record, local_master, outs)
 
         try:
-            outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
+            if tail is None:
+                outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
+            else:
+                outs = self._run_step(local, tail, kind=(Op.STEP, plan.fid))
         except Exception as e:
             self._tell_other_nodes(self._call_name(plan), e)
             raise
@@ -527,6 +534,25 @@ class State:
         if self.nodes is not None:
             rows, columns = self._results_of_every_node(self._call_name(plan), rows, columns)
         return (rows, columns) if plan.subset else (None, [])
+
+    def _run_step(self, local, tail, kind):
+        """The call's command extended by ``tail`` (see :meth:`run_call` and ``Channel.step``)."""
+        comm, ctl = self.comm, self._channel.ctl
+        comm.reserve(tail.reservation)
+        tail.fill(Words(ctl.args[STEP_COLLECTIVE_AT:]))
+        ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
+        update = self._compiled[tail.update_fid]
+
+        def prepare():
+            outs = local()
+            execute = self._prepare_collective(Words(ctl.args[STEP_COLLECTIVE_AT:]))
+
+            def reduce_and_update():
+                execute()
+                run_update(update)
+                return outs
+            return reduce_and_update
+        return self._channel.step(prepare, comm.waits_in_python, kind)
 
     # --- several nodes ----------------------------------------------------------------------
     def _call_name(self, plan):
@@ -600,9 +626,7 @@ class State:
         fill(Words(ctl.args))
 
         def local_prepare():
-            execute = prepare_collective(comm, Words(ctl.args), self.master_rank, self.n_parallel,
-                                         self.master_rank, self.shared_by_uid, self.data.view,
-                                         self.data.index_view, root=self.root_rank)
+            execute = self._prepare_collective(Words(ctl.args))
             if trace.on:
                 trace.mark("prepare")
             return execute
@@ -621,6 +645,12 @@ class State:
         finally:
             if since is not None:
                 trace.end("execute")
+
+    def _prepare_collective(self, words):
+        """This rank's part of the collective in ``words``, prepared; returns its ``execute()``."""
+        return prepare_collective(self.comm, words, self.master_rank, self.n_parallel,
+                                  self.master_rank, self.shared_by_uid, self.data.view,
+                                  self.data.index_view, root=self.root_rank)
 
     def all_shapes(self, vars_):
         """Per variable, its shape on every rank (one round trip)."""

@@ -29,7 +29,7 @@ from ..platform import cpu_tuning, jax_init
 from ..shmem import GrowableSegment, SegmentMirror
 from ..transport import pack_arrays, packed_nbytes, write_pickle
 from ..wire.collective import shapes_of
-from ..wire.control import OP_NAMES, ControlBlock, Decision, Op, Status, Words
+from ..wire.control import OP_NAMES, STEP_COLLECTIVE_AT, ControlBlock, Decision, Op, Status, Words
 from ..wire.plan import PlanMemo, result_record
 from ..wire.topology import Topology
 from .data_store import DataMirrors
@@ -76,12 +76,13 @@ class Worker:
         self.functions = {}
         self.shared = {}
         self.plans = PlanMemo()
-        self._run_share = None     # set by the first SHIP
+        self._run_share = self._run_update = None     # set by the first SHIP
         self._comm = None
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
-                         Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STOP: lambda: None}
+                         Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STEP: self.step,
+                         Op.STOP: lambda: None}
         self.loops = {}             # loop id -> this rank's DeviceLoop, from its first phase to finish
 
     def check_master(self):
@@ -148,8 +149,8 @@ class Worker:
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
         from ..rank.compiled import CompiledFunction
-        from ..rank.executor import run_share
-        self._run_share = run_share
+        from ..rank.executor import run_share, run_update
+        self._run_share, self._run_update = run_share, run_update
         payload = shipping.loads(self.payload_bytes(), self.shared)
         jax_init.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         rewrites.set_cpu_rewrite(payload["cpu_rewrite"])
@@ -216,13 +217,37 @@ class Worker:
 
     def collective(self):
         """Prepare, report, wait for the master's decision, then execute (or skip)."""
+        def prepare():
+            return self._prepare_collective(Words(self.ctl.args)), 0
+        return self._two_phases(prepare)
+
+    def step(self):
+        """A training step: this rank's share of the call and the collective's preparation; then,
+        on the master's word, the collective and the update function (see ``Channel.step``)."""
+        def prepare():
+            rows = self.call()
+            execute = self._prepare_collective(Words(self.ctl.args[STEP_COLLECTIVE_AT:]))
+            update = self.functions[int(self.ctl.header[ControlBlock.UPDATE_FID])]
+
+            def reduce_and_update():
+                execute()
+                self._run_update(update)
+            return reduce_and_update, rows
+        return self._two_phases(prepare)
+
+    def _prepare_collective(self, words):
         from ..rank.collectives import prepare_collective
-        error = None
+        return prepare_collective(self.comm(), words, self.grank, self.n_devices, self.master_rank,
+                                  self.shared.__getitem__, self.datas.view, self.datas.index_view,
+                                  root=self.root_rank)
+
+    def _two_phases(self, prepare):
+        """``prepare()`` (returning ``(execute, rows)``), report, wait for the master's decision,
+        then ``execute()`` (or skip); return the rows."""
+        error, rows = None, 0
         try:
-            execute = prepare_collective(
-                self.comm(), Words(self.ctl.args), self.grank, self.n_devices, self.master_rank,
-                self.shared.__getitem__, self.datas.view, self.datas.index_view, root=self.root_rank)
-            self.ctl.set_status(self.rank, Status.PREPARED)
+            execute, rows = prepare()
+            self.ctl.set_status(self.rank, Status.PREPARED, self.result.gen, 0, rows)
         except Exception as e:
             error = e
             self.report_error(e)
@@ -235,11 +260,11 @@ class Worker:
         if self.ctl.header[ControlBlock.DECISION] != Decision.GO:
             if error is not None:
                 raise error
-            return 0
+            return rows
         execute()
         if trace.on:
             trace.mark("execute")
-        return 0
+        return rows
 
     def loop(self):
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""

@@ -2,8 +2,10 @@
 
 Layout (all in one segment created by the master)::
 
-    header   int64[16]        opcode, payload gen/size, master rank, decision, plan slot/generation
-    args     int64[ARGS]      the command's integer arguments (hot path, no pickling)
+    header   int64[16]        opcode, payload gen/size, master rank, decision, plan slot/generation,
+                              a step's update function
+    args     int64[ARGS]      the command's integer arguments (hot path, no pickling); a step's
+                              collective from STEP_COLLECTIVE_AT on
     status   int64[n, 8]      per rank: state, result generation and size, rows, warnings,
                               steps of a device-driven loop (the master's stall watch)
     records  bytes[n, 256]    per rank: a call's scalar results (see ``ControlBlock.records``)
@@ -21,9 +23,11 @@ import numpy as np
 
 from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
 
-__all__ = ["ControlBlock", "Op", "OP_NAMES", "Status", "Decision", "Words"]
+__all__ = ["ControlBlock", "Op", "OP_NAMES", "Status", "Decision", "Words", "STEP_COLLECTIVE_AT"]
 
 ARGS = 1 << 16
+#: where a STEP command's collective words start in ``args`` (its call's plan starts at 0)
+STEP_COLLECTIVE_AT = ARGS // 2
 #: bytes per rank for a call's scalar results, written in place instead of packed
 RECORD_BYTES = 256
 _HEADER = 16
@@ -41,6 +45,8 @@ class Op:
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
     LOOP = 9          # payload: a LoopSpec and its phase (synkhronos.wire.loop) -> result: its stats
     TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans (synkhronos.trace)
+    STEP = 11         # a CALL, then (if every rank computed) an all-reduce, then an update function:
+                      # args: the plan, and the collective from STEP_COLLECTIVE_AT; header: UPDATE_FID
 
     @classmethod
     def name(cls, opcode):
@@ -141,7 +147,7 @@ class ControlBlock:
         *self.go, self.done = semaphores_in(self.segment, sem_offset, n_ranks + 1, create)
 
     # header fields
-    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN = range(7)
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = range(8)
     # status fields
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = range(7)
 

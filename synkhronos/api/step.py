@@ -1,0 +1,108 @@
+"""A training step as one command: a call, an all-reduce, an update function.
+
+``make_train_function``'s step is three things on every device: the gradient
+call, ``all_reduce(grad_shared)``, the update function. Sent as three commands,
+every device idles between them while the master plans the next one.
+:class:`Step` sends them as one (``Op.STEP``): every rank computes its share of
+the call and prepares the all-reduce; if every rank could, each all-reduces
+and updates at once, and the master reduces the call's outputs as for any
+call. A rank whose share fails makes every rank skip the rest, so a failed
+step leaves the state exactly as a failed call followed by nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..comm import Reservation
+from ..runtime.master import current, serialized
+from ..wire.collective import shapes_of
+from .collectives import all_reduce, reduction_command, resolve_shareds, shapes_named_on_mismatch
+from .function import Function
+
+__all__ = ["StepTail", "Step"]
+
+
+@dataclass(frozen=True)
+class StepTail:
+    """What every rank runs after its share of a call, in the call's command.
+
+    Attributes
+    ----------
+    fill : callable
+        ``fill(words)`` writes the all-reduce.
+    reservation : Reservation
+        What the all-reduce needs of the collective implementation.
+    update_fid : int
+        The function (without inputs) every rank runs after the all-reduce.
+    """
+
+    fill: object
+    reservation: Reservation
+    update_fid: int
+
+
+class Step:
+    """``call(*args)``, then ``all_reduce(reduced, op)``, then ``update()``: one training step.
+
+    On one node every call of a Step is one command (see the module notes); on
+    several nodes, three. Built once, called every step: what the all-reduce
+    sends is made once and again only when the reduced variables' shapes change.
+
+    Parameters
+    ----------
+    call : Function
+    reduced : shared variable or list of them
+        What to all-reduce after the call (a flat gradient).
+    update : Function
+        A function without inputs (the optimizer's update).
+    op : str
+        The all-reduce's operation.
+
+    Examples
+    --------
+    >>> train_step = Step(f_grad, grad_shared, f_update)              # doctest: +SKIP
+    >>> loss = train_step(x_dat, y_dat, batch=idx)                     # doctest: +SKIP
+    """
+
+    def __init__(self, call: Function, reduced, update: Function, op: str = "avg"):
+        if update.spec.all_inputs:
+            raise TypeError(f"the update of a step runs without inputs, but {update.name} takes "
+                            f"{len(update.spec.all_inputs)}; give it none")
+        self.call, self.update, self.op = call, update, op
+        self.reduced, _ = resolve_shareds(reduced)
+        self._tail, self._shapes = None, None
+        self._command(current())         # checks the op against the variables' dtypes
+
+    @serialized
+    def __call__(self, *args, **call_kwargs):
+        """Run the step with the call's arguments (``batch=``, ``num_slices=`` ...); return what the
+        call returns."""
+        state = current()
+        if self.update._state is not state:
+            raise RuntimeError(f"{self.update} was built before the runtime it belonged to was "
+                               f"closed; build it again after fork()")
+        if state.nodes is not None:
+            result = self.call(*args, **call_kwargs)
+            all_reduce(self.reduced, self.op)
+            self.update()
+            return result
+        state.ensure_shipped()
+        if not state.is_registered(self.update.spec.fid):
+            raise TypeError(f"{self.update.name} could not be sent to the workers and was "
+                            f"unregistered; build it again from picklable ops")
+        options = {k: call_kwargs.pop(k) for k in _CALL_OPTIONS if k in call_kwargs}
+        with shapes_named_on_mismatch(state, self.reduced, f"{self.op} reduction"):
+            return self.call.call_with_tail(args, call_kwargs, **options, tail=self._command(state))
+
+    def _command(self, state):
+        """The :class:`StepTail`, made again if the reduced variables' shapes changed."""
+        shapes = shapes_of(v.container.storage[0] for v in self.reduced)
+        if shapes != self._shapes:
+            fill, reservation = reduction_command(state, self.reduced, self.op)
+            self._tail, self._shapes = StepTail(fill, reservation, self.update.spec.fid), shapes
+        return self._tail
+
+
+#: the keywords of a call that are not its inputs
+_CALL_OPTIONS = ("batch", "batch_s", "num_slices", "output_subset")
