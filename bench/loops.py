@@ -207,7 +207,8 @@ def section(results):
                  f"{ratio:.2f}× ({'met' if ratio >= 1 else 'not met'}) |")
     L += ["", "Variants alternate within each round; figures are medians over rounds, ratios the "
           "median of per-round ratios. A device-driven step is the master-driven one without its "
-          "three commands (gradient, all-reduce, update): each device gathers its rows, runs the "
+          "command (the gradient, the all-reduce and the update in one command per step, the "
+          "master planning each): each device gathers its rows, runs the "
           "gradient program, all-reduces the flat gradient through shared memory into the update "
           "program's input (a small gradient as a host array, a large one as a device array viewing "
           "the shared result), and runs the update program. What remains per step is mostly XLA "
