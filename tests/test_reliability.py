@@ -18,6 +18,7 @@ import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
+from synkhronos.extensions import train, updates
 from synkhronos.runtime import master
 from conftest import N_PARALLEL, child_pids, synk_segments
 from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_marker
@@ -116,6 +117,30 @@ def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkey
     synk.distribute()
     killer = _kill_when_inside(tmp_path, rt.worker_pids[1])
     _assert_died_promptly(lambda: synk.all_reduce(v, op="sum"), prefix, pids)
+    killer.join()
+    monkeypatch.delenv("SYNK_TEST_HOLD")
+    _usable_again()
+
+
+@pytest.mark.parametrize("where", ["gradient", "collective"])
+def test_worker_killed_inside_a_training_step_becomes_worker_error(tmp_path, monkeypatch, where):
+    """A master-driven step is one command (gradient, all-reduce, update): a worker killed while it
+    computes its gradient, or inside the step's all-reduce, is an error, no hang, no leak."""
+    if master.active() is not None:
+        synk.close()
+    monkeypatch.setenv("SYNK_TEST_HOLD", f"{tmp_path}:1:{where}")
+    synk.fork(N_PARALLEL, collectives=HoldingShmComm)
+    rt = master.current()
+    prefix, pids = rt.prefix, list(rt.worker_pids.values())
+    victim = rt.worker_pids[1]
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.ones(3), name=f"w_step_{where}")
+    rows = InsideCall(tmp_path, victim)(x) if where == "gradient" else x
+    step = train.make_train_function(pt.mean((rows @ w - y) ** 2), [w], x, y, updates.sgd,
+                                     learning_rate=0.1)
+    synk.distribute()
+    killer = _kill_when_inside(tmp_path, victim)
+    _assert_died_promptly(lambda: step(np.ones((8, 3)), np.ones(8)), prefix, pids)
     killer.join()
     monkeypatch.delenv("SYNK_TEST_HOLD")
     _usable_again()
