@@ -1,5 +1,7 @@
 """Flattened-gradient optimizers and the training helper against pytensor-ml on the full batch."""
 
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -137,6 +139,8 @@ def _linear_model(seed, reshaped):
     return x, y, pt.mean((rows @ w - y) ** 2), [w]
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the pools cannot be bound "
+                    "to cores of their own, and steps stay three commands (State.fuses_steps)")
 def test_a_step_is_one_command_on_every_device(synk2, rng, tmp_path):
     """The gradient call, the all-reduce and the update of a master-driven step: one command."""
     import json
@@ -189,3 +193,36 @@ def test_a_step_refuses_an_update_with_inputs(synk2):
     g = synk.function([x], updates=[(w, w * x.sum())], name="step_update_with_input")
     with pytest.raises(TypeError, match="step_update_with_input takes 1; give it none"):
         Step(f, w, g)
+
+
+def test_with_pools_over_every_core_a_step_is_three_commands_and_exact(rng, tmp_path):
+    """``threads_per_device`` = every core: steps stay three commands (see State.fuses_steps),
+    with the same parameters as one process."""
+    import json
+    from conftest import N_PARALLEL
+    from synkhronos.runtime import master
+    if master.active() is not None:
+        synk.close()
+    synk.fork(N_PARALLEL, threads_per_device=len(os.sched_getaffinity(0)))
+    try:
+        X, y, loss, params, _ = mlp(9)
+        train_step = train.make_train_function(loss, params, X, y, updates.momentum,
+                                               learning_rate=0.1)
+        synk.distribute()
+        X_np, Y_np = data(rng, n=30)
+        x_dat, y_dat = synk.data(X_np), synk.data(Y_np)
+        batches = [rng.permutation(30)[:11] for _ in range(3)]
+        with synk.timeline(tmp_path / "t.json"):
+            losses = [train_step(x_dat, y_dat, batch=b) for b in batches]
+        events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+        commands = [e["name"] for e in events if e.get("cat") == "command" and e["pid"] == 1]
+        assert commands == ["call", "collective", "call"] * 3
+
+        X2, y2, loss2, params2, _ = mlp(9)
+        single = train.make_single_process_train_function(loss2, params2, X2, y2, updates.momentum,
+                                                          learning_rate=0.1)
+        close(losses, [single(X_np[b], Y_np[b]) for b in batches], rtol=1e-9)
+        for got, ref in zip(synk.get_value(1, params), [p.get_value() for p in params2]):
+            close(got, ref, rtol=1e-7, atol=1e-10)
+    finally:
+        synk.close()

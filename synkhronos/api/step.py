@@ -46,8 +46,10 @@ class Step:
     """``call(*args)``, then ``all_reduce(reduced, op)``, then ``update()``: one training step.
 
     On one node every call of a Step is one command (see the module notes); on
-    several nodes, three. Built once, called every step: what the all-reduce
-    sends is made once and again only when the reduced variables' shapes change.
+    several nodes, or with every rank's CPU pool over every core, three
+    (:attr:`~synkhronos.runtime.master.State.fuses_steps`). Built once, called
+    every step: what the all-reduce sends is made once and again only when the
+    reduced variables' shapes change.
 
     Parameters
     ----------
@@ -82,7 +84,7 @@ class Step:
         if self.update._state is not state:
             raise RuntimeError(f"{self.update} was built before the runtime it belonged to was "
                                f"closed; build it again after fork()")
-        if state.nodes is not None:
+        if not state.fuses_steps:
             result = self.call(*args, **call_kwargs)
             all_reduce(self.reduced, self.op)
             self.update()
