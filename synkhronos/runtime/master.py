@@ -322,9 +322,9 @@ class State:
         """Whether a training step travels as one command (:class:`synkhronos.api.step.Step`).
 
         On one node, unless every rank's CPU pool spreads over every core
-        (``threads_per_device`` = all of them): there the two processes' programs,
-        run back to back without the master's pauses between commands, contend
-        for the cores, and three commands per step run faster.
+        (``threads_per_device`` = all of them): there the ranks' gradient programs
+        fall out of balance under the one-command step, and three commands per
+        step run faster (see docs/design.md).
         """
         return self.nodes is None and not (self.platform == "cpu" and
                                            self._channel.local_cores is None)
