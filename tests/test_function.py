@@ -1,11 +1,13 @@
 """Distributed functions against the single-process PyTensor function (as_pytensor)."""
 
+import jax
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
+from synkhronos.device_arrays import device_face
 from synkhronos.rank.compiled import jitted_call
 from helpers import close, reference
 
@@ -311,8 +313,9 @@ def test_state_evolves_identically_on_every_rank(synk2):
     for rank in range(synk2.n_parallel):
         close(synk.get_value(rank, w), w_np)
         close(synk.get_value(rank, v), v_np)
-    # the master's copy stays on the device between calls
-    assert not isinstance(w.container.storage[0], np.ndarray)
+    # the master's copy stays on the device between calls: user code sees a numpy face over it
+    face = w.container.storage[0]
+    assert isinstance(face, np.ndarray) and isinstance(device_face(face), jax.Array)
     # every call ran the jitted graph directly (see test_jitted_call_matches_pytensor_...)
     assert step.compiled.calls_jit_directly
 
@@ -418,7 +421,7 @@ def _twin_shareds(n, rng, name):
 
 def _buffer_of(var):
     """Where the master's value of ``var`` lives (no reference to it is kept)."""
-    return var.container.storage[0].unsafe_buffer_pointer()
+    return device_face(var.container.storage[0]).unsafe_buffer_pointer()
 
 
 def test_updates_are_computed_into_the_old_values_buffers_with_pytensors_results(synk2, rng):
@@ -443,7 +446,8 @@ def test_updates_are_computed_into_the_old_values_buffers_with_pytensors_results
 
 
 def test_a_value_someone_else_holds_is_left_intact_by_an_update(synk2, rng):
-    """``get_value(borrow=True)`` hands out the device array itself: the update must not reuse it."""
+    """``get_value(borrow=True)`` hands out a face over the device array itself: the update must
+    not reuse that array's memory."""
     n = 100_000                                       # past DONATE_MIN_BYTES
     (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "held")
     c = pt.vector("c")
@@ -456,7 +460,7 @@ def test_a_value_someone_else_holds_is_left_intact_by_an_update(synk2, rng):
     expected = np.array(held)
     C = rng.normal(size=n)
     f(C), g(C)
-    assert not held.is_deleted()
+    assert not device_face(held).is_deleted()
     close(held, expected)
     close(w.get_value(), w_ref.get_value())
 

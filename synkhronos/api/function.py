@@ -215,6 +215,7 @@ class Function:
         return f"synk.Function({self.name!r})"
 
     # --- single process reference ---------------------------------------------------------
+    @serialized
     def as_pytensor(self, *args: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Run the plain single-process PyTensor function in the master on numpy inputs.
 

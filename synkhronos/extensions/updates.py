@@ -28,6 +28,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor_ml import optim
+from pytensor_ml.pytensorf import collect_clock_updates
+
+from .statistics import carried_statistics
 
 __all__ = ["flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
            "from_optim", "sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
@@ -116,10 +119,33 @@ def _flat_gradient(loss, params):
     # as its own rules do, so our gradients are the ones its rules would compute.
     grads = optim.get_gradients(loss, params)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
-    grad_shared = pytensor.shared(np.zeros(vars_flat_size(params), dtype=dtype), name="grad_shared")
-    grad_shared.tag.synk_gradient = True     # scratch between steps: checkpoints leave it out
+    grad_shared = _flat_vector(vars_flat_size(params), dtype)
     flat = flatten_vars(grads).astype(dtype)
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
+
+
+def _flat_vector(size, dtype):
+    grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared")
+    grad_shared.tag.synk_gradient = True     # scratch between steps: checkpoints leave it out
+    return grad_shared
+
+
+def _flat_step(loss, params):
+    """A step's flat vector: the gradients of ``params``, then the model's statistics.
+
+    Returns ``(grad_updates, grad_shared, gradient slices, statistics' write-backs)``;
+    see :mod:`synkhronos.extensions.statistics`.
+    """
+    grads = optim.get_gradients(loss, params)
+    carried = carried_statistics(loss)
+    dtype = np.result_type(*[p.type.dtype for p in params]).name
+    n_grads = vars_flat_size(params)
+    grad_shared = _flat_vector(n_grads + sum(c.size for c in carried), dtype)
+    flat = flatten_vars(grads + [c.contribution for c in carried]).astype(dtype)
+    slices = unflatten_vars(grad_shared[n_grads:], [c.target for c in carried])
+    reduced = {c.target: s.astype(c.target.type.dtype) for c, s in zip(carried, slices)}
+    write_backs = [(c.target, c.written(reduced.__getitem__)) for c in carried]
+    return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params), write_backs
 
 
 def nonflat_grads(loss, params):
@@ -146,6 +172,14 @@ def nonflat_grads(loss, params):
 def from_optim(transform, loss, params):
     """Wrap a :mod:`pytensor_ml.optim` transform into ``(grad_updates, param_updates, grad_shared)``.
 
+    The step is what pytensor-ml's ``optim.compile_train`` builds, split in two:
+    the flat vector carries the gradients and the statistics that stateful
+    layers write back (batch norm's running mean and variance, combined over
+    the devices exactly: :mod:`synkhronos.extensions.statistics`);
+    ``param_updates`` applies the rule, writes the combined statistics and
+    advances every training clock that the loss or the rule reads
+    (:func:`pytensor_ml.pytensorf.collect_clock_updates`) once per step.
+
     Parameters
     ----------
     transform : callable
@@ -154,19 +188,47 @@ def from_optim(transform, loss, params):
     loss : TensorVariable
     params : list of SharedVariable
 
+    Raises
+    ------
+    ValueError
+        If the rule leaves a parameter unwritten, or writes a statistic the model writes.
+
     Examples
     --------
-    >>> from pytensor_ml import optim                                          # doctest: +SKIP
-    >>> rule = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(1e-3))   # doctest: +SKIP
-    >>> grad_updates, param_updates, grad_shared = from_optim(rule, loss, params)  # doctest: +SKIP
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> from pytensor_ml import optim
+from pytensor_ml.pytensorf import collect_clock_updates
+
+from .statistics import carried_statistics
+    >>> w = pytensor.shared(np.zeros(3), name="w"); x = pt.vector("x")
+    >>> rule = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(1e-3))
+    >>> grad_updates, param_updates, grad_shared = from_optim(rule, ((w - x) ** 2).sum(), [w])
+    >>> grad_shared.get_value().shape
+    (3,)
     """
     params = list(params)
-    grad_updates, grad_shared, grads = _flat_gradient(loss, params)
+    grad_updates, grad_shared, grads, write_backs = _flat_step(loss, params)
     rule_updates = transform([g.astype(p.type.dtype) for g, p in zip(grads, params)], params)
+    _check_rule_writes(rule_updates, params, write_backs)
     # A rule computing in floatX (e.g. float64 rates) must still store each variable's own dtype.
     param_updates = [(var, value if value.type.dtype == var.type.dtype else value.astype(var.type.dtype))
-                     for var, value in rule_updates.items()]
-    return grad_updates, param_updates, grad_shared
+                     for var, value in rule_updates.items()] + write_backs
+    written = dict(param_updates)
+    clocks = collect_clock_updates([loss, *rule_updates.values()], already_written=written)
+    return grad_updates, param_updates + list(clocks.items()), grad_shared
+
+
+def _check_rule_writes(rule_updates, params, write_backs):
+    """What pytensor-ml's ``compile_train`` checks: every parameter written, no statistic twice."""
+    unwritten = [p.name or str(p) for p in params if p not in rule_updates]
+    if unwritten:
+        raise ValueError(f"No update reaches {unwritten}: the rule writes only some of the "
+                         f"parameters it was given, so the rest would stay frozen silently; leave "
+                         f"a parameter out of params to freeze it on purpose")
+    twice = [s.name or str(s) for s, _ in write_backs if s in rule_updates]
+    if twice:
+        raise ValueError(f"The model writes {twice} from a stateful layer (batch-norm statistics) "
+                         f"and the rule writes them too; leave them out of the rule's parameters")
 
 
 def sgd(loss, params, learning_rate):

@@ -21,11 +21,12 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from pytensor.tensor.type import TensorType
 
 from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
 from ..errors import SynkError, WorkerError
-from ..device_arrays import place_on_device
+from ..device_arrays import device_face, host_face, place_on_device, to_device
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..rank.collectives import prepare_collective
@@ -58,6 +59,8 @@ class _Lifecycle:
         self.forked_from = None      # in a child made by os.fork() of a master: the master's pid
         #: one thread at a time talks to the workers (re-entrant: a collective may stage a Data)
         self.lock = threading.RLock()
+        #: how many serialized calls the thread holding the lock is inside
+        self.depth = 0
 
 
 _life = _Lifecycle()
@@ -72,7 +75,16 @@ def serialized(fn):
     @functools.wraps(fn)
     def locked(*args, **kwargs):
         with _life.lock:
-            return fn(*args, **kwargs)
+            outermost = _life.depth == 0
+            _life.depth += 1
+            try:
+                if outermost and _life.state is not None:
+                    _life.state.values_to_devices()
+                return fn(*args, **kwargs)
+            finally:
+                _life.depth -= 1
+                if outermost and _life.state is not None and _life.state.is_open:
+                    _life.state.values_to_user()
     return locked
 
 
@@ -185,6 +197,7 @@ class State:
         self._next_fid = 0
         self._shared = {}           # id(var) -> (uid, var)
         self._shared_by_uid = {}
+        self._tensor_shared = []    # the tensors among them: what user code reads as numpy
         self._shipped_uids = set()
         self._comm = None
         self._plans = PlanSlots()
@@ -311,11 +324,35 @@ class State:
         self._channel.release()
 
     def _detach_shared_values(self):
-        """Move the master's shared values to numpy so they outlive the JAX backend."""
+        """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""
+        import jax
         for _, var in self._shared.values():
-            value = var.container.storage[0]
-            if not isinstance(value, np.ndarray):
-                var.container.storage[0] = np.asarray(value)
+            value = device_face(var.container.storage[0])
+            if isinstance(value, jax.Array):
+                var.container.storage[0] = np.array(value)
+
+    def values_to_user(self):
+        """Give user code the master's shared values as numpy arrays (:func:`host_face`).
+
+        Called whenever a synkhronos call returns: the user's own PyTensor
+        functions, in any mode, read the same shared variables.
+        """
+        for var in self._tensor_shared:
+            cell = var.container.storage
+            cell[0] = host_face(cell[0])
+
+    def values_to_devices(self):
+        """Take the master's shared values back as device arrays, before a synkhronos call.
+
+        A host face becomes its device array again; a numpy value the user set
+        is copied to the device (every rank computes on device arrays).
+        """
+        for var in self._tensor_shared:
+            cell = var.container.storage
+            value = cell[0]
+            if isinstance(value, np.ndarray):
+                device = device_face(value)
+                cell[0] = device if device is not value else to_device(value.astype(var.type.dtype, copy=False))
 
     @property
     def fuses_steps(self):
@@ -376,6 +413,8 @@ class State:
         if entry is None:
             entry = self._shared[id(var)] = (len(self._shared), var)
             self._shared_by_uid[entry[0]] = var
+            if isinstance(var.type, TensorType):
+                self._tensor_shared.append(var)
         return entry[0]
 
     def uids_of(self, vars_):
