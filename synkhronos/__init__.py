@@ -21,12 +21,12 @@ from .api.data import Data, data
 from .api.function import Function, function
 from .api.lifecycle import (close, distribute, fork, get_n_devices, get_n_gpu, local_devices, n_nodes,
                             node_rank, timeline)
-from .errors import NodesDiverged, StallError, SynkError, WorkerError
+from .errors import LocalUpdatesWarning, NodesDiverged, StallError, SynkError, SynkWarning, WorkerError
 
 __all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "n_nodes", "node_rank",
            "local_devices", "function", "Function",
            "data", "Data", "broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "checkpoint", "timeline", "SynkError",
-           "WorkerError", "StallError", "NodesDiverged"]
+           "WorkerError", "StallError", "NodesDiverged", "SynkWarning", "LocalUpdatesWarning"]
 
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ import functools
 import traceback
 
 __all__ = ["SynkError", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
-           "exception_name"]
+           "SynkWarning", "LocalUpdatesWarning", "exception_name"]
 
 
 def exception_name(e):
@@ -138,6 +138,22 @@ class NodesDiverged(SynkError):
     Every node must run the same script and make the same calls in the same
     order; the nodes that disagree raise this at the first difference, naming
     both calls, and their runtimes stay usable.
+    """
+
+
+class SynkWarning(UserWarning):
+    """Base class of the warnings synkhronos gives."""
+
+
+class LocalUpdatesWarning(SynkWarning):
+    """A function's updates are computed from each device's own rows and never combined.
+
+    ``synk.function(inputs, outputs, updates=sgd_updates)`` ported as it stands
+    trains one model per device: each device steps on the gradient of its own
+    rows and the copies drift apart. A data-parallel step all-reduces the
+    gradient between computing it and applying it
+    (``synkhronos.extensions.train.make_train_function``). Pass
+    ``local_updates=True`` to ``synk.function`` when per-device updates are meant.
     """
 
 

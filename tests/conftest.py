@@ -41,7 +41,10 @@ def worker_children():
 
 @pytest.fixture
 def synk2():
-    """A running 2-device runtime (re-forked if a test closed it)."""
+    """A running 2-device runtime (re-forked if a test closed it or forked another count)."""
+    active = master.active()
+    if active is not None and (active.n_parallel != N_PARALLEL or active.comm_kind != "shm"):
+        synk.close()
     if master.active() is None:
         synk.fork(N_PARALLEL)
     yield master.current()

@@ -12,6 +12,7 @@ the results.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence, Union
 
 import numpy as np
@@ -19,8 +20,10 @@ import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
+from pytensor.graph.traversal import ancestors
 
-from .. import randomness, shipping, trace
+from .. import graph_updates, randomness, shipping, trace
+from ..errors import LocalUpdatesWarning
 from ..modes import check_output_mode, check_update_mode, reduce_ranks
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction, needs_static_shapes, spec_graph
@@ -87,6 +90,27 @@ def _normalize_updates(updates):
             continue
         triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
     return triples, generators
+
+
+def _warn_if_updates_are_local(triples, scattered, name):
+    """Warn (:class:`~synkhronos.errors.LocalUpdatesWarning`) if updates depend on scattered rows.
+
+    Each device then updates its own copy from its own rows, and nothing
+    combines them: the literal port of a single-process training function.
+    """
+    if not triples or not scattered or graph_updates.writes_flat_gradient([s for s, _, _ in triples]):
+        return
+    rows = set(scattered)
+    local = [s for s, value, _ in triples if rows.intersection(ancestors([value]))]
+    if local:
+        names = ", ".join(str(s) for s in local[:4]) + (" ..." if len(local) > 4 else "")
+        warnings.warn(
+            f"{name}: the updates of {names} are computed from each device's own rows, so every "
+            f"device steps on its own gradient and the copies drift apart (one model per device). "
+            f"For data-parallel training all-reduce the gradient between computing and applying "
+            f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
+            f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
+            f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=4)
 
 
 def _check_inputs(inputs, what):
@@ -497,7 +521,7 @@ class Function:
 def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
              bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
              givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
-             name: str | None = None, **kwargs) -> Function:
+             name: str | None = None, local_updates: bool = False, **kwargs) -> Function:
     """Build a data-parallel function over every device of the runtime.
 
     Parameters
@@ -517,6 +541,9 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     sliceable_shareds : list of SharedVariable, optional
         Shared variables holding per-device data that ``batch_s`` indexes.
     name : str, optional
+    local_updates : bool
+        Updates computed from the scattered rows are meant to stay per device
+        (no :class:`~synkhronos.LocalUpdatesWarning`; see the notes).
     **kwargs
         Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
 
@@ -541,6 +568,9 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         seen.add(id(var))
     pairs, bare = _normalize_outputs(outputs)
     triples, generators = _normalize_updates(updates)
+    if not local_updates:
+        _warn_if_updates_are_local(triples, inputs, name or "synk.function")
+    triples += graph_updates.model_updates([v for v, _ in pairs], {s: v for s, v, _ in triples})
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     sliceable = list(sliceable_shareds or [])
     spec = FunctionSpec(state.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,

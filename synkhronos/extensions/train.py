@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor_ml.params import NonTrainableParameter
 
 from ..api import checkpoint, collectives
 from ..api.function import function
@@ -103,9 +104,14 @@ class _WeightedStep:
         train_minibatch.grad_shared = self.grad_shared
         train_minibatch.params = self.params
         train_minibatch.functions = (self.f_grad, self.f_upd)
-        #: the parameters, then the optimizer's state: what a checkpoint of this training holds
-        train_minibatch.state_variables = self.params + [
-            s for s, _, _ in self.f_upd.spec.updates if all(s is not p for p in self.params)]
+        written = [s for s, _, _ in self.f_upd.spec.updates if all(s is not p for p in self.params)]
+        #: the model's statistics the step writes back (batch norm's running mean and variance)
+        train_minibatch.statistics = [s for s in written if isinstance(s, NonTrainableParameter)]
+        #: the optimizer's state (moments, step counters, training clocks)
+        train_minibatch.optimizer_state = [s for s in written if not isinstance(s, NonTrainableParameter)]
+        #: the parameters, statistics and optimizer's state: what a checkpoint of this training holds
+        train_minibatch.state_variables = self.params + train_minibatch.statistics + \
+            train_minibatch.optimizer_state
         return train_minibatch
 
 
@@ -231,7 +237,8 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
     loop_id = state.new_loop_id()
     spec = LoopSpec(loop_id=loop_id, grad_fid=f_grad.spec.fid, update_fid=f_upd.spec.fid,
                     grad_uid=state.uid_of(train_fn.grad_shared), param_uids=tuple(state.uids_of(params)),
-                    state_uids=tuple(state.uids_of(train_fn.state_variables[len(params):])),
+                    stat_uids=tuple(state.uids_of(train_fn.statistics)),
+                    state_uids=tuple(state.uids_of(train_fn.optimizer_state)),
                     x=x_ref, y=y_ref, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
                     rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
     saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,

@@ -58,7 +58,9 @@ class DeviceLoop:
         self.rank, self.n_ranks, self.master_rank = rank, n_ranks, master_rank
         self.grad, self.update = functions(spec.grad_fid), functions(spec.update_fid)
         self.grad_var = var_of(spec.grad_uid)
-        self.params = [var_of(uid) for uid in spec.param_uids]
+        #: what the rule keeps together: the parameters, then the model's statistics
+        self.params = [var_of(uid) for uid in spec.synced_uids]
+        self.n_statistics = len(spec.stat_uids)
         self.state_vars = [var_of(uid) for uid in spec.state_uids]
         self.x, self.y = view_of(spec.x), view_of(spec.y)
         self.comm, self.center, self.beat = comm, center, beat

@@ -22,7 +22,15 @@ center and :math:`n` devices:
   :math:`x_r \leftarrow x_r - d_r`, :math:`c \leftarrow c + \sum_r d_r` (asynchronous:
   :math:`c \leftarrow c + d_r` by device :math:`r` alone, at its own pace).
 - Downpour(every=k): every :math:`k` steps :math:`c \leftarrow c + (x_r - x_r^{pulled})`,
-  :math:`x_r \leftarrow c`.
+  :math:`x_r \leftarrow c` (a statistic's change divided by :math:`n`).
+
+Every rule keeps the model's statistics (batch norm's running mean and
+variance) with the parameters: averaged, elastic or central alike. Under
+:class:`AllReduce` they travel in the flat vector and every device holds the
+statistics of the whole global batch after every step
+(:mod:`synkhronos.extensions.statistics`). Downpour pushes a statistic's
+change divided by the number of devices: summed, the devices' moving averages
+would move the central one :math:`n` times as fast.
 - RateLimited(every_n_batches, alpha, beta, max_rate): every ``every_n_batches``
   steps, unless syncing would take more than ``max_rate`` of the device's time,
   :math:`c \leftarrow \alpha c + \beta x_r`, :math:`x_r \leftarrow c`.
@@ -286,6 +294,9 @@ class Downpour(_CentralRule):
         if self._steps % self.every:
             return False
         updates = [x - np.asarray(last) for x, last in zip(loop.param_values(), self._pulled)]
+        first_statistic = len(updates) - loop.n_statistics
+        for i in range(first_statistic, len(updates)):
+            updates[i] /= loop.n_ranks
         self._pulled = self._push_and_pull(loop, updates, np.ndarray.__iadd__)
         return True
 

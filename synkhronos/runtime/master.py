@@ -838,13 +838,14 @@ class State:
         loop = self._loops.get(spec.loop_id)
         values = loop.rule.center_values(loop) if loop is not None else None
         if values is None:
-            values = [np.array(self.shared_by_uid(uid).get_value()) for uid in spec.param_uids]
+            values = [np.array(self.shared_by_uid(uid).get_value())
+                      for uid in spec.synced_uids]
         return values
 
     def _new_center(self, spec):
         """The loop's central parameters, made from the master's values."""
         from ..rank.center import Center
-        return Center.of(spec.center, [self.shared_by_uid(uid) for uid in spec.param_uids],
+        return Center.of(spec.center, [self.shared_by_uid(uid) for uid in spec.synced_uids],
                          create=True, check=self._channel.check_during_collective)
 
     def _loop_reservation(self, spec):
@@ -855,7 +856,7 @@ class State:
             grad = nbytes(spec.grad_uid)
             return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,
                                result_consumed=True)
-        padded = sum(nbytes(uid) + 64 for uid in spec.param_uids + spec.state_uids)
+        padded = sum(nbytes(uid) + 64 for uid in spec.synced_uids + spec.state_uids)
         return Reservation(nbytes=padded, reduce_bytes=padded)
 
 

@@ -274,7 +274,7 @@ class Worker:
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)
         if loop is None:
-            center = Center.of(spec.center, [self.shared[uid] for uid in spec.param_uids],
+            center = Center.of(spec.center, [self.shared[uid] for uid in spec.synced_uids],
                                create=False, check=self.check_master) if spec.center else None
             loop = self.loops[spec.loop_id] = DeviceLoop(
                 spec, self.grank, self.n_devices, self.master_rank,

@@ -26,8 +26,10 @@ class LoopSpec:
         The training step's gradient and update functions.
     grad_uid : int
         The flat gradient's shared variable.
-    param_uids, state_uids : tuple of int
-        The parameters, and the optimizer's other state the update function changes.
+    param_uids, stat_uids, state_uids : tuple of int
+        The parameters, the model's statistics (batch norm's running mean and
+        variance), and the optimizer's other state the update function changes.
+        The rules keep the statistics with the parameters.
     x, y : InputRef
         The training inputs and targets.
     batch_size : int
@@ -45,6 +47,7 @@ class LoopSpec:
     update_fid: int
     grad_uid: int
     param_uids: tuple
+    stat_uids: tuple
     state_uids: tuple
     x: object
     y: object
@@ -53,6 +56,11 @@ class LoopSpec:
     seed: int
     rule: object
     center: str = None
+
+    @property
+    def synced_uids(self):
+        """What the rule keeps together: the parameters, then the model's statistics."""
+        return self.param_uids + self.stat_uids
 
     @property
     def n_rows(self):

@@ -315,6 +315,9 @@ class ShmComm(Comm):
 
     def _reduce_into(self, out, own, peer_parts, op):
         """``out`` = ``own`` combined with every one of ``peer_parts`` by ``op`` (avg: then / n)."""
+        if not peer_parts:          # one rank: the reduction is its own values
+            np.copyto(out, own)
+            return
         combine = COMBINE["sum" if op == "avg" else op]
         src = own
         for part in peer_parts:

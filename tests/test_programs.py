@@ -1,0 +1,246 @@
+"""Programs written elsewhere: pytensor-ml models with batch norm, plain PyTensor beside
+synkhronos, the Theano tutorials' idioms. Every result is compared with the single-process
+run (pytensor-ml's ``optim.compile_train`` or ``pytensor.function``) on the same data."""
+
+import pickle
+import warnings
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from pytensor_ml import optim
+from pytensor_ml.activations import ReLU
+from pytensor_ml.layers import BatchNorm, Linear, Sequential
+from pytensor_ml.loss import CrossEntropy, supervised_loss
+from pytensor_ml.params import StepCounter
+from pytensor_ml.pytensorf import (collect_non_trainable_params, collect_non_trainable_updates,
+                                   collect_trainable_params)
+
+import synkhronos as synk
+from synkhronos.extensions import sync, train, updates
+from synkhronos.runtime import master
+from helpers import close
+
+pytestmark = pytest.mark.timeout(300)
+
+#: rows of every step: uneven over 2 and 3 devices
+BATCHES = [13, 8, 11, 13]
+
+
+def forked(n):
+    """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
+    if master.active() is not None and master.active().n_parallel != n:
+        synk.close()
+    if master.active() is None:
+        synk.fork(n)
+    return master.current()
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"{n}dev")
+def devices(request):
+    yield forked(request.param)
+
+
+def bn_model(seed, momentum=0.1):
+    """A pytensor-ml MLP with batch norm; returns (x, y, loss, params, statistics, initial values)."""
+    x = pt.matrix("x")
+    net = Sequential(Linear(f"fc_{seed}", n_in=6, n_out=8), BatchNorm(f"bn_{seed}", n_in=8, momentum=momentum),
+                     ReLU(), Linear(f"out_{seed}", n_in=8, n_out=3))
+    loss, y = supervised_loss(net(x), CrossEntropy(expect_logits=True))
+    params, stats = collect_trainable_params(loss), collect_non_trainable_params(loss)
+    rng = np.random.default_rng(seed)
+    for p in params:
+        p.set_value(rng.normal(scale=0.5, size=p.get_value().shape))
+    for s in stats:       # statistics that are not the layer's defaults: their old value matters
+        s.set_value(np.abs(rng.normal(size=s.get_value().shape)) + 0.5)
+    initial = [np.array(v.get_value()) for v in params + stats]
+    return x, y, loss, params, stats, initial
+
+
+def digits(rng, n):
+    # shifted features: the devices' batch means differ, so the variance's between-device part matters
+    return rng.normal(size=(n, 6)) * 2 + 3, rng.integers(0, 3, size=n)
+
+
+def reference_run(seed, batches, rule=lambda: optim.sgd(0.1)):
+    """pytensor-ml's own training step in one process over ``batches``: parameters and statistics."""
+    x, y, loss, params, stats, _ = bn_model(seed)
+    step = optim.compile_train(loss, rule(), inputs=[x, y], compile_kwargs=dict(mode="JAX"))
+    for bx, by in batches:
+        step(bx, by)
+    return [np.array(v.get_value()) for v in params + stats]
+
+
+def test_batch_norm_statistics_equal_pytensor_mls_step_over_the_global_batch(devices, rng):
+    """After every step every device holds pytensor-ml's statistics for the whole global batch
+    (its step from the same values). The forward pass normalizes each device's rows by their own
+    statistics, as under DDP without SyncBatchNorm, so the parameters equal the single-process
+    run's only on one device."""
+    x, y, loss, params, stats, _ = bn_model(11)
+    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.1)
+    synk.distribute()
+    twin_x, twin_y, twin_loss, twin_params, twin_stats, _ = bn_model(11)
+    statistics_step = optim.compile_train(twin_loss, optim.sgd(0.0), inputs=[twin_x, twin_y],
+                                          compile_kwargs=dict(mode="JAX"))
+    batches = [digits(rng, n) for n in BATCHES]
+    for bx, by in batches:
+        for twin, ours in zip(twin_params + twin_stats, params + stats):
+            twin.set_value(np.array(ours.get_value()))
+        step(bx, by)
+        statistics_step(bx, by)
+        for rank in range(devices.n_parallel):
+            for s, expected in zip(stats, twin_stats):
+                close(synk.get_value(rank, s), expected.get_value(), rtol=1e-9, atol=1e-11)
+    if devices.n_parallel == 1:
+        theirs = reference_run(11, batches, lambda: optim.sgd(0.1, momentum=0.9))
+        for a, b in zip([np.array(v.get_value()) for v in params + stats], theirs):
+            close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_the_variance_is_that_of_the_whole_batch_not_the_mean_of_the_devices(rng):
+    """With the devices' batch means far apart, averaging the devices' variances would miss the
+    spread between them; the carried second moment does not."""
+    forked(2)
+    x, y, loss, params, stats, _ = bn_model(12, momentum=1.0)     # the statistics = the batch's own
+    normalized = collect_non_trainable_updates(loss)[stats[0]].owner.inputs[0]
+    features = pytensor.function([x], normalized, mode="JAX")     # what batch norm normalizes
+    step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.0)
+    synk.distribute()
+    bx, by = digits(rng, 10)
+    bx[5:] += 10.0                                 # the second device's rows sit far away
+    step(bx, by)
+    h = np.asarray(features(bx))
+    mean, var = (next(s for s in stats if word in s.name) for word in ("mean", "var"))
+    close(mean.get_value(), h.mean(0), rtol=1e-9)
+    close(var.get_value(), h.var(0), rtol=1e-9)
+    within = (h[:5].var(0) + h[5:].var(0)) / 2
+    # averaging the devices' variances would give ``within``: short of the batch's, here by far
+    assert np.all(var.get_value() >= within) and np.max(var.get_value() / within) > 5
+
+
+def schedule():
+    return optim.sgd(optim.cosine_schedule(0.1, 10))          # the rate reads a training clock
+
+
+def test_clocks_advance_once_per_step_and_schedules_move(rng):
+    forked(1)             # one device: the whole run is pytensor-ml's (batch norm's forward pass too)
+    x, y, loss, params, stats, _ = bn_model(13)
+    step = train.make_train_function(loss, params, x, y, lambda l, p: updates.from_optim(schedule(), l, p))
+    synk.distribute()
+    batches = [digits(rng, n) for n in BATCHES]
+    for bx, by in batches:
+        step(bx, by)
+    ours = [np.array(v.get_value()) for v in params + stats]
+    for a, b in zip(ours, reference_run(13, batches, schedule)):
+        close(a, b, rtol=1e-9, atol=1e-11)
+    clocks = [s for s in step.optimizer_state if isinstance(s, StepCounter)]
+    assert clocks and all(int(c.get_value()) == len(BATCHES) for c in clocks)
+
+
+def test_a_rule_that_leaves_a_parameter_unwritten_is_refused(synk2):
+    x, y, loss, params, _, _ = bn_model(14)
+    with pytest.raises(ValueError, match="No update reaches"):
+        updates.from_optim(lambda grads, ps: {ps[0]: ps[0] - grads[0]}, loss, params)
+
+
+@pytest.mark.parametrize("rule", [sync.AllReduce(), sync.Average(every=2), sync.EASGD(0.5, every=2),
+                                  sync.EASGD(0.5, every=2, asynchronous=True), sync.Downpour(every=2),
+                                  sync.RateLimited(every_n_batches=2, max_rate=1.0)], ids=repr)
+def test_every_rule_leaves_every_device_the_same_moved_statistics(synk2, rng, rule):
+    x, y, loss, params, stats, initial = bn_model(15)
+    step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.05)
+    synk.distribute()
+    bx, by = digits(rng, 60)
+    train.run(step, bx, by, 12, steps=10, sync=rule)
+    for s, start in zip(stats, initial[len(params):]):
+        final = [synk.get_value(rank, s) for rank in range(synk2.n_parallel)]
+        close(final[1], final[0], rtol=0, atol=0)
+        assert np.abs(final[0] - start).max() > 1e-3, s.name
+
+
+def test_allreduce_loop_equals_the_master_driven_steps_statistics_included(synk2, rng):
+    bx, by = digits(rng, 50)
+    x, y, loss, params, stats, _ = bn_model(16)
+    looped = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.1)
+    x2, y2, loss2, params2, stats2, _ = bn_model(16)
+    driven = train.make_train_function(loss2, params2, x2, y2, updates.sgd, learning_rate=0.1)
+    synk.distribute()
+    train.run(looped, bx, by, 13, steps=8, seed=3)
+    per_epoch = train.steps_per_epoch(50, 13)
+    for i in range(8):
+        epoch, j = divmod(i, per_epoch)
+        rows = train.epoch_order(50, epoch, 3)[j * 13:(j + 1) * 13]
+        driven(bx, by, batch=rows)
+    for ours, theirs in zip(params + stats, params2 + stats2):
+        close(ours.get_value(), theirs.get_value(), rtol=1e-12, atol=1e-13)
+
+
+def test_synk_function_threads_write_backs_and_clocks_as_pytensor_ml_does():
+    """A literal port (the rule's updates in one synk.function) on one device is pytensor-ml's step."""
+    forked(1)
+    x, y, loss, params, stats, _ = bn_model(17)
+    f = synk.function([x, y], loss, updates=optim.sgd(0.1)(loss, params), local_updates=True)
+    synk.distribute()
+    rng = np.random.default_rng(0)
+    batches = [digits(rng, n) for n in BATCHES]
+    for bx, by in batches:
+        f(bx, by)
+    for a, b in zip([np.array(v.get_value()) for v in params + stats], reference_run(17, batches)):
+        close(a, b, rtol=1e-9, atol=1e-11)
+    # a validation pass observes the statistics and leaves them alone
+    before = [np.array(s.get_value()) for s in stats]
+    synk.function([x, y], loss)(*batches[0])
+    for s, b in zip(stats, before):
+        close(s.get_value(), b, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain PyTensor beside synkhronos
+# ------------------------------------------------------------------------------------------------
+
+def test_plain_pytensor_functions_work_on_the_shared_variables_in_any_mode(synk2, rng):
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.zeros(5), name="w_plain")
+    loss = ((x @ w - y) ** 2).mean()
+    compiled_before = pytensor.function([x], x @ w)                  # the default (numba) mode
+    step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)
+    synk.distribute()
+    X, Y = rng.normal(size=(40, 5)), rng.normal(size=40)
+    step(X, Y)
+    trained = np.array(w.get_value())
+    for fn in (compiled_before, pytensor.function([x], x @ w),
+               pytensor.function([x], x @ w, mode="FAST_COMPILE"), pytensor.function([x], x @ w, mode="JAX")):
+        close(fn(X), X @ trained)
+    copy = pickle.loads(pickle.dumps(w))
+    close(pytensor.function([x], x @ copy)(X), X @ trained)
+    # an edit in place of the borrowed value is the master's new value, for plain PyTensor and
+    # for synkhronos; like any change made in the master, a broadcast gives it to every device
+    held = w.get_value(borrow=True)
+    held += 1.0
+    close(compiled_before(X), X @ (trained + 1.0))
+    check = synk.function([x], (x @ w, "gather"))
+    synk.broadcast(w)
+    close(check(X), X @ (trained + 1.0))
+    # plain PyTensor updates in the master, then synkhronos again
+    pytensor.function([], [], updates=[(w, w * 2)])()
+    synk.broadcast(w)
+    close(check(X), X @ ((trained + 1.0) * 2))
+    step(X, Y)
+    close(compiled_before(X), X @ w.get_value())
+
+
+def test_updates_from_each_devices_rows_warn_naming_the_data_parallel_step(synk2):
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.zeros(3), name="w_literal")
+    loss = ((x @ w - y) ** 2).mean()
+    sgd = [(w, w - 0.1 * pytensor.grad(loss, w))]
+    with pytest.warns(synk.LocalUpdatesWarning, match="make_train_function") as caught:
+        synk.function([x, y], loss, updates=sgd)
+    assert len(caught) == 1 and caught[0].filename == __file__      # points at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synk.function([x, y], loss, updates=sgd, local_updates=True)        # meant: no word
+        synk.function([x, y], loss, updates=[(w, w * 0.5)])                  # not from the rows
+        train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)   # the step
+    assert issubclass(synk.LocalUpdatesWarning, synk.SynkWarning)
