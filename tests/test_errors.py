@@ -117,7 +117,7 @@ def test_updates_with_fewer_rows_than_devices(fx, synk2):
     f, xd, bd, X = fx
     w = pytensor.shared(np.zeros(3), name="w_few")
     x = pt.matrix("x")
-    g = synk.function([x], (x.sum(), "sum"), updates=[(w, w + x.sum(0))])
+    g = synk.function([x], (x.sum(), "sum"), updates=[(w, w + x.sum(0))], local_updates=True)
     with pytest.raises(ValueError, match="at least one row per device"):
         g(X, batch=1)
     # without updates, a device with no rows simply contributes nothing

@@ -127,7 +127,8 @@ def test_results_and_updates_never_share_memory_with_gathered_rows(synk2, rng):
     outlives a call (a returned output, an updated shared variable) may be a view of it."""
     x = pt.matrix("x")
     w = pytensor.shared(np.zeros((3, 2)), name="w")
-    f = synk.function([x], [(x, None), (w.sum(), "sum")], updates=[(w, x)], name="echo")
+    f = synk.function([x], [(x, None), (w.sum(), "sum")], updates=[(w, x)], name="echo",
+                      local_updates=True)
     X = rng.normal(size=(40, 2))
     x_dat = synk.data(X)
     idx1, idx2 = rng.permutation(40)[:6], rng.permutation(40)[:6]
@@ -288,7 +289,8 @@ def test_a_call_has_read_its_inputs_when_it_returns(synk2):
     for _ in range(6):
         h = pt.tanh(h @ weights)
     late = (x * (1 + 1e-30 * h.mean())).sum()          # reads x only once h is done
-    f = synk.function([x], updates=[(w, (w + late).astype("float32"))], name="late_read")
+    f = synk.function([x], updates=[(w, (w + late).astype("float32"))], name="late_read",
+                      local_updates=True)
     synk.distribute()
     X = np.ones((2048, 512), "float32")
     x_dat = synk.data(X)
@@ -329,7 +331,7 @@ def test_updates_with_slices_apply_once_from_original_values(synk2, rng, num_sli
     g = x.mean(0)
     f = synk.function([x], (x.sum(), "sum"),
                       updates=[(v_avg, 0.9 * v_avg + g, "avg"), (v_sum, 0.9 * v_sum + g, "sum"),
-                               (v_max, 0.9 * v_max + x.max(0), "max")])
+                               (v_max, 0.9 * v_max + x.max(0), "max")], local_updates=True)
     X = rng.normal(size=(11, 2))
     f(X, num_slices=num_slices)
     for rank, (lo, hi) in enumerate([(0, 5), (5, 11)]):
