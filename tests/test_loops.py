@@ -390,7 +390,7 @@ def test_wrong_functions_and_data_are_refused(model, rng):
     x_np, y_np = digits_like(rng)
     with pytest.raises(TypeError, match="make_train_function returns"):
         train.run(lambda *a: None, x_np, y_np, BATCH, steps=1)
-    with pytest.raises(ValueError, match="x_data has 203 rows but y_data has 202"):
+    with pytest.raises(ValueError, match=r"X has 203 rows, but \[\(.target., 202\)\]"):
         train.run(step, x_np, y_np[:-1], BATCH, steps=1)
     with pytest.raises(TypeError, match="expects dtype"):
         train.run(step, synk.data(x_np.astype("float32")), y_np, BATCH, steps=1)

@@ -244,3 +244,68 @@ def test_updates_from_each_devices_rows_warn_naming_the_data_parallel_step(synk2
         synk.function([x, y], loss, updates=[(w, w * 0.5)])                  # not from the rows
         train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)   # the step
     assert issubclass(synk.LocalUpdatesWarning, synk.SynkWarning)
+
+
+def autoencoder(seed):
+    """The Theano tutorials' autoencoder (tied weights, sigmoid, cross-entropy reconstruction)."""
+    rng = np.random.default_rng(seed)
+    x = pt.matrix("x")
+    W = pytensor.shared(rng.normal(scale=0.3, size=(6, 4)), name=f"W_ae{seed}")
+    b = pytensor.shared(np.zeros(4), name=f"b_ae{seed}")
+    b_prime = pytensor.shared(np.zeros(6), name=f"bp_ae{seed}")
+    z = pt.sigmoid(pt.sigmoid(x @ W + b) @ W.T + b_prime)
+    cost = -(x * pt.log(z) + (1 - x) * pt.log(1 - z)).sum(axis=1).mean()
+    return x, cost, [W, b, b_prime]
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"{n}dev")
+def test_an_unsupervised_model_trains_with_the_helper_and_the_loop(n):
+    forked(n)
+    X = np.random.default_rng(5).uniform(size=(39, 6))
+    x, cost, params = autoencoder(1)
+    step = train.make_train_function(cost, params, x, None, updates.sgd, learning_rate=0.5)
+    x2, cost2, params2 = autoencoder(1)
+    looped = train.make_train_function(cost2, params2, x2, None, updates.sgd, learning_rate=0.5)
+    x3, cost3, params3 = autoencoder(1)
+    single = train.make_single_process_train_function(cost3, params3, x3, None, updates.sgd,
+                                                      learning_rate=0.5)
+    synk.distribute()
+    for i in range(5):
+        rows = train.epoch_order(39, 0, i)[:13]
+        losses = step(X, batch=rows), single(X[rows])
+        close(*losses, rtol=1e-10)
+    for ours, theirs in zip(params, params3):
+        close(ours.get_value(), theirs.get_value(), rtol=1e-10, atol=1e-12)
+    train.run(looped, X, None, 13, steps=5, shuffle=False)
+    x4, cost4, params4 = autoencoder(1)
+    single = train.make_single_process_train_function(cost4, params4, x4, None, updates.sgd,
+                                                      learning_rate=0.5)
+    for i in range(5):                            # in order: three steps an epoch
+        single(X[(i % 3) * 13:(i % 3 + 1) * 13])
+    for ours, theirs in zip(params2, params4):
+        close(ours.get_value(), theirs.get_value(), rtol=1e-10, atol=1e-12)
+
+
+def test_several_inputs_and_targets_train_as_in_one_process(synk2, rng):
+    """A masked regression: inputs [x, mask], targets [y]."""
+    def model():
+        x, mask, y = pt.matrix("x"), pt.matrix("mask"), pt.vector("y")
+        w = pytensor.shared(np.linspace(-1, 1, 5), name="w_masked")
+        loss = ((((x * mask) @ w) - y) ** 2).mean()
+        return [x, mask], [y], loss, [w]
+    X, M, Y = rng.normal(size=(23, 5)), (rng.uniform(size=(23, 5)) > 0.3) * 1.0, rng.normal(size=23)
+    xs, ys, loss, params = model()
+    step = train.make_train_function(loss, params, xs, ys, updates.momentum, learning_rate=0.05)
+    xs2, ys2, loss2, params2 = model()
+    single = train.make_single_process_train_function(loss2, params2, xs2, ys2, updates.momentum,
+                                                      learning_rate=0.05)
+    synk.distribute()
+    for i in range(4):
+        rows = train.epoch_order(23, i, 0)[:11]
+        close(step(X, M, Y, batch=rows), single(X[rows], M[rows], Y[rows]), rtol=1e-10)
+    close(params[0].get_value(), params2[0].get_value(), rtol=1e-10)
+    xs3, ys3, loss3, params3 = model()
+    looped = train.make_train_function(loss3, params3, xs3, ys3, updates.momentum, learning_rate=0.05)
+    with pytest.raises(TypeError, match="takes 3 data"):
+        train.run(looped, X, Y, 12, steps=2)
+    train.run(looped, [X, M], [Y], 12, steps=2, shuffle=False)

@@ -29,13 +29,16 @@ __all__ = ["make_train_function", "make_device_train_function", "make_single_pro
 
 
 def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
-    """Build ``train_minibatch(x_data, y_data, batch=None, num_slices=1)`` for all devices.
+    """Build ``train_minibatch(*data, batch=None, num_slices=1)`` for all devices.
 
     One step is: every device computes its local gradient into the flat vector,
     ``all_reduce(grad_shared, "avg")`` in one collective, then the same update
     on every device; on one node the three run as one command
     (:class:`synkhronos.api.step.Step`). Returns the batch loss (row-weighted
-    average).
+    average). What pytensor-ml's ``optim.compile_train`` threads into a step
+    is threaded in here: batch norm's running statistics (the same on every
+    device after every step, those of the whole global batch) and the
+    training clocks (see :func:`~synkhronos.extensions.updates.from_optim`).
 
     Each device scales its gradient by ``n_devices * its_rows / batch_rows``
     before the average, so the step equals the full-batch gradient step even
@@ -44,31 +47,58 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     Parameters
     ----------
     loss : TensorVariable
-        Mean loss over the rows of ``x``/``y``.
+        Mean loss over the rows of the inputs.
     params : list of SharedVariable
-    x, y : TensorVariable
-        The scattered inputs.
+    x : TensorVariable or list of TensorVariable
+        The scattered inputs (one row per example each).
+    y : TensorVariable, list of TensorVariable, or None
+        The targets; None for an unsupervised model (an autoencoder).
     update_rule : callable
         A rule of :mod:`synkhronos.extensions.updates`, e.g. ``updates.adam``.
     *args, **kwargs
         Passed to ``update_rule`` (learning rate etc.).
+
+    Returns
+    -------
+    callable
+        ``train_minibatch(*data, batch=None, num_slices=1)``: one :class:`~synkhronos.Data`
+        or numpy array per input of ``x``, then per target of ``y``.
 
     Examples
     --------
     >>> train = make_train_function(loss, params, x, y, updates.adam, learning_rate=1e-3)  # doctest: +SKIP
     >>> for idx in batches:                                                                   # doctest: +SKIP
     ...     batch_loss = train(x_dat, y_dat, batch=idx)
+    >>> denoise = make_train_function(cost, params, x, None, updates.sgd, 0.1)               # doctest: +SKIP
+    >>> denoise(x_dat, batch=idx)                                                             # doctest: +SKIP
     """
-    step = _WeightedStep(loss, params, x, update_rule, args, kwargs, inputs=[x, y])
+    inputs = _input_list(x, "x") + _input_list(y, "y")
+    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=inputs)
 
-    def train_minibatch(x_data, y_data, batch=None, num_slices=1):
-        rows = len(x_data) if batch is None else batch_from_spec(batch, len(x_data)).total
-        if getattr(x_data, "sharded", False):     # each node's batch of its own shard: all of them
+    def train_minibatch(*data, batch=None, num_slices=1):
+        if len(data) != len(inputs):
+            raise TypeError(f"the step takes {len(inputs)} data (one per input of x, then of y: "
+                            f"{[str(v) for v in inputs]}), got {len(data)}")
+        rows = len(data[0]) if batch is None else batch_from_spec(batch, len(data[0])).total
+        if getattr(data[0], "sharded", False):     # each node's batch of its own shard: all of them
             rows = current().rows_of_every_node(rows)
-        return step(rows, x_data, y_data, batch=batch, num_slices=num_slices)
+        return step(rows, *data, batch=batch, num_slices=num_slices)
 
     train_minibatch.runs_on_devices = True      # what run() takes
+    train_minibatch.inputs = inputs
     return step.expose(train_minibatch)
+
+
+def _input_list(value, name):
+    """``x`` or ``y`` of :func:`make_train_function` as a list of variables (None: none)."""
+    if value is None:
+        if name == "x":
+            raise TypeError("make_train_function needs at least one input x (a variable or a list)")
+        return []
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if name == "x" and not values:
+        raise TypeError("make_train_function needs at least one input x (a variable or a list)")
+    return values
 
 
 class _WeightedStep:
@@ -140,7 +170,7 @@ def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_ru
     return step.expose(train_minibatch)
 
 
-def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None, shuffle=True,
+def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None, sync=None, shuffle=True,
         seed=0, check_every=None, on_check=None, checkpoint_dir=None, checkpoint_every=None,
         resume=False) -> History:
     """Train on the devices themselves: many steps per command, synchronised by a rule of :mod:`.sync`.
@@ -170,8 +200,10 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
     ----------
     train_fn : callable
         What :func:`make_train_function` returns.
-    x_data, y_data : Data or numpy.ndarray
-        The training inputs and targets (numpy values are copied to shared memory once).
+    x_data, y_data : Data, numpy.ndarray, or a list of them
+        The training inputs and targets, as the step's ``x`` and ``y``: one per
+        variable (``y_data=None`` for a step without targets). Numpy values are
+        copied to shared memory once.
     batch_size : int
         Rows in one global step. The last step of an epoch takes the rows left.
     steps, epochs : int
@@ -224,11 +256,12 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "
                          "node the full data, or call the training step on the shards yourself")
-    x_ref, y_ref = f_grad.input_refs(x_data, y_data)
-    n_rows = x_ref.shape[0]
-    if y_ref.shape[0] != n_rows:
-        raise ValueError(f"x_data has {n_rows} rows but y_data has {y_ref.shape[0]}; give one "
-                         f"target row per input row")
+    refs = f_grad.input_refs(*_run_data(train_fn, x_data, y_data))
+    n_rows = refs[0].shape[0]
+    uneven = [(str(var), ref.shape[0]) for var, ref in zip(train_fn.inputs, refs) if ref.shape[0] != n_rows]
+    if uneven:
+        raise ValueError(f"every input and target needs one row per example: {train_fn.inputs[0]} "
+                         f"has {n_rows} rows, but {uneven}")
     _check_batch_size(batch_size, n_rows, state.n_parallel)
     per_epoch = steps_per_epoch(n_rows, batch_size)
     total = _total_steps(steps, epochs, per_epoch)
@@ -239,7 +272,7 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
                     grad_uid=state.uid_of(train_fn.grad_shared), param_uids=tuple(state.uids_of(params)),
                     stat_uids=tuple(state.uids_of(train_fn.statistics)),
                     state_uids=tuple(state.uids_of(train_fn.optimizer_state)),
-                    x=x_ref, y=y_ref, batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
+                    inputs=tuple(refs), batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
                     rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
     saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
         dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
@@ -270,6 +303,16 @@ def run(train_fn, x_data, y_data, batch_size, steps=None, epochs=None, sync=None
             phase(spec, "finish")
         history.end_run()
     return history
+
+
+def _run_data(train_fn, x_data, y_data):
+    """The Data of :func:`run`, flat in the step's input order (x's, then y's)."""
+    data = _input_list(x_data, "x") + _input_list(y_data, "y")
+    if len(data) != len(train_fn.inputs):
+        raise TypeError(f"the step takes {len(train_fn.inputs)} data (x then y: "
+                        f"{[str(v) for v in train_fn.inputs]}), got {len(data)}: give x_data and "
+                        f"y_data as the step's x and y (a list for several, y_data=None for none)")
+    return data
 
 
 def _next_multiple(step, period):
@@ -340,6 +383,9 @@ def _check_run_arguments(train_fn, sync, check_every, on_check):
 
 
 def _check_batch_size(batch_size, n_rows, n_devices):
+    if n_rows < n_devices:
+        raise ValueError(f"x_data has {n_rows} row(s) for {n_devices} devices: every device needs "
+                         f"at least one row of every step; give at least {n_devices} rows")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
             not n_devices <= batch_size <= n_rows:
         raise ValueError(f"batch_size must be a whole number from {n_devices} (one row per device) "
@@ -363,14 +409,16 @@ def _total_steps(steps, epochs, per_epoch):
 def make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     """The same step in one process (plain PyTensor), for comparisons.
 
-    Returns ``train_minibatch(x_value, y_value)`` on numpy arrays.
+    ``x`` and ``y`` as in :func:`make_train_function`. Returns
+    ``train_minibatch(*values)`` on numpy arrays (one per input, then per target).
     """
     grad_updates, param_updates, _ = update_rule(loss, params, *args, **kwargs)
-    f_grad = pytensor.function([x, y], loss, updates=grad_updates, mode="JAX")
+    f_grad = pytensor.function(_input_list(x, "x") + _input_list(y, "y"), loss, updates=grad_updates,
+                               mode="JAX")
     f_upd = pytensor.function([], [], updates=param_updates, mode="JAX")
 
-    def train_minibatch(x_value, y_value):
-        batch_loss = f_grad(x_value, y_value)
+    def train_minibatch(*values):
+        batch_loss = f_grad(*values)
         f_upd()
         return batch_loss
 

@@ -62,7 +62,7 @@ class DeviceLoop:
         self.params = [var_of(uid) for uid in spec.synced_uids]
         self.n_statistics = len(spec.stat_uids)
         self.state_vars = [var_of(uid) for uid in spec.state_uids]
-        self.x, self.y = view_of(spec.x), view_of(spec.y)
+        self.views = [view_of(ref) for ref in spec.inputs]
         self.comm, self.center, self.beat = comm, center, beat
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
         grad = self.grad_var.container.storage[0]
@@ -140,14 +140,14 @@ class DeviceLoop:
         if trace.on:
             trace.begin("step", "step")
         start = time.perf_counter()
-        bx, by = self.grad.gather_buffers[:2]
-        x, y = self._gathered(self.x, bx, indices), self._gathered(self.y, by, indices)
+        rows_in = [self._gathered(view, buffer, indices)
+                   for view, buffer in zip(self.views, self.grad.gather_buffers)]
         if trace.on:
             trace.mark("gather rows")
         # a rule without a gradient all-reduce steps on this rank's own mean gradient
         weight_rows = np.asarray(batch_rows if self.rule.reduces_gradient else rows * n,
                                  self._rows_dtype)
-        loss = float(self.grad.run([x, y, weight_rows])[0])
+        loss = float(self.grad.run(rows_in + [weight_rows])[0])
         if trace.on:
             trace.mark("gradient")
         if self.rule.reduces_gradient:

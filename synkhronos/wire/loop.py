@@ -30,8 +30,8 @@ class LoopSpec:
         The parameters, the model's statistics (batch norm's running mean and
         variance), and the optimizer's other state the update function changes.
         The rules keep the statistics with the parameters.
-    x, y : InputRef
-        The training inputs and targets.
+    inputs : tuple of InputRef
+        The step's scattered inputs (inputs, then targets), one row each per example.
     batch_size : int
         Rows in one global step (split over the devices as in a call).
     shuffle : bool
@@ -49,8 +49,7 @@ class LoopSpec:
     param_uids: tuple
     stat_uids: tuple
     state_uids: tuple
-    x: object
-    y: object
+    inputs: tuple
     batch_size: int
     shuffle: bool
     seed: int
@@ -64,7 +63,7 @@ class LoopSpec:
 
     @property
     def n_rows(self):
-        return self.x.shape[0]
+        return self.inputs[0].shape[0]
 
     @property
     def steps_per_epoch(self):
