@@ -309,3 +309,92 @@ def test_several_inputs_and_targets_train_as_in_one_process(synk2, rng):
     with pytest.raises(TypeError, match="takes 3 data"):
         train.run(looped, X, Y, 12, steps=2)
     train.run(looped, [X, M], [Y], 12, steps=2, shuffle=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Theano tutorials' givens idiom
+# ------------------------------------------------------------------------------------------------
+
+def tutorial_model(X, Y, batch_size):
+    """The logistic regression of the Theano tutorials, fed through givens and an index."""
+    train_set_x = pytensor.shared(X, name="train_set_x")
+    shared_y = pytensor.shared(Y.astype(pytensor.config.floatX), name="shared_y")
+    train_set_y = pt.cast(shared_y, "int32")
+    index, x, y = pt.lscalar("index"), pt.matrix("x"), pt.ivector("y")
+    W = pytensor.shared(np.zeros((X.shape[1], 3)), name="W_tut")
+    b = pytensor.shared(np.zeros(3), name="b_tut")
+    p_y = pt.special.softmax(x @ W + b, axis=1)
+    cost = -pt.mean(pt.log(p_y)[pt.arange(y.shape[0]), y])
+    errors = pt.mean(pt.neq(pt.argmax(p_y, axis=1), y))
+    window = slice(index * batch_size, (index + 1) * batch_size)
+    givens = {x: train_set_x[window], y: train_set_y[window]}
+    return dict(index=index, x=x, y=y, W=W, b=b, cost=cost, errors=errors, givens=givens,
+                train_set_x=train_set_x)
+
+
+def test_the_tutorials_givens_idiom_equals_pytensor_function(devices, rng):
+    X, Y = rng.normal(size=(95, 5)), rng.integers(0, 3, size=95)
+    m = tutorial_model(X, Y, 20)                      # the last batch has 15 rows
+    m["W"].set_value(rng.normal(size=(5, 3)))
+    errors = synk.function([m["index"]], [m["errors"], (m["cost"], "avg")], givens=m["givens"])
+    reference = pytensor.function([m["index"]], [m["errors"], m["cost"]], givens=m["givens"])
+    synk.distribute()
+    for i in range(5):
+        for ours, theirs in zip(errors(i), reference(i)):
+            close(ours, theirs, rtol=1e-12)
+        for ours, theirs in zip(errors.as_pytensor(i), reference(i)):
+            close(ours, theirs, rtol=1e-12)
+    # a new value of the shared data is what the next call reads
+    m["train_set_x"].set_value(X[::-1].copy())
+    for ours, theirs in zip(errors(1), reference(1)):
+        close(ours, theirs, rtol=1e-12)
+
+
+def test_the_tutorials_training_with_the_step_helper_equals_one_process(synk2, rng):
+    X, Y = rng.normal(size=(100, 5)), rng.integers(0, 3, size=100)
+    m = tutorial_model(X, Y, 20)
+    step = train.make_train_function(m["cost"], [m["W"], m["b"]], m["x"], m["y"], updates.sgd,
+                                     learning_rate=0.1, givens=m["givens"])
+    r = tutorial_model(X, Y, 20)
+    gW, gb = pytensor.grad(r["cost"], [r["W"], r["b"]])
+    single = pytensor.function([r["index"]], r["cost"], givens=r["givens"],
+                               updates=[(r["W"], r["W"] - 0.1 * gW), (r["b"], r["b"] - 0.1 * gb)])
+    synk.distribute()
+    for epoch in range(2):
+        for i in range(5):
+            close(step(i), single(i), rtol=1e-12)
+    close(m["W"].get_value(), r["W"].get_value(), rtol=1e-10, atol=1e-13)
+    for rank in range(2):
+        close(synk.get_value(rank, m["b"]), r["b"].get_value(), rtol=1e-10, atol=1e-13)
+
+
+def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
+    X = rng.normal(size=(30, 4))
+    data_sh = pytensor.shared(X, name="data_sh")
+    i, x, rows = pt.lscalar("i"), pt.matrix("x"), pt.lvector("rows")
+    for given in [{x: data_sh[i:i + 1][:, ::-1]},          # not a row slice
+                  {x: data_sh[i * 2:i * 2 + 4:2]},         # a step
+                  {x: data_sh[pt.arange(i, i + 3)]}]:      # indices computed from a scalar
+        with pytest.raises(TypeError, match="synk.data"):
+            synk.function([i], x.sum(), givens=given)
+    # indices that are a scattered input split like any input: each device takes its share
+    by_rows = synk.function([rows], (x.sum(), "sum"), givens={x: data_sh[rows]})
+    close(by_rows(np.array([3, 7, 1, 0, 9])), X[[3, 7, 1, 0, 9]].sum())
+    with pytest.raises(TypeError, match="make those bcast_inputs"):
+        synk.function([i, x], x.sum(), givens={pt.matrix("z"): data_sh[i:i + 2]})
+    f = synk.function([i], (x.sum(), "sum"), givens={x: data_sh[i:i + 4]})
+    close(f(3), X[3:7].sum())
+    with pytest.raises(TypeError, match="batch= does not apply"):
+        f(3, batch=2)
+    with pytest.raises(ValueError, match="no rows"):
+        f(40)
+    j = pt.lscalar("j")
+    y = pt.matrix("y")
+    g = synk.function([i, j], (x.sum() + y.sum(), "sum"), givens={x: data_sh[i:i + 4], y: data_sh[j:j + 4]})
+    with pytest.raises(ValueError, match="different rows"):
+        g(0, 1)
+    close(g(2, 2), 2 * X[2:6].sum())
+    # bounds from a broadcast input, and the runtime is usable after every refusal
+    k = pt.lscalar("k")
+    h = synk.function([], (x.sum(), "sum"), bcast_inputs=[k], givens={x: data_sh[k:]})
+    close(h(25), X[25:].sum())

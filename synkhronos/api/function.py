@@ -33,6 +33,7 @@ from ..transport import dtype_code
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import FunctionSpec
 from .data import Data, condition_value, data, release_large_staging, staging_data
+from .givens import RowsFromGivens
 from .shapes import check_argument_shape, declared_rows, shape_text
 
 __all__ = ["function", "Function"]
@@ -199,8 +200,10 @@ class Function:
     arguments; see :meth:`__call__`.
     """
 
-    def __init__(self, state, spec, bare, compiled):
+    def __init__(self, state, spec, bare, compiled, rows=None):
         self._state = state
+        #: the tutorials' givens idiom: the row slices a call's scalars select (see .givens)
+        self._rows = rows
         self.spec = spec
         self._bare = bare
         self._scratch = {}
@@ -247,6 +250,9 @@ class Function:
         output has its variable's declared dtype, as the distributed call's
         (PyTensor's JAX backend computes some reductions wider).
         """
+        if self._rows is not None:         # the rows the scalars select, as pytensor.function takes them
+            window = self._rows.rows(list(args))
+            args = [base.get_value(borrow=True)[window] for base in self._rows.row_inputs] + list(args)
         out = [np.asarray(o, dtype=dtype)
                for o, (_, dtype) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out
@@ -307,11 +313,45 @@ class Function:
         """
         return self.call_with_tail(args, kwargs, batch, batch_s, num_slices, output_subset)
 
+    def given_rows(self, *args) -> slice:
+        """The rows a call with ``args`` selects through the givens' row slices (see :mod:`.givens`)."""
+        if self._rows is None:
+            raise TypeError(f"{self.name} selects no rows through its givens")
+        return self._rows.rows(list(self._collect_user_args(args, {})))
+
+    def _collect_user_args(self, args, kwargs):
+        """The arguments of a call in the givens idiom, one per input the user gave (by name too)."""
+        names = [v.name for v in self._rows.user_inputs()]
+        values = list(args) + [_MISSING] * (len(names) - len(args))
+        if len(args) > len(names):
+            raise TypeError(f"{self.name} takes {len(names)} inputs {names}, got {len(args)}")
+        for key, value in kwargs.items():
+            if key not in names or values[names.index(key)] is not _MISSING:
+                raise TypeError(f"{self.name} has no input {key!r} left to give; its inputs are {names}")
+            values[names.index(key)] = value
+        missing = [n for n, v in zip(names, values) if v is _MISSING]
+        if missing:
+            raise TypeError(f"{self.name} is missing inputs {missing}")
+        return values
+
+    def _rows_call(self, args, kwargs, batch):
+        """A call in the givens idiom as a call of the rewritten function: (args, batch)."""
+        if batch is not None:
+            raise TypeError(f"{self.name} takes its rows from its givens' slices; batch= does not "
+                            f"apply (the scalars of the call select the rows)")
+        values = self._collect_user_args(args, kwargs)
+        window = self._rows.rows(values)
+        datas = self._rows.data(lambda value, base: data(value, name=f"{self.name}:{base}"))
+        return datas + values, window
+
     def call_with_tail(self, args, kwargs, batch=None, batch_s=None, num_slices=1,
                        output_subset=None, tail=None):
         """:meth:`__call__` with its arguments as a tuple and a dict; ``tail``, a
         :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
         the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
+        if self._rows is not None:
+            args, batch = self._rows_call(args, kwargs, batch)
+            kwargs = {}
         since = trace.now() if trace.on else None
         state = current()
         if state is not self._state:
@@ -536,8 +576,14 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         Inputs given whole to every device.
     updates : list of (shared, value[, mode]) or dict
         Applied locally on every device; the mode matters with ``num_slices > 1``.
-    givens : optional
-        As in :func:`pytensor.function`.
+    givens : dict or list of (Variable, Variable), optional
+        As in :func:`pytensor.function`. A given that replaces a variable by a
+        row slice of a shared variable (or of a cast of one) whose bounds are
+        computed from scalar inputs, ``{x: X_sh[i * bs:(i + 1) * bs]}``, is the
+        Theano tutorials' idiom: every call splits those rows over the devices
+        and equals ``pytensor.function`` over the same scalars (see
+        :mod:`synkhronos.api.givens`). A given that would select rows in another
+        way is refused with the recipe (``synk.data`` and ``batch=``).
     sliceable_shareds : list of SharedVariable, optional
         Shared variables holding per-device data that ``batch_s`` indexes.
     name : str, optional
@@ -561,6 +607,12 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     inputs = _check_inputs(inputs, "inputs")
     _check_free_rows(inputs)
     bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
+    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
+    rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
+    scattered_rows = list(inputs)
+    if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
+        scattered_rows = rows.inputs + [s.key for s in rows.slices]
+        inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
     seen = set()
     for var in inputs + bcast_inputs:
         if id(var) in seen:
@@ -569,9 +621,8 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     pairs, bare = _normalize_outputs(outputs)
     triples, generators = _normalize_updates(updates)
     if not local_updates:
-        _warn_if_updates_are_local(triples, inputs, name or "synk.function")
+        _warn_if_updates_are_local(triples, scattered_rows, name or "synk.function")
     triples += graph_updates.model_updates([v for v, _ in pairs], {s: v for s, v, _ in triples})
-    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     sliceable = list(sliceable_shareds or [])
     spec = FunctionSpec(state.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
                         sliceable, kwargs)
@@ -594,4 +645,4 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     state.own_streams(spec.shared_variables())
     compiled = CompiledFunction(spec)    # compile errors surface here, in the master
     state.register_function(spec, compiled)
-    return Function(state, spec, bare, compiled)
+    return Function(state, spec, bare, compiled, rows)

@@ -12,6 +12,9 @@ import warnings
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Constant
+from pytensor.graph.traversal import graph_inputs
 from pytensor_ml.params import NonTrainableParameter
 
 from ..api import checkpoint, collectives
@@ -56,13 +59,18 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     update_rule : callable
         A rule of :mod:`synkhronos.extensions.updates`, e.g. ``updates.adam``.
     *args, **kwargs
-        Passed to ``update_rule`` (learning rate etc.).
+        Passed to ``update_rule`` (learning rate etc.), except ``givens``.
+    givens : dict, optional
+        The Theano tutorials' idiom: ``{x: X_sh[i * bs:(i + 1) * bs], y: ...}``
+        with ``i`` a scalar input (see :mod:`synkhronos.api.givens`). The step
+        then takes the scalars instead of data: ``train_minibatch(i)``.
 
     Returns
     -------
     callable
         ``train_minibatch(*data, batch=None, num_slices=1)``: one :class:`~synkhronos.Data`
-        or numpy array per input of ``x``, then per target of ``y``.
+        or numpy array per input of ``x``, then per target of ``y`` (with
+        ``givens``: one value per scalar of the slices' bounds, in the order they appear).
 
     Examples
     --------
@@ -73,6 +81,9 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
     >>> denoise(x_dat, batch=idx)                                                             # doctest: +SKIP
     """
     inputs = _input_list(x, "x") + _input_list(y, "y")
+    givens = kwargs.pop("givens", None)
+    if givens:
+        return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens)
     step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=inputs)
 
     def train_minibatch(*data, batch=None, num_slices=1):
@@ -86,6 +97,22 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
 
     train_minibatch.runs_on_devices = True      # what run() takes
     train_minibatch.inputs = inputs
+    return step.expose(train_minibatch)
+
+
+def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens):
+    """:func:`make_train_function` in the tutorials' idiom: the step takes the slices' scalars."""
+    givens = dict(givens)
+    scalars = list(dict.fromkeys(
+        v for value in givens.values() for v in graph_inputs([value])
+        if not isinstance(v, (Constant, SharedVariable)) and v.ndim == 0))
+    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=scalars,
+                         givens=givens)
+
+    def train_minibatch(*values, num_slices=1):
+        window = step.f_grad.given_rows(*values, 0)
+        return step(window.stop - window.start, *values, num_slices=num_slices)
+
     return step.expose(train_minibatch)
 
 
