@@ -2,10 +2,13 @@
 
 import builtins
 import functools
+import linecache
+import os
+import sys
 import traceback
 
 __all__ = ["SynkError", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
-           "SynkWarning", "LocalUpdatesWarning", "exception_name"]
+           "SynkWarning", "LocalUpdatesWarning", "exception_name", "graph_line", "verbose"]
 
 
 def exception_name(e):
@@ -18,37 +21,91 @@ class SynkError(RuntimeError):
     """Base class of the runtime errors synkhronos raises itself."""
 
 
+def verbose() -> bool:
+    """Whether errors carry every rank's traceback: ``SYNK_VERBOSE=1``, or PyTensor's
+    ``exception_verbosity`` set above ``"low"``."""
+    if os.environ.get("SYNK_VERBOSE", "") not in ("", "0"):
+        return True
+    config = getattr(sys.modules.get("pytensor"), "config", None)
+    return getattr(config, "exception_verbosity", "low") != "low"
+
+
+def graph_line(e):
+    """The line of a compiled PyTensor graph at which ``e`` was raised, or None.
+
+    PyTensor's JAX backend runs a graph as a generated Python function whose
+    source holds each apply node, as a comment, above the line that computes
+    it; the traceback of ``e`` (or of the exceptions it was raised from)
+    leads to that line.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame, lineno in traceback.walk_tb(e.__traceback__):
+            if frame.f_code.co_name == "jax_funcified_fgraph":
+                lines = linecache.getlines(frame.f_code.co_filename)
+                comment = []
+                for text in reversed(lines[:max(lineno - 1, 0)]):
+                    text = text.strip()
+                    if not text.startswith("#"):
+                        break
+                    comment.insert(0, text.lstrip("# ").rstrip())
+                if comment:
+                    return " ".join(comment)
+        e = e.__cause__ or e.__context__
+    return None
+
+
 class WorkerError(SynkError):
-    """A worker process failed: it raised an exception, or it died.
+    """A rank failed: it raised an exception, or its process died.
+
+    ``str(error)`` is one short report: which ranks raised, the error once,
+    the line of the compiled graph it came from, and a hint where the cause is
+    known. Every rank's traceback is on the error (``worker_traceback``), and in
+    the report with ``SYNK_VERBOSE=1`` (or PyTensor's ``exception_verbosity``
+    above ``"low"``).
 
     Parameters
     ----------
     rank : int
-        Rank of the failing process.
+        Rank of the failing process (the first, if several failed alike).
     how : str
-        ``"raised"`` when the worker raised an exception and is still alive
+        ``"raised"`` when the rank raised an exception and is still alive
         (the runtime stays usable), ``"died"`` when the process ended (the
         runtime has been shut down; call ``fork()`` again).
     exc_type : str
-        Qualified name of the worker's exception type, or the way the process
+        Qualified name of the rank's exception type, or the way the process
         ended (e.g. ``"killed by SIGKILL"``).
     message : str
-        The worker's exception message.
+        The rank's exception message.
     worker_traceback : str
-        The traceback formatted in the worker process.
+        The traceback formatted in the rank's process.
     node : int, optional
         On several nodes, the node of the failing process.
+    where : str, optional
+        The apply node of the compiled graph that raised (see :func:`graph_line`).
+
+    Attributes
+    ----------
+    ranks : list of int
+        Every rank that raised this same error.
+    others : list of (int, str, str)
+        Ranks that raised another error in the same command: (rank, type, message).
+    hint : str or None
+        What the cause probably is, and the fix.
 
     Examples
     --------
-    >>> try:                                                # doctest: +SKIP
-    ...     f(x_dat)
-    ... except synk.WorkerError as e:
-    ...     print(e.rank, e.exc_type, e.worker_traceback)
+    >>> e = WorkerError(1, "raised", "ValueError", "bad rows", where="Reshape{2}(x, [4 3])")
+    >>> e.ranks = [0, 1]
+    >>> print(e)
+    ranks 0 and 1 raised ValueError: bad rows
+      in the graph: Reshape{2}(x, [4 3])
+      every rank's traceback: error.worker_traceback, or run with SYNK_VERBOSE=1
     """
 
     @classmethod
-    def raised(cls, rank, exc_type, message, worker_traceback=""):
+    def raised(cls, rank, exc_type, message, worker_traceback="", where=None):
         """The error of rank ``rank`` that raised ``exc_type``, whichever rank it is.
 
         When ``exc_type`` names a builtin exception (``"ValueError"``), the
@@ -61,37 +118,64 @@ class WorkerError(SynkError):
         >>> isinstance(e, ValueError), isinstance(e, WorkerError), e.rank
         (True, True, 1)
         """
-        return _with_builtin_type(exc_type)(rank, "raised", exc_type, message, worker_traceback)
+        return _with_builtin_type(exc_type)(rank, "raised", exc_type, message, worker_traceback,
+                                            where=where)
 
     @classmethod
     def from_exception(cls, rank, e):
         """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
-        return cls.raised(rank, exception_name(e), str(e), "".join(traceback.format_exception(e)))
+        return cls.raised(rank, exception_name(e), str(e), "".join(traceback.format_exception(e)),
+                          where=graph_line(e))
 
-    def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None):
+    def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None, where=None):
         self.rank = rank
         self.how = how
         self.exc_type = exc_type
         self.message = message
         self.worker_traceback = worker_traceback
         self.node = node
-        where = f"rank {rank}" if node is None else f"rank {rank} (node {node})"
-        text = f"{where} {how}: {exc_type}: {message}"
-        if worker_traceback:
-            text += f"\n--- traceback in rank {rank} ---\n{worker_traceback.rstrip()}"
-        super().__init__(text)
+        self.where = where
+        self.ranks = [rank]
+        self.others = []
+        self.hint = None
+        super().__init__(rank, how, exc_type, message)
+
+    def _who(self):
+        ranks = sorted(self.ranks)
+        named = f"rank {ranks[0]}" if len(ranks) == 1 else \
+            "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+        return named if self.node is None else f"{named} (node {self.node})"
+
+    def __str__(self):
+        lines = [f"{self._who()} {self.how}: {self.exc_type}: {self.message}" if self.how != "raised"
+                 else f"{self._who()} raised {self.exc_type}: {self.message}"]
+        lines += [f"  rank {r} raised {t}: {m}" for r, t, m in self.others]
+        if self.where:
+            lines.append(f"  in the graph: {self.where}")
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        if self.worker_traceback:
+            if verbose():
+                lines.append(f"--- traceback in rank {self.rank} ---\n{self.worker_traceback.rstrip()}")
+            else:
+                lines.append("  every rank's traceback: error.worker_traceback, or run with SYNK_VERBOSE=1")
+        return "\n".join(lines)
 
     def __reduce__(self):
         return (_rebuild_worker_error, (self.rank, self.how, self.exc_type, self.message,
-                                        self.worker_traceback, self.node))
+                                        self.worker_traceback, self.node, self.where, self.ranks,
+                                        self.others, self.hint))
 
 
-def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=None):
+def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=None, where=None,
+                          ranks=None, others=(), hint=None):
     if how == "raised":
-        error = WorkerError.raised(rank, exc_type, message, worker_traceback)
+        error = WorkerError.raised(rank, exc_type, message, worker_traceback, where=where)
         error.node = node
-        return error
-    return WorkerError(rank, how, exc_type, message, worker_traceback, node)
+    else:
+        error = WorkerError(rank, how, exc_type, message, worker_traceback, node, where=where)
+    error.ranks, error.others, error.hint = list(ranks or [rank]), list(others), hint
+    return error
 
 
 @functools.cache

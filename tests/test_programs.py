@@ -3,6 +3,7 @@ synkhronos, the Theano tutorials' idioms. Every result is compared with the sing
 run (pytensor-ml's ``optim.compile_train`` or ``pytensor.function``) on the same data."""
 
 import pickle
+import traceback
 import warnings
 
 import numpy as np
@@ -398,3 +399,64 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
     k = pt.lscalar("k")
     h = synk.function([], (x.sum(), "sum"), bcast_inputs=[k], givens={x: data_sh[k:]})
     close(h(25), X[25:].sum())
+
+
+# ------------------------------------------------------------------------------------------------
+# Graphs that need concrete shapes; errors a porting user meets first
+# ------------------------------------------------------------------------------------------------
+
+def lasagne_mlp(seed, dropout):
+    """Lasagne's MNIST MLP input: images as a 4-d tensor, flattened, (dropout,) a dense layer."""
+    from pytensor_ml.layers import Dropout
+    x4, y = pt.tensor4("x4"), pt.lvector("y")
+    h = x4.flatten(2)
+    if dropout:
+        h = Dropout(p=0.2, random_state=seed)(h)
+    out = Linear(f"dense_{seed}_{dropout}", n_in=16, n_out=3)(h)
+    loss = -pt.mean(pt.log(pt.special.softmax(out, axis=1))[pt.arange(y.shape[0]), y])
+    return x4, y, loss, collect_trainable_params(loss)
+
+
+def test_lasagnes_flattened_input_trains_compiled_per_row_count(synk2, rng):
+    X, Y = rng.uniform(size=(21, 1, 4, 4)), rng.integers(0, 3, size=21)
+    x4, y, loss, params = lasagne_mlp(1, dropout=False)
+    f = synk.function([x4, y], [(loss, "avg")] + [(g, "avg") for g in pytensor.grad(loss, params)])
+    for ours, theirs in zip(f(X, Y), f.as_pytensor(X, Y)):
+        close(ours, theirs, rtol=1e-12)
+    # the dropout mask drawn for the flattened shape needs it concrete: compiled per row count
+    x4, y, loss, params = lasagne_mlp(2, dropout=True)
+    step = train.make_train_function(loss, params, x4, y, updates.sgd, learning_rate=0.5)
+    first = step(X, Y)
+    for _ in range(30):
+        last = step(X, Y)
+    assert step.functions[0].compiled.by_rows and last < 0.8 * first
+
+
+def test_a_worker_error_is_one_short_report_with_the_graph_line_and_a_hint(synk2, monkeypatch):
+    x = pt.matrix("x")
+    lenet_style = synk.function([x], x.reshape((20, 1, 4, 4)).sum(), name="lenet_reshape")
+    with pytest.raises(synk.WorkerError) as info:
+        lenet_style(np.ones((20, 16)))
+    report = str(info.value)
+    assert report.count("cannot reshape") == 1 and len(report.splitlines()) <= 5, report
+    assert report.startswith("ranks 0 and 1 raised TypeError")
+    assert "in the graph: Reshape{4}(x, [20  1  4  4])" in report
+    assert "each device gets 10 of the call's 20 rows: write -1 or x.shape[0]" in report
+    assert "Traceback" in info.value.worker_traceback and info.value.ranks == [0, 1]
+    # the user's line and the one frame that re-raised it: none of synkhronos's internals
+    assert info.value.__cause__ is None and len(list(traceback.walk_tb(info.value.__traceback__))) == 2
+    monkeypatch.setenv("SYNK_VERBOSE", "1")
+    with pytest.raises(synk.WorkerError) as info:
+        lenet_style(np.ones((20, 16)))
+    assert "--- traceback in rank 0 ---" in str(info.value)
+    monkeypatch.delenv("SYNK_VERBOSE")
+    close(synk.function([x], (x.reshape((-1, 1, 4, 4)).sum(), "sum"))(np.ones((20, 16))), 320.0)
+
+
+def test_an_op_without_a_jax_implementation_is_refused_when_the_function_is_built(synk2):
+    x = pt.matrix("x")
+    rng = pytensor.shared(np.random.default_rng(0), name="rng_binomial")
+    mask = pt.random.binomial(n=1, p=0.7, size=x.shape, rng=rng)
+    with pytest.raises(NotImplementedError, match="binomial.*rng.uniform"):
+        synk.function([x], (x * mask).sum())
+    close(synk.function([x], (x.sum(), "sum"))(np.ones((4, 2))), 8.0)

@@ -23,8 +23,9 @@ from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors
 
 from .. import graph_updates, randomness, shipping, trace
-from ..errors import LocalUpdatesWarning
+from ..errors import LocalUpdatesWarning, WorkerError
 from ..modes import check_output_mode, check_update_mode, reduce_ranks
+from ..platform.internals import unsampleable_in_jax
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction, needs_static_shapes, spec_graph
 from ..runtime.master import State, current, serialized
@@ -34,6 +35,7 @@ from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import FunctionSpec
 from .data import Data, condition_value, data, release_large_staging, staging_data
 from .givens import RowsFromGivens
+from .hints import CallRows, add_hint
 from .shapes import check_argument_shape, declared_rows, shape_text
 
 __all__ = ["function", "Function"]
@@ -112,6 +114,22 @@ def _warn_if_updates_are_local(triples, scattered, name):
             f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
             f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
             f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=4)
+
+
+def _check_jax_can_sample(spec):
+    """Refuse, when the function is built, a random variable PyTensor's JAX backend cannot sample.
+
+    JAX would find out only at the first call, on every rank.
+    """
+    missing = unsampleable_in_jax(spec.graph_vars())
+    if missing:
+        node, message = missing[0]
+        hint = (" A Bernoulli mask (binomial with n=1) needs none: (rng.uniform(size=shape) < p)."
+                if "binomial" in message else "")
+        raise NotImplementedError(
+            f"{spec.name}: {node.op} cannot run on the devices: {message} Every device runs the "
+            f"function with PyTensor's JAX backend; draw from a distribution it samples, or "
+            f"install what the message names.{hint}")
 
 
 def _check_inputs(inputs, what):
@@ -381,12 +399,24 @@ class Function:
             if since is not None:
                 trace.mark("wait for devices")
             outputs = self._reduce(plan, rows, columns)
+        except WorkerError as e:
+            if e.how == "raised":
+                add_hint(e, self._call_rows(plan))
+            raise
         finally:
             if since is not None:
                 trace.end("reduce")
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _call_rows(self, plan):
+        """The rows each device got in ``plan`` (what a hint names)."""
+        if not self.spec.inputs:
+            return CallRows((), 0)
+        n = self._state.n_parallel
+        total = plan.batch.total
+        return CallRows(tuple(hi - lo for lo, hi in (chunk(0, total, n, r) for r in range(n))), total)
 
     def _plan_key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
         """What makes a validated plan reusable, or None for calls that are validated every time.
@@ -640,6 +670,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
             raise TypeError(f"givens replaces {key} (dtype {key.type.dtype}, ndim {key.type.ndim}) with "
                             f"sliceable shared {value} (dtype {value.type.dtype}, ndim "
                             f"{value.type.ndim}); make {value} of that dtype and ndim")
+    _check_jax_can_sample(spec)
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     set_precision(State.float_x())       # the same rule every rank applies
     state.own_streams(spec.shared_variables())

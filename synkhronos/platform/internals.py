@@ -15,7 +15,9 @@ Six things have no public API and are reached for here only:
   of several nodes use (:func:`distributed_client`);
 - the coordination service ``jax.distributed.initialize()`` starts in process
   0, left to a process of its own on several nodes
-  (:func:`service_served_elsewhere`).
+  (:func:`service_served_elsewhere`);
+- which random variables PyTensor's JAX backend can sample, which it finds out
+  only when JAX traces a graph (:func:`unsampleable_in_jax`).
 
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
@@ -31,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 
 __all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
            "detach_inherited_jax", "detect_jax_cluster", "distributed_client",
-           "service_served_elsewhere"]
+           "service_served_elsewhere", "unsampleable_in_jax"]
 
 #: (lowest version, first version not supported) of each library whose internals are read here
 SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}
@@ -190,3 +192,27 @@ def service_served_elsewhere():
         yield
     finally:
         distributed._jax.get_distributed_runtime_service = make
+
+
+def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:
+    """The random variables of the graphs of ``variables`` that PyTensor's JAX backend cannot sample.
+
+    PyTensor looks a distribution's JAX sampler up only when JAX traces the
+    graph (the first call); asking here finds the missing ones when a function
+    is built. Returns ``(node, PyTensor's message)`` for each.
+    """
+    try:
+        from pytensor.graph.traversal import applys_between, graph_inputs
+        from pytensor.link.jax.dispatch.random import jax_sample_fn
+        from pytensor.tensor.random.op import RandomVariable
+    except ImportError:
+        return []
+    nodes = applys_between(list(graph_inputs(variables)), variables)
+    missing = []
+    for node in nodes:
+        if isinstance(node.op, RandomVariable):
+            try:
+                jax_sample_fn(node.op, node=node)
+            except NotImplementedError as e:
+                missing.append((node, str(e)))
+    return missing

@@ -239,13 +239,15 @@ def needs_static_shapes(e):
     """True if ``e`` says JAX could not trace a graph without concrete shapes.
 
     (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
-    shape used as a Python int.)
+    shape used as a Python int.) Used only where nothing can be retried;
+    a call retries any failure of a graph on free rows with the graph rebuilt
+    on the call's shapes (see :class:`CompiledFunction`).
     """
     import jax
     concretization = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
                       jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError)
     text = str(e)
-    return isinstance(e, concretization) or \
+    return isinstance(e, concretization) or "Tracer" in text or \
         (isinstance(e, IndexError) and "static" in text) or \
         (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
 
@@ -288,10 +290,14 @@ class CompiledFunction:
     Rows are free in the graph (``synk.function`` refuses a scattered input
     with a static row count). A graph that JAX can only trace with concrete
     shapes (``arange`` over the batch in a cross-entropy, pytensor-ml's
-    convolutions) is compiled per shape instead: rebuilt on inputs of the
-    shapes this process is given, rows and all (:func:`rebuild_on`; static
-    shapes only get added, so nothing in the graph can contradict them),
-    keeping the last ``ROW_VARIANTS_KEPT`` shapes. ``by_rows`` says which.
+    convolutions, a ``flatten`` before a layer) is compiled per shape instead:
+    rebuilt on inputs of the shapes this process is given, rows and all
+    (:func:`rebuild_on`; static shapes only get added, so nothing in the graph
+    can contradict them), keeping the last ``ROW_VARIANTS_KEPT`` shapes.
+    ``by_rows`` says which. Whether a graph needs it is found by trying: the
+    first call of the graph on free rows that fails is retried on the graph
+    rebuilt for its shapes, and if that succeeds every later call takes that
+    way; if it fails too, the first failure is the call's error.
 
     Parameters
     ----------
@@ -317,6 +323,8 @@ class CompiledFunction:
         #: the PyTensor function (updates applied), or None when compiled per row count
         self.function = None
         self.by_rows = False
+        #: whether the graph on free rows ran once (a later failure is then the call's own)
+        self._free_rows_ran = False
         try:
             self.function = self._compile(updates=True)
         except Exception as e:
@@ -407,15 +415,24 @@ class CompiledFunction:
         """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
         try:
             if updates:
-                return self._run(*args)
-            if self._run_no_updates is None:
-                self._run_no_updates = self._runner(self._compile(updates=False))
-            return self._run_no_updates(*args)
+                result = self._run(*args)
+            else:
+                if self._run_no_updates is None:
+                    self._run_no_updates = self._runner(self._compile(updates=False))
+                result = self._run_no_updates(*args)
         except Exception as e:
-            if not self._row_args or not needs_static_shapes(e):
+            if not self._row_args or self._free_rows_ran:
                 raise
-            self.by_rows = True
-        return self._for_args(args, updates)(*args)
+            failure = e
+        else:
+            self._free_rows_ran = True
+            return result
+        try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
+            result = self._for_args(args, updates)(*args)
+        except Exception:
+            raise failure from None
+        self.by_rows = True
+        return result
 
     def run(self, args):
         """Run once, applying updates."""

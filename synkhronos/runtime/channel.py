@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 
-from ..errors import StallError, SynkError, WorkerError
+from ..errors import StallError, SynkError, WorkerError, verbose
 from ..platform.cpu_tuning import on_cores
 from ..shmem import GrowableSegment, SegmentMirror, unlink
 from ..transport import read_pickle, unpack_arrays, write_bytes
@@ -226,25 +226,34 @@ class Channel:
 
     # --- errors and warnings ----------------------------------------------------------------
     def _raise_rank_errors(self, local_error, ranks):
-        """Raise the error of this rank's part (``local_error``), else of the first worker that failed.
+        """Raise one :class:`WorkerError` for every rank whose part of the command failed.
 
-        Either way it is a :class:`WorkerError` naming the rank (also an
-        instance of the original builtin type, see :meth:`WorkerError.raised`).
+        It names the first failing rank (this one first) and every other rank
+        that raised the same error (:attr:`WorkerError.ranks`), and lists the
+        ranks that raised another (:attr:`WorkerError.others`). It is also an
+        instance of the original builtin type (see :meth:`WorkerError.raised`).
         """
         if isinstance(local_error, SynkError):
             raise local_error
-        if local_error is not None:
-            raise self._own_error(local_error) from local_error
-        self._raise_worker_errors(ranks)
+        errors = [] if local_error is None else [self._own_error(local_error)]
+        errors += self._worker_errors(ranks)
+        if errors:
+            raise _one_report(errors) from (local_error if verbose() else None)
 
     def _raise_worker_errors(self, ranks):
-        status = self.ctl.status
+        errors = self._worker_errors(ranks)
+        if errors:
+            raise _one_report(errors)
+
+    def _worker_errors(self, ranks):
+        """The errors of the workers in ``ranks`` (their warnings forwarded on the way)."""
+        status, errors = self.ctl.status, []
         for rank in ranks:
             if status[rank, ControlBlock.WARN_NBYTES]:
                 self._forward_warnings(rank)
             if status[rank, ControlBlock.STATE] == Status.ERROR:
-                exc_type, message, tb = self.read_result_pickle(rank)
-                raise self._raised(rank, exc_type, message, tb)
+                errors.append(self._raised(rank, *self.read_result_pickle(rank)))
+        return errors
 
     def _forward_warnings(self, rank):
         """Show the warnings worker ``rank`` raised through this process's ``warnings``.
@@ -260,9 +269,9 @@ class Channel:
                                    registry=self._warning_registry)
 
     # errors name global ranks (and, on several nodes, this node): one place turns local ones
-    def _raised(self, rank, exc_type, message, tb):
+    def _raised(self, rank, exc_type, message, tb, where=None):
         """The error worker ``rank`` (local) raised."""
-        error = WorkerError.raised(rank + self.rank_offset, exc_type, message, tb)
+        error = WorkerError.raised(rank + self.rank_offset, exc_type, message, tb, where=where)
         error.node = self.node
         return error
 
@@ -373,10 +382,10 @@ class Channel:
             self._check_alive(ranks, what)
             failed = [r for r in ranks if status[r, ControlBlock.STATE] == Status.ERROR]
             if failed:
-                exc_type, message, tb = self.read_result_pickle(failed[0])
+                exc_type, message, tb, where = self.read_result_pickle(failed[0])
                 self.on_fault()
                 raise self._raised(failed[0], exc_type, message + " (the runtime was shut down: "
-                                   "call synk.fork() to start again)", tb)
+                                   "call synk.fork() to start again)", tb, where)
             running = [r for r in ranks if status[r, ControlBlock.STATE] == Status.IDLE]
             progress = status[running, ControlBlock.PROGRESS].tolist()
             if progress != last["progress"] or not running:
@@ -459,6 +468,19 @@ class Channel:
                 for g in range(max(1, gen - 1), gen + 2):
                     unlink(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()
+
+
+def _one_report(errors):
+    """The first of ``errors``, naming the ranks that raised the same and listing the others."""
+    first = errors[0]
+    for other in errors[1:]:
+        if (other.exc_type, other.message) == (first.exc_type, first.message):
+            first.ranks.append(other.rank)
+        else:
+            first.others.append((other.rank, other.exc_type, other.message))
+        if verbose():
+            first.worker_traceback += f"\n--- traceback in rank {other.rank} ---\n{other.worker_traceback}"
+    return first
 
 
 class _Runner:

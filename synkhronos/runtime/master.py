@@ -25,7 +25,7 @@ from pytensor.tensor.type import TensorType
 
 from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
-from ..errors import SynkError, WorkerError
+from ..errors import SynkError, WorkerError, verbose
 from ..device_arrays import device_face, host_face, place_on_device, to_device
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
@@ -81,6 +81,11 @@ def serialized(fn):
                 if outermost and _life.state is not None:
                     _life.state.values_to_devices()
                 return fn(*args, **kwargs)
+            except WorkerError as e:
+                if not outermost or verbose():
+                    raise
+                # the report names what the user needs; synkhronos's own frames are left out
+                raise e.with_traceback(None) from None
             finally:
                 _life.depth -= 1
                 if outermost and _life.state is not None and _life.state.is_open:

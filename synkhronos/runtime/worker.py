@@ -24,7 +24,7 @@ import numpy as np
 from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, comm_class
 from ..device_arrays import place_on_device
-from ..errors import exception_name
+from ..errors import exception_name, graph_line
 from ..platform import cpu_tuning, jax_init
 from ..shmem import GrowableSegment, SegmentMirror
 from ..transport import pack_arrays, packed_nbytes, write_pickle
@@ -128,7 +128,7 @@ class Worker:
 
     def report_error(self, e):
         tb = traceback.format_exc()
-        nbytes = write_pickle(self.result, (exception_name(e), str(e), tb))
+        nbytes = write_pickle(self.result, (exception_name(e), str(e), tb, graph_line(e)))
         self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
 
     def write_arrays(self, arrays):
