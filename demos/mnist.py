@@ -9,7 +9,8 @@ Three variants of the same training:
               (``sliceable_shareds``); every step, each device takes a shuffled batch of
               its own rows (``batch_s=``), global batch = per-device batch x devices.
 
-Models (pytensor-ml layers): ``mlp``, ``custom_mlp:DEPTH,WIDTH``, ``cnn``. The default data set is
+Models (pytensor-ml layers): ``mlp``, ``bn_mlp`` (batch norm after every hidden layer),
+``custom_mlp:DEPTH,WIDTH``, ``cnn``. The default data set is
 scikit-learn's bundled 8x8 handwritten digits (no network needed); ``--data`` takes real MNIST as
 a ``.npz`` (x_train, y_train, x_test, y_test) or a folder of the four IDX files.
 Validation runs with ``num_slices``; the loss/accuracy curves are saved as a PNG.
@@ -121,12 +122,17 @@ def build_model(spec, side, n_classes=10, seed=0):
     and compiles it per row count itself.
     """
     from pytensor_ml.activations import ReLU
-    from pytensor_ml.layers import Conv2D, Input, Linear, MaxPool2D, Sequential
+    from pytensor_ml.layers import BatchNorm, Conv2D, Input, Linear, MaxPool2D, Sequential
     from pytensor_ml.loss import CrossEntropy, supervised_loss
-    from pytensor_ml.pytensorf import collect_trainable_params
+    from pytensor_ml.pytensorf import collect_graph_inputs, collect_trainable_params, rewrite_for_prediction
 
     n_in = side * side
-    if spec == "mlp" or spec.startswith("custom_mlp"):
+    if spec == "bn_mlp":                         # batch norm after every hidden layer
+        net = Sequential(Linear("h0", n_in=n_in, n_out=128), BatchNorm("bn0", n_in=128), ReLU(),
+                         Linear("h1", n_in=128, n_out=128), BatchNorm("bn1", n_in=128), ReLU(),
+                         Linear("out", n_in=128, n_out=n_classes))
+        static = False
+    elif spec == "mlp" or spec.startswith("custom_mlp"):
         depth, width = (2, 128) if spec == "mlp" else (int(v) for v in spec.split(":")[1].split(","))
         layers, prev = [], n_in
         for i in range(depth):
@@ -150,20 +156,31 @@ def build_model(spec, side, n_classes=10, seed=0):
             return head(features.reshape((-1, n_feat)))
         static = True
     else:
-        raise ValueError(f"unknown model {spec!r}: use mlp, custom_mlp:DEPTH,WIDTH or cnn")
+        raise ValueError(f"unknown model {spec!r}: use mlp, bn_mlp, custom_mlp:DEPTH,WIDTH or cnn")
 
-    def make_graph(rows=None):
-        x = Input("x", shape=(rows if static else None, n_in))
-        logits = net(x)
+    graphs = {}
+
+    def make_graph(rows=None, predicting=False):
+        # one training graph per row count: pytensor-ml chains a stateful layer's statistics from
+        # one application to the next, so batch norm's graph is built once and prediction derived
+        if rows not in graphs:
+            x = Input("x", shape=(rows if static else None, n_in))
+            graphs[rows] = (x, net(x))
+        x, logits = graphs[rows]
+        if predicting:            # batch norm normalizes by its running statistics
+            logits = rewrite_for_prediction(logits)
+            x, = collect_graph_inputs(logits)      # the rewritten graph's own input
         loss, y = supervised_loss(logits, CrossEntropy(expect_logits=True))
         return x, y, loss, pt.mean(pt.eq(pt.argmax(logits, axis=-1), y))
 
-    params = collect_trainable_params(make_graph(1)[2])
+    params = collect_trainable_params(make_graph(1 if static else None)[2])
     rng = np.random.default_rng(seed)            # same init for every variant
     for p in params:
         v = p.get_value()
-        p.set_value((rng.normal(size=v.shape) * np.sqrt(2.0 / max(1, np.prod(v.shape[:-1])))
-                     if v.ndim > 1 else np.zeros_like(v)).astype(v.dtype))
+        if v.ndim > 1:
+            p.set_value((rng.normal(size=v.shape) * np.sqrt(2.0 / max(1, np.prod(v.shape[:-1])))).astype(v.dtype))
+        elif not p.name.startswith("bn"):        # biases; batch norm keeps its scale of ones
+            p.set_value(np.zeros_like(v))
     return make_graph, params, static
 
 
@@ -176,12 +193,12 @@ def _evaluators(variant, make_graph, static, data, n_devices, num_slices=4):
     if variant == "single":
         fns = {}
         for split in ("val", "test"):
-            x, y, loss, accuracy = make_graph(len(data[f"x_{split}"]) if static else None)
+            x, y, loss, accuracy = make_graph(len(data[f"x_{split}"]) if static else None, predicting=True)
             fns[split] = pytensor.function([x, y], [loss, accuracy], mode="JAX")
         return lambda split: [float(v) for v in fns[split](data[f"x_{split}"], data[f"y_{split}"])]
     fns, store = {}, {}
     for split in ("val", "test"):
-        x, y, loss, accuracy = make_graph(None)
+        x, y, loss, accuracy = make_graph(None, predicting=True)
         fns[split] = synk.function([x, y], [(loss, "avg"), (accuracy, "avg")], name=f"evaluate_{split}")
         store[split] = (synk.data(data[f"x_{split}"]), synk.data(data[f"y_{split}"]))
     return lambda split: [float(v) for v in fns[split](*store[split], num_slices=num_slices)]
@@ -369,7 +386,7 @@ def save_plot(history, path, title):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=VARIANTS, default="cpu")
-    p.add_argument("--model", default="mlp", help="mlp, custom_mlp:DEPTH,WIDTH or cnn")
+    p.add_argument("--model", default="mlp", help="mlp, bn_mlp, custom_mlp:DEPTH,WIDTH or cnn")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=128, help="global batch size")

@@ -96,7 +96,7 @@ class WorkerError(SynkError):
 
     Examples
     --------
-    >>> e = WorkerError(1, "raised", "ValueError", "bad rows", where="Reshape{2}(x, [4 3])")
+    >>> e = WorkerError(1, "raised", "ValueError", "bad rows", "Traceback ...", where="Reshape{2}(x, [4 3])")
     >>> e.ranks = [0, 1]
     >>> print(e)
     ranks 0 and 1 raised ValueError: bad rows

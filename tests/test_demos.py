@@ -12,6 +12,7 @@ import synkhronos as synk
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "demos"))
 import mnist  # noqa: E402
+import tutorial_logreg  # noqa: E402
 
 from helpers import close  # noqa: E402
 
@@ -32,6 +33,28 @@ def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
     # device data shuffles within each device, so it agrees statistically
     assert abs(runs["device"]["test_acc"] - runs["single"]["test_acc"]) < 0.05
     assert (tmp_path / "cpu.png").stat().st_size > 10_000
+
+
+def test_the_batch_norm_model_reaches_the_single_process_accuracy(synk2):
+    """Batch norm's running statistics follow the global batches: prediction, which normalizes
+    by them, is as good as the single process's."""
+    runs = {v: mnist.run(v, "bn_mlp", epochs=10, batch=128, lr=0.05, progress=False)
+            for v in ("single", "cpu")}
+    assert runs["single"]["test_acc"] >= 0.95
+    assert abs(runs["cpu"]["test_acc"] - runs["single"]["test_acc"]) <= 0.01, runs
+
+
+def test_the_ported_theano_tutorial_prints_the_single_process_numbers_epoch_by_epoch(tmp_path):
+    """The givens/index logistic regression: synkhronos on 2 devices and plain PyTensor agree."""
+    synk.close()
+    printed = {}
+    for variant in ("single", "synk"):
+        lines = printed[variant] = []
+        records, test_error = tutorial_logreg.sgd_optimization(
+            variant, n_epochs=4, devices=2, model_path=str(tmp_path / f"{variant}.pkl"),
+            out=lines.append)
+    assert printed["synk"] == printed["single"]
+    assert len(printed["synk"]) == 5 and "test error of the pickled model" in printed["synk"][-1]
 
 
 @pytest.mark.parametrize("rule,epochs", [("allreduce", 8), ("downpour", 20)])
@@ -129,7 +152,8 @@ def test_idx_and_npz_loaders(tmp_path, rng):
     assert d["y_test"].dtype == np.int64 and len(d["x_test"]) == 5
 
 
-@pytest.mark.parametrize("script", ["mnist.py", "demo_quickstart.py", "demo_1.py", "resnet_synthetic.py"])
+@pytest.mark.parametrize("script", ["mnist.py", "demo_quickstart.py", "demo_1.py", "resnet_synthetic.py",
+                                    "tutorial_logreg.py"])
 def test_demo_scripts_have_help(script):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", script), "--help"],
                          capture_output=True, text=True, timeout=60,

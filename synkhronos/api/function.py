@@ -627,6 +627,17 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     -------
     Function
 
+    Notes
+    -----
+    What ``pytensor_ml.pytensorf.function`` threads into a function is
+    threaded in here: the next state of every random generator the graphs
+    draw from, the advance of every training clock the outputs or updates
+    read, and the write-backs of stateful layers (batch norm's running
+    statistics) reached by the update expressions. A training step's gradient
+    function leaves the last two to the step's update function
+    (:mod:`synkhronos.graph_updates`). Updates computed from the scattered rows
+    warn (:class:`~synkhronos.LocalUpdatesWarning`) unless ``local_updates=True``.
+
     Examples
     --------
     >>> f = synk.function([x, y], [(loss, "avg"), (err, "sum")])     # doctest: +SKIP

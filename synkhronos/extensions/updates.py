@@ -197,9 +197,6 @@ def from_optim(transform, loss, params):
     --------
     >>> import numpy as np, pytensor, pytensor.tensor as pt
     >>> from pytensor_ml import optim
-from pytensor_ml.pytensorf import collect_clock_updates
-
-from .statistics import carried_statistics
     >>> w = pytensor.shared(np.zeros(3), name="w"); x = pt.vector("x")
     >>> rule = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(1e-3))
     >>> grad_updates, param_updates, grad_shared = from_optim(rule, ((w - x) ** 2).sum(), [w])
