@@ -15,7 +15,7 @@ import pytest
 
 import synkhronos as synk
 from synkhronos.api import checkpoint
-from synkhronos.extensions import train, updates
+from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
 from conftest import N_PARALLEL, synk_segments
 from helpers import run_script
@@ -158,7 +158,7 @@ import json, os, signal, sys
 import numpy as np, pytensor
 pytensor.config.floatX = "float64"
 import synkhronos as synk
-from synkhronos.extensions import train, updates
+from synkhronos.extensions import sync, train, updates
 from test_extensions import mlp
 directory, out, kill_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 rng = np.random.default_rng(0)
@@ -228,3 +228,24 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
                         seed=1, resume=True)
     assert [c.step for c in history] == [6]                  # resumed at step 4
     assert master.active() is not None
+
+
+@pytest.mark.parametrize("rule", [sync.Downpour(every=1), sync.EASGD(0.5, every=1, asynchronous=True),
+                                  sync.RateLimited(every_n_batches=1, max_rate=1.0)], ids=repr)
+def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rng, tmp_path, rule):
+    """Resumed at step 4 of 8, the run trains steps 4..7 only, on the rows of those steps."""
+    from test_extensions import mlp
+    x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
+    X, y, loss, params, _ = mlp(seed=13)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
+    synk.distribute()
+    first = train.run(step, x_np, y_np, 10, steps=4, sync=rule, checkpoint_dir=tmp_path,
+                      checkpoint_every=2, check_every=2)
+    assert [c.step for c in first] == [2, 4] and [sum(c.rows_per_device) for c in first] == [20, 20]
+    resumed = train.run(step, x_np, y_np, 10, steps=8, sync=rule, checkpoint_dir=tmp_path,
+                        checkpoint_every=2, check_every=2, resume=True)
+    assert [c.step for c in resumed] == [6, 8]
+    # 4 steps of 10 rows, no more: the devices claim the units of steps 4 to 7, whose rows are
+    # positions 40 to 79 of the epochs' orders
+    assert [sum(c.rows_per_device) for c in resumed] == [20, 20]
+    assert resumed[-1].epoch == pytest.approx(8 * 10 / 60)

@@ -258,8 +258,9 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
         ``checkpoint_every`` a multiple of its ``every``, a run killed and
         resumed continues exactly as if it had not stopped (its checks too,
         when ``checkpoint_every`` is a multiple of ``check_every``). The other
-        rules resume from the saved parameters; their center starts again
-        from the master's.
+        rules resume from the saved parameters and continue the step count
+        and the data order (an asynchronous rule's devices claim the steps
+        after the checkpoint's); their center starts again from the master's.
 
     Returns
     -------

@@ -102,6 +102,10 @@ class Center:
             self.words[self.CLAIMED] = unit + 1
             return unit
 
+    def start_claims_at(self, unit):
+        """The creator, before any device claims: the first unit claimed is ``unit``."""
+        self.words[self.CLAIMED] = unit
+
     def count_exchange(self):
         with self._held(self._claim_lock):
             self.words[self.EXCHANGES] += 1

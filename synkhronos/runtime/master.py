@@ -804,7 +804,7 @@ class State:
         if not spec.rule.asynchronous:
             self.comm.reserve(self._loop_reservation(spec))
         elif spec.loop_id not in self._centers and spec.loop_id not in self._loops:  # before workers map it
-            self._centers[spec.loop_id] = self._new_center(spec)
+            self._centers[spec.loop_id] = self._new_center(spec, first)
         self._channel.send_pickled(dict(spec=spec, phase=phase, first=first, last=last))
 
         def master_loop():
@@ -847,11 +847,14 @@ class State:
                       for uid in spec.synced_uids]
         return values
 
-    def _new_center(self, spec):
-        """The loop's central parameters, made from the master's values."""
+    def _new_center(self, spec, first):
+        """The loop's central parameters, made from the master's values, its claims starting at
+        global step ``first`` (a resumed run's)."""
         from ..rank.center import Center
-        return Center.of(spec.center, [self.shared_by_uid(uid) for uid in spec.synced_uids],
-                         create=True, check=self._channel.check_during_collective)
+        center = Center.of(spec.center, [self.shared_by_uid(uid) for uid in spec.synced_uids],
+                           create=True, check=self._channel.check_during_collective)
+        center.start_claims_at(first * self.n_parallel)
+        return center
 
     def _loop_reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
