@@ -265,3 +265,8 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
         assert "a call of f" in got["error"] and "a call of g" in got["error"], got
         assert "same synkhronos calls in the same order" in got["error"], got
         assert got["after"] == 12.0, got           # the next identical call works on both
+        # the same function on other rows, other indices or other Data: named, on both nodes
+        rows, indices, data = (got["errors"][k] for k in ("rows", "indices", "data"))
+        assert "rows 0:5" in rows and "rows 0:2" in rows, got
+        assert indices and "3 indices (digest" in indices, got
+        assert data and "data" in data, got

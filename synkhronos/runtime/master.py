@@ -612,8 +612,12 @@ class State:
 
     # --- several nodes ----------------------------------------------------------------------
     def _call_name(self, plan):
-        """What a call is called in the exchange of its results: ``("a call of", name)``."""
-        return ("a call of", self._specs[plan.fid].name)
+        """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
+
+        Nodes calling the same function on other rows or other data both raise
+        NodesDiverged, naming both calls.
+        """
+        return ("a call of", self._specs[plan.fid].name, f"({plan.arguments_text()})")
 
     def rows_of_every_node(self, rows):
         """The rows of every node's batch together (each node's own count on one node)."""

@@ -29,6 +29,12 @@ class InputRef:
     shape: tuple
 
 
+def _digest(indices):
+    """A short digest of an index array (which node drew which batch)."""
+    import hashlib
+    return hashlib.blake2b(np.ascontiguousarray(indices).view(np.uint8), digest_size=4).hexdigest()
+
+
 def put_batch(words, batch):
     """Encode a Batch (its indices live in the index segment at ``batch.index_offset``)."""
     words.put(*_batch_words([], batch))
@@ -81,6 +87,34 @@ class CallPlan:
         plan = copy.copy(self)
         plan.batch, plan._words = batch, None
         return plan
+
+    def arguments_text(self):
+        """What the call computes on, in words every node compares (see ``State.run_call``).
+
+        The batch (a range, or so many indices and their digest), each input's
+        Data and shape, ``num_slices``, the outputs selected; a node-local
+        call (each node's own shard) leaves its batch and shapes out, which
+        differ between nodes by design.
+
+        Examples
+        --------
+        >>> plan = CallPlan(0, 1, Batch(23, 0, 23), [0], [InputRef(4, 0, 1, 0, (30, 2))], [])
+        >>> plan.arguments_text()
+        'rows 0:23 of data 4 (30, 2), num_slices 1, outputs [0]'
+        """
+        text = f"num_slices {self.num_slices}, outputs {self.subset}"
+        if self.local:
+            return text
+        batch = self.batch
+        rows = f"rows {batch.start}:{batch.stop}" if batch.is_range else \
+            f"{batch.total} indices (digest {_digest(batch.indices)})"
+        inputs = ", ".join(f"data {ref.data_id} {tuple(ref.shape)}" for ref in self.scattered)
+        if self.bcast:
+            inputs += "; whole: " + ", ".join(f"data {ref.data_id} {tuple(ref.shape)}"
+                                              for ref in self.bcast)
+        sliced = "" if not self.sliced else ", batch_s " + " ".join(
+            f"{b.start}:{b.stop}" if b.is_range else f"{b.total}@{_digest(b.indices)}" for b in self.sliced)
+        return f"{rows} of {inputs}{sliced}, {text}"
 
     def ranks(self, rank, n_ranks, local_rank, n_local):
         """The (rank, count) this plan's rows are split by: the node's own for a local plan."""

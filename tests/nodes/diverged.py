@@ -1,5 +1,6 @@
-"""Run on two nodes (``... diverged.py OUT``): node 0 calls ``f``, node 1 calls ``g``; each writes the
-error it got to OUT/node<R>.json, then both close."""
+"""Run on two nodes (``... diverged.py OUT``): node 0 calls ``f``, node 1 calls ``g``; then both call
+``f`` on other rows, other indices and other Data. Each node writes the errors it got to
+OUT/node<R>.json, then both close."""
 
 import json
 import os
@@ -24,6 +25,17 @@ try:
 except synk.NodesDiverged as e:
     error = str(e)
 after = float(np.asarray(f(x_data)).ravel()[0])     # both go on in step again
+other_data = synk.data(np.full((6, 2), 2.0))
+differing = {"rows": dict(batch=slice(0, 5) if node == 0 else slice(0, 2)),
+             "indices": dict(batch=np.array([0, 1, 2]) if node == 0 else np.array([3, 4, 5])),
+             "data": dict(data=x_data if node == 0 else other_data)}
+errors = {}
+for what, kwargs in differing.items():
+    try:
+        f(kwargs.pop("data", x_data), **kwargs)
+        errors[what] = None
+    except synk.NodesDiverged as e:
+        errors[what] = str(e)
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
-    json.dump(dict(error=error, after=after), fh)
+    json.dump(dict(error=error, after=after, errors=errors), fh)
 synk.close()
