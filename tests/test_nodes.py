@@ -95,7 +95,7 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
     nodes = run_same_results(tmp_path, 2, per_node, private_shm)
     one = run_same_results(tmp_path, 1, 2 * per_node, private_shm)[0]
     for key in one:
-        if key.startswith("ref_") or key.endswith("_own_ranks") or key == "async_refused":
+        if key.startswith("ref_") or key == "async_refused":
             continue
         for node, got in enumerate(nodes):     # every master gets the same result, the one-node one
             if not key.startswith("sharded_"):     # (node shards: each layout its own rows)
@@ -106,7 +106,8 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
                                            err_msg=f"{key} on node {node} against one process")
     for node, got in enumerate(nodes):
         assert bool(got["restored_params"]), f"node {node} restored other parameters"
-        for key in ("all_reduce_sum_own_ranks", "broadcast_own_ranks", "restored_own_ranks"):
+        for key in ("all_reduce_sum_every_rank", "broadcast_every_rank", "restored_every_rank",
+                    "get_value_every_rank"):
             np.testing.assert_array_equal(got[key], got[f"ref_{key}"], err_msg=f"{key} on node {node}")
         assert "cannot span 2 nodes" in str(got["async_refused"]), got["async_refused"]
     assert str(one["async_refused"]) == ""

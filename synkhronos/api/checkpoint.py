@@ -93,8 +93,8 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     except TypeError as e:
         raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
                         f"lists and dicts") from None
-    local = [[np.asarray(v) for v in state.get_values(rank, variables)]       # by local rank
-             for rank in state.topology.ranks_of(state.topology.node_rank)]
+    local = [[np.asarray(v) for v in state.local_values(rank, variables)]     # by local rank
+             for rank in range(state.n_local)]
     values_of, replicated = _values_on_every_rank(state, local, len(variables))
     tensors, layout = {}, []
     for i, var in enumerate(variables):

@@ -388,6 +388,9 @@ def _gather(state, vars_, keep, nd_up):
 def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
     """Return the value(s) of shared variable(s) on device ``rank`` (master included).
 
+    On several nodes ``rank`` is global and every node makes the same call: each
+    gets the values of ``rank``, which the node holding it sends.
+
     Examples
     --------
     >>> w1 = synk.get_value(1, w)       # doctest: +SKIP
@@ -403,7 +406,9 @@ def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
 def set_value(rank: int, shared_vars: Shareds, values, batch=None) -> None:
     """Set the value(s) of shared variable(s) on device ``rank`` only.
 
-    ``batch`` (int, slice or index list) selects rows of each value first.
+    ``batch`` (int, slice or index list) selects rows of each value first. On
+    several nodes ``rank`` is global and every node makes the same call; the
+    node holding ``rank`` applies its ``values``.
     """
     state = current()
     rank = _check_rank(state, rank)

@@ -725,9 +725,22 @@ class State:
         return [[ordered[r][i] for r in range(self.n_parallel)] for i in range(len(vars_))]
 
     def get_values(self, rank, vars_):
-        """The values of ``vars_`` on ``rank``, as numpy arrays."""
+        """The values of ``vars_`` on global ``rank``, as numpy arrays, on every node.
+
+        On several nodes every node makes the same call; the node holding
+        ``rank`` reads the values and the others receive them through the
+        coordination service's exchange.
+        """
         self.ensure_shipped()
-        rank = self._local_rank_of(rank, "get_value")
+        t = self.topology
+        owner = t.node_of(rank)
+        values = self.local_values(t.local_of(rank), vars_) if owner == t.node_rank else None
+        if self.nodes is not None:
+            values = self.nodes.exchange(("get_value", int(rank)), values)[owner]
+        return values
+
+    def local_values(self, rank, vars_):
+        """The values of ``vars_`` on this node's local ``rank`` (no other node takes part)."""
         if rank == self.local_master:
             return [np.array(v.get_value()) for v in vars_]
         self._channel.send_pickled(self.uids_of(vars_))
@@ -735,9 +748,15 @@ class State:
         return self._channel.read_result_arrays(rank)
 
     def set_values(self, rank, vars_, arrays):
-        """Set ``vars_`` to ``arrays`` on ``rank`` only."""
+        """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).
+
+        On several nodes every node makes the same call; the others do nothing.
+        """
         self.ensure_shipped()
-        rank = self._local_rank_of(rank, "set_value")
+        t = self.topology
+        if t.node_of(rank) != t.node_rank:
+            return
+        rank = t.local_of(rank)
         if rank == self.local_master:
             for var, arr in zip(vars_, arrays):
                 var.set_value(arr)
@@ -745,16 +764,6 @@ class State:
         else:
             self._channel.send_pickled(dict(zip(self.uids_of(vars_), arrays)))
             self._channel.command(Op.SET_SHARED, ranks=[rank])
-
-    def _local_rank_of(self, rank, what):
-        """The local rank of global ``rank``, which must be on this node."""
-        t = self.topology
-        if t.node_of(rank) != t.node_rank:
-            raise ValueError(f"{what}: rank {rank} is on node {t.node_of(rank)}, and this is node "
-                             f"{t.node_rank} (ranks {t.offset} to {t.offset + t.n_local - 1}); a "
-                             f"master reaches its own node's ranks only: test synk.node_rank() "
-                             f"first, or move values between nodes with a collective")
-        return t.local_of(rank)
 
     # --- timeline ---------------------------------------------------------------------------
     def start_timeline(self):

@@ -69,11 +69,13 @@ for name, batch, rows in [("whole", None, np.arange(23)), ("indices", local_batc
 out["draws_first"], out["draws_second"] = draws(x_data)[0], draws(x_data)[0]
 
 # --- collectives over global ranks -------------------------------------------------------------------
-def own_ranks():
-    return range(node * n_local, (node + 1) * n_local)
+# every node makes the same calls: set_value(rank) is applied by the node holding the rank,
+# get_value(rank) returns that rank's value on every node
+def every_rank():
+    return range(n)
 
 def set_everywhere(var, value_of):
-    for rank in own_ranks():
+    for rank in every_rank():
         synk.set_value(rank, var, value_of(rank))
 
 expect_rank_values = np.stack([np.arange(5.0) + 10 * r + 1 for r in range(n)])
@@ -83,8 +85,11 @@ for op in ["sum", "avg", "max", "min", "prod"]:
     out[f"ref_reduce_{op}"] = getattr(np, "mean" if op == "avg" else op)(expect_rank_values, axis=0)
 set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)
 synk.all_reduce(s, op="sum")
-out["all_reduce_sum_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
-out["ref_all_reduce_sum_own_ranks"] = np.stack([expect_rank_values.sum(axis=0)] * n_local)
+out["all_reduce_sum_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
+out["ref_all_reduce_sum_every_rank"] = np.stack([expect_rank_values.sum(axis=0)] * n)
+set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)       # read back across nodes
+out["get_value_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
+out["ref_get_value_every_rank"] = expect_rank_values
 
 set_everywhere(s, lambda r: np.arange(5.0) + 10 * r + 1)
 out["gather"], out["ref_gather"] = synk.gather(s), expect_rank_values
@@ -93,12 +98,12 @@ out["gather_lengths"] = synk.gather(lengths, nd_up=0)
 out["ref_gather_lengths"] = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(n)])
 out["get_lengths"], out["ref_get_lengths"] = np.array(synk.get_lengths(lengths)), np.arange(1, n + 1)
 synk.all_gather(s)
-out["all_gather"], out["ref_all_gather"] = synk.get_value(node * n_local, s), expect_rank_values.ravel()
+out["all_gather"], out["ref_all_gather"] = synk.get_value(n - 1, s), expect_rank_values.ravel()
 
 s.set_value(np.full(5, 100.0 + node))          # node 0's master's value is the one broadcast
 synk.broadcast(s)
-out["broadcast_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
-out["ref_broadcast_own_ranks"] = np.full((n_local, 5), 100.0)
+out["broadcast_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
+out["ref_broadcast_every_rank"] = np.full((n, 5), 100.0)
 
 full = np.arange(2.0 * (2 * n + 3)).reshape(-1, 2)
 synk.scatter(scattered, full)
@@ -140,8 +145,8 @@ synk.broadcast(params)
 set_everywhere(s, lambda r: np.zeros(5))
 synk.checkpoint.restore(path, list(params) + [s])
 out["restored_params"] = np.array(all(np.array_equal(a, p.get_value()) for a, p in zip(saved, params)))
-out["restored_own_ranks"] = np.stack([synk.get_value(r, s) for r in own_ranks()])
-out["ref_restored_own_ranks"] = np.stack([np.arange(5.0) + r for r in own_ranks()])
+out["restored_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
+out["ref_restored_every_rank"] = np.stack([np.arange(5.0) + r for r in every_rank()])
 
 # --- a device-driven loop (synchronous), and the refusal of an asynchronous rule ------------------------
 for p, v in zip(params, init):
