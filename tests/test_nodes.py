@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import synk_segments
 from synkhronos.platform.cluster import find_node
 from synkhronos.runtime.processes import free_port
 
@@ -32,15 +33,16 @@ NO_NAMESPACES = _namespaces_work()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
 
 
-def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True):
+def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=None):
     """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes.
 
     With ``private_shm`` each node runs in a mount namespace of its own with a tmpfs /dev/shm;
     without, the nodes share /dev/shm (each runtime's segments have a prefix of their own).
+    ``only`` starts just those nodes (the others never come).
     """
     port = free_port()
     procs = []
-    for node in range(n_nodes):
+    for node in (range(n_nodes) if only is None else only):
         launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(n_nodes),
                   "--node-rank", str(node), "--coordinator", f"127.0.0.1:{port}",
                   "--devices-per-node", str(per_node), script] + [str(a) for a in args]
@@ -271,3 +273,32 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
         assert "rows 0:5" in rows and "rows 0:2" in rows, got
         assert indices and "3 indices (digest" in indices, got
         assert data and "data" in data, got
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("present", [0, 1])
+def test_a_node_whose_peer_never_starts_raises_in_time_and_leaves_nothing(tmp_path, present):
+    """Node 0 (which serves the coordination service) or node 1 alone: fork() raises a SynkError
+    naming the node that did not join, within its timeout and a few seconds."""
+    before = set(synk_segments())
+    procs = start_nodes(os.path.join(SCRIPTS, "alone.py"), [tmp_path, 3], 2, 1, tmp_path,
+                        private_shm=False, only=[present])
+    assert wait_all(procs, tmp_path, timeout=60) == [0], read_logs(tmp_path)
+    got = __import__("json").load(open(tmp_path / f"node{present}.json"))
+    assert got["type"] == "SynkError" and f"node {1 - present} did not join" in got["error"], got
+    assert got["seconds"] < 3 + 8, got           # JAX's client gives up 5 s after its deadline
+    assert not set(synk_segments()) - before
+    assert not processes_running("synkhronos/platform/coordination.py")
+
+
+def processes_running(text):
+    """PIDs of the processes whose command line holds ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if text.encode() in fh.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found

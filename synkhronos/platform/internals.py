@@ -28,12 +28,13 @@ correctness. Importing this module checks the installed versions against
 import contextlib
 import ctypes
 import importlib.metadata
+import os
 import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
            "detach_inherited_jax", "detect_jax_cluster", "distributed_client",
-           "service_served_elsewhere", "unsampleable_in_jax"]
+           "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax"]
 
 #: (lowest version, first version not supported) of each library whose internals are read here
 SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}
@@ -192,6 +193,49 @@ def service_served_elsewhere():
         yield
     finally:
         distributed._jax.get_distributed_runtime_service = make
+
+
+@contextlib.contextmanager
+def join_errors_raised():
+    """Within the block, a failed ``jax.distributed.initialize`` raises instead of ending the process.
+
+    JAX's coordination client reports its errors through a callback whose
+    default ends the process (``LOG(FATAL)``): a peer that never joins would
+    end this one with no Python exception and nothing cleaned up. The client
+    made in the block gets a callback that keeps the error until its
+    ``connect()`` has returned, so the failed join raises there; once joined,
+    an error ends the process as JAX's own callback does (a node declared lost
+    cannot rejoin).
+    """
+    from jax._src import distributed
+    make = distributed._jax.get_distributed_runtime_client
+    joined = []
+
+    def on_error(status):
+        if joined:
+            sys.stderr.write(f"Terminating process because the JAX distributed service detected "
+                             f"fatal errors: {status}\n")
+            sys.stderr.flush()
+            os.abort()
+
+    def client(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", on_error)
+        made = make(*args, **kwargs)
+        connect = made.connect
+
+        def connect_then_fatal():
+            connect()
+            joined.append(True)
+        try:
+            made.connect = connect_then_fatal
+        except AttributeError:       # a client whose methods cannot be replaced: join as JAX does
+            joined.append(True)
+        return made
+    distributed._jax.get_distributed_runtime_client = client
+    try:
+        yield
+    finally:
+        distributed._jax.get_distributed_runtime_client = make
 
 
 def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:

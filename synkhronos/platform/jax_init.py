@@ -173,7 +173,7 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # XLA sizes its CPU pool from the affinity when the client is made (inside initialize), and
     # ignores its thread flags; the pool's threads keep the binding, one core set per rank as MPI
     # binds its ranks
-    with cpu_tuning.on_cores(cores), served_elsewhere:
+    with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised():
         jax.distributed.initialize(
             coordinator_address=coordinator,
             coordinator_bind_address=coordinator,   # the given address only, never all interfaces

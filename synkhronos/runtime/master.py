@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,6 +215,7 @@ class State:
     def start(self):
         """Start the workers, wait until each is ready, then join the JAX runtime with them."""
         s, t = self.settings, self.topology
+        started = time.monotonic()          # fork(timeout=...) counts from here, the join included
         cores = jax_init.device_cores(s.platform, s.threads, self.local_master)
         self._channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                 s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
@@ -231,9 +233,26 @@ class State:
                 comm=class_path(self._comm_class), float_x=self.float_x(), threads=s.threads,
                 profile=bool(s.profile_workers)), env)
         self._channel.wait_done(self.worker_ranks, what="start-up")
-        jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
-                                    s.timeout, self.float_x(), threads=s.threads,
-                                    local_rank=self.local_master, n_local=self.n_local, cores=cores)
+        try:
+            jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
+                                        max(1.0, s.timeout - (time.monotonic() - started)),
+                                        self.float_x(), threads=s.threads,
+                                        local_rank=self.local_master, n_local=self.n_local,
+                                        cores=cores)
+        except Exception as e:
+            if not t.several_nodes:
+                raise
+            if self.service is not None:          # nobody joined it: nothing to wait for
+                self.service.stop(at_once=True)
+                self.service = None
+            others = [node for node in range(t.n_nodes) if node != t.node_rank]
+            missing = f"node {others[0]}" if len(others) == 1 else \
+                "some of nodes " + ", ".join(map(str, others))
+            raise SynkError(
+                f"{missing} did not join this runtime within fork(timeout={s.timeout:g}) seconds "
+                f"(node {t.node_rank} of {t.n_nodes}, coordinator {coordinator}): start the same "
+                f"script on every node with its --node-rank, or give fork() a longer timeout; "
+                f"nothing of this node's runtime is left ({type(e).__name__}: {e})") from None
         if t.several_nodes:
             self.nodes = NodeLink(t, self._check_during_collective, s.stall_timeout, self.abort)
             self._check_nodes_agree()
