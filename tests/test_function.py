@@ -1,5 +1,7 @@
 """Distributed functions against the single-process PyTensor function (as_pytensor)."""
 
+import time
+
 import jax
 import numpy as np
 import pytensor
@@ -489,3 +491,14 @@ def test_an_update_after_an_all_reduce_leaves_the_other_reduced_values_alone(syn
         per_rank = [(np.full(n, float(rank)), u_avg) for rank in range(synk2.n_parallel)]
         for rank, (a, b) in enumerate(per_rank):
             synk.set_value(rank, [w, u], [a, b])
+
+
+def test_more_slices_than_rows_means_one_row_a_slice(synk2, rng):
+    """num_slices=10**9 on 10 rows computes one row a slice, at once."""
+    x = pt.matrix("x")
+    f = synk.function([x], [(x.sum(), "sum"), (x.max(), "max")], name="many_slices")
+    X = rng.normal(size=(10, 3))
+    start = time.perf_counter()
+    for ours, theirs in zip(f(X, num_slices=10**9), f(X, num_slices=5)):
+        close(ours, theirs)
+    assert time.perf_counter() - start < 30

@@ -325,7 +325,8 @@ class Function:
         batch_s : optional
             Rows of the sliceable shared variables (see ``sliceable_shareds``).
         num_slices : int
-            Each rank computes its share in this many slices and accumulates.
+            Each rank computes its share in this many slices and accumulates
+            (at most one slice per row: a larger number means one row a slice).
         output_subset : list of int, optional
             Indices of the outputs to compute and return.
         """

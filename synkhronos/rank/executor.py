@@ -70,6 +70,7 @@ def _share(plan, rank, n_ranks):
         lo, hi, n_slices = 0, 1, 1
     counts_rows = bool(plan.scattered) or sliced is not None
     rows = 0 if hi == lo else (hi - lo) if counts_rows else 1
+    n_slices = min(n_slices, max(hi - lo, 1))    # at most a slice per row
     one_range = plan.batch.is_range and sliced is None and min(n_slices, hi - lo) == 1
     cuts = tuple((ref, plan.batch.start + lo - ref.offset, plan.batch.start + hi - ref.offset)
                  for ref in plan.scattered) if one_range else None
