@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytensor
+import pytensor.tensor as pt
 import pytest
 
 import synkhronos as synk
@@ -420,3 +421,22 @@ def test_on_check_stops_the_run_and_the_history_plots(model, rng, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
     with pytest.raises(RuntimeError, match="run has ended"):
         history.center_values()
+
+
+def test_input_that_cannot_run_is_refused_before_the_loop_and_the_runtime_stays(model, rng):
+    step, params, init = model
+    x_np, y_np = digits_like(rng)
+    with pytest.raises(ValueError, match="seed must be a whole number >= 0"):
+        train.run(step, x_np, y_np, BATCH, steps=2, seed=-1)
+    with pytest.raises(TypeError, match="declared with shape"):   # a declared width: checked as in a call
+        train.run(step, x_np[:, :5], y_np, BATCH, steps=2)
+    x, y = pt.matrix("x_free"), pt.vector("y_free")               # a width only the graph knows
+    w = pytensor.shared(np.zeros(6), name="w_free")
+    free = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd,
+                                     learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"cannot run on the data given \(x_free \(203, 5\)"):
+        train.run(free, x_np[:, :5], y_np * 1.0, BATCH, steps=2)     # one feature short of w
+    assert master.active() is not None
+    train.run(free, x_np, y_np * 1.0, BATCH, steps=2)
+    reset(params, init, step)
+    train.run(step, x_np, y_np, BATCH, steps=2)

@@ -291,6 +291,8 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
         raise ValueError(f"every input and target needs one row per example: {train_fn.inputs[0]} "
                          f"has {n_rows} rows, but {uneven}")
     _check_batch_size(batch_size, n_rows, state.n_parallel)
+    _check_seed(seed)
+    _check_step_traces(f_grad, train_fn, refs, batch_size, state.n_parallel)
     per_epoch = steps_per_epoch(n_rows, batch_size)
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if check_every is None else check_every
@@ -423,6 +425,28 @@ def _check_batch_size(batch_size, n_rows, n_devices):
         raise ValueError(f"the last step of every epoch would have {left} rows for {n_devices} "
                          f"devices ({n_rows} rows, batch_size {batch_size}): every device needs a "
                          f"row; choose a batch_size that leaves none or at least {n_devices}")
+
+
+def _check_seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
+                         f"epoch's order), got {seed!r}")
+
+
+def _check_step_traces(f_grad, train_fn, refs, batch_size, n_devices):
+    """Trace the master's share of a first step: data that does not fit the graph raises here.
+
+    Inside the loop the same error would leave devices mid-step, and the
+    runtime would have to be shut down.
+    """
+    rows = max(1, batch_size // n_devices)
+    shapes = [(rows,) + tuple(ref.shape[1:]) for ref in refs] + [()]
+    try:
+        f_grad.compiled.check_traces(shapes)
+    except Exception as e:
+        given = ", ".join(f"{var} {tuple(ref.shape)}" for var, ref in zip(train_fn.inputs, refs))
+        raise ValueError(f"the training step cannot run on the data given ({given}): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def _total_steps(steps, epochs, per_epoch):

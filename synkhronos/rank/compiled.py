@@ -434,6 +434,45 @@ class CompiledFunction:
         self.by_rows = True
         return result
 
+    def check_traces(self, arg_shapes):
+        """Trace the graph for arguments of ``arg_shapes`` without computing; raise what tracing raises.
+
+        What a call with arguments of those shapes would raise at its first
+        step (a width that does not fit a weight, say), found in this process
+        before any rank starts (``train.run`` checks the master's first share
+        so). A graph that needs concrete shapes is checked as it would run:
+        rebuilt for these shapes.
+        """
+        free_rows = None
+        if not self.by_rows and self.function is not None:
+            try:
+                return self._trace(self.function, arg_shapes)
+            except Exception as e:
+                if not self._row_args:
+                    raise
+                free_rows = e
+        runner = self._for_shapes([arg_shapes[i] for i in self._row_args], True)
+        try:
+            self._trace(getattr(runner, "fn", None), arg_shapes)
+        except Exception:
+            if free_rows is not None:
+                raise free_rows from None
+            raise
+
+    @staticmethod
+    def _trace(fn, arg_shapes):
+        import jax
+        parts = jit_parts(fn) if fn is not None else None
+        if parts is None:
+            return
+        types = [inp.variable.type for inp in fn.maker.inputs if not inp.implicit]
+
+        def abstract(value):
+            return jax.ShapeDtypeStruct(np.shape(value), getattr(value, "dtype", np.asarray(value).dtype))
+        avals = [jax.ShapeDtypeStruct(tuple(shape), t.dtype) for shape, t in zip(arg_shapes, types)]
+        avals += [jax.tree_util.tree_map(abstract, cell[0]) for cell in parts.cells[parts.n_args:]]
+        jax.eval_shape(parts.jit, *avals)
+
     def run(self, args):
         """Run once, applying updates."""
         if self.by_rows:
