@@ -1,8 +1,12 @@
 """Named POSIX shared-memory segments, and growable segments addressed by generation.
 
 Every segment of one runtime is named ``<prefix>_<kind><generation>`` where the
-prefix holds 64 random bits, so names cannot be guessed from outside the
-process group; segments are created with owner-only permissions (0600).
+prefix holds the master's pid and start time and 64 random bits, so names
+cannot be guessed from outside the process group; segments are created with
+owner-only permissions (0600). The pid and start time tell whose a segment is:
+a run killed whole (its resource trackers too) leaves its segments, and
+:func:`stale_segments` finds them, the master's process being gone (a pid
+reused by another process has another start time).
 
 We map segments with :mod:`mmap` over ``_posixshmem`` (what
 :class:`multiprocessing.shared_memory.SharedMemory` uses underneath) instead of
@@ -19,6 +23,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import secrets
 import time
 from multiprocessing import resource_tracker
@@ -27,16 +32,75 @@ import _posixshmem
 import numpy as np
 
 __all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "Semaphore", "unlink",
-           "SEMAPHORE_BYTES"]
+           "SEMAPHORE_BYTES", "stale_segments", "remove_stale_segments", "SEGMENT_DIRECTORY"]
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
 
+#: where the system lists POSIX shared-memory segments (Linux); elsewhere nothing is swept
+SEGMENT_DIRECTORY = "/dev/shm"
+_NAME = re.compile(r"^synk_(\d+)_(?:(\d+)_)?[0-9a-f]{16}_")
+
+
 def new_prefix():
-    """Return a fresh, unguessable name prefix for one runtime's segments."""
-    return f"synk_{os.getpid()}_{secrets.token_hex(8)}"
+    """Return a fresh, unguessable name prefix for one runtime's segments: its master's pid and
+    start time, and 64 random bits."""
+    pid = os.getpid()
+    return f"synk_{pid}_{_started(pid) or 0}_{secrets.token_hex(8)}"
+
+
+def _started(pid):
+    """When process ``pid`` started (clock ticks since boot, from /proc), or None if it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def stale_segments(directory=SEGMENT_DIRECTORY):
+    """The names of the synkhronos segments whose master no longer runs (a run killed whole).
+
+    A segment is its master's while a process with the pid in its name runs
+    and started when the name says (a name without a start time: while the pid
+    runs). Nothing is listed where ``directory`` does not exist.
+
+    Examples
+    --------
+    >>> any(name.startswith(new_prefix()[:12]) for name in stale_segments())    # never our own
+    False
+    """
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        found = _NAME.match(name)
+        if found is None:
+            continue
+        pid, start = int(found.group(1)), found.group(2)
+        running = _started(pid)
+        if running is None or (start is not None and int(start) and running != int(start)):
+            stale.append(name)
+    return stale
+
+
+def remove_stale_segments(directory=SEGMENT_DIRECTORY):
+    """Unlink every segment :func:`stale_segments` lists; return the names removed.
+
+    A segment another user owns, or one already gone, is left to its owner.
+    """
+    removed = []
+    for name in stale_segments(directory):
+        try:
+            if unlink(name):
+                removed.append(name)
+        except PermissionError:
+            continue
+    return removed
 
 
 def unlink(name, tracked=False):

@@ -325,3 +325,54 @@ def test_listens_on_loopback_only_and_segments_are_private(synk2):
     for name in mine:
         mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
         assert mode == 0o600, (name, oct(mode))
+
+
+@pytest.mark.timeout(120)
+def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_path):
+    """kill -9 of the whole process group (master, workers, resource trackers) leaves the run's
+    segments; the cleanup command lists them, and the next fork() removes them, never a live run's."""
+    script = tmp_path / "killed_whole.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, numpy as np, synkhronos as synk
+        synk.fork(2)
+        d = synk.data(np.ones((1000, 100)))
+        open(sys.argv[1], "w").write("ready")
+        time.sleep(600)
+    """))
+    marker = tmp_path / "ready"
+    before = set(synk_segments())
+    proc = subprocess.Popen([sys.executable, str(script), str(marker)], start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert marker.exists()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    left = set(synk_segments()) - before
+    assert left, "a run killed whole leaves its segments"
+    listed = subprocess.run([sys.executable, "-m", "synkhronos.cleanup", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert set(listed.stdout.split()) >= left and f"{len(left)} segment(s)" in listed.stdout
+    assert left <= set(synk_segments())                      # a dry run removes nothing
+    other = subprocess.Popen([sys.executable, str(script), str(tmp_path / "other")],   # a live run
+                             start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (tmp_path / "other").exists() and time.time() < deadline + 60:
+            time.sleep(0.1)
+        live = set(synk_segments()) - before - left
+        assert live
+        if master.active() is not None:
+            synk.close()
+        synk.fork(N_PARALLEL)                                    # sweeps what the killed run left
+        assert not left & set(synk_segments()) and live <= set(synk_segments())
+        removed = subprocess.run([sys.executable, "-m", "synkhronos.cleanup"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+        assert "segment(s) removed" in removed.stdout and live <= set(synk_segments())
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()
+        subprocess.run([sys.executable, "-m", "synkhronos.cleanup"], cwd=ROOT, timeout=60)

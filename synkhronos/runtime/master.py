@@ -32,7 +32,7 @@ from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..rank.collectives import prepare_collective
 from ..rank.executor import run_share, run_update
-from ..shmem import new_prefix
+from ..shmem import new_prefix, remove_stale_segments
 from ..wire.collective import KIND_NAMES, shapes_of
 from ..wire.control import ARGS, STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
@@ -917,6 +917,9 @@ def begin(settings):
     """
     if _life.state is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
+    removed = remove_stale_segments()       # of runs killed whole, their trackers too
+    if removed:
+        log.info("removed %d shared-memory segments of runs that no longer run", len(removed))
     _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
                               if k not in _user_environment})
     jax_init.configure_environment(os.environ, settings.platform, settings.threads)
