@@ -121,3 +121,42 @@ def test_the_timeline_is_off_unless_asked(synk2):
     synk.distribute()
     f(np.arange(4.0))
     assert trace.stop() == []
+
+
+def test_one_timeline_at_a_time_a_checked_path_and_the_users_exception_kept(synk2, tmp_path):
+    x = pt.matrix("x")
+    f = synk.function([x], (x.sum(), "sum"), name="f_one_timeline")
+    outer = tmp_path / "outer.json"
+    with synk.timeline(outer):
+        f(np.ones((4, 2)))
+        with pytest.raises(RuntimeError, match="recording already"):
+            with synk.timeline(tmp_path / "inner.json"):
+                pass
+        errors = []
+
+        def other_thread():
+            try:
+                with synk.timeline(tmp_path / "thread.json"):
+                    pass
+            except RuntimeError as e:
+                errors.append(e)
+        import threading
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert errors and "recording already" in str(errors[0])
+        f(np.ones((4, 2)))
+    spans = [e for e in json.load(open(outer))["traceEvents"] if e.get("name") == "f_one_timeline"]
+    assert len(spans) == 2                               # the outer recording kept both calls
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        with synk.timeline(tmp_path / "missing" / "trace.json"):
+            pytest.fail("the block must not run")
+    assert not trace.on
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    with pytest.warns(synk.SynkWarning, match="could not be written"):
+        with pytest.raises(KeyError, match="the user's"):
+            with synk.timeline(gone / "trace.json"):
+                gone.rmdir()                         # the file cannot be written at the end
+                raise KeyError("the user's")
+    f(np.ones((4, 2)))

@@ -11,8 +11,10 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
+from .. import trace
 from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
+from ..errors import SynkWarning
 from ..platform import cluster, jax_init
 from ..runtime import master
 from ..runtime.master import Settings, current, serialized
@@ -128,7 +130,7 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     state = master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
                                   spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
                                   collectives=implementation,
-                                  timeline=None if timeline is None else os.fspath(timeline),
+                                  timeline=None if timeline is None else _writable(timeline),
                                   topology=topology))
     if timeline is not None:
         state.start_timeline()
@@ -175,21 +177,57 @@ def timeline(path: str) -> Iterator[None]:
     (ui.perfetto.dev) or ``chrome://tracing``. Recording costs a few
     timestamps per span; when off, nothing.
 
+    One timeline records at a time: a block inside another, a block in a
+    second thread, or a block while ``fork(timeline=...)`` records raises
+    ``RuntimeError``. The path is checked when the block starts. An exception
+    raised in the block is never replaced by a failure to write the file (that
+    becomes a warning).
+
     Examples
     --------
     >>> with synk.timeline("trace.json"):          # doctest: +SKIP
     ...     for idx in batches:
     ...         train(x_data, y_data, batch=idx)
     """
+    path = _writable(path)
     with master.lock():
         state = current()
+        if trace.on:
+            raise RuntimeError("a timeline is recording already (a `with synk.timeline(...)` block, "
+                               "in this thread or another, or fork(timeline=...)); one records at a "
+                               "time: end it first, or record the whole run with one block")
         state.start_timeline()
+    raised = False
     try:
         yield
+    except BaseException:
+        raised = True
+        raise
     finally:
         with master.lock():
             if state.is_open:
-                state.write_timeline(os.fspath(path))
+                try:
+                    state.write_timeline(path)
+                except Exception as e:
+                    if not raised:
+                        raise
+                    # the block's own exception is the one the user needs: it is not replaced
+                    warnings.warn(f"the timeline could not be written to {path} ({type(e).__name__}: "
+                                  f"{e})", SynkWarning, stacklevel=3)
+
+
+def _writable(path):
+    """``path`` as a string, once a timeline can be written there (else raise, before recording)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"the timeline's directory {directory} does not exist; make it "
+                                f"first, or give another path")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"the timeline's path {path} is a directory; give a file name")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"the timeline cannot be written to {path}: no permission")
+    return path
 
 
 def close() -> None:
