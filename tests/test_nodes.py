@@ -183,7 +183,7 @@ def _alive(pid):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("doing,per_node,victim", [("call", 1, 1), ("all_reduce", 1, 1),
                                                    ("all_reduce", 2, 1), ("call", 1, 0),
-                                                   ("all_reduce", 2, 0)])
+                                                   ("all_reduce", 2, 0), ("run", 1, 1)])
 def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing, per_node, victim):
     """Node ``victim``'s master kills itself; the other node names it. Node 0 also serves the
     coordination service, so its death takes that with it."""

@@ -851,7 +851,13 @@ class State:
 
         def local():
             loop = master_loop()
-            return loop.finish() if phase == "finish" else loop.run(first, last)
+            try:
+                return loop.finish() if phase == "finish" else loop.run(first, last)
+            except Exception as e:
+                if self.nodes is None or isinstance(e, SynkError):
+                    raise
+                # a collective across nodes failed: a lost node is named, as in a call
+                self.nodes.raise_dead_node("train.run across nodes", e)
         threaded = not self.comm.waits_in_python and not spec.rule.asynchronous
         if trace.on:
             trace.begin("loop", f"train.run {phase}")
