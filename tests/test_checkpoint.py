@@ -82,6 +82,9 @@ def test_restore_misuse_is_refused(synk2, tmp_path):
     with pytest.raises(ValueError, match="holds 'w' where 'v' was given"):
         synk.checkpoint.restore(path, [v, w])
     other = pytensor.shared(np.zeros(5), name="w")
+    with pytest.raises(ValueError, match="not used by any synk.function"):
+        synk.checkpoint.restore(path, [other, v])
+    synk.function([], updates=[(other, other * 1.0)])
     with pytest.raises(ValueError, match=r"holds w as float64\[3, 4\] but it is float64\[5\] now"):
         synk.checkpoint.restore(path, [other, v])
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
@@ -249,3 +252,47 @@ def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rn
     # positions 40 to 79 of the epochs' orders
     assert [sum(c.rows_per_device) for c in resumed] == [20, 20]
     assert resumed[-1].epoch == pytest.approx(8 * 10 / 60)
+
+
+def test_damaged_files_paths_and_arguments_are_named(synk2, tmp_path):
+    f, w, v = small_function(seed=3)
+    synk.distribute()
+    path = str(tmp_path / "ck.safetensors")
+    stray = pytensor.shared(np.zeros(2), name="stray")          # no function uses it
+    with pytest.raises(ValueError, match="stray is not used by any synk.function"):
+        checkpoint.save(path, [w, stray])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.save(str(tmp_path / "nowhere" / "ck.safetensors"), [w])
+    with pytest.raises(TypeError, match="step must be a whole number"):
+        checkpoint.save(path, [w], step="abc")
+    open(path + ".partial", "wb").write(b"left by a killed save")      # reused, then renamed
+    open(path + ".tmp1a2b", "wb").write(b"left by a killed save")      # removed
+    checkpoint.save(path, [w, v], step=np.int64(5))
+    assert sorted(os.listdir(tmp_path)) == ["ck.safetensors"]
+    assert checkpoint.restore(path, [w, v])["step"] == 5
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[:len(raw) // 2])                       # truncated
+    with pytest.raises(ValueError, match=f"{path} is not a readable checkpoint"):
+        checkpoint.restore(path, [w, v])
+    open(path, "wb").write(raw.replace(b'per_rank', b'per_runk'))       # a damaged metadata key
+    with pytest.raises(ValueError, match=f"{path} is not a readable checkpoint"):
+        checkpoint.restore(path, [w, v])
+    changed = bytearray(raw)
+    changed[-3] ^= 0xFF                                               # a data byte changed
+    open(path, "wb").write(bytes(changed))
+    with pytest.raises(ValueError, match=r"the data of 'v' .* do not match their checksum"):
+        checkpoint.restore(path, [w, v])
+    assert master.active() is not None
+
+
+def test_resuming_past_the_end_says_so(synk2, rng, tmp_path):
+    from test_extensions import mlp
+    x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
+    X, y, loss, params, _ = mlp(seed=14)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
+    synk.distribute()
+    train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2)
+    with pytest.warns(synk.SynkWarning, match="at step 4, at or past this run's end"):
+        history = train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path,
+                            checkpoint_every=2, resume=True)
+    assert len(history) == 0

@@ -16,6 +16,7 @@ Examples
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Sequence
@@ -55,7 +56,16 @@ def _check_variables(variables):
         if randomness.is_generator(var):
             raise TypeError(f"{var} is a random generator; checkpoints hold tensors only (its draws "
                             f"restart from its seed)")
+    collectives.resolve_shareds(variables)       # each known to the devices: as collectives refuse
     return variables
+
+
+def _check_step(step):
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"step must be a whole number (or None), got {step!r}")
+    return int(step)
 
 
 def _key(i, var):
@@ -87,7 +97,13 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     every node reads (or copied there).
     """
     state = current()
+    path = os.fspath(path)
     variables = default_variables() if variables is None else _check_variables(variables)
+    step = _check_step(step)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"the checkpoint's directory {directory} does not exist; make it "
+                                f"first (os.makedirs)")
     try:
         extra_text = json.dumps(extra)
     except TypeError as e:
@@ -105,11 +121,13 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
             for rank, value in enumerate(values_of(i)):
                 tensors[f"{key}@{rank}"] = np.array(value)
         layout.append(dict(key=key, name=var.name, per_rank=not replicated[i]))
-    meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout)
+    #: a digest of every tensor's bytes: a file whose data changed is refused when read
+    checksums = {key: _checksum(value) for key, value in tensors.items()}
+    meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout,
+                checksums=checksums)
     if state.topology.node_rank == 0:             # one writer: node 0's master
         try:
-            _write_atomically(os.fspath(path), tensors, {_META_KEY: json.dumps(meta),
-                                                         "extra": extra_text})
+            _write_atomically(path, tensors, {_META_KEY: json.dumps(meta), "extra": extra_text})
         except Exception as e:
             _tell_nodes(state, f"failed: {type(e).__name__}: {e}")
             raise
@@ -154,9 +172,18 @@ def _tell_nodes(state, outcome):
         raise RuntimeError(f"node 0 could not write the checkpoint ({outcomes[0]})")
 
 
+def _checksum(value):
+    import hashlib
+    return hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).hexdigest()
+
+
 def _write_atomically(path, tensors, metadata):
+    """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
+    flush it to disk, then rename it over ``path``."""
     from safetensors.numpy import save_file
     partial = path + ".partial"
+    for left in glob.glob(glob.escape(path) + ".tmp*"):     # what other writers' kills left
+        os.remove(left)
     save_file(tensors, partial, metadata=metadata)
     with open(partial, "rb+") as fh:
         os.fsync(fh.fileno())
@@ -169,16 +196,41 @@ def _write_atomically(path, tensors, metadata):
 
 
 def read(path):
-    """``(metadata, extra, tensors)`` of the checkpoint at ``path`` (no runtime needed)."""
+    """``(metadata, extra, tensors)`` of the checkpoint at ``path`` (no runtime needed).
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError``, naming
+    the file (and the variable), for one that is damaged: truncated, with a
+    broken header, or with data whose checksum does not match.
+    """
     from safetensors import safe_open
+    path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
-    with safe_open(os.fspath(path), "np") as fh:
-        header = fh.metadata() or {}
-        if _META_KEY not in header:
-            raise ValueError(f"{path} is a safetensors file but not a synkhronos checkpoint")
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    return json.loads(header[_META_KEY]), json.loads(header.get("extra", "null")), tensors
+    try:
+        with safe_open(path, "np") as fh:
+            header = fh.metadata() or {}
+            if _META_KEY not in header:
+                raise ValueError(f"{path} is a safetensors file but not a synkhronos checkpoint")
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        meta, extra = json.loads(header[_META_KEY]), json.loads(header.get("extra", "null"))
+        layout, checksums = meta["variables"], meta.get("checksums")
+        for entry in layout:
+            missing = {"key", "name", "per_rank"} - set(entry)
+            if missing:
+                raise KeyError(f"an entry of the layout lacks {sorted(missing)}")
+    except ValueError as e:
+        if str(e).startswith(path):
+            raise
+        raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated: {e})") from None
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated: "
+                         f"{type(e).__name__}: {e})") from None
+    for key, expected in (checksums or {}).items():
+        if key not in tensors or _checksum(tensors[key]) != expected:
+            name = next((entry["name"] for entry in layout if key.split("@")[0] == entry["key"]), key)
+            raise ValueError(f"{path}: the data of {name!r} ({key}) do not match their checksum; "
+                             f"the file was changed or damaged after it was written")
+    return meta, extra, tensors
 
 
 @serialized

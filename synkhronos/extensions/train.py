@@ -21,6 +21,7 @@ from ..api import checkpoint, collectives
 from ..api.function import function
 from ..api.data import data
 from ..api.step import Step
+from ..errors import SynkWarning
 from ..runtime.master import current, serialized
 from ..scatter import batch_from_spec, parse_batch_s
 from ..wire.loop import LoopSpec, epoch_order, steps_per_epoch
@@ -310,6 +311,10 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
     phase = serialized(state.run_loop)
     history = History(sync, center_values=lambda: serialized(state.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
+    if done >= total:
+        warnings.warn(f"the checkpoint in {checkpoint_dir} is at step {done}, at or past this run's "
+                      f"end ({total} steps): nothing is left to train; ask for more steps or epochs "
+                      f"to go on", SynkWarning, stacklevel=2)
     stats, seconds = 0.0, 0.0
     try:
         while done < total:
