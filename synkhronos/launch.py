@@ -22,6 +22,8 @@ import os
 import runpy
 import sys
 
+from .platform.cluster import check_coordinator
+
 __all__ = ["main", "parse_args"]
 
 
@@ -53,9 +55,10 @@ def parse_args(argv):
         parser.error(f"--nnodes must be >= 1, got {args.nnodes}")
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    try:
+        check_coordinator(args.coordinator)
+    except ValueError as e:
+        parser.error(f"--coordinator: {e}")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         parser.error(f"--devices-per-node must be >= 1, got {args.devices_per_node}")
     return args

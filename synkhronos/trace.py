@@ -81,21 +81,32 @@ def chrome_events(spans, rank, origin=0, thread=1):
     return events
 
 
-def process_names(n_ranks, master_rank):
-    """Chrome metadata events naming each rank's process and thread."""
+def process_names(ranks, master_rank, node=None):
+    """Chrome metadata events naming each rank's process and thread (``ranks``: global ranks).
+
+    Examples
+    --------
+    >>> [e["args"]["name"] for e in process_names([2, 3], 2, node=1) if e["name"] == "process_name"]
+    ['rank 2 (node 1, master)', 'rank 3 (node 1, worker)']
+    """
     out = []
-    for rank in range(n_ranks):
+    for rank in ranks:
         role = "master" if rank == master_rank else "worker"
-        out.append(dict(name="process_name", ph="M", pid=rank, args=dict(name=f"rank {rank} ({role})")))
+        where = role if node is None else f"node {node}, {role}"
+        out.append(dict(name="process_name", ph="M", pid=rank, args=dict(name=f"rank {rank} ({where})")))
         out.append(dict(name="process_sort_index", ph="M", pid=rank, args=dict(sort_index=rank)))
         out.append(dict(name="thread_name", ph="M", pid=rank, tid=1, args=dict(name=f"rank {rank}")))
     return out
 
 
-def write_chrome_trace(path, spans_by_rank, master_rank):
-    """Write every rank's spans to ``path`` as Chrome trace JSON (what Perfetto opens)."""
+def write_chrome_trace(path, spans_by_rank, master_rank, node=None):
+    """Write every rank's spans to ``path`` as Chrome trace JSON (what Perfetto opens).
+
+    ``spans_by_rank`` is keyed by global rank; ``node`` names this node's tracks
+    on several nodes.
+    """
     import json
-    events = process_names(len(spans_by_rank), master_rank)
+    events = process_names(sorted(spans_by_rank), master_rank, node)
     # times from the first span on: microseconds since 1970 in a float lose the nanoseconds
     origin = min((span[2] for spans in spans_by_rank.values() for span in spans), default=0)
     for rank, spans in sorted(spans_by_rank.items()):

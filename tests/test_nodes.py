@@ -122,6 +122,28 @@ def test_the_launcher_variables_place_the_node():
         (3, 2, "10.1.2.3:999", 4)
     with pytest.raises(ValueError, match="SYNK_COORDINATOR is not set"):
         find_node({"SYNK_NNODES": "2", "SYNK_NODE_RANK": "0"})
+    for address in ("127.0.0.1:99999", "127.0.0.1:0", "nohost", "host:port"):
+        with pytest.raises(ValueError, match="a port from 1 to 65535"):
+            find_node({"SYNK_NNODES": "2", "SYNK_NODE_RANK": "0", "SYNK_COORDINATOR": address})
+    refused = subprocess.run([sys.executable, "-m", "synkhronos.launch", "--nnodes", "2",
+                              "--node-rank", "0", "--coordinator", "127.0.0.1:99999", "x.py"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode == 2 and "a port from 1 to 65535" in refused.stderr
+
+
+def test_multi_node_timeline_tracks_name_their_node_and_rank(tmp_path):
+    from synkhronos import trace
+    def recorded():
+        trace.start()
+        trace.begin("call", "f")
+        trace.end("compute")
+        return trace.stop()
+    spans = {2: recorded(), 3: recorded()}
+    trace.write_chrome_trace(tmp_path / "t.json", spans, master_rank=2, node=1)
+    events = __import__("json").load(open(tmp_path / "t.json"))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {2: "rank 2 (node 1, master)", 3: "rank 3 (node 1, worker)"}
+    assert {e["pid"] for e in events if e.get("ph") == "X"} <= set(names)
 
 
 @pytest.mark.timeout(120)

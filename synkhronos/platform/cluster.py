@@ -70,7 +70,26 @@ def _from_launcher(environ):
     if n_nodes > 1 and not coordinator:
         raise ValueError("SYNK_COORDINATOR is not set: several nodes need the coordinator's "
                          "HOST:PORT (python -m synkhronos.launch --coordinator HOST:PORT)")
+    if coordinator:
+        check_coordinator(coordinator)
     return NodePlace(n_nodes, node_rank, coordinator, devices, "launcher")
+
+
+def check_coordinator(address):
+    """Raise ValueError unless ``address`` is ``HOST:PORT`` with a port from 1 to 65535.
+
+    Examples
+    --------
+    >>> check_coordinator("127.0.0.1:99999")
+    Traceback (most recent call last):
+    ...
+    ValueError: the coordinator must be HOST:PORT with a port from 1 to 65535, got '127.0.0.1:99999'
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"the coordinator must be HOST:PORT with a port from 1 to 65535, got "
+                         f"{address!r}")
+    return address
 
 
 #: prefixes of the variables the schedulers JAX detects set; without one, JAX is not imported to look

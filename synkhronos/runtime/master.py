@@ -805,7 +805,8 @@ class State:
 
     def write_timeline(self, path):
         """Stop recording and write every rank's timeline to ``path`` (Chrome trace JSON)."""
-        trace.write_chrome_trace(path, self.stop_timeline(), self.master_rank)
+        trace.write_chrome_trace(path, self.stop_timeline(), self.master_rank,
+                                 self.topology.node_rank if self.topology.several_nodes else None)
 
     # --- device-driven loops ----------------------------------------------------------------
     def new_loop_id(self):
