@@ -26,14 +26,14 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.scalar import upcast
-from pytensor.tensor.elemwise import DimShuffle
+from pytensor.tensor.elemwise import CAReduce, DimShuffle
 from pytensor.tensor.math import Dot
 
 from .platform.cpu_blas import blas_threads
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
            "use_cpu_rewrite", "set_cpu_rewrite", "products_measured", "REWRITE_TAG",
-           "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt"]
+           "HOST_BLAS_MIN_FLOPS", "raise_deferred_interrupt", "reduce_in_jax_precision", "PRECISION_TAG"]
 
 #: products of at least this many flops run in numpy's BLAS (a host callback costs tens of µs)
 HOST_BLAS_MIN_FLOPS = 1 << 24
@@ -239,15 +239,35 @@ def blas_dots(fgraph, node):
 _installed = []
 
 
+#: the optimizer tag of the rewrite that reduces in JAX's precision (included without 64-bit JAX)
+PRECISION_TAG = "synk_jax_precision"
+
+
+@node_rewriter([CAReduce])
+def reduce_in_jax_precision(fgraph, node):
+    """A reduction accumulating wider than 32 bits accumulates in its output's type instead.
+
+    PyTensor sums float32 in float64 by default; JAX without its 64-bit mode
+    truncates the accumulator to float32 anyway (and warns at every trace). The
+    result is the same; only the warning goes.
+    """
+    acc, out = getattr(node.op, "acc_dtype", None), node.outputs[0].type.dtype
+    if acc is None or acc == out or np.dtype(acc).itemsize <= 4 or np.dtype(out).itemsize > 4:
+        return False
+    return node.op.clone(acc_dtype=out).make_node(*node.inputs).outputs
+
+
 def _install():
-    """Register the rewrite (under its own tag, off in every mode that does not include it) and
-    :class:`BlasDot`'s JAX implementation with PyTensor, once, when synkhronos first compiles."""
+    """Register the rewrites (each under its own tag, off in every mode that does not include it)
+    and :class:`BlasDot`'s JAX implementation with PyTensor, once, when synkhronos first compiles."""
     if _installed:
         return
     from pytensor.link.jax.dispatch import jax_funcify
     jax_funcify.register(BlasDot)(_jax_blas_dot)
     # After every PyTensor rewrite has put the transposes where they stay, before the final merge.
     optdb.register("synk_blas_dots", in2out(blas_dots), REWRITE_TAG, position=99)
+    optdb.register("synk_reduce_in_jax_precision", in2out(reduce_in_jax_precision), PRECISION_TAG,
+                   position=99)
     _installed.append(True)
 
 
@@ -255,8 +275,9 @@ def compile_mode(platform):
     """The PyTensor mode synkhronos compiles with on ``platform`` ("cpu", "gpu", ...).
 
     On CPU the rewrite is included when :func:`use_cpu_rewrite` says it pays on
-    this machine. The first call registers synkhronos's rewrite with PyTensor,
-    under a tag no other mode includes.
+    this machine; without JAX's 64-bit mode, reductions accumulate in their
+    output's type (:func:`reduce_in_jax_precision`). The first call registers
+    synkhronos's rewrites with PyTensor, under tags no other mode includes.
 
     Examples
     --------
@@ -267,7 +288,14 @@ def compile_mode(platform):
     """
     _install()
     mode = get_mode("JAX")
+    if not _jax_has_64_bits():
+        mode = mode.including(PRECISION_TAG)
     return mode.including(REWRITE_TAG) if platform == "cpu" and use_cpu_rewrite() else mode
+
+
+def _jax_has_64_bits():
+    import jax
+    return bool(jax.config.jax_enable_x64)
 
 
 #: whether this process compiles with the CPU rewrite: None until decided (see use_cpu_rewrite)

@@ -8,7 +8,7 @@ import pytest
 
 import synkhronos as synk
 from synkhronos import rewrites
-from helpers import close, reference
+from helpers import close, reference, run_script
 from synkhronos.platform.cpu_blas import blas_threads
 from synkhronos.platform.internals import jit_parts
 from synkhronos.rewrites import (HOST_BLAS_MIN_FLOPS, BlasDot, TransposedDot, compile_mode,
@@ -138,3 +138,28 @@ def test_blas_dot_python_implementation_and_gradient(rng, ta, tb):
     grad_a, grad_b = 2 * (opa @ opb) @ opb.T, 2 * opa.T @ (opa @ opb)
     close(ga, grad_a.T if ta else grad_a)
     close(gb, grad_b.T if tb else grad_b)
+
+
+def test_a_float32_run_prints_no_float64_truncation_warning(tmp_path):
+    """PyTensor accumulates float32 sums in float64; without JAX's 64-bit mode the compiled graph
+    reduces in float32 instead of asking JAX for float64 (which it truncates, warning)."""
+    out = run_script("""
+        import warnings
+        warnings.simplefilter("always")
+        import numpy as np, pytensor
+        pytensor.config.floatX = "float32"
+        import pytensor.tensor as pt
+        import synkhronos as synk
+        from synkhronos.extensions import train, updates
+        synk.fork(2)
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.zeros(3, "float32"), name="w")
+        step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.adam,
+                                         learning_rate=0.1)
+        X, Y = np.ones((20, 3), "float32"), np.ones(20, "float32")
+        print("loss", step(X, Y))
+        train.run(step, X, Y, 10, steps=2)
+        synk.close()
+    """)
+    assert "loss" in out.stdout, out.stderr
+    assert "float64" not in out.stderr, out.stderr

@@ -467,9 +467,12 @@ class CompiledFunction:
             return
         types = [inp.variable.type for inp in fn.maker.inputs if not inp.implicit]
 
+        def aval(shape, dtype):          # in the precision JAX computes (no truncation warning)
+            return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
+
         def abstract(value):
-            return jax.ShapeDtypeStruct(np.shape(value), getattr(value, "dtype", np.asarray(value).dtype))
-        avals = [jax.ShapeDtypeStruct(tuple(shape), t.dtype) for shape, t in zip(arg_shapes, types)]
+            return aval(np.shape(value), getattr(value, "dtype", np.asarray(value).dtype))
+        avals = [aval(shape, t.dtype) for shape, t in zip(arg_shapes, types)]
         avals += [jax.tree_util.tree_map(abstract, cell[0]) for cell in parts.cells[parts.n_args:]]
         jax.eval_shape(parts.jit, *avals)
 
