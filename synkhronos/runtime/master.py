@@ -311,8 +311,10 @@ class State:
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
             if self.service is not None:
-                # after a fault the other nodes may still be leaving: the service stays a while
-                self.service.stop(at_once=clean)
+                # after a fault the other nodes may still be leaving: the service stays a while,
+                # unless every one of them was found lost
+                self.service.stop(at_once=clean or self.nodes is not None and
+                                  self.nodes.every_other_node_lost())
                 self.service = None
 
     def _leave_nodes(self, clean):

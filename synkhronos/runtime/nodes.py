@@ -61,6 +61,8 @@ class NodeLink:
         self.client = internals.distributed_client()
         self.seq = 0
         self._heard = {}              # node -> (its last beat, when it changed)
+        #: the nodes found lost (their masters gone or stopped)
+        self.lost = set()
         self._stop_beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, name="synk-node-beat", daemon=True)
         self._beater.start()
@@ -177,7 +179,12 @@ class NodeLink:
         raise WorkerError(self.topology.offset, "raised", type(error).__name__, f"{doing}: {error}",
                           node=self.topology.node_rank) from error
 
+    def every_other_node_lost(self):
+        """True once every other node was found lost: nobody is left to leave the runtime."""
+        return self.lost >= set(range(self.topology.n_nodes)) - {self.topology.node_rank}
+
     def node_died(self, node, rank, why):
+        self.lost.add(node)
         self.on_fault()
         return WorkerError(rank, "died", "node lost", f"{why}; this node's runtime was shut down, "
                            f"call synk.fork() on every node to start again", node=node)
