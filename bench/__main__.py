@@ -131,7 +131,7 @@ def training_rounds(rounds, batches, steps):
                       "synk_ratio": {str(h): _median_ratio(runs["core_synk"], runs["core_torch"], str(h))
                                      for h in halves}}
     result["torch_version"] = next((r["torch"] for r in runs["torch"] if "torch" in r), None)
-    from synkhronos import rewrites
+    from synkhronos.compile import rewrites
     result["products"] = dict(rewrites.products_measured, rewrite=rewrites.use_cpu_rewrite()) \
         if rewrites.products_measured else {}
     result["rounds"] = rounds
@@ -308,7 +308,7 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
               f"`x @ w` + `x.T @ d` ({' x '.join(map(str, products['shape']))}, float32, its share of "
               f"the cores): XLA {1000 * products['xla_s']:.1f} ms, numpy's BLAS "
               f"{1000 * products['blas_s']:.1f} ms, and every rank compiles with the faster "
-              "(`synkhronos.rewrites.use_cpu_rewrite`)."]
+              "(`synkhronos.compile.rewrites.use_cpu_rewrite`)."]
     L += ["", "Where the compute goes: the same step in one process bound to one core (the per-device "
           "batch), PyTensor's JAX code (plain, and with the CPU rewrite forced on: "
           "`synkhronos/rewrites.py`) against PyTorch's:", "",
@@ -330,7 +330,7 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} |", "",
           "Both are whole calls of the same function (`x[:, 0].sum()`); the master-alone "
           "path first gathers every row into a shared Data with the gatherer each device uses "
-          "(`synkhronos.scatter.gather_rows`, blocks of rows whose first elements are touched first), "
+          "(`synkhronos.api.batch.gather_rows`, blocks of rows whose first elements are touched first), "
           "then calls on that Data's range of rows.", "",
           "For reference, timed in the same rounds (medians; the speed-up is the median of per-round ratios):", "",
           "| bare process gathers all (ms) | 2 bare processes gather half each at once (ms) | the bare split's speed-up | the call on a range of rows (ms) | the call on the same indices into a 1-column Data (ms) |",

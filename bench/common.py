@@ -207,7 +207,9 @@ def _gather_step(segment, rows, cols, index_sets):
     import itertools
     from multiprocessing import shared_memory
 
-    from synkhronos.scatter import gather_rows      # the gatherer every synkhronos device uses
+    from synkhronos.rank.rows import (
+        gather_rows,  # the gatherer every synkhronos device uses
+    )
     shm = shared_memory.SharedMemory(name=segment)
     table = np.ndarray((rows, cols), np.float32, shm.buf)
     out = np.empty((len(index_sets[0]), cols), np.float32)
@@ -250,7 +252,7 @@ def bare_gathering(rows, cols, batch, batches):
 
     Two processes (a fresh interpreter and its fork) keep a ``rows`` x ``cols``
     float32 table in shared memory and gather with
-    :func:`synkhronos.scatter.gather_rows`, as the synkhronos devices and the
+    :func:`synkhronos.api.batch.gather_rows`, as the synkhronos devices and the
     master-alone baseline do, cycling through ``batches`` index sets as
     :func:`shuffled_batches` makes them. A benchmark calls ``probe()`` between
     its own timings, so the two ratios come from the same minutes: two

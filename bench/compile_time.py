@@ -29,9 +29,10 @@ def _steps(step, n=3):
 
 
 def synk_steps():
+    from resnet_synthetic import build, synthetic_images
+
     import synkhronos as synk
     from synkhronos.extensions import train, updates
-    from resnet_synthetic import build, synthetic_images
     n = synk.fork(2)
     X, Y = synthetic_images(256, 8, 4, seed=0)
     make_graph, params = build(8, 4, 8)
@@ -51,8 +52,9 @@ def synk_steps():
 
 def pytensor_steps():
     import pytensor
-    from synkhronos.extensions import updates
     from resnet_synthetic import build, synthetic_images
+
+    from synkhronos.extensions import updates
     X, Y = synthetic_images(256, 8, 4, seed=0)
     make_graph, params = build(8, 4, 8)
     rows = 2 * PER_DEVICE

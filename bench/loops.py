@@ -16,6 +16,7 @@ TARGET = 0.95
 
 def _digits():
     import sys
+
     from bench.common import ROOT
     sys.path.insert(0, ROOT)
     from demos.mnist import load_data

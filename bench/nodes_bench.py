@@ -38,11 +38,12 @@ def node_part(out, batches, steps, rounds):
 def _all_reduce_against_psum(rounds):
     """The flat gradient's all-reduce across nodes (one device each) against a bare jitted psum."""
     import jax
-    import synkhronos as synk
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import synkhronos as synk
     from bench.mlp import pytensor_graph
-    from synkhronos.runtime import master
     from synkhronos.extensions import train, updates
+    from synkhronos.runtime import master
     x, y, loss, params = pytensor_graph()
     step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.01)
     synk.distribute()

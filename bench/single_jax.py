@@ -5,7 +5,7 @@
 ``--one-core`` binds the process to its first core before JAX starts (XLA then
 makes a one-thread pool): the per-core speed of the step's compiled code.
 ``--synk-mode`` compiles with synkhronos's CPU rewrite on (PyTensor's JAX mode
-plus :mod:`synkhronos.rewrites`) instead of plain "JAX",
+plus :mod:`synkhronos.compile.rewrites`) instead of plain "JAX",
 and allocates and limits numpy's BLAS as a synkhronos process does
 (:func:`synkhronos.platform.cpu_tuning.keep_freed_memory_for_reuse`,
 :func:`synkhronos.platform.cpu_blas.limit_blas_threads`).
@@ -45,9 +45,9 @@ def main(batches, steps, mode="JAX"):
 
 if __name__ == "__main__":
     if "--synk-mode" in sys.argv:
+        from synkhronos.compile.rewrites import compile_mode, set_cpu_rewrite
         from synkhronos.platform.cpu_blas import limit_blas_threads
         from synkhronos.platform.cpu_tuning import keep_freed_memory_for_reuse
-        from synkhronos.rewrites import compile_mode, set_cpu_rewrite
         keep_freed_memory_for_reuse()
         limit_blas_threads(len(os.sched_getaffinity(0)))
         set_cpu_rewrite(True)

@@ -9,13 +9,20 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from bench.busy_call import tiny_direct
-from bench.common import (bare_gathering, busy_peer, concurrent_copy_time, copy_pair, core_handover,
-                          interleaved_medians, shuffled_batches)
+from bench.common import (
+    bare_gathering,
+    busy_peer,
+    concurrent_copy_time,
+    copy_pair,
+    core_handover,
+    interleaved_medians,
+    shuffled_batches,
+)
 from bench.mlp import LR, MOMENTUM, data, pytensor_graph
-from synkhronos.comm.shm.paths import PUBLISHED
 from synkhronos.comm.shm.collectives import PIPELINE_MIN_BYTES
+from synkhronos.comm.shm.paths import PUBLISHED
 from synkhronos.extensions import train, updates
-from synkhronos.scatter import gather_rows
+from synkhronos.rank.rows import gather_rows
 
 
 def call_overhead(rounds=40, calls=50):
@@ -181,7 +188,7 @@ def gathering(n_rows, batch, n, batches=16):
 
     def master_alone():
         # the master gathers every row from the same shared Data with the gatherer every device
-        # uses (synkhronos.scatter.gather_rows: faster than one np.take), then calls on the range
+        # uses (synkhronos.api.batch.gather_rows: faster than one np.take), then calls on the range
         gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
     bare = []                                          # (alone, split) seconds per probe

@@ -13,6 +13,7 @@ def overhead(rounds=20, calls=200):
     Runs in a forked runtime (the caller's).
     """
     import pytensor.tensor as pt
+
     import synkhronos as synk
     x = pt.vector("x", dtype="float32")
     tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny_timeline")

@@ -12,6 +12,7 @@ import numpy as np
 import pytensor.tensor as pt
 
 import synkhronos as synk
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
 from _tour import run, start
 

@@ -13,6 +13,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # for _tour, with -m or as a script
 from _tour import run, start
 

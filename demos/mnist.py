@@ -41,8 +41,8 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.runtime import master
 from synkhronos.extensions import sync, train, updates
+from synkhronos.runtime import master
 
 VARIANTS = ("single", "cpu", "device")
 LOOPS = ("master", "device")
@@ -122,9 +122,20 @@ def build_model(spec, side, n_classes=10, seed=0):
     and compiles it per row count itself.
     """
     from pytensor_ml.activations import ReLU
-    from pytensor_ml.layers import BatchNorm, Conv2D, Input, Linear, MaxPool2D, Sequential
+    from pytensor_ml.layers import (
+        BatchNorm,
+        Conv2D,
+        Input,
+        Linear,
+        MaxPool2D,
+        Sequential,
+    )
     from pytensor_ml.loss import CrossEntropy, supervised_loss
-    from pytensor_ml.pytensorf import collect_graph_inputs, collect_trainable_params, rewrite_for_prediction
+    from pytensor_ml.pytensorf import (
+        collect_graph_inputs,
+        collect_trainable_params,
+        rewrite_for_prediction,
+    )
 
     n_in = side * side
     if spec == "bn_mlp":                         # batch norm after every hidden layer

@@ -15,13 +15,39 @@ Examples
 """
 
 from .api import checkpoint
-from .api.collectives import (all_gather, all_reduce, broadcast, gather, get_lengths, get_shapes,
-                               get_value, reduce, scatter, set_value)
+from .api.collectives import (
+                               all_gather,
+                               all_reduce,
+                               broadcast,
+                               gather,
+                               get_lengths,
+                               get_shapes,
+                               get_value,
+                               reduce,
+                               scatter,
+                               set_value,
+)
 from .api.data import Data, data
 from .api.function import Function, function
-from .api.lifecycle import (close, distribute, fork, get_n_devices, get_n_gpu, local_devices, n_nodes,
-                            node_rank, timeline)
-from .errors import LocalUpdatesWarning, NodesDiverged, StallError, SynkError, SynkWarning, WorkerError
+from .api.lifecycle import (
+                               close,
+                               distribute,
+                               fork,
+                               get_n_devices,
+                               get_n_gpu,
+                               local_devices,
+                               n_nodes,
+                               node_rank,
+                               timeline,
+)
+from .errors import (
+                               LocalUpdatesWarning,
+                               NodesDiverged,
+                               StallError,
+                               SynkError,
+                               SynkWarning,
+                               WorkerError,
+)
 
 __all__ = ["fork", "distribute", "close", "get_n_devices", "get_n_gpu", "n_nodes", "node_rank",
            "local_devices", "function", "Function",

@@ -14,7 +14,7 @@ Examples
 import argparse
 import os
 
-from .shmem import SEGMENT_DIRECTORY, remove_stale_segments, stale_segments
+from .ipc.segments import SEGMENT_DIRECTORY, remove_stale_segments, stale_segments
 
 
 def main(argv=None):

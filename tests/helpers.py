@@ -10,10 +10,10 @@ import warnings
 
 import jax
 import numpy as np
+import pytensor.tensor as pt
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.jax.dispatch import jax_funcify
-import pytensor.tensor as pt
 
 from synkhronos.comm import ShmComm
 from synkhronos.comm.shm.paths import PIPELINED

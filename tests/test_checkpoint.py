@@ -12,13 +12,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import N_PARALLEL, synk_segments
+from helpers import run_script
 
 import synkhronos as synk
 from synkhronos.api import checkpoint
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
-from conftest import N_PARALLEL, synk_segments
-from helpers import run_script
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

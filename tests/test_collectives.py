@@ -7,11 +7,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 
 import synkhronos as synk
-from helpers import close
-from synkhronos.runtime import master
 from synkhronos.comm.shm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
+from synkhronos.runtime import master
 
 pytestmark = pytest.mark.timeout(240)
 _unique = itertools.count()
@@ -419,7 +419,7 @@ def test_batch_s_errors(sliced, rng):
 
 
 def test_copy_large_copies_in_pieces_and_falls_back_for_strided_arrays(monkeypatch, rng):
-    from synkhronos import device_arrays
+    from synkhronos.platform import device_arrays
     monkeypatch.setattr(device_arrays, "COPY_PIECE_BYTES", 1000)          # many uneven pieces
     src = rng.normal(size=(301, 7)).astype("float32")
     for source in (src, src[::2], src[:, 3]):                       # contiguous, strided rows, a column

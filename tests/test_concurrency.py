@@ -3,17 +3,16 @@
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import N_PARALLEL, synk_segments
+from helpers import close, run_script, wait_until_dead
 
 import synkhronos as synk
 from synkhronos.runtime import master
-from conftest import N_PARALLEL, synk_segments
-from helpers import close, run_script, wait_until_dead
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 
 import synkhronos as synk
-from helpers import close
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,7 +124,7 @@ def test_shuffled_rows_gathered_by_every_device_in_batch_order(synk2, rng, cols)
 
 
 def test_gather_rows_matches_fancy_indexing(rng):
-    from synkhronos.scatter import GATHER_BLOCK, gather_rows
+    from synkhronos.rank.rows import GATHER_BLOCK, gather_rows
     for table in (rng.normal(size=(3000, 400)), rng.normal(size=(3000, 20, 20)),
                   rng.normal(size=(3000, 800))[:, ::2], rng.normal(size=3000)):
         idx = rng.integers(0, 3000, size=2 * GATHER_BLOCK + 7)

@@ -13,7 +13,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "demos"))
 import mnist  # noqa: E402
 import tutorial_logreg  # noqa: E402
-
 from helpers import close  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)

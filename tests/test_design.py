@@ -9,22 +9,25 @@ import pkgutil
 import re
 
 import pytest
+from helpers import run_script
 
 import synkhronos
-from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "synkhronos")
 
 #: layers from the top; a module may import its own layer and the ones below, never one above
-LAYERS = ["face", "extensions", "api", "runtime", "rank", "wire", "comm", "base"]
+LAYERS = ["face", "entry", "extensions", "api", "runtime", "rank", "compile", "wire", "comm",
+          "platform", "ipc", "tracing", "errors"]
+#: the modules at the package root: the face, the entry points (python -m ...), the errors
+ROOT_MODULES = {"synkhronos": "face", "synkhronos.launch": "entry", "synkhronos.cleanup": "entry",
+                "synkhronos.errors": "errors"}
 
 
 def _layer(module):
-    parts = module.split(".")
-    if len(parts) == 1:
-        return "face"                      # synkhronos/__init__.py: the public names
-    return parts[1] if parts[1] in LAYERS else "base"
+    if module in ROOT_MODULES:
+        return ROOT_MODULES[module]
+    return module.split(".")[1]
 
 
 def _imports(path, module):
@@ -72,6 +75,25 @@ def test_layers_import_downwards_only():
             if LAYERS.index(_layer(target)) < LAYERS.index(_layer(module)):
                 upward.append(f"{module} -> {target}")
     assert not upward, upward
+
+
+def test_every_package_has_its_layer_and_no_module_is_loose():
+    loose = [name for name, _ in _modules() if name not in ROOT_MODULES and _layer(name) not in LAYERS]
+    assert not loose, loose
+
+
+def test_no_class_over_25_methods_and_no_module_over_500_lines():
+    too_long, too_many = [], []
+    for name, path in _modules():
+        lines = len(open(path).read().splitlines())
+        if lines > 500:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                if len(methods) > 25:
+                    too_many.append(f"{name}.{node.name}: {len(methods)} methods")
+    assert not too_long and not too_many, too_long + too_many
 
 
 def test_no_import_circles():

@@ -6,15 +6,14 @@ or with one process.
 
 import numpy as np
 import pytensor
-import pytensor.tensor as pt
 import pytest
+from helpers import close
+from test_extensions import mlp
+from test_loops import global_batches
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
-from helpers import close
-from test_extensions import mlp
-from test_loops import global_batches
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import RaiseIfNegative, close
 
 import synkhronos as synk
-from helpers import RaiseIfNegative, close
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -188,6 +188,7 @@ def test_an_error_has_one_type_whichever_rank_hits_it(fx, synk2, rows, failing_r
 def test_warnings_of_workers_reach_the_master_once_through_its_filters(synk2):
     """A warning every rank raises shows once, from the master's warnings, and obeys its filters."""
     import warnings
+
     from helpers import WarnRows
     x = pt.matrix("x")
     f = synk.function([x], (WarnRows()(x).sum(), "sum"), name="warner")

@@ -6,6 +6,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 from pytensor_ml import optim
 from pytensor_ml.activations import ReLU
 from pytensor_ml.layers import Input, Linear
@@ -15,7 +16,6 @@ from pytensor_ml.pytensorf import collect_trainable_params
 import synkhronos as synk
 from synkhronos.api.step import Step
 from synkhronos.extensions import train, updates
-from helpers import close
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 4
@@ -199,7 +199,9 @@ def test_with_pools_over_every_core_a_step_is_three_commands_and_exact(rng, tmp_
     """``threads_per_device`` = every core: steps stay three commands (see State.fuses_steps),
     with the same parameters as one process."""
     import json
+
     from conftest import N_PARALLEL
+
     from synkhronos.runtime import master
     if master.active() is not None:
         synk.close()

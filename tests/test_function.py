@@ -7,11 +7,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close, reference
 
 import synkhronos as synk
-from synkhronos.device_arrays import device_face
+from synkhronos.platform.device_arrays import device_face
 from synkhronos.rank.compiled import jitted_call
-from helpers import close, reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -391,6 +391,7 @@ def test_givens_dict_updates_and_kwargs(synk2, rng):
 def test_a_function_compiles_once(synk2, rng):
     """The first call compiles; later calls with the same shapes do not (optimizer state included)."""
     import jax.monitoring
+
     from synkhronos.extensions import train, updates
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytensor.tensor as pt
 import pytest
-
-import synkhronos as synk
 from conftest import N_PARALLEL, child_pids, synk_segments
 from helpers import close
+
+import synkhronos as synk
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

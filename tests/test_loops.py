@@ -9,16 +9,26 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import N_PARALLEL, child_pids, synk_segments
+from helpers import (
+    SLOW_RANK,
+    AnnouncingAllReduce,
+    AnnouncingDownpour,
+    FailingAllReduce,
+    FailingDownpour,
+    SlowAllReduce,
+    SlowDownpour,
+    SlowEASGD,
+    SlowRateLimited,
+    close,
+    wait_for_marker,
+)
+from test_extensions import mlp
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
-from synkhronos.scatter import chunk
-from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import (AnnouncingAllReduce, AnnouncingDownpour, FailingAllReduce, FailingDownpour,
-                     SLOW_RANK, SlowAllReduce, SlowDownpour, SlowEASGD, SlowRateLimited, close,
-                     wait_for_marker)
-from test_extensions import mlp
+from synkhronos.wire.batch import chunk
 
 pytestmark = pytest.mark.timeout(300)
 

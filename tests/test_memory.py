@@ -11,11 +11,11 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import synk_segments
+from helpers import close
 
 import synkhronos as synk
 from synkhronos.api.data import STAGING_KEEP_BYTES
-from conftest import synk_segments
-from helpers import close
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,8 +119,10 @@ def test_large_numpy_arguments_do_not_hold_shared_memory_after_the_call(synk2):
 def test_a_pooled_buffer_is_reused_only_once_nothing_views_it():
     """A slice of a loan, or a device array adopting it, keeps the buffer from being handed out again."""
     import time
+
     import jax
-    from synkhronos.transport import BufferPool
+
+    from synkhronos.ipc.buffers import BufferPool
     pool = BufferPool(min_bytes=1024)
 
     def next_address():

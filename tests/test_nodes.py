@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import synk_segments
+
 from synkhronos.platform.cluster import find_node
 from synkhronos.runtime.processes import free_port
 
@@ -132,7 +132,7 @@ def test_the_launcher_variables_place_the_node():
 
 
 def test_multi_node_timeline_tracks_name_their_node_and_rank(tmp_path):
-    from synkhronos import trace
+    from synkhronos.tracing import trace
     def recorded():
         trace.start()
         trace.begin("call", "f")

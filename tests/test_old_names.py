@@ -1,15 +1,14 @@
 """The original Synkhronos's names: accepted where they still mean something, else refused clearly."""
 
-import warnings
 
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
-from helpers import close
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,18 +10,21 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 from pytensor_ml import optim
 from pytensor_ml.activations import ReLU
 from pytensor_ml.layers import BatchNorm, Linear, Sequential
 from pytensor_ml.loss import CrossEntropy, supervised_loss
 from pytensor_ml.params import StepCounter
-from pytensor_ml.pytensorf import (collect_non_trainable_params, collect_non_trainable_updates,
-                                   collect_trainable_params)
+from pytensor_ml.pytensorf import (
+    collect_non_trainable_params,
+    collect_non_trainable_updates,
+    collect_trainable_params,
+)
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import master
-from helpers import close
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import synk_segments
+from helpers import close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import synkhronos as synk
-from conftest import synk_segments
-from helpers import close
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close
 from pytensor.tensor.random.utils import RandomStream
 from pytensor_ml.layers import Dropout
 
 import synkhronos as synk
-from synkhronos.randomness import device_stream
-from helpers import close
+from synkhronos.compile.randomness import device_stream
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:RandomStream is deprecated:FutureWarning"),

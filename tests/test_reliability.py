@@ -16,12 +16,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from conftest import N_PARALLEL, child_pids, synk_segments
+from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_marker
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
 from synkhronos.runtime import master
-from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_marker
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

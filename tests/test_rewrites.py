@@ -1,18 +1,24 @@
-"""The CPU rewrite of matrix products into BlasDot / TransposedDot (synkhronos.rewrites)."""
+"""The CPU rewrite of matrix products into BlasDot / TransposedDot (synkhronos.compile.rewrites)."""
 
 import jax
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close, reference, run_script
 
 import synkhronos as synk
-from synkhronos import rewrites
-from helpers import close, reference, run_script
+from synkhronos.compile import rewrites
+from synkhronos.compile.rewrites import (
+    HOST_BLAS_MIN_FLOPS,
+    BlasDot,
+    TransposedDot,
+    compile_mode,
+    tiled_transpose,
+    transposed_dot,
+)
 from synkhronos.platform.cpu_blas import blas_threads
 from synkhronos.platform.internals import jit_parts
-from synkhronos.rewrites import (HOST_BLAS_MIN_FLOPS, BlasDot, TransposedDot, compile_mode,
-                                 tiled_transpose, transposed_dot)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close, reference
 
 import synkhronos as synk
-from helpers import close, reference
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import close, reference
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 
 import synkhronos as synk
 from synkhronos.extensions import updates
-from helpers import close, reference
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,7 +90,8 @@ def test_a_function_that_cannot_be_pickled_fails_alone_and_stays_unregistered(sy
 def test_graphs_of_many_thousand_nodes_pickle_without_recursing_along_them():
     """No processes: 1500 chained steps and their gradient (~15k nodes) through the workers' pickling."""
     import sys
-    from synkhronos import shipping
+
+    from synkhronos.compile import shipping
     x = pt.vector("x")
     w = pytensor.shared(np.ones(3), name="w_pickled")
     h = x

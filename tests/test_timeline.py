@@ -6,13 +6,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-
-import synkhronos as synk
-from synkhronos import trace
-from synkhronos.extensions import train, updates
-from synkhronos.runtime import master
 from conftest import N_PARALLEL
 from test_extensions import mlp
+
+import synkhronos as synk
+from synkhronos.extensions import train, updates
+from synkhronos.runtime import master
+from synkhronos.tracing import trace
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from .. import randomness
+from ..compile import randomness
 from ..runtime.master import current, serialized
 from . import collectives
 

@@ -17,25 +17,34 @@ own rows from shared memory and puts them on its device.
 
 from __future__ import annotations
 
-
 import math
 import warnings
 from contextlib import contextmanager
-
 from typing import Sequence, Union
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
-from .. import randomness
 from ..comm import Reservation
+from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError
+from ..ipc.packing import dtype_code
 from ..runtime.master import current, serialized
-from ..scatter import Batch, chunk, parse_batch
-from ..transport import dtype_code
-from ..wire.collective import (ALL_REDUCE, BROADCAST, GATHER, KEEP_ALL, KEEP_MASTER, READ_DATA,
-                               REDUCE_OPS, RETURN, dtype_groups, shapes_of)
+from ..wire.batch import Batch, chunk
+from ..wire.collective import (
+    ALL_REDUCE,
+    BROADCAST,
+    GATHER,
+    KEEP_ALL,
+    KEEP_MASTER,
+    READ_DATA,
+    REDUCE_OPS,
+    RETURN,
+    dtype_groups,
+    shapes_of,
+)
 from ..wire.plan import put_batch
+from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
 from .shapes import check_shared_shape
 

@@ -14,8 +14,8 @@ import weakref
 
 import numpy as np
 
+from ..ipc.packing import dtype_code
 from ..runtime.master import current, serialized
-from ..transport import dtype_code
 
 __all__ = ["Data", "data", "condition_value", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]

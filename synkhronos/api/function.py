@@ -22,18 +22,20 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors
 
-from .. import graph_updates, randomness, shipping, trace
+from ..comm.reduction import check_output_mode, check_update_mode, reduce_ranks
+from ..compile import graph_updates, randomness, shipping
 from ..errors import LocalUpdatesWarning, WorkerError
-from ..modes import check_output_mode, check_update_mode, reduce_ranks
+from ..ipc.packing import dtype_code
 from ..platform.internals import unsampleable_in_jax
 from ..platform.jax_init import set_precision
-from ..rank.compiled import CompiledFunction, needs_static_shapes, spec_graph
+from ..rank.compiled import CompiledFunction
 from ..runtime.master import State, current, serialized
-from ..scatter import check_num_slices, chunk, parse_batch, parse_batch_s
-from ..transport import dtype_code
+from ..tracing import trace
+from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import FunctionSpec
-from .data import Data, condition_value, data, release_large_staging, staging_data
+from .batch import check_num_slices, parse_batch, parse_batch_s
+from .data import Data, condition_value, data, release_large_staging
 from .givens import RowsFromGivens
 from .hints import CallRows, add_hint
 from .shapes import check_argument_shape, declared_rows, shape_text
@@ -173,7 +175,9 @@ def _check_mode(kwargs):
     mode = kwargs.get("mode")
     if mode is None:
         return
-    from pytensor.link.jax.linker import JAXLinker     # imports JAX: not when synkhronos is imported
+    from pytensor.link.jax.linker import (
+        JAXLinker,  # imports JAX: not when synkhronos is imported
+    )
     try:
         linker = get_mode(mode).linker
     except Exception as e:
@@ -636,7 +640,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     read, and the write-backs of stateful layers (batch norm's running
     statistics) reached by the update expressions. A training step's gradient
     function leaves the last two to the step's update function
-    (:mod:`synkhronos.graph_updates`). Updates computed from the scattered rows
+    (:mod:`synkhronos.compile.graph_updates`). Updates computed from the scattered rows
     warn (:class:`~synkhronos.LocalUpdatesWarning`) unless ``local_updates=True``.
 
     Examples

@@ -11,13 +11,13 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-from .. import trace
 from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
 from ..errors import SynkWarning
 from ..platform import cluster, jax_init
 from ..runtime import master
 from ..runtime.master import Settings, current, serialized
+from ..tracing import trace
 from ..wire.topology import Topology
 
 __all__ = ["fork", "close", "distribute", "get_n_devices", "get_n_gpu", "timeline", "n_nodes",

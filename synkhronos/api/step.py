@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from ..comm import Reservation
 from ..runtime.master import current, serialized
 from ..wire.collective import shapes_of
-from .collectives import all_reduce, reduction_command, resolve_shareds, shapes_named_on_mismatch
+from .collectives import (
+    all_reduce,
+    reduction_command,
+    resolve_shareds,
+    shapes_named_on_mismatch,
+)
 from .function import Function
 
 __all__ = ["StepTail", "Step"]

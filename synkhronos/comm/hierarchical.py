@@ -32,8 +32,9 @@ class HierarchicalComm(Comm):
     platforms = ("cpu",)
 
     def __init__(self, context):
-        import jax
         from dataclasses import replace
+
+        import jax
         super().__init__(context)
         t = self.topology = context.topology
         self.local = ShmComm(context.on_this_node()) if t.n_local > 1 else None

@@ -63,8 +63,7 @@ class JaxComm(Comm):
 
     def __init__(self, context, devices=None):
         import jax
-        from jax.sharding import Mesh, NamedSharding
-        from jax.sharding import PartitionSpec
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
         super().__init__(context)
         if devices is None:
             devices = sorted(jax.devices(), key=lambda d: d.process_index)

@@ -32,8 +32,8 @@ device's own gradient) the same write-back gives the device's own statistics.
 Any other stateful layer's write-back is averaged over the devices, row-weighted.
 """
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytensor.tensor as pt

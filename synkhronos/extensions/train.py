@@ -18,12 +18,12 @@ from pytensor.graph.traversal import graph_inputs
 from pytensor_ml.params import NonTrainableParameter
 
 from ..api import checkpoint, collectives
-from ..api.function import function
+from ..api.batch import batch_from_spec, parse_batch_s
 from ..api.data import data
+from ..api.function import function
 from ..api.step import Step
 from ..errors import SynkWarning
 from ..runtime.master import current, serialized
-from ..scatter import batch_from_spec, parse_batch_s
 from ..wire.loop import LoopSpec, epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .sync import AllReduce, Rule

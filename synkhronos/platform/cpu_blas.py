@@ -1,6 +1,6 @@
 """numpy's BLAS thread count in one process: limited to its rank's cores, and given back.
 
-:mod:`synkhronos.rewrites` runs large CPU matrix products in numpy's BLAS from
+:mod:`synkhronos.compile.rewrites` runs large CPU matrix products in numpy's BLAS from
 inside XLA's computation; they may only do so once the BLAS is limited to the
 process's own share of the cores.
 """
@@ -45,7 +45,7 @@ def limit_blas_threads(threads):
 
     numpy reads ``OPENBLAS_NUM_THREADS`` when it is imported, which in the
     master happens before ``fork()``; so the library's own setter is called on
-    the OpenBLAS numpy loaded. Products that :mod:`synkhronos.rewrites` hands to
+    the OpenBLAS numpy loaded. Products that :mod:`synkhronos.compile.rewrites` hands to
     numpy's BLAS run in the calling XLA thread, on this rank's cores, only once
     this has worked (:func:`blas_threads`); otherwise (numpy with another BLAS,
     a platform without ``/proc``) they stay in XLA. :func:`restore_blas_threads`

@@ -18,7 +18,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
+from ..ipc.buffers import round_up
+from ..ipc.segments import Segment
+from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
 
 __all__ = ["Center"]
 
@@ -28,11 +30,11 @@ _ALIGN = 64
 
 def _layout(shapes, dtypes):
     """Byte offset of every block after the header and the mutexes, and the segment size."""
-    offset = -(-(8 * _WORDS + SEMAPHORE_BYTES * (1 + len(shapes))) // _ALIGN) * _ALIGN
+    offset = round_up(8 * _WORDS + SEMAPHORE_BYTES * (1 + len(shapes)), _ALIGN)
     offsets = []
     for shape, dtype in zip(shapes, dtypes):
         offsets.append(offset)
-        offset += -(-(math.prod(shape) * np.dtype(dtype).itemsize) // _ALIGN) * _ALIGN
+        offset += round_up(math.prod(shape) * np.dtype(dtype).itemsize, _ALIGN)
     return offsets, max(offset, 1)
 
 

@@ -9,11 +9,20 @@ others skip the collective instead of waiting in it forever.
 
 import numpy as np
 
-from ..device_arrays import adopt, to_device
 from ..errors import ShapeMismatch
-from ..scatter import chunk
-from ..wire.collective import (ALL_REDUCE, BROADCAST, GATHER, KEEP_ALL, KEEP_MASTER, READ_DATA,
-                               REDUCE_OPS, RETURN, dtype_groups)
+from ..platform.device_arrays import adopt, to_device
+from ..wire.batch import chunk
+from ..wire.collective import (
+    ALL_REDUCE,
+    BROADCAST,
+    GATHER,
+    KEEP_ALL,
+    KEEP_MASTER,
+    READ_DATA,
+    REDUCE_OPS,
+    RETURN,
+    dtype_groups,
+)
 from ..wire.plan import InputRef, get_batch
 from .executor import rows_of
 

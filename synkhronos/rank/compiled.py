@@ -16,11 +16,11 @@ from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import toposort
 from pytensor.tensor.type import TensorType
 
-from ..device_arrays import place_on_device, wait_until_computed
+from ..compile.rewrites import compile_mode, raise_deferred_interrupt
+from ..ipc.buffers import aligned_empty
+from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import jit_parts
 from ..platform.jax_init import platform
-from ..rewrites import compile_mode, raise_deferred_interrupt
-from ..transport import aligned_empty
 
 __all__ = ["CompiledFunction", "jitted_call", "GatherBuffer", "rebuild_on", "spec_graph",
            "needs_static_shapes", "ROW_VARIANTS_KEPT"]

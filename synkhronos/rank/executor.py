@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import trace
-from ..device_arrays import private_empty
-from ..modes import Accumulator
-from ..scatter import chunk, gather_rows
+from ..comm.reduction import Accumulator
+from ..platform.device_arrays import private_empty
+from ..tracing import trace
+from ..wire.batch import chunk
+from .rows import gather_rows
 
 __all__ = ["Share", "share_of", "run_share", "run_update", "rows_of"]
 

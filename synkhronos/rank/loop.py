@@ -16,11 +16,12 @@ import time
 
 import numpy as np
 
-from .. import trace
-from ..device_arrays import to_device
-from ..scatter import chunk, gather_rows
+from ..platform.device_arrays import to_device
+from ..tracing import trace
+from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
+from .rows import gather_rows
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 

@@ -17,9 +17,9 @@ import warnings
 import numpy as np
 
 from ..errors import StallError, SynkError, WorkerError, verbose
+from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
+from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
 from ..platform.cpu_tuning import on_cores
-from ..shmem import GrowableSegment, SegmentMirror, unlink
-from ..transport import read_pickle, unpack_arrays, write_bytes
 from ..wire.control import ControlBlock, Decision, Op, Status
 from .processes import describe_exit
 

@@ -12,8 +12,8 @@ import weakref
 
 import numpy as np
 
-from ..shmem import GrowableSegment, SegmentMirror
-from ..transport import DTYPES
+from ..ipc.packing import DTYPES
+from ..ipc.segments import GrowableSegment, SegmentMirror
 
 __all__ = ["DataStore", "DataMirrors"]
 

@@ -24,15 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 from pytensor.tensor.type import TensorType
 
-from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, Reservation, class_path
+from ..compile import randomness, rewrites, shipping
 from ..errors import SynkError, WorkerError, verbose
-from ..device_arrays import device_face, host_face, place_on_device, to_device
+from ..ipc.segments import new_prefix, remove_stale_segments
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
+from ..platform.device_arrays import device_face, host_face, place_on_device, to_device
 from ..rank.collectives import prepare_collective
 from ..rank.executor import run_share, run_update
-from ..shmem import new_prefix, remove_stale_segments
+from ..tracing import trace
 from ..wire.collective import KIND_NAMES, shapes_of
 from ..wire.control import ARGS, STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
@@ -788,7 +789,7 @@ class State:
 
     # --- timeline ---------------------------------------------------------------------------
     def start_timeline(self):
-        """Every rank starts recording its timeline (:mod:`synkhronos.trace`)."""
+        """Every rank starts recording its timeline (:mod:`synkhronos.tracing.trace`)."""
         self.check_open()
         trace.start()
         self._channel.ctl.args[0] = 1

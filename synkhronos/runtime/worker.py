@@ -21,15 +21,24 @@ import warnings
 
 import numpy as np
 
-from .. import randomness, rewrites, shipping, trace
 from ..comm import CommContext, comm_class
-from ..device_arrays import place_on_device
+from ..compile import randomness, rewrites, shipping
 from ..errors import exception_name, graph_line
+from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
+from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
-from ..shmem import GrowableSegment, SegmentMirror
-from ..transport import pack_arrays, packed_nbytes, write_pickle
+from ..platform.device_arrays import place_on_device
+from ..tracing import trace
 from ..wire.collective import shapes_of
-from ..wire.control import OP_NAMES, STEP_COLLECTIVE_AT, ControlBlock, Decision, Op, Status, Words
+from ..wire.control import (
+    OP_NAMES,
+    STEP_COLLECTIVE_AT,
+    ControlBlock,
+    Decision,
+    Op,
+    Status,
+    Words,
+)
 from ..wire.plan import PlanMemo, result_record
 from ..wire.topology import Topology
 from .data_store import DataMirrors
@@ -268,8 +277,8 @@ class Worker:
 
     def loop(self):
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""
-        from ..rank.loop import DeviceLoop
         from ..rank.center import Center
+        from ..rank.loop import DeviceLoop
         message = self.payload_object()
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)

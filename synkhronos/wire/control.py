@@ -12,7 +12,7 @@ Layout (all in one segment created by the master)::
     go       sem_t[n]         master -> rank r: "a command is ready"
     done     sem_t            rank r -> master: "finished" (counting)
 
-Semaphores are process-shared POSIX semaphores (:class:`synkhronos.shmem.Semaphore`)
+Semaphores are process-shared POSIX semaphores (:class:`synkhronos.ipc.segments.Semaphore`)
 placed inside the segment. Every blocking wait is sliced into short timed waits
 with a liveness check between slices, so nothing waits forever on a dead peer.
 What a collective implementation needs in shared memory it keeps in segments of
@@ -21,7 +21,9 @@ its own (:mod:`synkhronos.comm.shm`).
 
 import numpy as np
 
-from ..shmem import SEMAPHORE_BYTES, Segment, semaphores_in
+from ..ipc.buffers import round_up
+from ..ipc.segments import Segment
+from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
 
 __all__ = ["ControlBlock", "Op", "OP_NAMES", "Status", "Decision", "Words", "STEP_COLLECTIVE_AT"]
 
@@ -44,7 +46,7 @@ class Op:
     COLLECTIVE = 7    # args: a collective (synkhronos.wire.collective)
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
     LOOP = 9          # payload: a LoopSpec and its phase (synkhronos.wire.loop) -> result: its stats
-    TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans (synkhronos.trace)
+    TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans (synkhronos.tracing.trace)
     STEP = 11         # a CALL, then (if every rank computed) an all-reduce, then an update function:
                       # args: the plan, and the collective from STEP_COLLECTIVE_AT; header: UPDATE_FID
 
@@ -136,7 +138,7 @@ class ControlBlock:
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
         self._records_offset = int_bytes
-        sem_offset = -(-(int_bytes + n_ranks * RECORD_BYTES) // SEMAPHORE_BYTES) * SEMAPHORE_BYTES
+        sem_offset = round_up(int_bytes + n_ranks * RECORD_BYTES, SEMAPHORE_BYTES)
         self.segment = Segment(name, sem_offset + SEMAPHORE_BYTES * (n_ranks + 1), create=create)
         self.header = self.segment.array(np.int64, (_HEADER,))
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ipc.buffers import ceil_div
+
 __all__ = ["LoopSpec", "LoopStats", "epoch_order", "steps_per_epoch", "STAT_FIELDS"]
 
 
@@ -91,7 +93,7 @@ def steps_per_epoch(n_rows, batch_size):
     >>> steps_per_epoch(10, 4)
     3
     """
-    return -(-n_rows // batch_size)
+    return ceil_div(n_rows, batch_size)
 
 
 def epoch_order(n_rows, epoch, seed, shuffle=True):

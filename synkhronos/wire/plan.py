@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..scatter import Batch
+from .batch import Batch
 from .control import RECORD_BYTES, ControlBlock, Words
 
 __all__ = ["InputRef", "CallPlan", "put_batch", "get_batch", "result_record", "PlanSlots",

@@ -1,6 +1,6 @@
 """What travels to every process to compile a function: its symbolic graphs and options.
 
-A :class:`FunctionSpec` is cloudpickled to the workers (:mod:`synkhronos.shipping`);
+A :class:`FunctionSpec` is cloudpickled to the workers (:mod:`synkhronos.compile.shipping`);
 every process compiles it for its own device
 (:class:`synkhronos.rank.compiled.CompiledFunction`).
 """
@@ -46,7 +46,7 @@ class FunctionSpec:
 
         A ``mode`` the user gave is used as it is; otherwise ``default_mode``
         (PyTensor's own JAX mode for the single-process reference, or
-        synkhronos's for a device: :func:`synkhronos.rewrites.compile_mode`).
+        synkhronos's for a device: :func:`synkhronos.compile.rewrites.compile_mode`).
         """
         kwargs = dict(self.kwargs)
         kwargs.setdefault("mode", default_mode)

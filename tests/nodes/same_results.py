@@ -12,7 +12,7 @@ import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from test_extensions import mlp       # noqa: E402  (a pytensor-ml model)
+from test_extensions import mlp  # noqa: E402  (a pytensor-ml model)
 
 out = {}
 n = synk.fork()

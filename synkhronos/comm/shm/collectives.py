@@ -24,10 +24,11 @@ import time
 
 import numpy as np
 
-from ...device_arrays import adopt, copy_large, private_empty, to_device
-from ...modes import COMBINE
-from ...shmem import GrowableSegment, SegmentMirror
+from ...ipc.buffers import ceil_div, round_up
+from ...ipc.segments import GrowableSegment, SegmentMirror
+from ...platform.device_arrays import adopt, copy_large, private_empty, to_device
 from ..base import Comm
+from ..reduction import COMBINE
 from .control import ShmControl
 from .paths import PIPELINED, PathChooser
 from .regions import SharedResults
@@ -89,7 +90,7 @@ class ShmComm(Comm):
         (pipelined or published) of an all-reduce of ``reservation.reduce_bytes``
         is chosen here for every rank.
         """
-        slot = -(-int(reservation.nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+        slot = round_up(int(reservation.nbytes), SLOT_ALIGN)
         regions_made = int(self.results.gens.sum())
         grew = self.owner.ensure(slot * self.n_ranks, oversize=1.25)
         words, reduce_bytes = self.control.words, reservation.reduce_bytes
@@ -161,7 +162,7 @@ class ShmComm(Comm):
         offsets, end = [], 0
         for h in hosts:
             offsets.append(end)
-            end = -(-(end + h.size) // per_line) * per_line
+            end = round_up(end + h.size, per_line)
         return hosts, offsets, end, self._slots(dtype, end)
 
     @staticmethod
@@ -257,7 +258,7 @@ class ShmComm(Comm):
         me, n = self.rank, self.n_ranks
         peers = [q for q in range(n) if q != me]
         bounds = self._chunk_bounds(total, slots[0].dtype)
-        counts = [-(-(bounds[q + 1] - bounds[q]) // step) for q in range(n)]
+        counts = [ceil_div(bounds[q + 1] - bounds[q], step) for q in range(n)]
         ring_items = RING_CHUNKS * step
 
         def ring(owner, reader):

@@ -13,7 +13,8 @@ rank reads them after its go-ahead.
 
 import numpy as np
 
-from ...shmem import SEMAPHORE_BYTES, Segment, semaphores_in
+from ...ipc.segments import Segment
+from ...ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
 
 __all__ = ["ShmControl"]
 

@@ -20,7 +20,8 @@ import weakref
 
 import numpy as np
 
-from ...shmem import Segment
+from ...ipc.buffers import round_up
+from ...ipc.segments import Segment
 
 __all__ = ["SharedResults", "MAX_REGIONS", "MIN_REGION_BYTES"]
 
@@ -76,7 +77,7 @@ class SharedResults:
         if region in self.mapped:
             self._unmap(region)
         gen = int(self.gens[region]) + 1
-        size = -(-nbytes // (1 << 16)) * (1 << 16)
+        size = round_up(nbytes, 1 << 16)
         self.mapped[region] = (gen, Segment(self._name(region, gen), size, create=True))
         self.gens[region], self.sizes[region] = gen, size
 

@@ -29,7 +29,7 @@ from pytensor.scalar import upcast
 from pytensor.tensor.elemwise import CAReduce, DimShuffle
 from pytensor.tensor.math import Dot
 
-from .platform.cpu_blas import blas_threads
+from ..platform.cpu_blas import blas_threads
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
            "use_cpu_rewrite", "set_cpu_rewrite", "products_measured", "REWRITE_TAG",

@@ -16,8 +16,7 @@ segments when a worker exits), and its ``close()`` fails while numpy views of
 the buffer are alive. Here a mapping is released when its last view dies.
 """
 
-import ctypes
-import ctypes.util
+import _posixshmem
 import errno
 import logging
 import math
@@ -25,14 +24,14 @@ import mmap
 import os
 import re
 import secrets
-import time
 from multiprocessing import resource_tracker
 
-import _posixshmem
 import numpy as np
 
-__all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "Semaphore", "unlink",
-           "SEMAPHORE_BYTES", "stale_segments", "remove_stale_segments", "SEGMENT_DIRECTORY"]
+from .buffers import round_up
+
+__all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "unlink", "stale_segments",
+           "remove_stale_segments", "SEGMENT_DIRECTORY"]
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +252,7 @@ class GrowableSegment:
             return False
         self.free()
         self.gen += 1
-        size = -(-int(max(nbytes, 1) * oversize) // _ALIGN) * _ALIGN
+        size = round_up(int(max(nbytes, 1) * oversize), _ALIGN)
         self.segment = Segment(self.name(), size, create=True, track=self.track)
         return True
 
@@ -284,84 +283,3 @@ class SegmentMirror:
         if self.segment is not None:
             self.segment.release()
         self.segment, self.gen = None, None
-
-
-# ------------------------------------------------------------------------------------------------
-# Process-shared semaphores, placed inside a segment
-# ------------------------------------------------------------------------------------------------
-
-#: bytes a semaphore takes in a segment (a sem_t, padded to its own cache line)
-SEMAPHORE_BYTES = 64
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-for _fn, _args in (("sem_init", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]),
-                   ("sem_post", [ctypes.c_void_p]),
-                   ("sem_trywait", [ctypes.c_void_p]),
-                   ("sem_timedwait", [ctypes.c_void_p, ctypes.POINTER(_Timespec)]),
-                   ("sem_destroy", [ctypes.c_void_p])):
-    getattr(_libc, _fn).argtypes = _args
-    getattr(_libc, _fn).restype = ctypes.c_int
-
-
-class Semaphore:
-    """A process-shared POSIX semaphore living at ``address`` inside a segment."""
-
-    def __init__(self, address):
-        self.address = address
-
-    def init(self):
-        if _libc.sem_init(self.address, 1, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-
-    def post(self):
-        _libc.sem_post(self.address)
-
-    def try_acquire(self):
-        return _libc.sem_trywait(self.address) == 0
-
-    def acquire(self, timeout):
-        """Block up to ``timeout`` seconds; return True if acquired."""
-        deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        while True:
-            if _libc.sem_timedwait(self.address, ctypes.byref(ts)) == 0:
-                return True
-            err = ctypes.get_errno()
-            if err == errno.ETIMEDOUT:
-                return False
-            if err != errno.EINTR:
-                raise OSError(err, "sem_timedwait failed")
-            # EINTR: return to Python so a pending KeyboardInterrupt is raised.
-            return False
-
-    def wait(self, check, spin=100e-6, slice_=0.1):
-        """Acquire, spinning ``spin`` seconds first, then calling ``check()`` between slices.
-
-        ``check`` raises to abandon the wait (a dead peer, a timeout).
-        """
-        if spin > 0:
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:
-                if self.try_acquire():
-                    return
-        while not self.acquire(slice_):
-            check()
-
-
-def semaphores_in(segment, offset, count, create):
-    """``count`` semaphores at ``offset`` of ``segment``, one per ``SEMAPHORE_BYTES``.
-
-    ``create`` initializes them (the segment's creator does, once).
-    """
-    base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm, offset))
-    sems = [Semaphore(base + SEMAPHORE_BYTES * i) for i in range(count)]
-    if create:
-        for sem in sems:
-            sem.init()
-    return sems

@@ -1,99 +1,16 @@
-"""Who computes which rows: the ``batch`` argument, its split across ranks, and slices.
+"""The ``batch``, ``batch_s`` and ``num_slices`` arguments of a call, validated in the master.
 
-The master validates a batch completely before any process is woken. Rows of
-a batch are split into ``n`` near-equal contiguous chunks, rank ``r`` taking
-positions ``[T*r//n, T*(r+1)//n)`` of the ``T`` batch positions; each rank then
-splits its chunk the same way into ``num_slices`` slices. Every process gathers
-its own rows from shared memory.
+The master validates a batch completely before any process is woken; every
+process then gathers its own rows of it from shared memory.
 """
 
 import operator
-from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Batch", "parse_batch", "parse_batch_s", "batch_from_spec", "chunk",
-           "check_num_slices", "gather_rows"]
+from ..wire.batch import Batch
 
-#: rows gathered per block by :func:`gather_rows` (~0.8 MB of 3 KB rows: the block stays in L2)
-GATHER_BLOCK = 256
-#: rows at least this large get their first element touched first (smaller rows share pages)
-TOUCH_MIN_ROW_BYTES = 1024
-
-
-def chunk(lo, hi, parts, index):
-    """Positions ``[a, b)`` of chunk ``index`` when ``[lo, hi)`` is split into ``parts``.
-
-    Plain integer arithmetic: this runs on every call in every process.
-    """
-    size = hi - lo
-    return lo + size * index // parts, lo + size * (index + 1) // parts
-
-
-def gather_rows(table, indices, out):
-    """``out[i] = table[indices[i]]`` for validated ``indices`` (no bounds checks).
-
-    Gathering shuffled rows is bound by memory latency: one ``np.take`` copies
-    row after row, and each row starts with a TLB miss and a cache miss that
-    the copy of the row before cannot overlap. For large rows the gathering
-    runs in blocks of ``GATHER_BLOCK`` rows, each first touching one element
-    of every row in the block (independent loads, whose misses overlap), then
-    copying the rows, now starting in cache with their pages translated, which
-    shortens the gathering of large rows from a large table.
-
-    Examples
-    --------
-    >>> table = np.arange(12.).reshape(6, 2)
-    >>> gather_rows(table, np.array([4, 0, 4]), np.empty((3, 2)))
-    array([[8., 9.],
-           [0., 1.],
-           [8., 9.]])
-    """
-    n = len(indices)
-    if table.ndim < 2 or table[:1].nbytes < TOUCH_MIN_ROW_BYTES or n <= GATHER_BLOCK \
-            or not table.flags.c_contiguous:
-        # mode="clip": validated indices; with out=, numpy's default "raise" gathers into a
-        # temporary first (several times slower)
-        return np.take(table, indices, axis=0, mode="clip", out=out)
-    firsts = table.reshape(len(table), -1)[:, 0]
-    for a in range(0, n, GATHER_BLOCK):
-        block = indices[a:a + GATHER_BLOCK]
-        firsts[block]
-        np.take(table, block, axis=0, mode="clip", out=out[a:a + GATHER_BLOCK])
-    return out
-
-
-@dataclass
-class Batch:
-    """A validated batch: either the row range ``[start, stop)`` or explicit ``indices``."""
-
-    total: int
-    start: int = 0
-    stop: int = 0
-    indices: np.ndarray = None
-    index_offset: int = 0   # where ``indices`` start in the shared index segment
-    _bounds: tuple = field(default=None, repr=False, compare=False)   # see _index_bounds
-
-    @property
-    def is_range(self):
-        return self.indices is None
-
-    def lowest(self):
-        if self.total == 0:
-            return 0
-        return self.start if self.is_range else self._index_bounds()[0]
-
-    def highest(self):
-        """The largest row index the batch touches (-1 if empty)."""
-        if self.total == 0:
-            return -1
-        return self.stop - 1 if self.is_range else self._index_bounds()[1]
-
-    def _index_bounds(self):
-        """(lowest, highest) of the explicit indices, computed once."""
-        if self._bounds is None:
-            self._bounds = (int(self.indices.min()), int(self.indices.max()))
-        return self._bounds
+__all__ = ["parse_batch", "parse_batch_s", "batch_from_spec", "check_num_slices"]
 
 
 def check_num_slices(num_slices):

@@ -4,7 +4,7 @@
 function it compiles, and :func:`synkhronos.function` does the same:
 
 - the next state of every random generator the graphs draw from
-  (:func:`synkhronos.randomness.generator_updates`), so each call draws anew;
+  (:func:`synkhronos.compile.randomness.generator_updates`), so each call draws anew;
 - the advance of every training clock the outputs or updates read
   (:func:`pytensor_ml.pytensorf.collect_clock_updates`), so a schedule moves;
 - the write-backs that stateful layers reached by the update expressions

@@ -9,7 +9,7 @@ import ctypes
 
 import numpy as np
 
-from .transport import BufferPool
+from ..ipc.buffers import BufferPool
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
            "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES"]

@@ -46,6 +46,7 @@ def generator_updates(inputs, read_variables, written):
     list of (SharedVariable, Variable)
     """
     import warnings
+
     from pytensor_ml.pytensorf.rng import collect_default_updates
     if not read_variables:
         return []

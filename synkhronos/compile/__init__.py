@@ -1,0 +1,1 @@
+"""Turning a user's graph into what every rank compiles: rewrites, shipping, threaded updates, random streams."""

@@ -1,0 +1,1 @@
+"""Shared memory between the processes of one node: segments, semaphores, buffers, packing."""

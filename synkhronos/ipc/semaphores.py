@@ -1,0 +1,89 @@
+"""Process-shared POSIX semaphores placed inside a shared-memory segment.
+
+A :class:`Semaphore` is a ``sem_t`` at an offset of a segment every process maps;
+waits are sliced, calling a check between slices, so no wait can hang on a
+process that died.
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import time
+
+__all__ = ["Semaphore", "semaphores_in", "SEMAPHORE_BYTES"]
+
+#: bytes a semaphore takes in a segment (a sem_t, padded to its own cache line)
+SEMAPHORE_BYTES = 64
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+for _fn, _args in (("sem_init", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]),
+                   ("sem_post", [ctypes.c_void_p]),
+                   ("sem_trywait", [ctypes.c_void_p]),
+                   ("sem_timedwait", [ctypes.c_void_p, ctypes.POINTER(_Timespec)]),
+                   ("sem_destroy", [ctypes.c_void_p])):
+    getattr(_libc, _fn).argtypes = _args
+    getattr(_libc, _fn).restype = ctypes.c_int
+
+
+class Semaphore:
+    """A process-shared POSIX semaphore living at ``address`` inside a segment."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def init(self):
+        if _libc.sem_init(self.address, 1, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def post(self):
+        _libc.sem_post(self.address)
+
+    def try_acquire(self):
+        return _libc.sem_trywait(self.address) == 0
+
+    def acquire(self, timeout):
+        """Block up to ``timeout`` seconds; return True if acquired."""
+        deadline = time.time() + timeout
+        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        while True:
+            if _libc.sem_timedwait(self.address, ctypes.byref(ts)) == 0:
+                return True
+            err = ctypes.get_errno()
+            if err == errno.ETIMEDOUT:
+                return False
+            if err != errno.EINTR:
+                raise OSError(err, "sem_timedwait failed")
+            # EINTR: return to Python so a pending KeyboardInterrupt is raised.
+            return False
+
+    def wait(self, check, spin=100e-6, slice_=0.1):
+        """Acquire, spinning ``spin`` seconds first, then calling ``check()`` between slices.
+
+        ``check`` raises to abandon the wait (a dead peer, a timeout).
+        """
+        if spin > 0:
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:
+                if self.try_acquire():
+                    return
+        while not self.acquire(slice_):
+            check()
+
+
+def semaphores_in(segment, offset, count, create):
+    """``count`` semaphores at ``offset`` of ``segment``, one per ``SEMAPHORE_BYTES``.
+
+    ``create`` initializes them (the segment's creator does, once).
+    """
+    base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm, offset))
+    sems = [Semaphore(base + SEMAPHORE_BYTES * i) for i in range(count)]
+    if create:
+        for sem in sems:
+            sem.init()
+    return sems

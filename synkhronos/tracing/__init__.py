@@ -1,0 +1,1 @@
+"""Recording a timeline of what every process does (spans and their phases)."""
