@@ -43,7 +43,7 @@ def _all_reduce_against_psum(rounds):
     import synkhronos as synk
     from bench.mlp import pytensor_graph
     from synkhronos.extensions import train, updates
-    from synkhronos.runtime import master
+    from synkhronos.runtime import session
     x, y, loss, params = pytensor_graph()
     step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.01)
     synk.distribute()
@@ -56,7 +56,7 @@ def _all_reduce_against_psum(rounds):
     local = jax.device_put(value.reshape(1, -1), jax.local_devices()[0])
     whole = jax.make_array_from_single_device_arrays((len(devices), value.size),
                                                      NamedSharding(mesh, spec), [local])
-    nodes = master.current().nodes
+    nodes = session.current().nodes
     # the third: one exchange of the masters through the key-value store alone, the cost of the
     # agreement that precedes every cross-node collective
     t_synk, t_bare, t_agree, ratio = interleaved_medians(

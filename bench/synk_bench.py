@@ -136,14 +136,14 @@ def _split_by_core_distance(blocks, handovers, n):
 
 def result_region():
     """The shared result region the last all-reduce wrote (-1: a private result)."""
-    from synkhronos.runtime import master
-    return master.current().comm.chosen_region
+    from synkhronos.runtime import session
+    return session.current().context.comm.chosen_region
 
 
 def reduce_path():
     """The path (synkhronos.comm.shm.paths) the master chose for the last large all-reduce."""
-    from synkhronos.runtime import master
-    return master.current().comm.chosen_path
+    from synkhronos.runtime import session
+    return session.current().context.comm.chosen_path
 
 
 def training(batches, steps):

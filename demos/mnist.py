@@ -42,7 +42,7 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 VARIANTS = ("single", "cpu", "device")
 LOOPS = ("master", "device")
@@ -251,7 +251,7 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
         raise ValueError("--timeline records synkhronos's devices: use it with --variant cpu or device")
     data = load_data(data_path, seed)
     forked_here = False
-    if variant != "single" and master.active() is None:
+    if variant != "single" and session.active() is None:
         synk.fork(devices)
         forked_here = True
     node = synk.node_rank() if variant != "single" else 0
@@ -269,7 +269,7 @@ def run(variant="cpu", model="mlp", epochs=10, batch=128, lr=0.05, devices=2, da
 
 def _train(variant, model, epochs, batch, lr, data, seed, progress, loop, sync_rule, checkpoint_dir,
            resume, plot):
-    n_devices = 1 if variant == "single" else master.current().n_parallel
+    n_devices = 1 if variant == "single" else session.current().n_parallel
     make_graph, params, static = build_model(model, data["side"], seed=seed)
     step = None if loop == "device" else \
         _stepper(variant, make_graph, static, params, data, lr, batch, n_devices)

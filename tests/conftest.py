@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import synkhronos as synk
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 N_PARALLEL = 2
 
@@ -35,31 +35,31 @@ def child_pids(pid=None):
 
 def worker_children():
     """Child processes that are synkhronos workers (resource trackers excluded)."""
-    rt = master.active()
+    rt = session.active()
     return [p for p, _ in child_pids() if rt is None or p in set(rt.worker_pids.values())]
 
 
 @pytest.fixture
 def synk2():
     """A running 2-device runtime (re-forked if a test closed it or forked another count)."""
-    active = master.active()
+    active = session.active()
     if active is not None and (active.n_parallel != N_PARALLEL or active.comm_kind != "shm"):
         synk.close()
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL)
-    yield master.current()
+    yield session.current()
 
 
 @pytest.fixture(scope="module", params=["shm", "jax"])
 def comm_kind(request):
     """Run a module's tests under each collective implementation (both on CPU)."""
-    rt = master.active()
+    rt = session.active()
     if rt is not None and rt.comm_kind != request.param:
         synk.close()
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL, collectives=request.param)
     yield request.param
-    if master.active() is not None and master.active().comm_kind != "shm":
+    if session.active() is not None and session.active().comm_kind != "shm":
         synk.close()   # leave the default runtime for the next modules
 
 

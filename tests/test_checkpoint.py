@@ -18,7 +18,7 @@ from helpers import run_script
 import synkhronos as synk
 from synkhronos.api import checkpoint
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,7 +230,7 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
     history = train.run(step, x_np, y_np, 10, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2,
                         seed=1, resume=True)
     assert [c.step for c in history] == [6]                  # resumed at step 4
-    assert master.active() is not None
+    assert session.active() is not None
 
 
 @pytest.mark.parametrize("rule", [sync.Downpour(every=1), sync.EASGD(0.5, every=1, asynchronous=True),
@@ -282,7 +282,7 @@ def test_damaged_files_paths_and_arguments_are_named(synk2, tmp_path):
     open(path, "wb").write(bytes(changed))
     with pytest.raises(ValueError, match=r"the data of 'v' .* do not match their checksum"):
         checkpoint.restore(path, [w, v])
-    assert master.active() is not None
+    assert session.active() is not None
 
 
 def test_resuming_past_the_end_says_so(synk2, rng, tmp_path):

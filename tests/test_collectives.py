@@ -11,7 +11,7 @@ from helpers import close
 
 import synkhronos as synk
 from synkhronos.comm.shm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(240)
 _unique = itertools.count()
@@ -159,7 +159,7 @@ def reduce_path(comm_kind, path):
             pytest.skip("the path choice belongs to the shared-memory collectives")
         yield                                   # the JAX runtime has one path
         return
-    paths = master.current().comm.paths
+    paths = session.current().context.comm.paths
     paths.fixed = path
     try:
         yield
@@ -191,7 +191,7 @@ def test_large_all_reduce_paths_with_shared_and_private_results(comm_kind, synk2
                 synk.set_value(rank, group, values[rank])
             synk.all_reduce(group, op=op)
             if comm_kind == "shm":
-                assert master.current().comm.chosen_path == path
+                assert session.current().context.comm.chosen_path == path
             for rank in range(2):
                 for var, v0, v1 in zip(group, *values):
                     np.testing.assert_array_equal(synk.get_value(rank, var), combine(v0, v1))
@@ -214,7 +214,7 @@ def test_both_paths_give_the_same_bits_and_the_master_times_them(comm_kind, synk
     for got in results[PIPELINED] + results[PUBLISHED]:
         assert got.tobytes() == results[PIPELINED][0].tobytes()
     close(results[PUBLISHED][1], (values[0] + values[1]) / 2)
-    paths = master.current().comm.paths
+    paths = session.current().context.comm.paths
     size_class = paths.size_class(big.get_value().nbytes)
     for _ in range(10):             # calls that first touch new shared memory are not timed
         synk.all_reduce(big, op="sum")

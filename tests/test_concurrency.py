@@ -12,7 +12,7 @@ from conftest import N_PARALLEL, synk_segments
 from helpers import close, run_script, wait_until_dead
 
 import synkhronos as synk
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,7 +81,7 @@ FORKED_CHILD = """
     _, status = os.waitpid(pid, 0)
     print("STATUS", status, flush=True)
     print(f(np.full((4, 3), 2.0)), flush=True)
-    prefix = synk.runtime.master.current().prefix
+    prefix = synk.runtime.session.current().prefix
     synk.close()
     print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush=True)
 """
@@ -157,6 +157,6 @@ def test_sigterm_to_a_worker_is_named(synk2):
     with pytest.raises(synk.WorkerError, match="killed by SIGTERM") as info:
         f(np.ones((4, 3)))
     assert info.value.rank == 1 and info.value.how == "died"
-    assert master.active() is None
+    assert session.active() is None
     assert not [n for n in synk_segments() if n.startswith(rt.prefix)]
     synk.fork(N_PARALLEL)

@@ -13,7 +13,7 @@ from test_loops import global_batches
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(300)
                 ids=lambda p: f"{p[0]}dev-{p[1]}")
 def runtime(request):
     n, kind = request.param
-    if master.active() is not None:
+    if session.active() is not None:
         synk.close()
     synk.fork(n, collectives=kind)
-    yield master.current()
+    yield session.current()
     synk.close()
 
 

@@ -202,8 +202,8 @@ def test_with_pools_over_every_core_a_step_is_three_commands_and_exact(rng, tmp_
 
     from conftest import N_PARALLEL
 
-    from synkhronos.runtime import master
-    if master.active() is not None:
+    from synkhronos.runtime import session
+    if session.active() is not None:
         synk.close()
     synk.fork(N_PARALLEL, threads_per_device=len(os.sched_getaffinity(0)))
     try:

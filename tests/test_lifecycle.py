@@ -87,7 +87,7 @@ def test_function_before_fork_and_exit_cleanup():
         synk.fork(2)
         f = synk.function([x], (x.sum(), "sum"))
         print("sum", float(f(np.arange(5.0))))
-        print("prefix", synk.runtime.master.current().prefix)
+        print("prefix", synk.runtime.session.current().prefix)
         # no close(): the atexit hook must clean up
     """)
     assert "before fork: synkhronos is not running; call synk.fork() first" in out.stdout, out.stderr
@@ -169,7 +169,7 @@ def test_each_rank_computes_on_its_own_cores_and_the_script_keeps_all(synk2, rng
         if pid != os.getpid():
             assert os.sched_getaffinity(pid) == share, f"rank {rank}'s main thread is not on its cores"
         else:
-            assert set(synk2._channel.local_cores) == share
+            assert set(synk2.channel.local_cores) == share
 
 
 def _share_of_time_on(cores, call, thread_id):
@@ -197,7 +197,7 @@ def test_the_master_computes_a_long_call_on_its_cores_and_a_tiny_one_anywhere(sy
     """A call that took a millisecond or more runs, the next time, with the master's thread on
     its rank's cores; a tiny call does not pay for the binding; the script keeps every core."""
     cores = os.sched_getaffinity(0)
-    share = synk2._channel.local_cores
+    share = synk2.channel.local_cores
     me = threading.get_native_id()
     x = pt.matrix("x")
     long_call = synk.function([x], ((pt.tanh(x @ x.T) @ x).sum(), "sum"), name="long_call")

@@ -27,7 +27,7 @@ from test_extensions import mlp
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 from synkhronos.wire.batch import chunk
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,7 +68,7 @@ def reset(params, init, step=None):
 @pytest.fixture(scope="module")
 def model(request):
     """A small pytensor-ml MLP with a master-driven momentum step, on a running runtime."""
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL)
     X, y, loss, params, init = mlp(seed=3)
     step = train.make_train_function(loss, params, X, y, updates.momentum, learning_rate=0.1)
@@ -222,7 +222,7 @@ def digits_model(spec, rule, learning_rate):
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from demos.mnist import build_model, load_data
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL)
     data = load_data()
     make_graph, params, _ = build_model(spec, data["side"])
@@ -318,9 +318,9 @@ def test_rate_limited_keeps_its_sync_fraction(wide):
 
 @pytest.mark.parametrize("announcing", [AnnouncingAllReduce, AnnouncingDownpour])
 def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL)
-    rt = master.current()
+    rt = session.current()
     x_np, y_np = digits_like(rng, 4000)
     X, y, loss, params, _ = mlp(seed=11)
     step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.01)
@@ -339,7 +339,7 @@ def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
         train.run(step, x_np, y_np, 20, epochs=10_000, sync=announcing(tmp_path))
     assert killed and time.time() - killed[0] < 10
     assert info.value.rank == 1 and info.value.how == "died"
-    assert master.active() is None
+    assert session.active() is None
     deadline = time.time() + 10
     while time.time() < deadline and ({p for p, _ in child_pids()} & set(pids)
                                       or any(n.startswith(prefix) for n in synk_segments())):
@@ -351,9 +351,9 @@ def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
 @pytest.mark.parametrize("failing", [FailingAllReduce, FailingDownpour])
 def test_a_device_raising_mid_run_ends_it_with_its_error(rng, failing):
     """Peers may be waiting for it mid-step: the runtime is shut down, the error names the rank."""
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(N_PARALLEL)
-    rt = master.current()
+    rt = session.current()
     prefix = rt.prefix
     x_np, y_np = digits_like(rng, 400)
     X, y, loss, params, _ = mlp(seed=13)
@@ -364,7 +364,7 @@ def test_a_device_raising_mid_run_ends_it_with_its_error(rng, failing):
         train.run(step, x_np, y_np, 20, epochs=50, sync=failing())
     assert time.time() - start < 10
     assert info.value.rank == 1 and isinstance(info.value, ValueError)
-    assert master.active() is None
+    assert session.active() is None
     deadline = time.time() + 10
     while any(n.startswith(prefix) for n in synk_segments()) and time.time() < deadline:
         time.sleep(0.1)
@@ -446,7 +446,7 @@ def test_input_that_cannot_run_is_refused_before_the_loop_and_the_runtime_stays(
                                      learning_rate=0.1)
     with pytest.raises(ValueError, match=r"cannot run on the data given \(x_free \(203, 5\)"):
         train.run(free, x_np[:, :5], y_np * 1.0, BATCH, steps=2)     # one feature short of w
-    assert master.active() is not None
+    assert session.active() is not None
     train.run(free, x_np, y_np * 1.0, BATCH, steps=2)
     reset(params, init, step)
     train.run(step, x_np, y_np, BATCH, steps=2)

@@ -53,7 +53,7 @@ for what, make in [("DATA", lambda: synk.data(np.ones((1600000, 8)))),
         print(what, "/dev/shm" in str(e) and "--shm-size" in str(e), flush=True)
     print("NOTHING NEW", set(os.listdir("/dev/shm")) <= set(before), flush=True)
 print(f(np.full((4, 3), 2.0)), flush=True)
-prefix = synk.runtime.master.current().prefix
+prefix = synk.runtime.session.current().prefix
 synk.close()
 print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush=True)
 """

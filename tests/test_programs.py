@@ -24,7 +24,7 @@ from pytensor_ml.pytensorf import (
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,11 +34,11 @@ BATCHES = [13, 8, 11, 13]
 
 def forked(n):
     """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
-    if master.active() is not None and master.active().n_parallel != n:
+    if session.active() is not None and session.active().n_parallel != n:
         synk.close()
-    if master.active() is None:
+    if session.active() is None:
         synk.fork(n)
-    return master.current()
+    return session.current()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")

@@ -21,7 +21,7 @@ _functions = {}
 
 def functions_for(dtype):
     """One function per dtype, built once per runtime (every output mode that suits it)."""
-    rt = synk.runtime.master.current()
+    rt = synk.runtime.session.current()
     key = (id(rt), dtype)
     if key not in _functions:
         x = pt.matrix("x", dtype=dtype)

@@ -21,7 +21,7 @@ from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_mar
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +61,7 @@ def _assert_died_promptly(call, prefix, pids, t_max=10):
         call()
     assert time.time() - t0 < t_max
     assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
-    assert master.active() is None
+    assert session.active() is None
     assert_clean(prefix, pids)
 
 
@@ -104,11 +104,11 @@ def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkey
     The collectives are the shared-memory ones, through a subclass that announces itself
     (``fork(collectives=...)`` takes any Comm subclass the workers can import).
     """
-    if master.active() is not None:
+    if session.active() is not None:
         synk.close()
     monkeypatch.setenv("SYNK_TEST_HOLD", f"{tmp_path}:1:{where}")
     synk.fork(N_PARALLEL, collectives=HoldingShmComm)
-    rt = master.current()
+    rt = session.current()
     assert rt.comm_kind == "holding-shm"
     prefix, pids = rt.prefix, list(rt.worker_pids.values())
     size = 3_000_000 if where == "ring" else 10          # 12 MB: large enough for the rings
@@ -126,11 +126,11 @@ def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkey
 def test_worker_killed_inside_a_training_step_becomes_worker_error(tmp_path, monkeypatch, where):
     """A master-driven step is one command (gradient, all-reduce, update): a worker killed while it
     computes its gradient, or inside the step's all-reduce, is an error, no hang, no leak."""
-    if master.active() is not None:
+    if session.active() is not None:
         synk.close()
     monkeypatch.setenv("SYNK_TEST_HOLD", f"{tmp_path}:1:{where}")
     synk.fork(N_PARALLEL, collectives=HoldingShmComm)
-    rt = master.current()
+    rt = session.current()
     prefix, pids = rt.prefix, list(rt.worker_pids.values())
     victim = rt.worker_pids[1]
     x, y = pt.matrix("x"), pt.vector("y")
@@ -167,10 +167,10 @@ def test_worker_failing_to_prepare_a_collective_keeps_runtime_usable(synk2):
 
 @pytest.mark.parametrize("what", ["collective", "call"])
 def test_stall_names_the_ranks(what):
-    if master.active() is not None:
+    if session.active() is not None:
         synk.close()
     synk.fork(N_PARALLEL, stall_timeout=2)
-    rt = master.current()
+    rt = session.current()
     prefix, pids = rt.prefix, list(rt.worker_pids.values())
     v = pytensor.shared(np.ones(3), name=f"v_stall_{what}")
     x = pt.vector("x")
@@ -205,7 +205,7 @@ MASTER = """
     import sys, time, numpy as np, pytensor.tensor as pt, synkhronos as synk
     from helpers import InsideCall
     synk.fork(2)
-    rt = synk.runtime.master.current()
+    rt = synk.runtime.session.current()
     x, w = pt.matrix("x"), pt.matrix("w")
     # every process says when it is inside a call (sys.argv[1]: where), and goes on
     f = synk.function([x], ((InsideCall(sys.argv[1], -1)(x) @ w @ w.T).sum(), "sum"),
@@ -365,7 +365,7 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
             time.sleep(0.1)
         live = set(synk_segments()) - before - left
         assert live
-        if master.active() is not None:
+        if session.active() is not None:
             synk.close()
         synk.fork(N_PARALLEL)                                    # sweeps what the killed run left
         assert not left & set(synk_segments()) and live <= set(synk_segments())

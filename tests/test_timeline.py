@@ -11,7 +11,7 @@ from test_extensions import mlp
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 from synkhronos.tracing import trace
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,7 +111,7 @@ def test_fork_timeline_writes_at_close(tmp_path, rng):
     events = json.loads(path.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e.get("name") == "at_close"} == {0}
     assert any(e.get("name") == "call" and e["pid"] == 1 for e in events)
-    assert master.active() is None and not trace.on
+    assert session.active() is None and not trace.on
 
 
 def test_the_timeline_is_off_unless_asked(synk2):

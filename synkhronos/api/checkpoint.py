@@ -25,7 +25,8 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..compile import randomness
-from ..runtime.master import current, serialized
+from ..runtime.nodes import joined_over_nodes
+from ..runtime.session import current, serialized
 from . import collectives
 
 __all__ = ["save", "restore", "read", "default_variables"]
@@ -42,8 +43,8 @@ def default_variables() -> list[SharedVariable]:
     variables holding scattered data (``sliceable_shareds``), random generators.
     """
     state = current()
-    scattered = {id(v) for v in state.scattered_shared()}
-    return [v for v in state.known_shared()
+    scattered = {id(v) for v in state.registry.scattered_shared()}
+    return [v for v in state.registry.known_shared()
             if id(v) not in scattered and not getattr(v.tag, "synk_gradient", False)
             and not randomness.is_generator(v)]
 
@@ -109,7 +110,7 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     except TypeError as e:
         raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
                         f"lists and dicts") from None
-    local = [[np.asarray(v) for v in state.local_values(rank, variables)]     # by local rank
+    local = [[np.asarray(v) for v in state.collectives.local_values(rank, variables)]     # by local rank
              for rank in range(state.n_local)]
     values_of, replicated = _values_on_every_rank(state, local, len(variables))
     tensors, layout = {}, []
@@ -142,10 +143,10 @@ def _values_on_every_rank(state, local, n_vars):
         by_rank = local
         differ = [i for i in range(n_vars) if not _same_everywhere([values[i] for values in local])]
     else:
-        digests = state.joined_over_nodes("checkpoint: digests",
+        digests = joined_over_nodes(state.nodes, "checkpoint: digests",
                                           [[_digest(v) for v in values] for values in local])
         differ = [i for i in range(n_vars) if len({d[i] for d in digests}) > 1]
-        by_rank = state.joined_over_nodes("checkpoint: values",
+        by_rank = joined_over_nodes(state.nodes, "checkpoint: values",
                                           [{i: values[i] for i in differ} for values in local])
 
     def values_of(i):
@@ -277,7 +278,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
         collectives.broadcast([var for var, _ in replicated])
     for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
         if per_rank:
-            state.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
+            state.collectives.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
     return {"step": meta["step"], "extra": extra}
 
 

@@ -29,7 +29,7 @@ from ..comm import Reservation
 from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError
 from ..ipc.packing import dtype_code
-from ..runtime.master import current, serialized
+from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import (
     ALL_REDUCE,
@@ -68,7 +68,7 @@ def resolve_shareds(shared_vars):
     items = [shared_vars] if single else list(shared_vars)
     if not items:
         raise ValueError("no shared variables given")
-    known = {id(var): var for var in state.known_shared()}
+    known = {id(var): var for var in state.registry.known_shared()}
     out = []
     for item in items:
         if isinstance(item, str):
@@ -148,7 +148,7 @@ def get_shapes(shared_vars: Shareds) -> list:
     """
     state = current()
     vars_, single = resolve_shareds(shared_vars)
-    shapes = state.all_shapes(vars_)
+    shapes = state.collectives.all_shapes(vars_)
     return shapes[0] if single else shapes
 
 
@@ -213,7 +213,7 @@ def _reduce(shared_vars, op, keep):
     vars_, single = resolve_shareds(shared_vars)
     fill, reservation = reduction_command(state, vars_, op, keep)
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
-        out = state.run_collective(fill, reservation)
+        out = state.collectives.run(fill, reservation)
     if keep == RETURN:
         return out[0] if single else out
 
@@ -231,7 +231,7 @@ def reduction_command(state, vars_, op, keep=KEEP_ALL):
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w):
-        w.put(ALL_REDUCE).put_list(state.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
+        w.put(ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
         for shape in own:
             w.put_list(shape)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
@@ -244,7 +244,7 @@ def shapes_named_on_mismatch(state, vars_, what):
         yield
     except WorkerError as e:
         if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
-            _require_equal_shapes(vars_, state.all_shapes(vars_), what)
+            _require_equal_shapes(vars_, state.collectives.all_shapes(vars_), what)
         raise
 
 
@@ -270,11 +270,11 @@ def broadcast(shared_vars: Shareds, values=None, nccl: bool | None = None) -> No
     shapes = shapes_of(v.container.storage[0] for v in vars_)
 
     def fill(w):
-        w.put(BROADCAST).put_list(state.uids_of(vars_))
+        w.put(BROADCAST).put_list(state.registry.uids_of(vars_))
         for shape in shapes:
             w.put_list(shape)
     sizes = [math.prod(shape) for shape in shapes]
-    state.run_collective(fill, Reservation(_group_bytes(vars_, sizes)))
+    state.collectives.run(fill, Reservation(_group_bytes(vars_, sizes)))
 
 
 @serialized
@@ -330,11 +330,11 @@ def _read_data(state, vars_, datas, batch, chunked):
     index_gen = state.data.write_indices(with_indices[:1]) if with_indices else 0
 
     def fill(w):
-        w.put(READ_DATA).put_list(state.uids_of(vars_)).put(int(chunked), index_gen)
+        w.put(READ_DATA).put_list(state.registry.uids_of(vars_)).put(int(chunked), index_gen)
         for d, b in plans:
             w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
             put_batch(w, b)
-    state.run_collective(fill)
+    state.collectives.run(fill)
 
 
 @serialized
@@ -364,7 +364,7 @@ def all_gather(shared_vars: Shareds, nccl: bool | None = None) -> None:
 
 
 def _gather(state, vars_, keep, nd_up):
-    shapes = state.all_shapes(vars_)
+    shapes = state.collectives.all_shapes(vars_)
     if keep == KEEP_ALL:
         for var, per_rank in zip(vars_, shapes):
             if all(per_rank):
@@ -382,11 +382,11 @@ def _gather(state, vars_, keep, nd_up):
                                  f"only axis 0 may differ")
 
     def fill(w):
-        w.put(GATHER).put_list(state.uids_of(vars_)).put(keep, nd_up)
+        w.put(GATHER).put_list(state.registry.uids_of(vars_)).put(keep, nd_up)
         for per_rank in shapes:
             w.put_list(s[0] if s else -1 for s in per_rank)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
-    return state.run_collective(fill, Reservation(_group_bytes(vars_, padded)))
+    return state.collectives.run(fill, Reservation(_group_bytes(vars_, padded)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
     state = current()
     rank = _check_rank(state, rank)
     vars_, single = resolve_shareds(shared_vars)
-    values = state.get_values(rank, vars_)
+    values = state.collectives.get_values(rank, vars_)
     return values[0] if single else values
 
 
@@ -431,4 +431,4 @@ def set_value(rank: int, shared_vars: Shareds, values, batch=None) -> None:
         arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
                                           cast_hint=_COLLECTIVE_CAST))
         check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
-    state.set_values(rank, vars_, arrays)
+    state.collectives.set_values(rank, vars_, arrays)

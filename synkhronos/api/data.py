@@ -15,7 +15,7 @@ import weakref
 import numpy as np
 
 from ..ipc.packing import dtype_code
-from ..runtime.master import current, serialized
+from ..runtime.session import current, serialized
 
 __all__ = ["Data", "data", "condition_value", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]
@@ -198,14 +198,14 @@ class Data:
         self._state.check_open()
         self._segment.free()
         self._shape = None
-        self._state.drop_data([self.id])
+        self._state.registry.drop_data([self.id])
 
     def _resize(self, shape, oversize):
         self._state.check_open()
         needed = math.prod(shape) * self._dtype.itemsize
         had = self._segment.segment is not None
         if self._segment.ensure(needed, oversize=oversize) and had:
-            self._state.drop_data([self.id])
+            self._state.registry.drop_data([self.id])
         self._shape = tuple(shape)
 
 

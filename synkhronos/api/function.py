@@ -29,7 +29,7 @@ from ..ipc.packing import dtype_code
 from ..platform.internals import unsampleable_in_jax
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
-from ..runtime.master import State, current, serialized
+from ..runtime.session import State, current, serialized
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
@@ -392,15 +392,15 @@ class Function:
             # the kept plan of an earlier call with as many indices: only the indices are new
             n_scat = len(self.spec.inputs)
             plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat])[0])
-        state.ensure_shipped()
-        if not state.is_registered(self.spec.fid):
+        state.registry.ensure_shipped()
+        if not state.registry.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
                             f"build it again from picklable ops")
         if since is not None:          # recording a timeline: this call's phases on this rank
             trace.begin("call", self.name, since)
             trace.mark("plan")
         try:
-            rows, columns = state.run_call(plan, result_record(self.spec, plan), tail)
+            rows, columns = state.calls.run(plan, result_record(self.spec, plan), tail)
             if since is not None:
                 trace.mark("wait for devices")
             outputs = self._reduce(plan, rows, columns)
@@ -483,7 +483,7 @@ class Function:
         sliceables = self.spec.sliceable_shareds
         if not sliceables:
             return []
-        shapes = self._state.all_shapes(sliceables)
+        shapes = self._state.collectives.all_shapes(sliceables)
         names = [str(s) for s in sliceables]
         for name, per_rank in zip(names, shapes):
             if any(len(shape) == 0 for shape in per_rank):
@@ -670,7 +670,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         _warn_if_updates_are_local(triples, scattered_rows, name or "synk.function")
     triples += graph_updates.model_updates([v for v, _ in pairs], {s: v for s, v, _ in triples})
     sliceable = list(sliceable_shareds or [])
-    spec = FunctionSpec(state.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
+    spec = FunctionSpec(state.registry.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
                         sliceable, kwargs)
     spec.name = name or f"synk_function_{spec.fid}"
     spec.generator_updates = generators + randomness.generator_updates(
@@ -689,7 +689,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     _check_jax_can_sample(spec)
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     set_precision(State.float_x())       # the same rule every rank applies
-    state.own_streams(spec.shared_variables())
+    state.registry.own_streams(spec.shared_variables())
     compiled = CompiledFunction(spec)    # compile errors surface here, in the master
-    state.register_function(spec, compiled)
+    state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows)

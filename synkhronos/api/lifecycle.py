@@ -1,7 +1,7 @@
 """``fork`` / ``distribute`` / ``close``: start the runtime, bring the workers up to date, stop it.
 
 Everything is validated here before anything in the process changes; the
-runtime itself is :class:`synkhronos.runtime.master.State`.
+runtime itself is :class:`synkhronos.runtime.session.State`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
 from ..errors import SynkWarning
 from ..platform import cluster, jax_init
-from ..runtime import master
-from ..runtime.master import Settings, current, serialized
+from ..runtime import session
+from ..runtime.session import Settings, current, serialized
 from ..tracing import trace
 from ..wire.topology import Topology
 
@@ -94,12 +94,12 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     platform = _old_fork_options(options, platform)
     if options:
         raise TypeError(f"fork() got unknown options {sorted(options)}")
-    if master.forked_from() is not None:
+    if session.forked_from() is not None:
         raise RuntimeError(f"fork() cannot run in a process made by os.fork() from synkhronos's "
-                           f"master (pid {master.forked_from()}): it inherited the master's JAX "
+                           f"master (pid {session.forked_from()}): it inherited the master's JAX "
                            f"runtime without its threads; start such processes with "
                            f"multiprocessing's 'spawn' start method instead")
-    if master.active() is not None:
+    if session.active() is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
     if jax_init.backend_exists():
         raise RuntimeError("a JAX backend (device context) already exists in this process, so it "
@@ -127,13 +127,13 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     threads = threads_per_device or max(1, cores // n_parallel)
     if spin_us is None:
         spin_us = 2000 if n_parallel <= cores else 0
-    state = master.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
+    state = session.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
                                   spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
                                   collectives=implementation,
                                   timeline=None if timeline is None else _writable(timeline),
                                   topology=topology))
     if timeline is not None:
-        state.start_timeline()
+        state.timeline.start()
     return state.n_parallel
 
 
@@ -160,7 +160,7 @@ def _old_fork_options(options, platform):
 @serialized
 def distribute() -> None:
     """Ship every function to the workers and make their shared values equal the master's."""
-    current().ship(sync_values=True)
+    current().registry.ship(sync_values=True)
 
 
 @contextmanager
@@ -190,13 +190,13 @@ def timeline(path: str) -> Iterator[None]:
     ...         train(x_data, y_data, batch=idx)
     """
     path = _writable(path)
-    with master.lock():
+    with session.lock():
         state = current()
         if trace.on:
             raise RuntimeError("a timeline is recording already (a `with synk.timeline(...)` block, "
                                "in this thread or another, or fork(timeline=...)); one records at a "
                                "time: end it first, or record the whole run with one block")
-        state.start_timeline()
+        state.timeline.start()
     raised = False
     try:
         yield
@@ -204,10 +204,10 @@ def timeline(path: str) -> Iterator[None]:
         raised = True
         raise
     finally:
-        with master.lock():
+        with session.lock():
             if state.is_open:
                 try:
-                    state.write_timeline(path)
+                    state.timeline.write(path)
                 except Exception as e:
                     if not raised:
                         raise
@@ -237,7 +237,7 @@ def close() -> None:
     ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
     command raises).
     """
-    master.end()
+    session.end()
 
 
 def get_n_devices(platform: str | None = None) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import Reservation
-from ..runtime.master import current, serialized
+from ..runtime.session import current, serialized
 from ..wire.collective import shapes_of
 from .collectives import (
     all_reduce,
@@ -52,7 +52,7 @@ class Step:
 
     On one node every call of a Step is one command (see the module notes); on
     several nodes, or with every rank's CPU pool over every core, three
-    (:attr:`~synkhronos.runtime.master.State.fuses_steps`). Built once, called
+    (:attr:`~synkhronos.runtime.session.State.fuses_steps`). Built once, called
     every step: what the all-reduce sends is made once and again only when the
     reduced variables' shapes change.
 
@@ -94,8 +94,8 @@ class Step:
             all_reduce(self.reduced, self.op)
             self.update()
             return result
-        state.ensure_shipped()
-        if not state.is_registered(self.update.spec.fid):
+        state.registry.ensure_shipped()
+        if not state.registry.is_registered(self.update.spec.fid):
             raise TypeError(f"{self.update.name} could not be sent to the workers and was "
                             f"unregistered; build it again from picklable ops")
         options = {k: call_kwargs.pop(k) for k in _CALL_OPTIONS if k in call_kwargs}

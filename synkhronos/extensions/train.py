@@ -23,8 +23,9 @@ from ..api.data import data
 from ..api.function import function
 from ..api.step import Step
 from ..errors import SynkWarning
-from ..runtime.master import current, serialized
-from ..wire.loop import LoopSpec, epoch_order, steps_per_epoch
+from ..runtime.nodes import rows_of_every_node
+from ..runtime.session import current, serialized
+from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .sync import AllReduce, Rule
 
@@ -93,7 +94,7 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
                             f"{[str(v) for v in inputs]}), got {len(data)}")
         rows = len(data[0]) if batch is None else batch_from_spec(batch, len(data[0])).total
         if getattr(data[0], "sharded", False):     # each node's batch of its own shard: all of them
-            rows = current().rows_of_every_node(rows)
+            rows = rows_of_every_node(current().nodes, rows)
         return step(rows, *data, batch=batch, num_slices=num_slices)
 
     train_minibatch.runs_on_devices = True      # what run() takes
@@ -298,18 +299,13 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if check_every is None else check_every
     params = train_fn.params
-    loop_id = state.new_loop_id()
-    spec = LoopSpec(loop_id=loop_id, grad_fid=f_grad.spec.fid, update_fid=f_upd.spec.fid,
-                    grad_uid=state.uid_of(train_fn.grad_shared), param_uids=tuple(state.uids_of(params)),
-                    stat_uids=tuple(state.uids_of(train_fn.statistics)),
-                    state_uids=tuple(state.uids_of(train_fn.optimizer_state)),
-                    inputs=tuple(refs), batch_size=int(batch_size), shuffle=bool(shuffle), seed=int(seed),
-                    rule=sync, center=state.center_name(loop_id) if sync.asynchronous else None)
+    spec = state.loops.new(f_grad, f_upd, train_fn.grad_shared, params, train_fn.statistics,
+                           train_fn.optimizer_state, refs, batch_size, shuffle, seed, sync)
     saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
         dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
              rule=repr(sync)))
-    phase = serialized(state.run_loop)
-    history = History(sync, center_values=lambda: serialized(state.center_values)(spec))
+    run_steps = serialized(state.loops.run)
+    history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
     if done >= total:
         warnings.warn(f"the checkpoint in {checkpoint_dir} is at step {done}, at or past this run's "
@@ -322,7 +318,7 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
             # checks at the steps the uninterrupted one did
             last = min(total, _next_multiple(done, check_every), saving.next_step(done))
             start = time.perf_counter()
-            stats = stats + phase(spec, "run", done, last)
+            stats = stats + run_steps(spec, done, last)
             seconds += time.perf_counter() - start
             done = last
             saving.maybe_save(done)
@@ -335,7 +331,7 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
                 break
     finally:
         if state.is_open:       # the final parameters on every device, also after on_check raised
-            phase(spec, "finish")
+            serialized(state.loops.finish)(spec)
         history.end_run()
     return history
 

@@ -36,7 +36,8 @@ def _store(var, value):
     var.container.storage[0] = value
 
 
-def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
+def _prepare_all_reduce(context, vars_, words):
+    comm, rank, master_rank = context.comm, context.rank, context.master_rank
     op, keep = REDUCE_OPS[words.get()], words.get()
     for var, expected in zip(vars_, [tuple(words.get_list()) for _ in vars_]):
         own = tuple(np.shape(var.container.storage[0]))
@@ -56,7 +57,8 @@ def _prepare_all_reduce(comm, vars_, words, rank, master_rank):
     return execute
 
 
-def _prepare_broadcast(comm, vars_, words, rank, root):
+def _prepare_broadcast(context, vars_, words):
+    comm, rank, root = context.comm, context.rank, context.root_rank
     shapes = [tuple(words.get_list()) for _ in vars_]
     groups = []
     for idx in dtype_groups(vars_):
@@ -76,9 +78,10 @@ def _prepare_broadcast(comm, vars_, words, rank, root):
     return execute
 
 
-def _prepare_gather(comm, vars_, words, rank, master_rank):
+def _prepare_gather(context, vars_, words):
     """All-gather with zero padding to the longest rank; every rank trims by the known lengths."""
     import jax.numpy as jnp
+    comm, rank, master_rank = context.comm, context.rank, context.master_rank
     keep, nd_up = words.get(), words.get()
     lengths = [words.get_list() for _ in vars_]   # per var: length on each rank (-1: 0-d)
     groups = []
@@ -107,8 +110,9 @@ def _prepare_gather(comm, vars_, words, rank, master_rank):
     return execute
 
 
-def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
+def _prepare_read_data(context, vars_, words):
     """Every rank puts rows of a Data (all of them, or its chunk) on its device (no collective)."""
+    rank, n_ranks, view_of, index_lookup = context.rank, context.n_ranks, context.view, context.index_view
     chunked, index_gen = words.get(), words.get()
     values = []
     for _ in vars_:
@@ -130,36 +134,33 @@ def _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup):
     return execute
 
 
-def prepare_collective(comm, words, rank, n_ranks, master_rank, var_of, view_of, index_lookup,
-                       root=None):
+#: what each kind of collective prepares on a rank
+PREPARE = {ALL_REDUCE: _prepare_all_reduce, BROADCAST: _prepare_broadcast, GATHER: _prepare_gather,
+           READ_DATA: _prepare_read_data}
+
+
+def prepare_collective(context, words):
     """Prepare this rank's part of the collective encoded in ``words``; return its ``execute()``.
 
-    ``master_rank`` is the rank of this node's master (which keeps or returns
-    results); ``root``, the rank a broadcast sends from (default
-    ``master_rank``; on several nodes node 0's master).
+    ``context`` is this rank's :class:`~.context.RankContext`: its node's master
+    keeps or returns the results; a broadcast sends from the root rank (node 0's master).
 
     ``execute()`` runs the collective, waits until it is finished on this
     rank's device, and returns the results the master keeps (empty elsewhere).
     """
     import jax
     kind = words.get()
-    vars_ = [var_of(uid) for uid in words.get_list()]
-    if kind == ALL_REDUCE:
-        execute = _prepare_all_reduce(comm, vars_, words, rank, master_rank)
-    elif kind == BROADCAST:
-        execute = _prepare_broadcast(comm, vars_, words, rank,
-                                     master_rank if root is None else root)
-    elif kind == GATHER:
-        execute = _prepare_gather(comm, vars_, words, rank, master_rank)
-    elif kind == READ_DATA:
-        execute = _prepare_read_data(vars_, words, rank, n_ranks, view_of, index_lookup)
-    else:
+    vars_ = [context.variable(uid) for uid in words.get_list()]
+    prepare = PREPARE.get(kind)
+    if prepare is None:
         raise ValueError(f"unknown collective kind {kind}")
+    execute = prepare(context, vars_, words)
 
     def execute_and_wait():
         out = execute()
         # JAX dispatches asynchronously; a collective is finished (its errors raised) on return.
         jax.block_until_ready([v.container.storage[0] for v in vars_])
-        comm.refresh()
+        if context.comm_made:
+            context.comm.refresh()
         return out
     return execute_and_wait

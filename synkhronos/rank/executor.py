@@ -78,16 +78,14 @@ def _share(plan, rank, n_ranks):
     return Share(lo, hi, n_slices, rows, counts_rows, cuts)
 
 
-def run_share(compiled, plan, rank, n_ranks, view_of):
+def run_share(context, plan):
     """Compute this rank's share of a call.
 
     Parameters
     ----------
-    compiled : CompiledFunction
+    context : RankContext
+        This rank: its compiled functions and its views of the Data.
     plan : CallPlan
-    rank, n_ranks : int
-    view_of : callable
-        ``view_of(InputRef)`` returns the numpy view of that input's Data.
 
     Returns
     -------
@@ -97,6 +95,8 @@ def run_share(compiled, plan, rank, n_ranks, view_of):
     outputs : list
         Per selected output, the rank's accumulation over its slices (device arrays).
     """
+    compiled, view_of = context.function(plan.fid), context.view
+    rank, n_ranks = context.share_of_call(plan)
     share = share_of(plan, rank, n_ranks)
     if share.rows == 0:
         return 0, []

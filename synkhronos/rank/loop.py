@@ -37,38 +37,33 @@ class DeviceLoop:
     Parameters
     ----------
     spec : LoopSpec
-    rank, n_ranks, master_rank : int
-    functions : callable
-        This rank's CompiledFunction by function id.
-    var_of : callable
-        Shared variable by uid.
-    view_of : callable
-        Numpy view of a Data by :class:`~synkhronos.wire.plan.InputRef`.
-    comm : Comm
-        This rank's collective implementation (synchronous rules).
+    context : RankContext
+        This rank (its functions, shared variables, Data views, collectives).
     center : Center or None
         The central parameters (asynchronous rules).
     beat : callable
         Called after every step (progress for the master's watch, liveness checks).
     """
 
-    def __init__(self, spec, rank, n_ranks, master_rank, functions, var_of, view_of, comm,
-                 center, beat):
+    def __init__(self, spec, context, center, beat):
         # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
         self.spec, self.rule = spec, copy.copy(spec.rule)
-        self.rank, self.n_ranks, self.master_rank = rank, n_ranks, master_rank
-        self.grad, self.update = functions(spec.grad_fid), functions(spec.update_fid)
-        self.grad_var = var_of(spec.grad_uid)
+        self.rank, self.n_ranks, self.master_rank = context.rank, context.n_ranks, context.master_rank
+        self.grad, self.update = context.function(spec.grad_fid), context.function(spec.update_fid)
+        self.grad_var = context.variable(spec.grad_uid)
         #: what the rule keeps together: the parameters, then the model's statistics
-        self.params = [var_of(uid) for uid in spec.synced_uids]
+        self.params = [context.variable(uid) for uid in spec.synced_uids]
         self.n_statistics = len(spec.stat_uids)
-        self.state_vars = [var_of(uid) for uid in spec.state_uids]
-        self.views = [view_of(ref) for ref in spec.inputs]
-        self.comm, self.center, self.beat = comm, center, beat
+        self.state_vars = [context.variable(uid) for uid in spec.state_uids]
+        self.views = [context.view(ref) for ref in spec.inputs]
+        # a rule without a collective never builds one
+        self.comm = context.comm if not spec.rule.asynchronous else None
+        self.center, self.beat = center, beat
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
         grad = self.grad_var.container.storage[0]
-        self._all_reduce_gradient = comm.all_reduce_host if \
-            np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES else comm.all_reduce
+        small = np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES
+        self._all_reduce_gradient = None if self.comm is None else \
+            self.comm.all_reduce_host if small else self.comm.all_reduce
         self._orders = {}
         #: this rank's seconds spent syncing, and busy in phases, over the whole run
         self.sync_seconds = 0.0

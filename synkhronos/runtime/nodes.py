@@ -23,11 +23,13 @@ import pickle
 import threading
 import time
 
+import numpy as np
+
 from ..errors import NodesDiverged, StallError, WorkerError
 from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
 
-__all__ = ["NodeLink"]
+__all__ = ["NodeLink", "joined_over_nodes", "rows_of_every_node"]
 
 #: milliseconds of one slice of a wait for another node's key
 _SLICE_MS = 100
@@ -179,6 +181,54 @@ class NodeLink:
         raise WorkerError(self.topology.offset, "raised", type(error).__name__, f"{doing}: {error}",
                           node=self.topology.node_rank) from error
 
+    # --- what the masters tell each other ------------------------------------------------------
+    def check_settings_agree(self, mine):
+        """Every node must run with the same settings ``mine`` (a dict); raise naming the first
+        that differs."""
+        for node, theirs in enumerate(self.exchange("fork()", mine)):
+            for key in mine:
+                if theirs[key] != mine[key]:
+                    raise ValueError(
+                        f"node {node} forked with {key}={theirs[key]!r} but node "
+                        f"{self.topology.node_rank} with {key}={mine[key]!r}: every node must call "
+                        f"fork() alike (the same devices per node, master_rank, platform, "
+                        f"collectives and pytensor.config.floatX)")
+
+    def every_node_prepared(self, kind):
+        """The agreement of a collective's two phases across nodes (see ``Channel.collective``)."""
+        def agree(prepared):
+            nodes = self.exchange(("collective", kind), prepared)
+            failed = [node for node, ok in enumerate(nodes) if not ok]
+            if not failed:
+                return True, None
+            return False, self.error_on(failed[0], f"it could not prepare the {kind}; every node "
+                                                   f"skipped it")
+        return agree
+
+    def error_on(self, node, what):
+        """The error this node raises for a failure on another ``node``."""
+        return WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
+                           f"node {node}: {what}", node=node)
+
+    def tell_failed(self, what, error):
+        """After this node failed a command: let the others raise too."""
+        self.exchange(what, ("failed", f"{type(error).__name__}: {error}"))
+
+    def results_of_every_node(self, what, rows, columns):
+        """Every node's per-rank ``rows`` and ``columns`` of a call, joined in global rank order."""
+        nodes = self.exchange(what, ("ok", (rows, columns)))
+        for node, (status, payload) in enumerate(nodes):
+            if status == "failed":
+                raise self.error_on(node, f"it failed this call ({payload}); this node's part "
+                                          f"was done and is discarded")
+        rows = [r for _, (node_rows, _) in nodes for r in node_rows]
+        joined = []
+        for j in range(len(columns)):
+            parts = [node_columns[j] for _, (_, node_columns) in nodes]
+            joined.append(np.concatenate(parts) if isinstance(parts[0], np.ndarray)
+                          else [v for part in parts for v in part])
+        return rows, joined
+
     def every_other_node_lost(self):
         """True once every other node was found lost: nobody is left to leave the runtime."""
         return self.lost >= set(range(self.topology.n_nodes)) - {self.topology.node_rank}
@@ -188,6 +238,23 @@ class NodeLink:
         self.on_fault()
         return WorkerError(rank, "died", "node lost", f"{why}; this node's runtime was shut down, "
                            f"call synk.fork() on every node to start again", node=node)
+
+
+def joined_over_nodes(nodes, what, per_local_rank):
+    """``per_local_rank`` (a list over this node's ranks) of every node, by global rank.
+
+    ``nodes`` is the runtime's :class:`NodeLink`, or None on one node.
+    """
+    if nodes is None:
+        return list(per_local_rank)
+    return [item for node in nodes.exchange(what, list(per_local_rank)) for item in node]
+
+
+def rows_of_every_node(nodes, rows):
+    """The rows of every node's batch together (this node's own count on one node)."""
+    if nodes is None:
+        return rows
+    return int(sum(nodes.exchange("rows of every node", int(rows))))
 
 
 def _describe(what):

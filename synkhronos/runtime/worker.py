@@ -21,13 +21,14 @@ import warnings
 
 import numpy as np
 
-from ..comm import CommContext, comm_class
+from ..comm import comm_class
 from ..compile import randomness, rewrites, shipping
 from ..errors import exception_name, graph_line
 from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
 from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
 from ..platform.device_arrays import place_on_device
+from ..rank.context import RankContext
 from ..tracing import trace
 from ..wire.collective import shapes_of
 from ..wire.control import (
@@ -85,8 +86,16 @@ class Worker:
         self.functions = {}
         self.shared = {}
         self.plans = PlanMemo()
-        self._run_share = self._run_update = None     # set by the first SHIP
-        self._comm = None
+        self._run_share = None     # set by the first SHIP
+        #: this rank, as the rank code sees it
+        self.context = RankContext(
+            rank=self.grank, n_ranks=self.n_devices, local_rank=self.rank, n_local=self.n_ranks,
+            master_rank=self.topology.global_rank(int(self.ctl.header[ControlBlock.MASTER_RANK])),
+            root_rank=int(self.ctl.header[ControlBlock.MASTER_RANK]),
+            function=self.functions.__getitem__, variable=self.shared.__getitem__,
+            view=self.datas.view, index_view=self.datas.index_view, check=self.check_master,
+            comm_class=self.comm_class, prefix=self.prefix, spin=self.spin,
+            topology=self.topology if self.topology.several_nodes else None)
         self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
@@ -158,8 +167,8 @@ class Worker:
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
         from ..rank.compiled import CompiledFunction
-        from ..rank.executor import run_share, run_update
-        self._run_share, self._run_update = run_share, run_update
+        from ..rank.executor import run_share
+        self._run_share = run_share
         payload = shipping.loads(self.payload_bytes(), self.shared)
         jax_init.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         rewrites.set_cpu_rewrite(payload["cpu_rewrite"])
@@ -172,11 +181,9 @@ class Worker:
 
     def call(self):
         plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
-        compiled = self.functions[plan.fid]
-        rank, n_ranks = plan.ranks(self.grank, self.n_devices, self.rank, self.n_ranks)
-        rows, outs = self._run_share(compiled, plan, rank, n_ranks, self.datas.view)
+        rows, outs = self._run_share(self.context, plan)
         if rows and outs:
-            record = result_record(compiled.spec, plan)
+            record = result_record(self.functions[plan.fid].spec, plan)
             if record is not None:
                 self.ctl.put_record(record, self.rank, outs)
             else:
@@ -197,7 +204,7 @@ class Worker:
     def _set_values(self, values):
         """Set shared values from the master; a random generator becomes this rank's own stream."""
         # relative to this node's master, whose own stream is the root's jumped by its distance
-        offset = (self.grank - self.master_rank) % self.n_devices
+        offset = (self.grank - self.context.master_rank) % self.n_devices
         for uid, value in values.items():
             var = self.shared[uid]
             if randomness.is_generator(var):
@@ -205,29 +212,10 @@ class Worker:
             var.set_value(value)
             place_on_device([var])
 
-    @property
-    def master_rank(self):
-        """The global rank of this node's master."""
-        return self.topology.global_rank(int(self.ctl.header[ControlBlock.MASTER_RANK]))
-
-    @property
-    def root_rank(self):
-        """The global rank of node 0's master: where broadcasts and random streams start."""
-        return int(self.ctl.header[ControlBlock.MASTER_RANK])
-
-    def comm(self):
-        """This rank's collective implementation (built at the first collective)."""
-        if self._comm is None:
-            self._comm = self.comm_class(CommContext(
-                prefix=self.prefix, rank=self.grank, n_ranks=self.n_devices,
-                master_rank=self.master_rank, check=self.check_master, spin=self.spin,
-                topology=self.topology if self.topology.several_nodes else None))
-        return self._comm
-
     def collective(self):
         """Prepare, report, wait for the master's decision, then execute (or skip)."""
         def prepare():
-            return self._prepare_collective(Words(self.ctl.args)), 0
+            return self.context.prepare_collective(Words(self.ctl.args)), 0
         return self._two_phases(prepare)
 
     def step(self):
@@ -235,20 +223,10 @@ class Worker:
         on the master's word, the collective and the update function (see ``Channel.step``)."""
         def prepare():
             rows = self.call()
-            execute = self._prepare_collective(Words(self.ctl.args[STEP_COLLECTIVE_AT:]))
-            update = self.functions[int(self.ctl.header[ControlBlock.UPDATE_FID])]
-
-            def reduce_and_update():
-                execute()
-                self._run_update(update)
-            return reduce_and_update, rows
+            tail = self.context.step_tail(Words(self.ctl.args[STEP_COLLECTIVE_AT:]),
+                                          int(self.ctl.header[ControlBlock.UPDATE_FID]))
+            return tail, rows
         return self._two_phases(prepare)
-
-    def _prepare_collective(self, words):
-        from ..rank.collectives import prepare_collective
-        return prepare_collective(self.comm(), words, self.grank, self.n_devices, self.master_rank,
-                                  self.shared.__getitem__, self.datas.view, self.datas.index_view,
-                                  root=self.root_rank)
 
     def _two_phases(self, prepare):
         """``prepare()`` (returning ``(execute, rows)``), report, wait for the master's decision,
@@ -278,17 +256,13 @@ class Worker:
     def loop(self):
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""
         from ..rank.center import Center
-        from ..rank.loop import DeviceLoop
         message = self.payload_object()
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)
         if loop is None:
             center = Center.of(spec.center, [self.shared[uid] for uid in spec.synced_uids],
                                create=False, check=self.check_master) if spec.center else None
-            loop = self.loops[spec.loop_id] = DeviceLoop(
-                spec, self.grank, self.n_devices, self.master_rank,
-                self.functions.__getitem__, self.shared.__getitem__, self.datas.view, self.comm(),
-                center, self._beat())
+            loop = self.loops[spec.loop_id] = self.context.device_loop(spec, center, self._beat())
         if message["phase"] == "finish":
             self.loops.pop(spec.loop_id).finish()
             return 0
@@ -326,8 +300,8 @@ class Worker:
     def cleanup(self):
         self.result.free()
         self.warnings_out.free()
-        if self._comm is not None:
-            self._comm.release()
+        if self.context.comm_made:
+            self.context.comm.release()
 
 
 def _die_with_parent():

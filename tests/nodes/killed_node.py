@@ -16,14 +16,14 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
-from synkhronos.runtime import master
+from synkhronos.runtime import session
 
 out = sys.argv[1]
 what = sys.argv[2]                       # "call" or "all_reduce": what the survivor does meanwhile
 victim = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 how = sys.argv[4] if len(sys.argv) > 4 else "kill"     # "kill": SIGKILL; "stall": SIGSTOP
 synk.fork()
-node, state = synk.node_rank(), master.current()
+node, state = synk.node_rank(), session.current()
 with open(os.path.join(out, f"prefix{node}.txt"), "w") as f:
     f.write(state.prefix)
 with open(os.path.join(out, f"pids{node}.json"), "w") as f:
@@ -59,7 +59,7 @@ def run_until_it_fails(name):
     except synk.WorkerError as e:
         seen = dict(error=str(e), node=e.node, how=e.how, seconds=time.time() - start)
     seen["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
-    seen["closed"] = master.active() is None
+    seen["closed"] = session.active() is None
     with open(os.path.join(out, name), "w") as fh:
         json.dump(seen, fh)
 
@@ -74,7 +74,7 @@ def call_until_it_fails(name):
     except synk.WorkerError as e:
         seen = dict(error=str(e), node=e.node, how=e.how, seconds=time.time() - start)
     seen["segments"] = [n for n in os.listdir("/dev/shm") if n.startswith(state.prefix)]
-    seen["closed"] = master.active() is None
+    seen["closed"] = session.active() is None
     with open(os.path.join(out, name), "w") as fh:
         json.dump(seen, fh)
 

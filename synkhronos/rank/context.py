@@ -1,0 +1,110 @@
+"""What the code every rank runs needs to know about the rank it runs on: one :class:`RankContext`.
+
+The master and every worker each build one when they start
+(``runtime.state.State`` and ``runtime.worker.Worker``). Everything in
+:mod:`synkhronos.rank` takes it: a call's share, a collective's part, a step's
+tail, a device-driven loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..comm import CommContext
+
+__all__ = ["RankContext"]
+
+
+@dataclass
+class RankContext:
+    """One rank, as the rank code sees it.
+
+    Attributes
+    ----------
+    rank, n_ranks : int
+        This rank among every device of every node (what work is split by).
+    local_rank, n_local : int
+        This rank among its node's devices (a node-local call is split so).
+    master_rank : int
+        The global rank of this node's master (which keeps or returns results).
+    root_rank : int
+        The global rank a broadcast sends from, and random streams start at: node 0's master.
+    function : callable
+        This rank's compiled function by function id.
+    variable : callable
+        A shared variable by uid.
+    view, index_view : callable
+        The numpy view of a Data (by ``InputRef``), and of explicit indices.
+    check : callable
+        Called while waiting (raises to abandon a wait: a dead master, a fault).
+    comm_class : type
+        The collective implementation; :attr:`comm` is built from it at first use.
+    prefix : str
+        The runtime's segment prefix.
+    spin : float
+        Seconds a wait polls before it sleeps.
+    topology : Topology or None
+        Where the nodes are, on several nodes.
+    """
+
+    rank: int
+    n_ranks: int
+    local_rank: int
+    n_local: int
+    master_rank: int
+    root_rank: int
+    function: Callable[[int], Any]
+    variable: Callable[[int], Any]
+    view: Callable[[Any], Any]
+    index_view: Callable[..., Any]
+    check: Callable[[], None]
+    comm_class: type
+    prefix: str
+    spin: float
+    topology: Any = None
+    _comm: Any = field(default=None, repr=False)
+
+    @property
+    def comm(self):
+        """This rank's collective implementation (built on first use)."""
+        if self._comm is None:
+            self._comm = self.comm_class(CommContext(
+                prefix=self.prefix, rank=self.rank, n_ranks=self.n_ranks,
+                master_rank=self.master_rank, check=self.check, spin=self.spin,
+                topology=self.topology))
+        return self._comm
+
+    @property
+    def comm_made(self):
+        """True once :attr:`comm` was built (it then holds segments to release)."""
+        return self._comm is not None
+
+    def prepare_collective(self, words):
+        """This rank's part of the collective encoded in ``words``, prepared; returns its ``execute()``."""
+        from .collectives import prepare_collective
+        return prepare_collective(self, words)
+
+    def step_tail(self, words, update_fid):
+        """A training step's tail on this rank, prepared: ``run()`` all-reduces then updates.
+
+        ``words`` hold the all-reduce; ``update_fid`` is the update function
+        (see :class:`synkhronos.api.step.Step`).
+        """
+        from .executor import run_update
+        execute = self.prepare_collective(words)
+        update = self.function(update_fid)
+
+        def run():
+            execute()
+            run_update(update)
+        return run
+
+    def device_loop(self, spec, center, beat):
+        """This rank's part of the device-driven loop ``spec`` (see :class:`~.loop.DeviceLoop`)."""
+        from .loop import DeviceLoop
+        return DeviceLoop(spec, self, center, beat)
+
+    def share_of_call(self, plan):
+        """``(rank, n_ranks)`` a call's rows are split by: the node's own for a node-local call."""
+        return plan.ranks(self.rank, self.n_ranks, self.local_rank, self.n_local)

@@ -1,0 +1,124 @@
+"""The master's side of a call: post its plan, compute its own share, gather every rank's results.
+
+:meth:`Calls.run` runs a validated :class:`~synkhronos.wire.plan.CallPlan` on
+every rank of the node, the master's share included; on several nodes the
+nodes' results are then exchanged (and compared: nodes making different calls
+raise ``NodesDiverged``). A training step's tail (its all-reduce and update)
+may ride in the same command (:class:`synkhronos.api.step.Step`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..rank.executor import run_share
+from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
+from ..wire.plan import PlanSlots
+
+__all__ = ["Calls"]
+
+
+class Calls:
+    """Calls of one runtime's functions (see the module notes).
+
+    Parameters
+    ----------
+    state : State
+    """
+
+    def __init__(self, state):
+        self._state = state
+        self._plans = PlanSlots()
+
+    def name(self, plan):
+        """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
+
+        Nodes calling the same function on other rows or other data both raise
+        NodesDiverged, naming both calls.
+        """
+        return ("a call of", self._state.registry.specs[plan.fid].name, f"({plan.arguments_text()})")
+
+    def run(self, plan, record, tail=None):
+        """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
+
+        The caller has brought the workers up to date (``Registry.ensure_shipped``)
+        and checked that the function is still registered.
+
+        Parameters
+        ----------
+        plan : CallPlan
+        record : numpy.dtype or None
+            The structured dtype in which ranks return the results
+            (:func:`~synkhronos.wire.plan.result_record`), or None.
+        tail : StepTail, optional
+            What every rank runs after its share, in the same command, if every
+            rank computed its share: a collective, then a function without
+            inputs (a training step's all-reduce and update; one node only).
+
+        Returns
+        -------
+        rows : list of int
+            Rows each rank computed (0: it computed nothing and returned nothing).
+        columns : list
+            Per selected output, its value on every rank: a 1-D array over ranks
+            when the results travel as records, else a list by rank (None for a
+            rank without rows).
+        """
+        state = self._state
+        channel, ctl, nodes = state.channel, state.channel.ctl, state.nodes
+        index_arrays = plan.index_arrays()
+        if index_arrays:
+            plan.index_gen = state.data.write_indices(index_arrays)
+        self._plans.publish(plan.encode(), ctl.header, ctl.args)
+        fields = ctl.record_fields(record) if record is not None else None
+        context, local_master = state.context, state.local_master
+
+        def local():
+            rows, outs = run_share(context, plan)
+            ctl.rows[local_master] = rows
+            if fields is None:
+                return [np.asarray(o) for o in outs] if rows else None
+            if rows:
+                ctl.put_record(record, local_master, outs)
+
+        try:
+            if tail is None:
+                outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
+            else:
+                outs = self._run_step(local, tail, kind=(Op.STEP, plan.fid))
+        except Exception as e:
+            if nodes is not None and state.is_open:
+                nodes.tell_failed(self.name(plan), e)
+            raise
+        if not plan.subset and nodes is None:      # a call selecting no outputs (only updates)
+            return None, []
+        rows = ctl.rows.tolist()
+        if fields is not None:
+            columns = [np.array(f) for f in fields]
+        else:
+            per_rank = [outs if rank == local_master else
+                        channel.read_result_arrays(rank) if rows[rank] else None
+                        for rank in range(state.n_local)]
+            columns = [[None if values is None else values[j] for values in per_rank]
+                       for j in range(len(plan.subset))]
+        if nodes is not None:
+            rows, columns = nodes.results_of_every_node(self.name(plan), rows, columns)
+        return (rows, columns) if plan.subset else (None, [])
+
+    def _run_step(self, local, tail, kind):
+        """The call's command extended by ``tail`` (see :meth:`run` and ``Channel.step``)."""
+        state = self._state
+        comm, ctl = state.context.comm, state.channel.ctl
+        comm.reserve(tail.reservation)
+        tail.fill(Words(ctl.args[STEP_COLLECTIVE_AT:]))
+        ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
+
+        def prepare():
+            outs = local()
+            run_tail = state.context.step_tail(Words(ctl.args[STEP_COLLECTIVE_AT:]), tail.update_fid)
+
+            def reduce_and_update():
+                run_tail()
+                return outs
+            return reduce_and_update
+        return state.channel.step(prepare, comm.waits_in_python, kind)

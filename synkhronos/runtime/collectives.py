@@ -1,0 +1,125 @@
+"""The master's side of a collective and of one rank's values: run it on every rank, read, set.
+
+:meth:`Collectives.run` runs a collective the api layer encoded (every rank
+prepares, then all execute only if all could; on several nodes the nodes agree
+first). The other methods read or set shared values on ranks, and gather every
+rank's shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm import Reservation
+from ..errors import SynkError
+from ..platform.device_arrays import place_on_device
+from ..tracing import trace
+from ..wire.collective import KIND_NAMES, shapes_of
+from ..wire.control import Op, Words
+from .nodes import joined_over_nodes
+
+__all__ = ["Collectives"]
+
+
+class Collectives:
+    """Collectives and per-rank values of one runtime.
+
+    Parameters
+    ----------
+    state : State
+    """
+
+    def __init__(self, state):
+        self._state = state
+
+    def run(self, fill, reservation=None):
+        """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.
+
+        ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
+        the collective implementation first.
+        """
+        state = self._state
+        since = trace.now() if trace.on else None
+        state.registry.ensure_shipped()
+        comm, ctl, nodes = state.context.comm, state.channel.ctl, state.nodes
+        comm.reserve(reservation or Reservation())
+        fill(Words(ctl.args))
+
+        def local_prepare():
+            execute = state.context.prepare_collective(Words(ctl.args))
+            if trace.on:
+                trace.mark("prepare")
+            return execute
+        kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
+        if since is not None:
+            trace.begin("collective", kind, since)
+        try:
+            agree = None if nodes is None else nodes.every_node_prepared(kind)
+            try:
+                results = state.channel.collective(local_prepare, comm.waits_in_python, agree, kind)
+            except Exception as e:
+                if nodes is not None and not isinstance(e, SynkError) and state.is_open:
+                    nodes.raise_dead_node(f"the {kind} across nodes", e)   # a lost peer's name
+                raise
+            return [np.asarray(v) for v in results]
+        finally:
+            if since is not None:
+                trace.end("execute")
+
+    def all_shapes(self, vars_):
+        """Per variable, its shape on every rank (one round trip)."""
+        state = self._state
+        state.registry.ensure_shipped()
+        channel = state.channel
+        Words(channel.ctl.args).put_list(state.registry.uids_of(vars_))
+        own = shapes_of(v.container.storage[0] for v in vars_)
+        channel.command(Op.GET_SHAPES)
+        per_rank = {state.local_master: own}
+        for rank in state.worker_ranks:
+            per_rank[rank] = [tuple(int(s) for s in a) for a in channel.read_result_arrays(rank)]
+        ordered = joined_over_nodes(state.nodes, "shapes", [per_rank[r] for r in range(state.n_local)])
+        return [[ordered[r][i] for r in range(state.n_parallel)] for i in range(len(vars_))]
+
+    def get_values(self, rank, vars_):
+        """The values of ``vars_`` on global ``rank``, as numpy arrays, on every node.
+
+        On several nodes every node makes the same call; the node holding
+        ``rank`` reads the values and the others receive them through the
+        coordination service's exchange.
+        """
+        state = self._state
+        state.registry.ensure_shipped()
+        t = state.topology
+        owner = t.node_of(rank)
+        values = self.local_values(t.local_of(rank), vars_) if owner == t.node_rank else None
+        if state.nodes is not None:
+            values = state.nodes.exchange(("get_value", int(rank)), values)[owner]
+        return values
+
+    def local_values(self, rank, vars_):
+        """The values of ``vars_`` on this node's local ``rank`` (no other node takes part)."""
+        state = self._state
+        if rank == state.local_master:
+            return [np.array(v.get_value()) for v in vars_]
+        state.channel.send_pickled(state.registry.uids_of(vars_))
+        state.channel.command(Op.GET_SHARED, ranks=[rank])
+        return state.channel.read_result_arrays(rank)
+
+    def set_values(self, rank, vars_, arrays):
+        """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).
+
+        On several nodes every node makes the same call; the others do nothing.
+        """
+        state = self._state
+        state.registry.ensure_shipped()
+        t = state.topology
+        if t.node_of(rank) != t.node_rank:
+            return
+        rank = t.local_of(rank)
+        if rank == state.local_master:
+            for var, arr in zip(vars_, arrays):
+                var.set_value(arr)
+            place_on_device(vars_)
+        else:
+            state.channel.send_pickled(dict(zip(state.registry.uids_of(vars_), arrays)))
+            state.channel.command(Op.SET_SHARED, ranks=[rank])

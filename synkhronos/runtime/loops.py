@@ -1,0 +1,158 @@
+"""The master's side of a device-driven loop: one entry point, :class:`Loops`.
+
+``train.run`` asks :meth:`Loops.new` for a loop over its step's functions and
+data, then runs it phase by phase (:meth:`Loops.run`: global steps
+``[first, last)`` on every rank without a command per step) and ends it
+(:meth:`Loops.finish`: the rule's final parameters on every device). Each
+rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm import Reservation
+from ..errors import SynkError
+from ..tracing import trace
+from ..wire.loop import LoopSpec
+from .nodes import joined_over_nodes
+
+__all__ = ["Loops"]
+
+
+class Loops:
+    """The device-driven loops of one runtime.
+
+    Parameters
+    ----------
+    state : State
+    """
+
+    def __init__(self, state):
+        self._state = state
+        self._loops = {}      # loop id -> the master's DeviceLoop, from its first phase to finish
+        self._centers = {}    # loop id -> its central parameters, until the master's loop takes them
+        self._next_loop = 0
+
+    def new(self, grad, update, grad_shared, params, statistics, optimizer_state, inputs, batch_size,
+            shuffle, seed, rule):
+        """A new loop's :class:`~synkhronos.wire.loop.LoopSpec` (nothing runs yet).
+
+        Parameters
+        ----------
+        grad, update : Function
+            The training step's gradient and update functions.
+        grad_shared : SharedVariable
+            Its flat gradient.
+        params, statistics, optimizer_state : list of SharedVariable
+        inputs : list of InputRef
+            Where the step's scattered inputs live.
+        batch_size : int
+        shuffle : bool
+        seed : int
+        rule : Rule
+        """
+        state = self._state
+        uids = state.registry.uids_of
+        self._next_loop += 1
+        loop_id = self._next_loop
+        return LoopSpec(loop_id=loop_id, grad_fid=grad.spec.fid, update_fid=update.spec.fid,
+                        grad_uid=state.registry.uid_of(grad_shared), param_uids=tuple(uids(params)),
+                        stat_uids=tuple(uids(statistics)), state_uids=tuple(uids(optimizer_state)),
+                        inputs=tuple(inputs), batch_size=int(batch_size), shuffle=bool(shuffle),
+                        seed=int(seed), rule=rule,
+                        center=f"{state.prefix}_center{loop_id}" if rule.asynchronous else None)
+
+    def run(self, spec, first, last):
+        """Run global steps ``[first, last)`` of loop ``spec`` on every rank.
+
+        Returns every rank's counters, shape ``(n_ranks, len(STAT_FIELDS))``.
+        """
+        return self._phase(spec, "run", first, last)
+
+    def finish(self, spec):
+        """Leave every device with loop ``spec``'s final parameters; the loop is then forgotten."""
+        self._phase(spec, "finish")
+
+    def center_values(self, spec):
+        """Loop ``spec``'s center now (copies), or the master's parameters for a rule without one."""
+        loop = self._loops.get(spec.loop_id)
+        values = loop.rule.center_values(loop) if loop is not None else None
+        if values is None:
+            values = [np.array(self._state.registry.shared_by_uid(uid).get_value())
+                      for uid in spec.synced_uids]
+        return values
+
+    def release(self):
+        """At the runtime's end: close every center."""
+        centers = list(self._centers.values()) + [loop.center for loop in self._loops.values()]
+        for center in centers:
+            if center is not None:
+                center.close()
+        self._loops, self._centers = {}, {}
+
+    def _phase(self, spec, phase, first=0, last=0):
+        state = self._state
+        state.registry.ensure_shipped()
+        channel, nodes = state.channel, state.nodes
+        if not spec.rule.asynchronous:
+            state.context.comm.reserve(self._reservation(spec))
+        elif spec.loop_id not in self._centers and spec.loop_id not in self._loops:  # before workers map it
+            self._centers[spec.loop_id] = self._new_center(spec, first)
+        channel.send_pickled(dict(spec=spec, phase=phase, first=first, last=last))
+
+        def master_loop():
+            # made once the workers have the command: a rule may start with a collective
+            loop = self._loops.get(spec.loop_id)
+            if loop is None:
+                loop = self._loops[spec.loop_id] = state.context.device_loop(
+                    spec, self._centers.pop(spec.loop_id, None), channel.check_during_collective)
+            return loop
+
+        def local():
+            loop = master_loop()
+            try:
+                return loop.finish() if phase == "finish" else loop.run(first, last)
+            except Exception as e:
+                if nodes is None or isinstance(e, SynkError):
+                    raise
+                # a collective across nodes failed: a lost node is named, as in a call
+                nodes.raise_dead_node("train.run across nodes", e)
+        threaded = not spec.rule.asynchronous and not state.context.comm.waits_in_python
+        if trace.on:
+            trace.begin("loop", f"train.run {phase}")
+        try:
+            own = channel.loop_phase(local, threaded)
+        finally:
+            if trace.on:
+                trace.end(None, first=first, last=last)
+            if phase == "finish" or not state.is_open:
+                self._loops.pop(spec.loop_id, None)
+        if phase == "finish":
+            return None
+        stats = np.zeros((state.n_local, len(own)))
+        stats[state.local_master] = own
+        for rank in state.worker_ranks:
+            stats[rank] = channel.read_result_arrays(rank)[0]
+        return np.array(joined_over_nodes(nodes, ("train.run", phase), stats))
+
+    def _new_center(self, spec, first):
+        """The loop's central parameters, made from the master's values, its claims starting at
+        global step ``first`` (a resumed run's)."""
+        from ..rank.center import Center
+        state = self._state
+        center = Center.of(spec.center, [state.registry.shared_by_uid(uid) for uid in spec.synced_uids],
+                           create=True, check=state.channel.check_during_collective)
+        center.start_claims_at(first * state.n_parallel)
+        return center
+
+    def _reservation(self, spec):
+        """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
+        def nbytes(uid):
+            return np.asarray(self._state.registry.shared_by_uid(uid).container.storage[0]).nbytes
+        if spec.rule.reduces_gradient:
+            grad = nbytes(spec.grad_uid)
+            return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,
+                               result_consumed=True)
+        padded = sum(nbytes(uid) + 64 for uid in spec.synced_uids + spec.state_uids)
+        return Reservation(nbytes=padded, reduce_bytes=padded)

@@ -1,0 +1,208 @@
+"""What the workers hold: the functions and shared variables of a runtime, and bringing them up to date.
+
+A :class:`Registry` keeps every function built in the master (its spec, to
+ship, and the master's own compiled copy) and every shared variable a
+function uses, under a uid every process knows it by. Before each command it
+ships the functions built since (:meth:`Registry.ensure_shipped`). It also
+keeps the master's values presentable: between synkhronos calls user code
+sees numpy arrays (:meth:`Registry.values_to_user`), synkhronos computes on
+device arrays (:meth:`Registry.values_to_devices`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from pytensor.tensor.type import TensorType
+
+from ..compile import randomness, rewrites, shipping
+from ..platform.device_arrays import device_face, host_face, to_device
+from ..wire.control import ARGS, Op
+
+__all__ = ["Registry"]
+
+
+class Registry:
+    """The functions and shared variables of one runtime, and what the workers already hold.
+
+    Parameters
+    ----------
+    state : State
+        The runtime (its channel, Data store, platform, topology).
+    """
+
+    def __init__(self, state):
+        self._state = state
+        self.specs = {}                # function id -> FunctionSpec
+        self.compiled = {}             # function id -> this process's CompiledFunction
+        self._unshipped = []           # function ids not yet sent to the workers
+        self._next_fid = 0
+        self._shared = {}              # id(var) -> (uid, var)
+        self._by_uid = {}
+        self._tensors = []             # the tensors among them: what user code reads as numpy
+        self._shipped_uids = set()
+        self._own_streams = {}         # id -> generator already made this node master's own stream
+
+    # --- functions ----------------------------------------------------------------------------
+    def next_function_id(self):
+        return self._next_fid
+
+    def register_function(self, spec, compiled):
+        """Keep ``spec`` (to ship) and this process's ``compiled`` function (to run calls)."""
+        self.specs[spec.fid], self.compiled[spec.fid] = spec, compiled
+        self._unshipped.append(spec.fid)
+        self._next_fid = spec.fid + 1
+        for var in spec.shared_variables():
+            self.uid_of(var)
+
+    def is_registered(self, fid):
+        """False once a function that could not be shipped was unregistered."""
+        return fid in self.specs
+
+    # --- shared variables -----------------------------------------------------------------------
+    def uid_of(self, var):
+        """The stable id under which every process knows shared variable ``var``."""
+        entry = self._shared.get(id(var))
+        if entry is None:
+            entry = self._shared[id(var)] = (len(self._shared), var)
+            self._by_uid[entry[0]] = var
+            if isinstance(var.type, TensorType):
+                self._tensors.append(var)
+        return entry[0]
+
+    def uids_of(self, vars_):
+        return [self.uid_of(v) for v in vars_]
+
+    def known_shared(self):
+        """Every shared variable some function of this runtime uses."""
+        return [var for _, var in self._shared.values()]
+
+    def scattered_shared(self):
+        """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
+        return [var for spec in self.specs.values() for var in spec.sliceable_shareds]
+
+    def shared_by_uid(self, uid):
+        return self._by_uid[uid]
+
+    # --- the master's values, as user code and as synkhronos see them ---------------------------
+    def values_to_user(self):
+        """Give user code the master's shared values as numpy arrays (:func:`host_face`).
+
+        Called whenever a synkhronos call returns: the user's own PyTensor
+        functions, in any mode, read the same shared variables.
+        """
+        for var in self._tensors:
+            cell = var.container.storage
+            cell[0] = host_face(cell[0])
+
+    def values_to_devices(self):
+        """Take the master's shared values back as device arrays, before a synkhronos call.
+
+        A host face becomes its device array again; a numpy value the user set
+        is copied to the device (every rank computes on device arrays).
+        """
+        for var in self._tensors:
+            cell = var.container.storage
+            value = cell[0]
+            if isinstance(value, np.ndarray):
+                device = device_face(value)
+                cell[0] = device if device is not value else \
+                    to_device(value.astype(var.type.dtype, copy=False))
+
+    def detach_values(self):
+        """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""
+        import jax
+        for _, var in self._shared.values():
+            value = device_face(var.container.storage[0])
+            if isinstance(value, jax.Array):
+                var.container.storage[0] = np.array(value)
+
+    # --- bringing the workers up to date ---------------------------------------------------------
+    def ensure_shipped(self):
+        """Bring the workers up to date before a command: new functions shipped, freed Data dropped.
+
+        Checked on every call: keep it O(1).
+        """
+        state = self._state
+        state.check_open()
+        if state.data.released:
+            self._drop_released_data()
+        if self._unshipped:
+            self.ship(sync_values=False)
+
+    def drop_data(self, data_ids):
+        """Have the workers let go of their mappings of ``data_ids``."""
+        channel = self._state.channel
+        self._state.check_open()
+        ids = list(data_ids)
+        channel.ctl.args[0] = len(ids)
+        channel.ctl.args[1:1 + len(ids)] = ids
+        channel.command(Op.DROP_DATA)
+
+    def _drop_released_data(self):
+        ids, released = [], self._state.data.released
+        while released and len(ids) < ARGS - 1:
+            ids.append(released.popleft())
+        self.drop_data(ids)
+
+    def ship(self, sync_values):
+        """Send every function not yet shipped to every worker, which compiles them.
+
+        With ``sync_values``, every shared variable the workers already hold is
+        set to the master's value.
+        """
+        state = self._state
+        state.check_open()
+        specs = [self.specs[fid] for fid in self._unshipped]
+        new_shared, values = {}, {}
+        for spec in specs:
+            for var in spec.shared_variables():
+                uid = self.uid_of(var)
+                if uid not in self._shipped_uids:
+                    new_shared[uid] = var
+        if sync_values:
+            for uid, var in self._shared.values():
+                if uid in self._shipped_uids:
+                    value = var.get_value(borrow=True)
+                    values[uid] = value if randomness.is_generator(var) else np.asarray(value)
+        shipped = self._shipped_uids
+
+        def uid_of_shipped(obj):
+            entry = self._shared.get(id(obj))
+            return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
+
+        # every rank compiles as the master does: with its precision and its choice of products
+        cpu_rewrite = rewrites.use_cpu_rewrite() if state.platform == "cpu" else False
+        payload = dict(functions=specs, shared=new_shared, values=values, float_x=state.float_x(),
+                       cpu_rewrite=cpu_rewrite)
+        graph_vars = [v for spec in specs for v in spec.graph_vars()]
+        try:
+            blob = shipping.dumps(payload, graph_vars, uid_of_shipped)
+        except Exception as e:
+            # what cannot travel now never will: unregister it, so other functions still ship
+            for spec in specs:
+                del self.specs[spec.fid], self.compiled[spec.fid]
+            self._unshipped = []
+            names = ", ".join(spec.name for spec in specs)
+            raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
+                            f"they were unregistered, other functions still work") from e
+        state.channel.send_payload(blob)
+        state.channel.command(Op.SHIP)
+        self._shipped_uids.update(new_shared)
+        self._unshipped = []
+
+    def own_streams(self, variables):
+        """Before the master compiles a function: on a node after the first, its new generators
+        become its own device's streams.
+
+        Every node's script seeded them alike; node 0's master keeps the draws of the
+        single-process function and every other device (this master included) draws from that
+        stream jumped by its rank's distance, as the workers do (theirs are the master's jumped
+        by their distance from it). A compiled function keeps a copy of its generators' state,
+        so this happens before compiling, once per generator.
+        """
+        state = self._state
+        distance = (state.master_rank - state.root_rank) % state.n_parallel
+        for var in variables:
+            if distance and randomness.is_generator(var) and id(var) not in self._own_streams:
+                self._own_streams[id(var)] = var        # (kept: the id stays this variable's)
+                var.set_value(randomness.device_stream(var.get_value(borrow=True), distance))

@@ -1,0 +1,198 @@
+"""The session: the one running :class:`~.state.State` of this process, from :func:`begin` to :func:`end`.
+
+``synk.fork()`` validates its arguments and calls :func:`begin`, which starts
+one worker process per extra device (the master is itself a rank), all of
+them joining the JAX multi-process runtime. The State owns every shared-memory
+segment and every process of that session; :func:`end` (what ``synk.close()``
+and the exit hook call) stops and joins the workers, unlinks the segments and
+gives the process back what ``begin`` changed in it.
+
+Everything that talks to the workers runs under one lock (:func:`serialized`):
+a call, a collective or a Data change is one conversation through the one
+control block.
+"""
+
+import atexit
+import functools
+import logging
+import os
+import threading
+
+from ..errors import WorkerError, verbose
+from ..ipc.segments import remove_stale_segments
+from ..platform import jax_init
+from .state import Settings, State
+
+__all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",
+           "forked_from", "CLOSE_WAIT"]
+
+log = logging.getLogger(__name__)
+
+#: how long end() waits for another thread's command to finish before it stops the workers anyway
+CLOSE_WAIT = 10.0
+
+
+class _Lifecycle:
+    """The module's one piece of global state: the running State and how the last one ended."""
+
+    def __init__(self):
+        self.state = None
+        self.closed_once = False
+        self.forked_from = None      # in a child made by os.fork() of a master: the master's pid
+        #: one thread at a time talks to the workers (re-entrant: a collective may stage a Data)
+        self.lock = threading.RLock()
+        #: how many serialized calls the thread holding the lock is inside
+        self.depth = 0
+
+
+_life = _Lifecycle()
+
+
+def serialized(fn):
+    """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
+
+    Two threads calling functions at once would otherwise write their commands
+    into the same control block and read each other's results.
+    """
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with _life.lock:
+            outermost = _life.depth == 0
+            _life.depth += 1
+            try:
+                if outermost and _life.state is not None:
+                    _life.state.registry.values_to_devices()
+                return fn(*args, **kwargs)
+            except WorkerError as e:
+                if not outermost or verbose():
+                    raise
+                # the report names what the user needs; synkhronos's own frames are left out
+                raise e.with_traceback(None) from None
+            finally:
+                _life.depth -= 1
+                if outermost and _life.state is not None and _life.state.is_open:
+                    _life.state.registry.values_to_user()
+    return locked
+
+
+def lock():
+    """The runtime's lock (re-entrant), for a caller that spans several commands: ``with lock(): ...``."""
+    return _life.lock
+
+
+def current():
+    """Return the running :class:`State`, or raise (saying what to do) if there is none."""
+    state = _life.state
+    if state is None:
+        if _life.forked_from is not None:
+            raise RuntimeError(f"this process was made by os.fork() from synkhronos's master (pid "
+                               f"{_life.forked_from}); the runtime belongs to that process and cannot "
+                               f"be used here: call synkhronos from the master")
+        if _life.closed_once:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+        raise RuntimeError("synkhronos is not running; call synk.fork() first")
+    return state
+
+
+def active():
+    """The running :class:`State`, or None."""
+    return _life.state
+
+
+def forked_from():
+    """In a child made by ``os.fork()`` of a master: the master's pid; else None."""
+    return _life.forked_from
+
+
+def _forget_runtime_in_child():
+    """After ``os.fork()`` in the master: the child leaves the parent's runtime alone.
+
+    A data-loader pool or a helper process forked from the user's script
+    inherits the runtime's objects; at its exit it must not stop the parent's
+    workers, unlink the parent's segments or shut down the parent's JAX
+    runtime (which hung and left the parent to abort).
+    """
+    # another thread of the parent may have held the lock at the fork: it is never released here
+    _life.lock = threading.RLock()
+    if _life.state is not None:
+        _life.forked_from = os.getppid()
+        _life.state = None
+        jax_init.forget_runtime_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_runtime_in_child)
+
+
+#: the environment variables begin() changed in this process, with their earlier values
+_user_environment = {}
+
+
+def begin(settings):
+    """Start a runtime with ``settings`` (validated by ``synk.fork``); return its :class:`State`.
+
+    The master's environment gets what JAX and BLAS read at start-up
+    (:func:`~synkhronos.platform.jax_init.configure_environment`); :func:`end`
+    puts it back.
+    """
+    if _life.state is not None:
+        raise RuntimeError("fork() was already called; call synk.close() before forking again")
+    removed = remove_stale_segments()       # of runs killed whole, their trackers too
+    if removed:
+        log.info("removed %d shared-memory segments of runs that no longer run", len(removed))
+    _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
+                              if k not in _user_environment})
+    jax_init.configure_environment(os.environ, settings.platform, settings.threads)
+    state = _life.state = State(settings, on_abort=_forget)
+    try:
+        state.start()
+    except BaseException:
+        state.abort()
+        _life.state = None
+        _restore_environment()
+        raise
+    # atexit runs handlers last-in first-out: registering now (after JAX registered its own
+    # clean-up, which shuts the distributed runtime down) stops our workers before JAX's
+    # shutdown barrier waits for them.
+    atexit.unregister(end)
+    atexit.register(end)
+    return state
+
+
+def end():
+    """Stop the running State, if any, and restore the environment (idempotent).
+
+    A command that another thread is running is let finish first (for up to
+    ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
+    command raises).
+    """
+    locked = _life.lock.acquire(timeout=CLOSE_WAIT)
+    try:
+        state, _life.state = _life.state, None
+        if state is not None:
+            _life.closed_once = True
+            if state.settings.timeline and state.is_open:
+                try:
+                    state.timeline.write(state.settings.timeline)
+                except Exception:       # closing must not fail for the timeline's sake
+                    log.warning("the timeline could not be written to %s", state.settings.timeline,
+                                exc_info=True)
+            state.stop()
+            _restore_environment()
+    finally:
+        if locked:
+            _life.lock.release()
+
+
+def _forget(state):
+    """A runtime torn down by a fault is no longer the running one."""
+    if _life.state is state:
+        _life.state = None
+
+
+def _restore_environment():
+    for key, value in _user_environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _user_environment.clear()

@@ -1,0 +1,269 @@
+"""The master's runtime :class:`State`: the processes, segments and parts of one ``fork() ... close()``.
+
+A thin owner, as JAX's ``distributed.State`` is: its settings and where this
+node stands, the command channel to the workers, the Data segments, this
+rank's :class:`~synkhronos.rank.context.RankContext`, and one part per job:
+:attr:`~State.registry` (functions and shared variables),
+:attr:`~State.calls`, :attr:`~State.collectives`, :attr:`~State.loops`,
+:attr:`~State.timeline`, and on several nodes :attr:`~State.nodes` (what
+the masters tell each other). :meth:`State.start` starts the workers and joins
+the JAX runtime with them; :meth:`State.stop` undoes it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from ..comm import class_path
+from ..errors import SynkError
+from ..ipc.segments import new_prefix
+from ..platform import jax_init
+from ..platform.coordination import ServiceProcess
+from ..rank.context import RankContext
+from ..wire.topology import Topology
+from .calls import Calls
+from .channel import Channel
+from .collectives import Collectives
+from .data_store import DataStore
+from .loops import Loops
+from .nodes import NodeLink
+from .processes import free_port, launch_worker, reap
+from .registry import Registry
+from .timeline import Timeline
+
+__all__ = ["State", "Settings"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A runtime's validated settings (see ``synk.fork`` for their meaning).
+
+    ``spin`` and ``stall_timeout`` are in seconds; ``collectives`` is the
+    :class:`~synkhronos.comm.Comm` class. ``n_parallel`` and ``master_rank``
+    are this node's (local); ``topology`` places the node among several.
+    """
+
+    n_parallel: int
+    master_rank: int
+    platform: str
+    threads: int
+    timeout: float
+    profile_workers: bool
+    spin: float
+    stall_timeout: float
+    collectives: type
+    #: where fork(timeline=...) writes every rank's timeline at close, or None
+    timeline: str = None
+    topology: Topology = None
+
+
+class State:
+    """The processes, segments and parts of one ``fork() ... close()`` session.
+
+    Read-only to the rest of the package: ``n_parallel`` (devices of every
+    node), ``master_rank`` (this process's global rank), ``topology``,
+    ``platform``, ``comm_kind`` (the name of the collective implementation),
+    ``prefix`` (every segment's name starts with it), ``worker_pids`` and
+    ``is_open``. ``worker_ranks`` and ``local_master`` are this node's local
+    ranks (the control channel's).
+
+    Parameters
+    ----------
+    settings : Settings
+    on_abort : callable
+        Called when a fault tears the runtime down (the session forgets it).
+    """
+
+    def __init__(self, settings, on_abort=lambda state: None):
+        self.settings = settings
+        self.topology = settings.topology or Topology(1, 0, settings.n_parallel)
+        self.n_local, self.local_master = settings.n_parallel, settings.master_rank
+        self.n_parallel = self.topology.n_devices
+        self.master_rank = self.topology.global_rank(self.local_master)
+        #: the global rank broadcasts send from and random streams start at: node 0's master
+        self.root_rank = self.local_master
+        self.platform = settings.platform
+        self.comm_kind = settings.collectives.name
+        self.prefix = new_prefix()
+        self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
+        self._on_abort = on_abort
+        self.is_open = False
+        #: the command channel to this node's workers (after start)
+        self.channel = None
+        #: this rank, as the rank code sees it (after start)
+        self.context = None
+        #: on several nodes, the exchanges with the other nodes' masters (after start)
+        self.nodes = None
+        #: on several nodes, node 0's master's: the process serving JAX's coordination service
+        self.service = None
+        self.data = DataStore(self.prefix)
+        #: values a layer above keeps per runtime (numpy arguments staged as Data, say)
+        self.staging = {}
+        self.registry = Registry(self)
+        self.calls = Calls(self)
+        self.collectives = Collectives(self)
+        self.loops = Loops(self)
+        self.timeline = Timeline(self)
+
+    # --- start and stop ---------------------------------------------------------------------
+    def start(self):
+        """Start the workers, wait until each is ready, then join the JAX runtime with them."""
+        s, t = self.settings, self.topology
+        started = time.monotonic()          # fork(timeout=...) counts from here, the join included
+        cores = jax_init.device_cores(s.platform, s.threads, self.local_master)
+        self.channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
+                               s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
+                               node=t.node_rank if t.several_nodes else None, local_cores=cores)
+        self.context = self._rank_context()
+        self.is_open = True
+        coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
+        env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
+        if t.several_nodes and t.node_rank == 0:
+            self.service = ServiceProcess(coordinator, self.n_parallel,
+                                          jax_init.NODE_HEARTBEAT_TIMEOUT, env)
+        for rank in self.worker_ranks:
+            self.channel.procs[rank] = launch_worker(dict(
+                prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
+                topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
+                comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,
+                profile=bool(s.profile_workers)), env)
+        self.channel.wait_done(self.worker_ranks, what="start-up")
+        try:
+            jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
+                                        max(1.0, s.timeout - (time.monotonic() - started)),
+                                        self.float_x(), threads=s.threads,
+                                        local_rank=self.local_master, n_local=self.n_local,
+                                        cores=cores)
+        except Exception as e:
+            if not t.several_nodes:
+                raise
+            raise self._join_failed(coordinator, e) from None
+        if t.several_nodes:
+            self.nodes = NodeLink(t, self.check_during_collective, s.stall_timeout, self.abort)
+            self.nodes.check_settings_agree(dict(
+                devices=self.n_local, master_rank=self.local_master, platform=s.platform,
+                collectives=self.comm_kind, floatX=self.float_x()))
+
+    def _rank_context(self):
+        t = self.topology
+        return RankContext(
+            rank=self.master_rank, n_ranks=self.n_parallel, local_rank=self.local_master,
+            n_local=self.n_local, master_rank=self.master_rank, root_rank=self.root_rank,
+            function=self.registry.compiled.__getitem__, variable=self.registry.shared_by_uid,
+            view=self.data.view, index_view=self.data.index_view, check=self.check_during_collective,
+            comm_class=self.settings.collectives, prefix=self.prefix, spin=self.settings.spin,
+            topology=t if t.several_nodes else None)
+
+    def _join_failed(self, coordinator, error):
+        """The error of a node whose peers did not all join (the service, if ours, stopped)."""
+        s, t = self.settings, self.topology
+        if self.service is not None:          # nobody joined it: nothing to wait for
+            self.service.stop(at_once=True)
+            self.service = None
+        others = [node for node in range(t.n_nodes) if node != t.node_rank]
+        missing = f"node {others[0]}" if len(others) == 1 else \
+            "some of nodes " + ", ".join(map(str, others))
+        return SynkError(
+            f"{missing} did not join this runtime within fork(timeout={s.timeout:g}) seconds "
+            f"(node {t.node_rank} of {t.n_nodes}, coordinator {coordinator}): start the same "
+            f"script on every node with its --node-rank, or give fork() a longer timeout; "
+            f"nothing of this node's runtime is left ({type(error).__name__}: {error})")
+
+    @property
+    def worker_pids(self):
+        """The process id of every worker, by rank."""
+        return {rank: p.pid for rank, p in self.channel.procs.items()} if self.channel else {}
+
+    @staticmethod
+    def float_x():
+        import pytensor
+        return pytensor.config.floatX
+
+    def stop(self, clean=True):
+        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime.
+
+        On several nodes a ``clean`` stop (``close()``, not a fault) first
+        waits until every node closes; node 0 leaves last and then ends the
+        coordination service (JAX aborts a process whose service is gone
+        before it left). After a fault the service stays a while for the
+        other nodes to leave (:mod:`synkhronos.platform.coordination`).
+        """
+        if not self.is_open:
+            return
+        try:
+            if clean and self.nodes is not None:
+                self.nodes.exchange("close()", None)
+            self.channel.stop_workers()
+        finally:
+            reap(self.channel.procs.values())
+            self._release_segments()
+            self.registry.detach_values()
+            self.is_open = False
+            if self.nodes is not None:
+                try:
+                    self._leave_nodes(clean)
+                except Exception:       # the coordinator is gone: nobody is left to wait for
+                    log.debug("leaving the other nodes failed", exc_info=True)
+            try:
+                jax_init.shutdown_process()
+            except Exception:           # the workers are gone already; nothing is left to wait for
+                log.debug("leaving the JAX runtime failed in the master", exc_info=True)
+            if self.service is not None:
+                # after a fault the other nodes may still be leaving: the service stays a while,
+                # unless every one of them was found lost
+                self.service.stop(at_once=clean or self.nodes is not None and
+                                  self.nodes.every_other_node_lost())
+                self.service = None
+
+    def _leave_nodes(self, clean):
+        """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
+        if not clean:
+            self.nodes.close()
+        elif self.topology.node_rank == 0:
+            self.nodes.close()
+            self.nodes.wait_until_others_left()
+        else:
+            self.nodes.leave()
+
+    def abort(self):
+        """Tear everything down after a fault (dead worker, stall, Ctrl-C)."""
+        self._on_abort(self)
+        if self.channel is None:
+            return
+        for p in self.channel.procs.values():
+            if p.poll() is None:
+                p.kill()
+        self.stop(clean=False)
+
+    def _release_segments(self):
+        self.loops.release()
+        self.data.release_all()
+        if self.context is not None and self.context.comm_made:
+            self.context.comm.release()
+        self.channel.release()
+
+    @property
+    def fuses_steps(self):
+        """Whether a training step travels as one command (:class:`synkhronos.api.step.Step`).
+
+        On one node, unless every rank's CPU pool spreads over every core
+        (``threads_per_device`` = all of them): there the ranks' gradient programs
+        fall out of balance under the one-command step, and three commands per
+        step run faster (see docs/design.md).
+        """
+        return self.nodes is None and not (self.platform == "cpu" and
+                                           self.channel.local_cores is None)
+
+    def check_open(self):
+        if not self.is_open:
+            raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
+
+    def check_during_collective(self):
+        """While the master waits inside a collective: the runtime is open and no worker failed."""
+        self.check_open()
+        self.channel.check_during_collective()
