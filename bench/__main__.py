@@ -324,16 +324,19 @@ def write_results(mach, overhead, allreduce, batches, synk_train, gathering, com
                  "`torch.set_num_threads(1)` per process.")
     g = gathering
     L += ["", "## 4. Gathering rows of a 200k × 784 float32 Data with shuffled batch indices", "",
-          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× | result checked |",
+          "| batch | every device gathers its rows (ms) | master gathers all alone (ms) | speed-up | goal ≥ 1.6× "
+          "| result checked |",
           "|---|---|---|---|---|---|",
           f"| {g['batch']} | {g['workers_ms']:.2f} | {g['master_alone_ms']:.2f} | {g['speedup']:.2f}× | "
           f"{'met' if g['speedup'] >= 1.6 else 'not met'} | {g['correct']} |", "",
           "Both are whole calls of the same function (`x[:, 0].sum()`); the master-alone "
           "path first gathers every row into a shared Data with the gatherer each device uses "
-          "(`synkhronos.api.batch.gather_rows`, blocks of rows whose first elements are touched first), "
+          "(`synkhronos.rank.rows.gather_rows`, blocks of rows whose first elements are touched first), "
           "then calls on that Data's range of rows.", "",
           "For reference, timed in the same rounds (medians; the speed-up is the median of per-round ratios):", "",
-          "| bare process gathers all (ms) | 2 bare processes gather half each at once (ms) | the bare split's speed-up | the call on a range of rows (ms) | the call on the same indices into a 1-column Data (ms) |",
+          "| bare process gathers all (ms) | 2 bare processes gather half each at once (ms) "
+          "| the bare split's speed-up | the call on a range of rows (ms) "
+          "| the call on the same indices into a 1-column Data (ms) |",
           "|---|---|---|---|---|",
           f"| {g['bare_alone_ms']:.2f} | {g['bare_split_ms']:.2f} | {g['bare_speedup']:.2f}× | "
           f"{g['range_call_ms']:.2f} | {g['index_call_ms']:.2f} |", "",

@@ -252,7 +252,7 @@ def bare_gathering(rows, cols, batch, batches):
 
     Two processes (a fresh interpreter and its fork) keep a ``rows`` x ``cols``
     float32 table in shared memory and gather with
-    :func:`synkhronos.api.batch.gather_rows`, as the synkhronos devices and the
+    :func:`synkhronos.rank.rows.gather_rows`, as the synkhronos devices and the
     master-alone baseline do, cycling through ``batches`` index sets as
     :func:`shuffled_batches` makes them. A benchmark calls ``probe()`` between
     its own timings, so the two ratios come from the same minutes: two

@@ -188,7 +188,7 @@ def gathering(n_rows, batch, n, batches=16):
 
     def master_alone():
         # the master gathers every row from the same shared Data with the gatherer every device
-        # uses (synkhronos.api.batch.gather_rows: faster than one np.take), then calls on the range
+        # uses (synkhronos.rank.rows.gather_rows: faster than one np.take), then calls on the range
         gather_rows(x_dat.data, next(alone_next), staged.data)
         f(staged)
     bare = []                                          # (alone, split) seconds per probe

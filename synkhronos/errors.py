@@ -8,7 +8,25 @@ import sys
 import traceback
 
 __all__ = ["SynkError", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
-           "SynkWarning", "LocalUpdatesWarning", "exception_name", "graph_line", "verbose"]
+           "SynkWarning", "LocalUpdatesWarning", "exception_name", "graph_line", "verbose", "is_whole"]
+
+
+def is_whole(value, at_least=None, below=None):
+    """True if ``value`` is a whole number (a Python or numpy integer, not a bool) in ``[at_least, below)``.
+
+    Examples
+    --------
+    >>> is_whole(3, at_least=1), is_whole(True), is_whole(2.0), is_whole(5, below=5)
+    (True, False, False, False)
+    """
+    if isinstance(value, bool) or not (isinstance(value, int) or _is_numpy_integer(value)):
+        return False
+    return (at_least is None or value >= at_least) and (below is None or value < below)
+
+
+def _is_numpy_integer(value):
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.integer)
 
 
 def exception_name(e):

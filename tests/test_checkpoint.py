@@ -203,8 +203,8 @@ def test_a_killed_run_resumes_with_the_same_losses(tmp_path):
     resumed = _records(killed)[len(first):]
     assert [s for s, _ in resumed[:-1]] == [28, 32, 36, 40]    # from the checkpoint at step 24
     expected = _records(whole)
-    np.testing.assert_allclose([l for _, l in first[:6] + resumed[:-1]],
-                               [l for _, l in expected[:-1]], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose([loss for _, loss in first[:6] + resumed[:-1]],
+                               [loss for _, loss in expected[:-1]], rtol=1e-12, atol=1e-15)
     for a, b in zip(resumed[-1][1:], expected[-1][1:]):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
     deadline = time.time() + 10                              # the killed run left nothing behind

@@ -72,7 +72,7 @@ def read_logs(logs):
     text = []
     for name in sorted(os.listdir(logs)):
         if name.endswith(".log"):
-            lines = [l for l in open(os.path.join(logs, name)) if not l[:2] in ("W1", "I1")]
+            lines = [line for line in open(os.path.join(logs, name)) if line[:2] not in ("W1", "I1")]
             text.append(f"--- {name}\n" + "".join(lines[-40:]))
     return "\n".join(text)
 

@@ -137,7 +137,7 @@ def test_clocks_advance_once_per_step_and_schedules_move(devices, rng):
     if devices.n_parallel != 1:
         pytest.skip("one device: the whole run is pytensor-ml's (batch norm's forward pass too)")
     x, y, loss, params, stats, _ = bn_model(13)
-    step = train.make_train_function(loss, params, x, y, lambda l, p: updates.from_optim(schedule(), l, p))
+    step = train.make_train_function(loss, params, x, y, lambda cost, ps: updates.from_optim(schedule(), cost, ps))
     synk.distribute()
     batches = [digits(rng, n) for n in BATCHES]
     for bx, by in batches:

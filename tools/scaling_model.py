@@ -50,8 +50,9 @@ def speedup(nbytes, compute, nodes, gpus=GPUS, coordination=True):
 
 def table():
     nodes = (1, 2, 8, 64)
-    rows = ["| model | compute / step | all-reduce (ms) at 1, 2, 8, 64 nodes | coordination (ms) | speed-up, collectives only "
-            "| speed-up with synkhronos's coordination |", "|---|---|---|---|---|---|"]
+    rows = ["| model | compute / step | all-reduce (ms) at 1, 2, 8, 64 nodes | coordination (ms) "
+            "| speed-up, collectives only | speed-up with synkhronos's coordination |",
+            "|---|---|---|---|---|---|"]
     for name, (nbytes, compute, source) in MODELS.items():
         ar = ", ".join(f"{all_reduce_seconds(nbytes, n) * 1e3:.2f}" for n in nodes)
         co = ", ".join(f"{coordination_seconds(n) * 1e3:.1f}" for n in nodes)

@@ -25,6 +25,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..compile import randomness
+from ..errors import is_whole
 from ..runtime.nodes import joined_over_nodes
 from ..runtime.session import current, serialized
 from . import collectives
@@ -64,7 +65,7 @@ def _check_variables(variables):
 def _check_step(step):
     if step is None:
         return None
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+    if not is_whole(step):
         raise TypeError(f"step must be a whole number (or None), got {step!r}")
     return int(step)
 

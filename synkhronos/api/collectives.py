@@ -27,7 +27,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from ..comm import Reservation
 from ..compile import randomness
-from ..errors import ShapeMismatch, WorkerError
+from ..errors import ShapeMismatch, WorkerError, is_whole
 from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
@@ -109,7 +109,7 @@ def _old_nccl(state, nccl, what):
 
 
 def _check_rank(state, rank):
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < state.n_parallel:
+    if not is_whole(rank, at_least=0, below=state.n_parallel):
         raise ValueError(f"rank must be an int in [0, {state.n_parallel}), got {rank!r}")
     return int(rank)
 

@@ -12,33 +12,26 @@ the results.
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence, Union
 
 import numpy as np
-import pytensor.tensor as pt
-from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
-from pytensor.graph.traversal import ancestors
 
-from ..comm.reduction import check_output_mode, check_update_mode, reduce_ranks
-from ..compile import graph_updates, randomness, shipping
-from ..errors import LocalUpdatesWarning, WorkerError
+from ..comm.reduction import reduce_ranks
+from ..errors import WorkerError
 from ..ipc.packing import dtype_code
-from ..platform.internals import unsampleable_in_jax
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, current, serialized
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
-from ..wire.spec import FunctionSpec
 from .batch import check_num_slices, parse_batch, parse_batch_s
 from .data import Data, condition_value, data, release_large_staging
-from .givens import RowsFromGivens
 from .hints import CallRows, add_hint
-from .shapes import check_argument_shape, declared_rows, shape_text
+from .recording import record
+from .shapes import check_argument_shape
 
 __all__ = ["function", "Function"]
 
@@ -51,143 +44,6 @@ Updates = Union[Sequence[tuple], dict]
 # ------------------------------------------------------------------------------------------------
 # Recording
 # ------------------------------------------------------------------------------------------------
-
-def _normalize_outputs(outputs):
-    """Return ([(var, mode)], bare) from the user's ``outputs``."""
-    if outputs is None:
-        return [], False
-    bare = isinstance(outputs, Variable) or (isinstance(outputs, tuple) and len(outputs) == 2
-                                             and isinstance(outputs[0], Variable)
-                                             and not isinstance(outputs[1], Variable))
-    items = [outputs] if bare else list(outputs)
-    pairs = []
-    for item in items:
-        if isinstance(item, Variable):
-            var, mode = item, "avg"
-        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Variable):
-            var, mode = item
-        else:
-            raise TypeError(f"each output must be a variable or a (variable, mode) pair, got {item!r}")
-        pairs.append((var, check_output_mode(var, mode)))
-    return pairs, bare
-
-
-def _normalize_updates(updates):
-    """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
-
-    A random generator's update is its next state: it has no mode and is
-    applied on every slice (each slice draws anew).
-    """
-    if updates is None:
-        return [], []
-    items = list(updates.items()) if isinstance(updates, dict) else list(updates)
-    triples, generators = [], []
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-            raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
-                            f"got {item!r}")
-        shared, value = item[0], item[1]
-        mode = item[2] if len(item) == 3 else "avg"
-        if not isinstance(shared, SharedVariable):
-            raise TypeError(f"update target {shared!r} is not a shared variable")
-        if randomness.is_generator(shared):
-            generators.append((shared, value))
-            continue
-        triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
-    return triples, generators
-
-
-def _warn_if_updates_are_local(triples, scattered, name):
-    """Warn (:class:`~synkhronos.errors.LocalUpdatesWarning`) if updates depend on scattered rows.
-
-    Each device then updates its own copy from its own rows, and nothing
-    combines them: the literal port of a single-process training function.
-    """
-    if not triples or not scattered or graph_updates.writes_flat_gradient([s for s, _, _ in triples]):
-        return
-    rows = set(scattered)
-    local = [s for s, value, _ in triples if rows.intersection(ancestors([value]))]
-    if local:
-        names = ", ".join(str(s) for s in local[:4]) + (" ..." if len(local) > 4 else "")
-        warnings.warn(
-            f"{name}: the updates of {names} are computed from each device's own rows, so every "
-            f"device steps on its own gradient and the copies drift apart (one model per device). "
-            f"For data-parallel training all-reduce the gradient between computing and applying "
-            f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
-            f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
-            f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=4)
-
-
-def _check_jax_can_sample(spec):
-    """Refuse, when the function is built, a random variable PyTensor's JAX backend cannot sample.
-
-    JAX would find out only at the first call, on every rank.
-    """
-    missing = unsampleable_in_jax(spec.graph_vars())
-    if missing:
-        node, message = missing[0]
-        hint = (" A Bernoulli mask (binomial with n=1) needs none: (rng.uniform(size=shape) < p)."
-                if "binomial" in message else "")
-        raise NotImplementedError(
-            f"{spec.name}: {node.op} cannot run on the devices: {message} Every device runs the "
-            f"function with PyTensor's JAX backend; draw from a distribution it samples, or "
-            f"install what the message names.{hint}")
-
-
-def _check_inputs(inputs, what):
-    inputs = [] if inputs is None else list(inputs)
-    for var in inputs:
-        if not isinstance(var, Variable) or isinstance(var, SharedVariable) or var.owner is not None:
-            raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
-                            f"got {var!r}")
-    return inputs
-
-
-def _check_free_rows(inputs):
-    """Refuse scattered inputs declared with a static row count.
-
-    Each device computes its own share of a call's rows, and a graph built
-    for a fixed row count may hold that count anywhere (a reshape, a
-    divisor): it cannot be split correctly. Graphs on free rows that need
-    concrete shapes are compiled per row count instead (see CompiledFunction).
-    """
-    for var in inputs:
-        rows = declared_rows(var)
-        if rows is not None:
-            free = shape_text((None,) + tuple(var.type.shape[1:]))
-            raise TypeError(
-                f"scattered input {var} is declared with a static row count, shape "
-                f"{shape_text(var.type.shape)}, but each device computes its own share of a call's rows, and a "
-                f"graph built for {rows} rows may hold that number anywhere; declare the rows free, "
-                f"pt.tensor({(var.name or 'x')!r}, shape={free}, ...): synkhronos compiles each "
-                f"device's graph for the rows it gets when JAX needs static shapes "
-                f"(pytensor-ml's convolutions work so)")
-
-
-def _check_mode(kwargs):
-    """Refuse a compilation ``mode`` whose functions do not run on a JAX device.
-
-    Every process keeps its shared variables on its own JAX device between
-    calls, and the collectives exchange those device arrays; a function linked
-    for another backend (``"FAST_RUN"``, ``"NUMBA"``, ...) computes on numpy
-    arrays outside that device.
-    """
-    mode = kwargs.get("mode")
-    if mode is None:
-        return
-    from pytensor.link.jax.linker import (
-        JAXLinker,  # imports JAX: not when synkhronos is imported
-    )
-    try:
-        linker = get_mode(mode).linker
-    except Exception as e:
-        raise ValueError(f"mode={mode!r} is not a PyTensor compilation mode: {e}") from None
-    if not isinstance(linker, JAXLinker):
-        raise ValueError(f"mode={mode!r} does not compile for JAX, and synkhronos runs every "
-                         f"function on each process's JAX device (CPU or GPU alike); leave mode "
-                         f"unset (synkhronos's JAX mode), or pass mode=\"JAX\" or a "
-                         f"pytensor Mode whose linker is \"jax\"")
-
 
 # ------------------------------------------------------------------------------------------------
 # The user's Function
@@ -340,32 +196,7 @@ class Function:
         """The rows a call with ``args`` selects through the givens' row slices (see :mod:`.givens`)."""
         if self._rows is None:
             raise TypeError(f"{self.name} selects no rows through its givens")
-        return self._rows.rows(list(self._collect_user_args(args, {})))
-
-    def _collect_user_args(self, args, kwargs):
-        """The arguments of a call in the givens idiom, one per input the user gave (by name too)."""
-        names = [v.name for v in self._rows.user_inputs()]
-        values = list(args) + [_MISSING] * (len(names) - len(args))
-        if len(args) > len(names):
-            raise TypeError(f"{self.name} takes {len(names)} inputs {names}, got {len(args)}")
-        for key, value in kwargs.items():
-            if key not in names or values[names.index(key)] is not _MISSING:
-                raise TypeError(f"{self.name} has no input {key!r} left to give; its inputs are {names}")
-            values[names.index(key)] = value
-        missing = [n for n, v in zip(names, values) if v is _MISSING]
-        if missing:
-            raise TypeError(f"{self.name} is missing inputs {missing}")
-        return values
-
-    def _rows_call(self, args, kwargs, batch):
-        """A call in the givens idiom as a call of the rewritten function: (args, batch)."""
-        if batch is not None:
-            raise TypeError(f"{self.name} takes its rows from its givens' slices; batch= does not "
-                            f"apply (the scalars of the call select the rows)")
-        values = self._collect_user_args(args, kwargs)
-        window = self._rows.rows(values)
-        datas = self._rows.data(lambda value, base: data(value, name=f"{self.name}:{base}"))
-        return datas + values, window
+        return self._rows.rows(self._rows.user_arguments(args, {}, self.name))
 
     def call_with_tail(self, args, kwargs, batch=None, batch_s=None, num_slices=1,
                        output_subset=None, tail=None):
@@ -373,7 +204,8 @@ class Function:
         :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
         the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
         if self._rows is not None:
-            args, batch = self._rows_call(args, kwargs, batch)
+            args, batch = self._rows.call_arguments(
+                args, kwargs, batch, self.name, lambda value, base: data(value, name=f"{self.name}:{base}"))
             kwargs = {}
         since = trace.now() if trace.on else None
         state = current()
@@ -649,45 +481,8 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     >>> loss, err = f(x_dat, y_dat, batch=idx, num_slices=4)         # doctest: +SKIP
     """
     state = current()
-    _check_mode(kwargs)
-    inputs = _check_inputs(inputs, "inputs")
-    _check_free_rows(inputs)
-    bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
-    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
-    rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
-    scattered_rows = list(inputs)
-    if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
-        scattered_rows = rows.inputs + [s.key for s in rows.slices]
-        inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
-    seen = set()
-    for var in inputs + bcast_inputs:
-        if id(var) in seen:
-            raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
-        seen.add(id(var))
-    pairs, bare = _normalize_outputs(outputs)
-    triples, generators = _normalize_updates(updates)
-    if not local_updates:
-        _warn_if_updates_are_local(triples, scattered_rows, name or "synk.function")
-    triples += graph_updates.model_updates([v for v, _ in pairs], {s: v for s, v, _ in triples})
-    sliceable = list(sliceable_shareds or [])
-    spec = FunctionSpec(state.registry.next_function_id(), "", inputs, bcast_inputs, pairs, triples, givens,
-                        sliceable, kwargs)
-    spec.name = name or f"synk_function_{spec.fid}"
-    spec.generator_updates = generators + randomness.generator_updates(
-        inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
-    used = set(spec.shared_variables() + [g[0] for g in givens])
-    for var in sliceable:
-        if not isinstance(var, SharedVariable):
-            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
-        if var not in used:
-            raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
-    for key, value in givens:
-        if value in sliceable and (key.type.dtype, key.type.ndim) != (value.type.dtype, value.type.ndim):
-            raise TypeError(f"givens replaces {key} (dtype {key.type.dtype}, ndim {key.type.ndim}) with "
-                            f"sliceable shared {value} (dtype {value.type.dtype}, ndim "
-                            f"{value.type.ndim}); make {value} of that dtype and ndim")
-    _check_jax_can_sample(spec)
-    shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
+    spec, bare, rows = record(state.registry.next_function_id(), inputs, outputs, bcast_inputs,
+                              updates, givens, sliceable_shareds, name, local_updates, kwargs)
     set_precision(State.float_x())       # the same rule every rank applies
     state.registry.own_streams(spec.shared_variables())
     compiled = CompiledFunction(spec)    # compile errors surface here, in the master

@@ -35,6 +35,8 @@ from pytensor.tensor.subtensor import Subtensor
 
 __all__ = ["RowsFromGivens", "RECIPE"]
 
+_MISSING = object()
+
 #: what to write instead of a given synkhronos cannot split
 RECIPE = ("keep the data in shared memory and pass the rows per call: x_dat = synk.data(X); "
           "f = synk.function([x, y], ...); f(x_dat, y_dat, batch=slice(start, stop)) (or a list of "
@@ -156,6 +158,33 @@ class RowsFromGivens:
     def user_inputs(self):
         """The inputs a call of the function takes, in the user's order."""
         return self.bcast_inputs
+
+    def user_arguments(self, args, kwargs, name):
+        """The arguments of a call, one per :meth:`user_inputs` (given by position or by name)."""
+        names = [v.name for v in self.user_inputs()]
+        if len(args) > len(names):
+            raise TypeError(f"{name} takes {len(names)} inputs {names}, got {len(args)}")
+        values = list(args) + [_MISSING] * (len(names) - len(args))
+        for key, value in kwargs.items():
+            if key not in names or values[names.index(key)] is not _MISSING:
+                raise TypeError(f"{name} has no input {key!r} left to give; its inputs are {names}")
+            values[names.index(key)] = value
+        missing = [n for n, v in zip(names, values) if v is _MISSING]
+        if missing:
+            raise TypeError(f"{name} is missing inputs {missing}")
+        return values
+
+    def call_arguments(self, args, kwargs, batch, name, make_data):
+        """A call in the idiom as a call of the rewritten function: ``(arguments, batch)``.
+
+        ``make_data(value, shared)`` makes the Data of a shared variable's value.
+        """
+        if batch is not None:
+            raise TypeError(f"{name} takes its rows from its givens' slices; batch= does not "
+                            f"apply (the scalars of the call select the rows)")
+        values = self.user_arguments(args, kwargs, name)
+        window = self.rows(values)
+        return self.data(make_data) + values, window
 
     def rows(self, arguments):
         """``slice(start, stop)`` of the rows a call with ``arguments`` selects (checked).

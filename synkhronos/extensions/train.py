@@ -22,7 +22,7 @@ from ..api.batch import batch_from_spec, parse_batch_s
 from ..api.data import data
 from ..api.function import function
 from ..api.step import Step
-from ..errors import SynkWarning
+from ..errors import SynkWarning, is_whole
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
 from ..wire.loop import epoch_order, steps_per_epoch
@@ -368,7 +368,7 @@ class _Checkpoints:
             if every is not None or resume:
                 raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
             return
-        if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
+        if not is_whole(every, at_least=1):
             raise ValueError(f"checkpoint_every must be a positive number of steps with "
                              f"checkpoint_dir=, got {every!r}")
         os.makedirs(directory, exist_ok=True)
@@ -405,8 +405,7 @@ def _check_run_arguments(train_fn, sync, check_every, on_check):
     if not isinstance(sync, Rule):
         raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
                         f"EASGD(...), ...), got {sync!r}")
-    if check_every is not None and (isinstance(check_every, bool) or not isinstance(
-            check_every, (int, np.integer)) or check_every < 1):
+    if check_every is not None and not is_whole(check_every, at_least=1):
         raise ValueError(f"check_every must be a positive number of steps or None, got {check_every!r}")
     if on_check is not None and not callable(on_check):
         raise TypeError(f"on_check must be a callable taking the History, got {on_check!r}")
@@ -417,8 +416,7 @@ def _check_batch_size(batch_size, n_rows, n_devices):
     if n_rows < n_devices:
         raise ValueError(f"x_data has {n_rows} row(s) for {n_devices} devices: every device needs "
                          f"at least one row of every step; give at least {n_devices} rows")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or \
-            not n_devices <= batch_size <= n_rows:
+    if not is_whole(batch_size, at_least=n_devices, below=n_rows + 1):
         raise ValueError(f"batch_size must be a whole number from {n_devices} (one row per device) "
                          f"to {n_rows} (the rows of x_data), got {batch_size!r}")
     left = n_rows % batch_size
@@ -429,7 +427,7 @@ def _check_batch_size(batch_size, n_rows, n_devices):
 
 
 def _check_seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not is_whole(seed, at_least=0):
         raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
                          f"epoch's order), got {seed!r}")
 
@@ -454,7 +452,7 @@ def _total_steps(steps, epochs, per_epoch):
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps= (global steps) and epochs= (passes over the rows)")
     value, name = (steps, "steps") if steps is not None else (epochs, "epochs")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_whole(value, at_least=1):
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
     return int(steps) if steps is not None else int(epochs) * per_epoch
 

@@ -40,11 +40,13 @@ import time
 
 import numpy as np
 
+from ..errors import is_whole
+
 __all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]
 
 
 def _positive_int(value, name, rule):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_whole(value, at_least=1):
         raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
     return int(value)
 

@@ -14,20 +14,16 @@ import numpy as np
 from ..rank.executor import run_share
 from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
+from .part import Part
 
 __all__ = ["Calls"]
 
 
-class Calls:
-    """Calls of one runtime's functions (see the module notes).
-
-    Parameters
-    ----------
-    state : State
-    """
+class Calls(Part):
+    """Calls of one runtime's functions (see the module notes)."""
 
     def __init__(self, state):
-        self._state = state
+        super().__init__(state)
         self._plans = PlanSlots()
 
     def name(self, plan):

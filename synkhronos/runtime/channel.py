@@ -12,16 +12,18 @@ import pickle
 import queue
 import threading
 import time
-import warnings
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
-from ..errors import StallError, SynkError, WorkerError, verbose
+from ..errors import SynkError, WorkerError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
 from ..platform.cpu_tuning import on_cores
 from ..wire.control import ControlBlock, Decision, Op, Status
 from .processes import describe_exit
+from .reports import RankReports
 
 __all__ = ["Channel"]
 
@@ -73,7 +75,8 @@ class Channel:
         self.payload = GrowableSegment(f"{prefix}_p")
         self.results = {r: SegmentMirror(f"{prefix}_r{r}") for r in self.worker_ranks}
         self.worker_warnings = {r: SegmentMirror(f"{prefix}_w{r}") for r in self.worker_ranks}
-        self._warning_registry = {}    # shared by every rank: one warning shows once
+        #: errors and warnings the ranks report
+        self.reports = RankReports(self)
         self._collective_watch = None
         self._collective_runner = None     # the thread of collectives that wait in native code
 
@@ -93,7 +96,7 @@ class Channel:
         self.ctl.post_command(opcode, ranks)
         local_result, local_error = self._run_local(local)
         self.wait_done(ranks, what=opcode)     # named only if something goes wrong
-        self._raise_rank_errors(local_error, ranks)
+        self.reports.raise_for(local_error, ranks)
         return local_result
 
     def _on_own_cores_if_long(self, kind, run, *args):
@@ -162,13 +165,13 @@ class Channel:
         self.ctl.release(ranks)
         if not go:
             self.wait_done(ranks, what=f"skipping {what}")
-            self._raise_rank_errors(local_error, ranks)
+            self.reports.raise_for(local_error, ranks)
             raise elsewhere
         if waits_in_python:
             result = self._run_inline_watched(execute, ranks, what=what)
         else:
             result = self._run_in_watched_thread(execute, ranks, what=what)
-        self._raise_worker_errors(ranks)
+        self.reports.raise_for(None, ranks)
         return result
 
     def _run_local(self, fn):
@@ -197,7 +200,7 @@ class Channel:
         finally:
             self._collective_watch = None
         self.wait_done(ranks, what=what)
-        self._raise_rank_errors(error, ranks)
+        self.reports.raise_for(error, ranks)
         return result
 
     def check_during_collective(self):
@@ -213,78 +216,15 @@ class Channel:
         """
         if self._collective_runner is None:
             self._collective_runner = _Runner("synk-collective")
-        box, finished = self._collective_runner.submit(fn)
+        future = self._collective_runner.submit(fn)
         deadline = time.time() + self.stall_timeout
         # no spinning here: a spinning main thread would hold the GIL the collective thread needs
         self.wait_done(ranks, what=what, deadline=deadline, spin=0)
-        if not finished.wait(max(0.0, deadline - time.time())):
+        try:
+            return future.result(timeout=max(0.0, deadline - time.time()))
+        except FutureTimeout:
             self.on_fault()
-            raise self._stalled(what, arrived=ranks, missing=[self.master_rank])
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-    # --- errors and warnings ----------------------------------------------------------------
-    def _raise_rank_errors(self, local_error, ranks):
-        """Raise one :class:`WorkerError` for every rank whose part of the command failed.
-
-        It names the first failing rank (this one first) and every other rank
-        that raised the same error (:attr:`WorkerError.ranks`), and lists the
-        ranks that raised another (:attr:`WorkerError.others`). It is also an
-        instance of the original builtin type (see :meth:`WorkerError.raised`).
-        """
-        if isinstance(local_error, SynkError):
-            raise local_error
-        errors = [] if local_error is None else [self._own_error(local_error)]
-        errors += self._worker_errors(ranks)
-        if errors:
-            raise _one_report(errors) from (local_error if verbose() else None)
-
-    def _raise_worker_errors(self, ranks):
-        errors = self._worker_errors(ranks)
-        if errors:
-            raise _one_report(errors)
-
-    def _worker_errors(self, ranks):
-        """The errors of the workers in ``ranks`` (their warnings forwarded on the way)."""
-        status, errors = self.ctl.status, []
-        for rank in ranks:
-            if status[rank, ControlBlock.WARN_NBYTES]:
-                self._forward_warnings(rank)
-            if status[rank, ControlBlock.STATE] == Status.ERROR:
-                errors.append(self._raised(rank, *self.read_result_pickle(rank)))
-        return errors
-
-    def _forward_warnings(self, rank):
-        """Show the warnings worker ``rank`` raised through this process's ``warnings``.
-
-        They obey the script's filters, and one the ranks share shows once.
-        """
-        row = self.ctl.status[rank]
-        seg = self.worker_warnings[rank].get(int(row[ControlBlock.WARN_GEN]))
-        caught = read_pickle(seg, int(row[ControlBlock.WARN_NBYTES]))
-        row[ControlBlock.WARN_NBYTES] = 0
-        for message, category, filename, lineno in caught:
-            warnings.warn_explicit(message, category, filename, lineno,
-                                   registry=self._warning_registry)
-
-    # errors name global ranks (and, on several nodes, this node): one place turns local ones
-    def _raised(self, rank, exc_type, message, tb, where=None):
-        """The error worker ``rank`` (local) raised."""
-        error = WorkerError.raised(rank + self.rank_offset, exc_type, message, tb, where=where)
-        error.node = self.node
-        return error
-
-    def _own_error(self, e):
-        """This process's own error ``e``, as a worker's would be."""
-        error = WorkerError.from_exception(self.master_rank + self.rank_offset, e)
-        error.node = self.node
-        return error
-
-    def _stalled(self, what, arrived, missing):
-        return StallError(what, arrived=sorted(r + self.rank_offset for r in arrived),
-                          missing=sorted(r + self.rank_offset for r in missing),
-                          timeout=self.stall_timeout)
+            raise self.reports.stalled(what, arrived=ranks, missing=[self.master_rank]) from None
 
     # --- waiting ----------------------------------------------------------------------------
     def wait_done(self, ranks, what, deadline=None, spin=None):
@@ -312,7 +252,7 @@ class Channel:
                 arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
                 self.on_fault()
-                raise self._stalled(what, arrived=arrived + [self.master_rank], missing=missing)
+                raise self.reports.stalled(what, arrived=arrived + [self.master_rank], missing=missing)
         return check
 
     def _check_alive(self, ranks, what):
@@ -358,12 +298,12 @@ class Channel:
                 if isinstance(error, SynkError):
                     raise error
                 self.on_fault()
-                raise self._own_error(error) from error
+                raise self.reports.own_error(error) from error
             self._wait_watched(ranks, watch)
             watch(force=True)    # a worker that failed after the others finished: as during the phase
         finally:
             self._collective_watch = None
-        self._raise_worker_errors(ranks)
+        self.reports.raise_for(None, ranks)
         return result
 
     def _loop_watch(self, ranks, what, poll=0.02):
@@ -384,7 +324,7 @@ class Channel:
             if failed:
                 exc_type, message, tb, where = self.read_result_pickle(failed[0])
                 self.on_fault()
-                raise self._raised(failed[0], exc_type, message + " (the runtime was shut down: "
+                raise self.reports.raised(failed[0], exc_type, message + " (the runtime was shut down: "
                                    "call synk.fork() to start again)", tb, where)
             running = [r for r in ranks if status[r, ControlBlock.STATE] == Status.IDLE]
             progress = status[running, ControlBlock.PROGRESS].tolist()
@@ -392,27 +332,27 @@ class Channel:
                 last["progress"], last["moved"] = progress, now
             elif now - last["moved"] > self.stall_timeout:
                 self.on_fault()
-                raise self._stalled(what, missing=running,
+                raise self.reports.stalled(what, missing=running,
                                     arrived=list(set(self.worker_ranks) - set(running)
                                                  | {self.master_rank}))
         return check
 
     def _run_local_in_thread(self, local, watch):
         """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
-        box = {}
+        future = Future()
 
         def target():
-            box["result"], box["error"] = self._run_local(local)
+            future.set_result(self._run_local(local))
         thread = threading.Thread(target=target, name="synk-loop", daemon=True)
         thread.start()
         try:
-            while thread.is_alive():
+            while not future.done():
                 thread.join(0.02)
                 watch()
         except KeyboardInterrupt:
             self.on_fault()
             raise
-        return box["result"], box["error"]
+        return future.result()
 
     def _wait_watched(self, ranks, watch):
         """Wait until every rank in ``ranks`` posted ``done``, calling ``watch`` between slices."""
@@ -470,25 +410,13 @@ class Channel:
         self.ctl.unlink()
 
 
-def _one_report(errors):
-    """The first of ``errors``, naming the ranks that raised the same and listing the others."""
-    first = errors[0]
-    for other in errors[1:]:
-        if (other.exc_type, other.message) == (first.exc_type, first.message):
-            first.ranks.append(other.rank)
-        else:
-            first.others.append((other.rank, other.exc_type, other.message))
-        if verbose():
-            first.worker_traceback += f"\n--- traceback in rank {other.rank} ---\n{other.worker_traceback}"
-    return first
-
-
 class _Runner:
     """One daemon thread that runs the functions handed to it, one at a time.
 
     Starting a thread per collective costs about a millisecond on a busy
     machine; a daemon thread never holds up the interpreter's exit, even when
-    a peer left it stuck in a native collective.
+    a peer left it stuck in a native collective (a ``ThreadPoolExecutor``'s
+    threads are joined at exit).
     """
 
     def __init__(self, name):
@@ -497,16 +425,14 @@ class _Runner:
 
     def _serve(self):
         while True:
-            fn, box, finished = self._jobs.get()
+            fn, future = self._jobs.get()
             try:
-                box["result"] = fn()
+                future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = e
-            finished.set()
+                future.set_exception(e)
 
     def submit(self, fn):
-        """Run ``fn`` in the thread; return ``(box, finished)``: its result or error lands in
-        ``box`` when the event ``finished`` is set."""
-        box, finished = {}, threading.Event()
-        self._jobs.put((fn, box, finished))
-        return box, finished
+        """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
+        future = Future()
+        self._jobs.put((fn, future))
+        return future

@@ -17,20 +17,13 @@ from ..tracing import trace
 from ..wire.collective import KIND_NAMES, shapes_of
 from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
+from .part import Part
 
 __all__ = ["Collectives"]
 
 
-class Collectives:
-    """Collectives and per-rank values of one runtime.
-
-    Parameters
-    ----------
-    state : State
-    """
-
-    def __init__(self, state):
-        self._state = state
+class Collectives(Part):
+    """Collectives and per-rank values of one runtime."""
 
     def run(self, fill, reservation=None):
         """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.

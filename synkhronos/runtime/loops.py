@@ -16,20 +16,16 @@ from ..errors import SynkError
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .nodes import joined_over_nodes
+from .part import Part
 
 __all__ = ["Loops"]
 
 
-class Loops:
-    """The device-driven loops of one runtime.
-
-    Parameters
-    ----------
-    state : State
-    """
+class Loops(Part):
+    """The device-driven loops of one runtime."""
 
     def __init__(self, state):
-        self._state = state
+        super().__init__(state)
         self._loops = {}      # loop id -> the master's DeviceLoop, from its first phase to finish
         self._centers = {}    # loop id -> its central parameters, until the master's loop takes them
         self._next_loop = 0

@@ -17,21 +17,16 @@ from pytensor.tensor.type import TensorType
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
 from ..wire.control import ARGS, Op
+from .part import Part
 
 __all__ = ["Registry"]
 
 
-class Registry:
-    """The functions and shared variables of one runtime, and what the workers already hold.
-
-    Parameters
-    ----------
-    state : State
-        The runtime (its channel, Data store, platform, topology).
-    """
+class Registry(Part):
+    """The functions and shared variables of one runtime, and what the workers already hold."""
 
     def __init__(self, state):
-        self._state = state
+        super().__init__(state)
         self.specs = {}                # function id -> FunctionSpec
         self.compiled = {}             # function id -> this process's CompiledFunction
         self._unshipped = []           # function ids not yet sent to the workers

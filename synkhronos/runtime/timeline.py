@@ -6,20 +6,13 @@ import pickle
 
 from ..tracing import trace
 from ..wire.control import Op
+from .part import Part
 
 __all__ = ["Timeline"]
 
 
-class Timeline:
-    """The timeline commands of one runtime (see ``synk.timeline``).
-
-    Parameters
-    ----------
-    state : State
-    """
-
-    def __init__(self, state):
-        self._state = state
+class Timeline(Part):
+    """The timeline commands of one runtime (see ``synk.timeline``)."""
 
     def start(self):
         """Every rank starts recording its timeline (:mod:`synkhronos.tracing.trace`)."""

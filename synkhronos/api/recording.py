@@ -1,0 +1,218 @@
+"""Turning ``synk.function``'s arguments into a checked :class:`~synkhronos.wire.spec.FunctionSpec`.
+
+Everything a function's recording can refuse is refused here, in the master,
+before the function is registered: inputs that are not symbolic inputs (or
+declare a static row count), output and update modes, a compilation mode that
+does not compile for JAX, random variables JAX cannot sample, graphs that
+cannot travel. The tutorials' ``givens`` idiom is rewritten here
+(:mod:`.givens`), and what the function threads in is added
+(:mod:`synkhronos.compile.graph_updates`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytensor.tensor as pt
+from pytensor.compile.mode import get_mode
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Variable
+from pytensor.graph.traversal import ancestors
+
+from ..comm.reduction import check_output_mode, check_update_mode
+from ..compile import graph_updates, randomness, shipping
+from ..errors import LocalUpdatesWarning
+from ..platform.internals import unsampleable_in_jax
+from ..wire.spec import FunctionSpec
+from .givens import RowsFromGivens
+from .shapes import declared_rows, shape_text
+
+__all__ = ["record"]
+
+
+def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, name,
+           local_updates, kwargs):
+    """The checked spec of a function, whether its one output comes back bare, and its givens' rows.
+
+    Returns ``(spec, bare, rows)``; see :func:`synkhronos.function` for the arguments.
+    """
+    _check_mode(kwargs)
+    inputs = _check_inputs(inputs, "inputs")
+    _check_free_rows(inputs)
+    bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
+    givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
+    rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
+    scattered_rows = list(inputs)
+    if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
+        scattered_rows = rows.inputs + [s.key for s in rows.slices]
+        inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
+    seen = set()
+    for var in inputs + bcast_inputs:
+        if id(var) in seen:
+            raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
+        seen.add(id(var))
+    pairs, bare = _normalize_outputs(outputs)
+    triples, generators = _normalize_updates(updates)
+    if not local_updates:
+        _warn_if_updates_are_local(triples, scattered_rows, name or "synk.function")
+    triples += graph_updates.model_updates([v for v, _ in pairs], {s: v for s, v, _ in triples})
+    sliceable = list(sliceable_shareds or [])
+    spec = FunctionSpec(fid, "", inputs, bcast_inputs, pairs, triples, givens, sliceable, kwargs)
+    spec.name = name or f"synk_function_{spec.fid}"
+    spec.generator_updates = generators + randomness.generator_updates(
+        inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
+    _check_sliceables(spec, sliceable, givens)
+    _check_jax_can_sample(spec)
+    shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
+    return spec, bare, rows
+
+
+def _check_sliceables(spec, sliceable, givens):
+    used = set(spec.shared_variables() + [g[0] for g in givens])
+    for var in sliceable:
+        if not isinstance(var, SharedVariable):
+            raise TypeError(f"sliceable_shareds must be shared variables, got {var!r}")
+        if var not in used:
+            raise ValueError(f"sliceable shared {var} is not used by {spec.name}")
+    for key, value in givens:
+        if value in sliceable and (key.type.dtype, key.type.ndim) != (value.type.dtype, value.type.ndim):
+            raise TypeError(f"givens replaces {key} (dtype {key.type.dtype}, ndim {key.type.ndim}) with "
+                            f"sliceable shared {value} (dtype {value.type.dtype}, ndim "
+                            f"{value.type.ndim}); make {value} of that dtype and ndim")
+
+
+def _normalize_outputs(outputs):
+    """Return ([(var, mode)], bare) from the user's ``outputs``."""
+    if outputs is None:
+        return [], False
+    bare = isinstance(outputs, Variable) or (isinstance(outputs, tuple) and len(outputs) == 2
+                                             and isinstance(outputs[0], Variable)
+                                             and not isinstance(outputs[1], Variable))
+    items = [outputs] if bare else list(outputs)
+    pairs = []
+    for item in items:
+        if isinstance(item, Variable):
+            var, mode = item, "avg"
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Variable):
+            var, mode = item
+        else:
+            raise TypeError(f"each output must be a variable or a (variable, mode) pair, got {item!r}")
+        pairs.append((var, check_output_mode(var, mode)))
+    return pairs, bare
+
+
+def _normalize_updates(updates):
+    """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
+
+    A random generator's update is its next state: it has no mode and is
+    applied on every slice (each slice draws anew).
+    """
+    if updates is None:
+        return [], []
+    items = list(updates.items()) if isinstance(updates, dict) else list(updates)
+    triples, generators = [], []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
+                            f"got {item!r}")
+        shared, value = item[0], item[1]
+        mode = item[2] if len(item) == 3 else "avg"
+        if not isinstance(shared, SharedVariable):
+            raise TypeError(f"update target {shared!r} is not a shared variable")
+        if randomness.is_generator(shared):
+            generators.append((shared, value))
+            continue
+        triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
+    return triples, generators
+
+
+def _warn_if_updates_are_local(triples, scattered, name):
+    """Warn (:class:`~synkhronos.errors.LocalUpdatesWarning`) if updates depend on scattered rows.
+
+    Each device then updates its own copy from its own rows, and nothing
+    combines them: the literal port of a single-process training function.
+    """
+    if not triples or not scattered or graph_updates.writes_flat_gradient([s for s, _, _ in triples]):
+        return
+    rows = set(scattered)
+    local = [s for s, value, _ in triples if rows.intersection(ancestors([value]))]
+    if local:
+        names = ", ".join(str(s) for s in local[:4]) + (" ..." if len(local) > 4 else "")
+        warnings.warn(
+            f"{name}: the updates of {names} are computed from each device's own rows, so every "
+            f"device steps on its own gradient and the copies drift apart (one model per device). "
+            f"For data-parallel training all-reduce the gradient between computing and applying "
+            f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
+            f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
+            f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=5)
+
+
+def _check_jax_can_sample(spec):
+    """Refuse, when the function is built, a random variable PyTensor's JAX backend cannot sample.
+
+    JAX would find out only at the first call, on every rank.
+    """
+    missing = unsampleable_in_jax(spec.graph_vars())
+    if missing:
+        node, message = missing[0]
+        hint = (" A Bernoulli mask (binomial with n=1) needs none: (rng.uniform(size=shape) < p)."
+                if "binomial" in message else "")
+        raise NotImplementedError(
+            f"{spec.name}: {node.op} cannot run on the devices: {message} Every device runs the "
+            f"function with PyTensor's JAX backend; draw from a distribution it samples, or "
+            f"install what the message names.{hint}")
+
+
+def _check_inputs(inputs, what):
+    inputs = [] if inputs is None else list(inputs)
+    for var in inputs:
+        if not isinstance(var, Variable) or isinstance(var, SharedVariable) or var.owner is not None:
+            raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
+                            f"got {var!r}")
+    return inputs
+
+
+def _check_free_rows(inputs):
+    """Refuse scattered inputs declared with a static row count.
+
+    Each device computes its own share of a call's rows, and a graph built
+    for a fixed row count may hold that count anywhere (a reshape, a
+    divisor): it cannot be split correctly. Graphs on free rows that need
+    concrete shapes are compiled per row count instead (see CompiledFunction).
+    """
+    for var in inputs:
+        rows = declared_rows(var)
+        if rows is not None:
+            free = shape_text((None,) + tuple(var.type.shape[1:]))
+            raise TypeError(
+                f"scattered input {var} is declared with a static row count, shape "
+                f"{shape_text(var.type.shape)}, but each device computes its own share of a call's rows, and a "
+                f"graph built for {rows} rows may hold that number anywhere; declare the rows free, "
+                f"pt.tensor({(var.name or 'x')!r}, shape={free}, ...): synkhronos compiles each "
+                f"device's graph for the rows it gets when JAX needs static shapes "
+                f"(pytensor-ml's convolutions work so)")
+
+
+def _check_mode(kwargs):
+    """Refuse a compilation ``mode`` whose functions do not run on a JAX device.
+
+    Every process keeps its shared variables on its own JAX device between
+    calls, and the collectives exchange those device arrays; a function linked
+    for another backend (``"FAST_RUN"``, ``"NUMBA"``, ...) computes on numpy
+    arrays outside that device.
+    """
+    mode = kwargs.get("mode")
+    if mode is None:
+        return
+    from pytensor.link.jax.linker import (
+        JAXLinker,  # imports JAX: not when synkhronos is imported
+    )
+    try:
+        linker = get_mode(mode).linker
+    except Exception as e:
+        raise ValueError(f"mode={mode!r} is not a PyTensor compilation mode: {e}") from None
+    if not isinstance(linker, JAXLinker):
+        raise ValueError(f"mode={mode!r} does not compile for JAX, and synkhronos runs every "
+                         f"function on each process's JAX device (CPU or GPU alike); leave mode "
+                         f"unset (synkhronos's JAX mode), or pass mode=\"JAX\" or a "
+                         f"pytensor Mode whose linker is \"jax\"")
