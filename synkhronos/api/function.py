@@ -340,9 +340,6 @@ class Function:
                 raise ValueError(f"output_subset entry {i!r} is not an output index in [0, {n})")
         return [int(i) for i in subset]
 
-    def _input_name(self, i):
-        return self._input_names[i]
-
     def _collect_args(self, args, kwargs):
         all_inputs = self.spec.all_inputs
         if not kwargs and len(args) == len(all_inputs):
@@ -366,7 +363,7 @@ class Function:
 
     def _as_data(self, i, value):
         var = self.spec.all_inputs[i]
-        name = self._input_name(i)
+        name = self._input_names[i]
         scattered = i < len(self.spec.inputs)
         if isinstance(value, Data):
             if not value.belongs_to(self._state):

@@ -144,8 +144,8 @@ TILES = (32, 16, 8)
 def tiled_transpose(x):
     """``x.T`` as an array of its own, moved tile by tile (JAX, inside a traced function).
 
-    XLA's CPU transpose of a large matrix runs about half as fast as moving it
-    through 32x32 tiles. Falls back to a plain transpose when no tile edge
+    XLA's CPU transpose of a large matrix runs slower than moving it through
+    32x32 tiles (bench/RESULTS.md). Falls back to a plain transpose when no tile edge
     divides both dimensions.
     """
     from jax import lax

@@ -168,9 +168,8 @@ class GatherBuffer:
     that shape in the same memory each time (grown when too small). The rows
     gathered for a call then land in memory the previous call warmed, in the
     cache and the TLB; a fresh or pooled buffer per call gathers slower (JAX
-    lets go of a host buffer it adopted a little after the call returns, so
-    back-to-back calls never found the last buffer free and alternated
-    between two).
+    lets go of a host buffer it adopted only some time after the call
+    returns, so a pool rarely has the last one free again).
 
     Reusing the memory is safe because a call given arguments returns only
     once its computation has finished (see :func:`jitted_call`), and no output

@@ -413,8 +413,8 @@ class Channel:
 class _Runner:
     """One daemon thread that runs the functions handed to it, one at a time.
 
-    Starting a thread per collective costs about a millisecond on a busy
-    machine; a daemon thread never holds up the interpreter's exit, even when
+    Starting a thread per collective would cost more than a small collective;
+    a daemon thread never holds up the interpreter's exit, even when
     a peer left it stuck in a native collective (a ``ThreadPoolExecutor``'s
     threads are joined at exit).
     """

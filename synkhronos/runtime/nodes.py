@@ -121,8 +121,8 @@ class NodeLink:
             except Exception as e:      # JAX raises its runtime error on a slice's deadline
                 if "DEADLINE_EXCEEDED" not in str(e):
                     self.raise_dead_node(f"waiting for node {node}", e)
-            # a blocking get that timed out can miss the key's later arrival (seen on the
-            # coordination service of jaxlib 0.12): look for it directly as well
+            # a blocking get that timed out can miss the key's later arrival: look for it
+            # directly as well
             found = self._try_get(key)
             if found is not None:
                 return found

@@ -110,7 +110,7 @@ def _forget_runtime_in_child():
     A data-loader pool or a helper process forked from the user's script
     inherits the runtime's objects; at its exit it must not stop the parent's
     workers, unlink the parent's segments or shut down the parent's JAX
-    runtime (which hung and left the parent to abort).
+    runtime, whose client and threads belong to the parent.
     """
     # another thread of the parent may have held the lock at the fork: it is never released here
     _life.lock = threading.RLock()
