@@ -207,12 +207,15 @@ class _SlowOneRank:
 
     def after_update(self, loop, rows, batch_rows):
         slept = 0.0
+        now = time.perf_counter()
         if loop.rank == SLOW_RANK:
-            slept = loop.last_compute
+            # as long as the step computed: since this hook last returned (gathering, gradient, update)
+            slept = now - getattr(self, "_step_start", now)
             time.sleep(slept)
         synced = super().after_update(loop, rows, batch_rows)
         if synced:
             loop.sync_seconds -= slept       # the loop times a sync from before this hook
+        self._step_start = time.perf_counter()
         return synced
 
 

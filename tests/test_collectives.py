@@ -10,7 +10,7 @@ import pytest
 from helpers import close
 
 import synkhronos as synk
-from synkhronos.comm.shm.paths import PATH_NAMES, PIPELINED, PUBLISHED, PathChooser
+from synkhronos.comm.shm.paths import PIPELINED, PUBLISHED, Path, PathChooser
 from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(240)
@@ -167,7 +167,7 @@ def reduce_path(comm_kind, path):
         paths.fixed = None
 
 
-@pytest.mark.parametrize("path", [PIPELINED, PUBLISHED], ids=PATH_NAMES.get)
+@pytest.mark.parametrize("path", [PIPELINED, PUBLISHED], ids=lambda p: Path(p).name.lower())
 @pytest.mark.parametrize("op,combine", [("sum", np.add), ("max", np.maximum), ("prod", np.multiply),
                                         ("avg", lambda a, b: (a + b) / a.dtype.type(2))])
 def test_large_all_reduce_paths_with_shared_and_private_results(comm_kind, synk2, rng, op, combine,

@@ -12,6 +12,7 @@ the results.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Union
 
 import numpy as np
@@ -95,7 +96,8 @@ class Function:
         self._n_inputs = len(spec.all_inputs)
         # per output: its mode and declared dtype (the reduction of every call looks them up)
         self._reductions = [(mode, np.dtype(var.type.dtype)) for var, mode in spec.outputs]
-        self._plans = {}          # see _plan_key
+        #: per plan key (see _plan_key), a box its first call fills with the validated plan
+        self._kept_plan = functools.lru_cache(maxsize=_PLANS_KEPT)(lambda key: [])
 
     @property
     def name(self):
@@ -213,13 +215,11 @@ class Function:
             raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
                                f"build it again after fork()")
         key = self._plan_key(args, kwargs, batch, batch_s, num_slices, output_subset)
-        plan = self._plans.get(key) if key is not None else None
+        kept = self._kept_plan(key) if key is not None else []
+        plan = kept[0] if kept else None
         if plan is None:
             plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
-            if key is not None:
-                if len(self._plans) >= _PLANS_KEPT:
-                    self._plans.clear()
-                self._plans[key] = plan
+            kept.append(plan)
         elif not plan.batch.is_range:
             # the kept plan of an earlier call with as many indices: only the indices are new
             n_scat = len(self.spec.inputs)

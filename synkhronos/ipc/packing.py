@@ -6,6 +6,8 @@ Pickling is kept for the cold paths only: shipping functions, errors, values
 of shared variables.
 """
 
+import functools
+import math
 import pickle
 
 import numpy as np
@@ -38,23 +40,20 @@ def _layout(arrays):
     layouts are kept by signature: packing a scalar result then costs a header
     copy and one write.
     """
-    signature = tuple((a.dtype, a.shape) for a in arrays)
-    layout = _LAYOUTS.get(signature)
-    if layout is None:
-        offset = round_up(8 * (1 + sum(4 + a.ndim for a in arrays)))
-        header, offsets = [len(arrays)], []
-        for a in arrays:
-            offsets.append(offset)
-            header += [dtype_code(a.dtype), a.ndim, *a.shape, offset, a.nbytes]
-            offset = round_up(offset + a.nbytes)
-        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
-            _LAYOUTS.clear()
-        layout = _LAYOUTS[signature] = (np.array(header, np.int64), offsets, offset)
-    return layout
+    return _layout_of(tuple((a.dtype, a.shape) for a in arrays))
 
 
-_LAYOUTS = {}
-_LAYOUTS_KEPT = 256
+@functools.lru_cache(maxsize=256)
+def _layout_of(signature):
+    """:func:`_layout` of arrays of ``signature`` ((dtype, shape) each); the header is read only."""
+    offset = round_up(8 * (1 + sum(4 + len(shape) for _, shape in signature)))
+    header, offsets = [len(signature)], []
+    for dtype, shape in signature:
+        nbytes = math.prod(shape) * dtype.itemsize
+        offsets.append(offset)
+        header += [dtype_code(dtype), len(shape), *shape, offset, nbytes]
+        offset = round_up(offset + nbytes)
+    return np.array(header, np.int64), offsets, offset
 
 
 def packed_nbytes(arrays):

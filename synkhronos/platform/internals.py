@@ -22,7 +22,7 @@ Six things have no public API and are reached for here only:
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
 correctness. Importing this module checks the installed versions against
-:data:`SUPPORTED`, which ``pyproject.toml`` pins alike (a test compares them).
+synkhronos's own requirements of them (``pyproject.toml``: :func:`supported_versions`).
 """
 
 import contextlib
@@ -32,47 +32,54 @@ import os
 import sys
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["SUPPORTED", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
+__all__ = ["READS_INTERNALS_OF", "supported_versions", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
            "detach_inherited_jax", "detect_jax_cluster", "distributed_client",
            "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax"]
 
-#: (lowest version, first version not supported) of each library whose internals are read here
-SUPPORTED = {"pytensor": ((3, 3, 7), (4,)), "jax": ((0, 12), (0, 13)), "jaxlib": ((0, 12), (0, 13))}
+#: the libraries whose internals are read here: their supported versions are synkhronos's own
+#: requirements of them (pyproject.toml, read from the installed package's metadata)
+READS_INTERNALS_OF = ("pytensor", "jax", "jaxlib")
 
 
-def _version_tuple(text: str) -> tuple:
-    parts = []
-    for piece in text.split("."):
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
+def supported_versions() -> dict:
+    """``{name: SpecifierSet}`` of the libraries in :data:`READS_INTERNALS_OF`, as synkhronos requires them.
 
+    Empty when synkhronos runs from a checkout that was never installed (no metadata to read).
 
-def _dotted(version: tuple) -> str:
-    return ".".join(map(str, version))
+    Examples
+    --------
+    >>> str(supported_versions()["jax"])
+    '<0.13,>=0.12'
+    """
+    from packaging.requirements import Requirement
+    try:
+        requirements = importlib.metadata.requires("synkhronos") or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    found = {}
+    for text in requirements:
+        requirement = Requirement(text)
+        if requirement.name in READS_INTERNALS_OF and requirement.marker is None:
+            found[requirement.name] = requirement.specifier
+    return found
 
 
 def check_versions() -> None:
-    """Raise ImportError if an installed library is outside the versions in :data:`SUPPORTED`.
+    """Raise ImportError if an installed library is outside the versions synkhronos supports.
 
     Examples
     --------
     >>> check_versions()        # the test environment has supported versions
     """
-    for name, (low, high) in SUPPORTED.items():
+    for name, specifier in supported_versions().items():
         try:
             installed = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             raise ImportError(f"synkhronos needs {name}; install it with pip install "
-                              f"'{name}>={_dotted(low)},<{_dotted(high)}'")
-        if not low <= _version_tuple(installed) < high:
-            raise ImportError(f"synkhronos supports {name} >= {_dotted(low)} and < {_dotted(high)}, "
-                              f"but {installed} is installed; install a supported version "
-                              f"(pip install -e . picks one)")
+                              f"'{name}{specifier}'") from None
+        if not specifier.contains(installed, prereleases=True):
+            raise ImportError(f"synkhronos supports {name}{specifier}, but {installed} is installed; "
+                              f"install a supported version (pip install -e . picks one)")
 
 
 class JitParts(NamedTuple):

@@ -2,7 +2,7 @@
 
 Layout (one segment ``<prefix>_center<loop id>``, made by the master)::
 
-    words    int64[8]          the next unit of work to claim, exchanges made
+    words    int64[8]          the next unit of work to claim
     mutexes  sem_t[1 + blocks] the claim counter's, then one per parameter block
     blocks   [per parameter]   its central value, 64-byte aligned
 
@@ -54,7 +54,7 @@ class Center:
         Called while a mutex is waited for (raises to abandon the wait).
     """
 
-    CLAIMED, EXCHANGES = range(2)
+    CLAIMED = 0
 
     def __init__(self, name, shapes, dtypes, initial=None, check=lambda: None):
         create = initial is not None
@@ -107,10 +107,6 @@ class Center:
     def start_claims_at(self, unit):
         """The creator, before any device claims: the first unit claimed is ``unit``."""
         self.words[self.CLAIMED] = unit
-
-    def count_exchange(self):
-        with self._held(self._claim_lock):
-            self.words[self.EXCHANGES] += 1
 
     def values(self):
         """A copy of every block, each read under its mutex."""

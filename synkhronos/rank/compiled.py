@@ -5,6 +5,7 @@ backend. Graphs on free rows that JAX can only trace with concrete shapes are
 compiled per argument shape instead (:func:`rebuild_on`).
 """
 
+import functools
 import math
 import sys
 import warnings
@@ -318,7 +319,8 @@ class CompiledFunction:
         self._row_args = list(range(len(spec.inputs))) + \
             list(range(n_all, n_all + len(self.sliced_inputs)))
         self._run_no_updates = None
-        self._row_variants = {}       # (rows, updates applied) -> runner, least recently used first
+        #: (shapes, updates applied) -> runner of the graph rebuilt on them, the most recent kept
+        self._row_variant = functools.lru_cache(maxsize=ROW_VARIANTS_KEPT)(self._rebuilt_runner)
         #: the PyTensor function (updates applied), or None when compiled per row count
         self.function = None
         self.by_rows = False
@@ -398,14 +400,10 @@ class CompiledFunction:
 
     def _for_shapes(self, shapes, updates):
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
-        key = (tuple(shapes), updates)
-        run = self._row_variants.pop(key, None)
-        if run is None:
-            if len(self._row_variants) >= ROW_VARIANTS_KEPT:
-                del self._row_variants[next(iter(self._row_variants))]     # least recently used
-            run = self._runner(self._compile(updates, shapes))
-        self._row_variants[key] = run
-        return run
+        return self._row_variant(tuple(shapes), updates)
+
+    def _rebuilt_runner(self, shapes, updates):
+        return self._runner(self._compile(updates, shapes))
 
     def _for_args(self, args, updates):
         return self._for_shapes([args[i].shape for i in self._row_args], updates)

@@ -71,8 +71,6 @@ class DeviceLoop:
         self._phase_start = time.perf_counter()
         #: syncs a rate-limited rule skipped (this phase)
         self.skipped = 0
-        #: seconds the last step computed (gradient and update), for a test's straggler
-        self.last_compute = 0.0
         self.rule.start(self)
 
     # --- what the rules use -----------------------------------------------------------------
@@ -135,7 +133,6 @@ class DeviceLoop:
         rows, batch_rows = b - a, hi - lo
         if trace.on:
             trace.begin("step", "step")
-        start = time.perf_counter()
         rows_in = [self._gathered(view, buffer, indices)
                    for view, buffer in zip(self.views, self.grad.gather_buffers)]
         if trace.on:
@@ -159,7 +156,6 @@ class DeviceLoop:
         done = time.perf_counter()
         if trace.on:
             trace.mark("update")
-        self.last_compute = done - start
         synced = self.rule.after_update(self, rows, batch_rows)
         if synced:
             self.sync_seconds += time.perf_counter() - done

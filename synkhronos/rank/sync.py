@@ -237,7 +237,6 @@ class EASGD(Rule):
                 d = self.alpha * (x - c)
                 c += d
             new.append(x - d)
-        center.count_exchange()
         loop.set_values(loop.params, new)
 
     def center_values(self, loop):
@@ -261,7 +260,6 @@ class _CentralRule(Rule):
             with center.locked(i):
                 push(center.blocks[i], value)
                 pulled.append(loop.device_copy(center.blocks[i]))
-        center.count_exchange()
         loop.set_values(loop.params, pulled)
         return pulled
 

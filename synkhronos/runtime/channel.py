@@ -21,7 +21,7 @@ from ..errors import SynkError, WorkerError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
 from ..platform.cpu_tuning import on_cores
-from ..wire.control import ControlBlock, Decision, Op, Status
+from ..wire.control import ControlBlock, Decision, Op, Status, op_name
 from .processes import describe_exit
 from .reports import RankReports
 
@@ -246,7 +246,7 @@ class Channel:
         def check():
             nonlocal what
             if not isinstance(what, str):
-                what = f"a {Op.name(what)} command"
+                what = f"a {op_name(what)} command"
             self._check_alive(ranks, what)
             if time.time() > deadline:
                 arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]

@@ -14,7 +14,7 @@ from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
 from ..tracing import trace
-from ..wire.collective import KIND_NAMES, shapes_of
+from ..wire.collective import kind_name, shapes_of
 from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
 from .part import Part
@@ -43,7 +43,7 @@ class Collectives(Part):
             if trace.on:
                 trace.mark("prepare")
             return execute
-        kind = KIND_NAMES.get(int(ctl.args[0]), "collective")
+        kind = kind_name(int(ctl.args[0]))
         if since is not None:
             trace.begin("collective", kind, since)
         try:

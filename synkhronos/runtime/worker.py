@@ -32,13 +32,13 @@ from ..rank.context import RankContext
 from ..tracing import trace
 from ..wire.collective import shapes_of
 from ..wire.control import (
-    OP_NAMES,
     STEP_COLLECTIVE_AT,
     ControlBlock,
     Decision,
     Op,
     Status,
     Words,
+    op_name,
 )
 from ..wire.plan import PlanMemo, result_record
 from ..wire.topology import Topology
@@ -115,7 +115,7 @@ class Worker:
             go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
             if trace.on:
-                trace.begin("command", OP_NAMES.get(opcode, "command"), waiting)
+                trace.begin("command", op_name(opcode), waiting)
                 trace.mark("wait for the command")
             try:
                 rows = self.handlers[opcode]()

@@ -12,19 +12,47 @@ The master writes a collective into the control block's ``args`` as::
 and every rank reads it back in :func:`synkhronos.rank.collectives.prepare_collective`.
 """
 
+import enum
+
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "ALL_REDUCE", "BROADCAST", "GATHER", "READ_DATA", "KIND_NAMES", "KEEP_ALL",
-           "KEEP_MASTER", "RETURN", "dtype_groups", "shapes_of"]
+__all__ = ["REDUCE_OPS", "Kind", "Keep", "ALL_REDUCE", "BROADCAST", "GATHER", "READ_DATA", "KEEP_ALL",
+           "KEEP_MASTER", "RETURN", "kind_name", "dtype_groups", "shapes_of"]
 
 REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
 
-# collective kinds
-ALL_REDUCE, BROADCAST, GATHER, READ_DATA = range(1, 5)
-#: each kind's name in messages and timelines
-KIND_NAMES = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", GATHER: "gather", READ_DATA: "read_data"}
-# who keeps an all-reduce's or gather's result: every rank, the master, or nobody (returned)
-KEEP_ALL, KEEP_MASTER, RETURN = range(3)
+
+class Kind(enum.IntEnum):
+    """The kinds of collective."""
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    GATHER = 3
+    READ_DATA = 4
+
+
+class Keep(enum.IntEnum):
+    """Who keeps an all-reduce's or gather's result: every rank, the master, or nobody (returned)."""
+    ALL = 0
+    MASTER = 1
+    RETURN = 2
+
+
+ALL_REDUCE, BROADCAST, GATHER, READ_DATA = Kind
+KEEP_ALL, KEEP_MASTER, RETURN = Keep
+
+
+def kind_name(code):
+    """A collective kind's name for messages and timelines (``"all_reduce"``), else ``"collective"``.
+
+    Examples
+    --------
+    >>> kind_name(1), kind_name(0)
+    ('all_reduce', 'collective')
+    """
+    try:
+        return Kind(code).name.lower()
+    except ValueError:
+        return "collective"
 
 
 def shapes_of(values):

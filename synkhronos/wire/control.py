@@ -19,13 +19,15 @@ What a collective implementation needs in shared memory it keeps in segments of
 its own (:mod:`synkhronos.comm.shm`).
 """
 
+import enum
+
 import numpy as np
 
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
 from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
 
-__all__ = ["ControlBlock", "Op", "OP_NAMES", "Status", "Decision", "Words", "STEP_COLLECTIVE_AT"]
+__all__ = ["ControlBlock", "Op", "op_name", "Status", "Decision", "Header", "Field", "Words", "STEP_COLLECTIVE_AT"]
 
 ARGS = 1 << 16
 #: where a STEP command's collective words start in ``args`` (its call's plan starts at 0)
@@ -35,7 +37,8 @@ RECORD_BYTES = 256
 _HEADER = 16
 _STATUS_FIELDS = 8
 
-class Op:
+
+class Op(enum.IntEnum):
     """Command opcodes."""
     STOP = 1
     SHIP = 2          # payload: pickled functions and shared-variable values
@@ -46,31 +49,60 @@ class Op:
     COLLECTIVE = 7    # args: a collective (synkhronos.wire.collective)
     GET_SHAPES = 8    # args: shared-variable uids -> result: one int64 shape array each
     LOOP = 9          # payload: a LoopSpec and its phase (synkhronos.wire.loop) -> result: its stats
-    TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans (synkhronos.tracing.trace)
+    TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans
     STEP = 11         # a CALL, then (if every rank computed) an all-reduce, then an update function:
                       # args: the plan, and the collective from STEP_COLLECTIVE_AT; header: UPDATE_FID
 
-    @classmethod
-    def name(cls, opcode):
-        return OP_NAMES.get(opcode, str(opcode))
+
+def op_name(opcode):
+    """An opcode's name for messages and timelines (``"call"``), or its number if it has none.
+
+    Examples
+    --------
+    >>> op_name(3), op_name(99)
+    ('call', '99')
+    """
+    try:
+        return Op(opcode).name.lower()
+    except ValueError:
+        return str(opcode)
 
 
-#: each opcode's name, for messages and timelines
-OP_NAMES = {code: name.lower() for name, code in vars(Op).items() if name.isupper()}
-
-
-class Status:
+class Status(enum.IntEnum):
     """Per-rank status codes written by a rank after a command."""
     IDLE = 0
     OK = 1
-    ERROR = 2         # result segment holds a pickled (type, message, traceback)
+    ERROR = 2         # result segment holds a pickled (type, message, traceback, graph line)
     PREPARED = 3      # a collective's local buffers are ready; waiting for the go-ahead
 
 
-class Decision:
+class Decision(enum.IntEnum):
     """The master's word to ranks that prepared a collective."""
     SKIP = 0
     GO = 1
+
+
+class Header(enum.IntEnum):
+    """The fields of the control block's header."""
+    OPCODE = 0
+    PAYLOAD_GEN = 1
+    PAYLOAD_NBYTES = 2
+    MASTER_RANK = 3
+    DECISION = 4
+    PLAN_SLOT = 5
+    PLAN_GEN = 6
+    UPDATE_FID = 7
+
+
+class Field(enum.IntEnum):
+    """The fields of a rank's status row."""
+    STATE = 0
+    RESULT_GEN = 1
+    RESULT_NBYTES = 2
+    ROWS = 3
+    WARN_GEN = 4
+    WARN_NBYTES = 5
+    PROGRESS = 6
 
 
 class Words:
@@ -148,10 +180,9 @@ class ControlBlock:
         self.rows = self.status[:, self.ROWS]       # rows each rank computed in the last call
         *self.go, self.done = semaphores_in(self.segment, sem_offset, n_ranks + 1, create)
 
-    # header fields
-    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = range(8)
-    # status fields
-    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = range(7)
+    # the header's fields and a status row's, as names of the block
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = Header
+    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = Field
 
     def post_command(self, opcode, ranks):
         """Publish the command already written to ``args`` to ``ranks``."""

@@ -25,10 +25,18 @@ is noticed within that many calls. Both paths add the same numbers in the
 same order: the result does not depend on the path.
 """
 
-__all__ = ["PIPELINED", "PUBLISHED", "PATH_NAMES", "PathChooser"]
+import enum
 
-PIPELINED, PUBLISHED = 0, 1
-PATH_NAMES = {PIPELINED: "pipelined", PUBLISHED: "published"}
+__all__ = ["Path", "PIPELINED", "PUBLISHED", "PathChooser"]
+
+
+class Path(enum.IntEnum):
+    """The two ways a large all-reduce moves its bytes."""
+    PIPELINED = 0
+    PUBLISHED = 1
+
+
+PIPELINED, PUBLISHED = Path
 
 
 class PathChooser:
@@ -55,7 +63,7 @@ class PathChooser:
     ...     paths.record(400 << 20, paths.choose(400 << 20), seconds)
     >>> for seconds in (0.5, 0.08):
     ...     paths.record(400 << 20, paths.choose(400 << 20), seconds)
-    >>> PATH_NAMES[paths.choose(400 << 20)]
+    >>> Path(paths.choose(400 << 20)).name.lower()
     'pipelined'
     """
 
