@@ -84,3 +84,16 @@ def test_collectives_refuse_a_generator(synk2):
         synk.broadcast(rng)
     with pytest.raises(TypeError, match="random generator"):
         synk.get_value(1, "refused_rng")
+
+
+def test_a_generator_nothing_advances_is_refused_as_pytensor_ml_refuses_it(synk2):
+    """Two draws off one generator: no single next state, so every call would repeat its draws."""
+    import pytensor
+    import pytensor.tensor as pt
+    x = pt.matrix("x")
+    rng = pytensor.shared(np.random.default_rng(0), name="rng_twice")
+    a = pt.random.normal(size=x.shape, rng=rng)
+    b = pt.random.uniform(size=x.shape, rng=rng)
+    with pytest.raises(ValueError, match="rng_twice.*nothing advances"):
+        synk.function([x], ((x * a + b).sum(), "sum"))
+    close(synk.function([x], (x.sum(), "sum"))(np.ones((4, 2))), 8.0)

@@ -32,6 +32,11 @@ def is_generator(var):
 def generator_updates(inputs, read_variables, written):
     """The next-state update of every shared generator the graphs of ``read_variables`` draw from.
 
+    What ``pytensor_ml.pytensorf.function`` threads in, through its own
+    collector; and like it, a generator that is drawn from but that nothing
+    advances (two draws off one generator, none threaded through the other) is
+    refused: every call would repeat the same values.
+
     Parameters
     ----------
     inputs : list of Variable
@@ -44,16 +49,29 @@ def generator_updates(inputs, read_variables, written):
     Returns
     -------
     list of (SharedVariable, Variable)
+
+    Raises
+    ------
+    ValueError
+        For a generator drawn from that nothing advances.
     """
     import warnings
 
-    from pytensor_ml.pytensorf.rng import collect_default_updates
+    from pytensor_ml.pytensorf.rng import collect_default_updates, find_generators_drawn_from
     if not read_variables:
         return []
     with warnings.catch_warnings():
-        # a generator read by two draws has no single next state: it is left as the user made it
+        # a generator read by two draws has no single next state; the check below names it
         warnings.simplefilter("ignore", UserWarning)
         updates = collect_default_updates(inputs=list(inputs), outputs=list(read_variables))
+    frozen = [g for g in find_generators_drawn_from(list(read_variables))
+              if g not in updates and g not in written]
+    if frozen:
+        raise ValueError(
+            f"the graph draws from {[str(g.name or g) for g in frozen]}, which nothing advances, so "
+            f"every call would repeat the same values (as pytensor-ml refuses it): two draws off one "
+            f"generator are the cause; give each draw its own generator, or thread one through with "
+            f"`next_rng, draw = pt.random.normal(rng=rng, return_next_rng=True)` and update it")
     return [(rng, nxt) for rng, nxt in updates.items() if rng not in written]
 
 
