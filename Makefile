@@ -1,11 +1,12 @@
 # make demo  - set up .venv (Python >= 3.12 found automatically) and run the main demo
 # make test  - set up .venv and run the test suite
 # make bench - set up .venv and run the benchmarks
+# make lint  - set up .venv and check the code (ruff, mypy)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test demo bench docs clean
+.PHONY: all venv test demo bench docs clean lint
 
 all: test
 
@@ -22,6 +23,10 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: $(STAMP)
 	$(PY) demos/mnist.py --variant cpu --devices 2 --epochs 10

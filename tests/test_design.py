@@ -6,7 +6,6 @@ import doctest
 import importlib
 import os
 import pkgutil
-import re
 
 import pytest
 from helpers import run_script

@@ -258,7 +258,8 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     if len(layout) != len(variables):
         raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "
                          f"restore; pass variables= as they were passed to save")
-    replicated, per_rank = [], []
+    replicated: list = []
+    per_rank: list = []
     for entry, var in zip(layout, variables):
         if entry["name"] != var.name:
             raise ValueError(f"{path} holds {entry['name']!r} where {var.name!r} was given; pass "

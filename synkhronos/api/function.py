@@ -132,7 +132,7 @@ class Function:
         """
         if self._rows is not None:         # the rows the scalars select, as pytensor.function takes them
             window = self._rows.rows(list(args))
-            args = [base.get_value(borrow=True)[window] for base in self._rows.row_inputs] + list(args)
+            args = tuple([base.get_value(borrow=True)[window] for base in self._rows.row_inputs] + list(args))
         out = [np.asarray(o, dtype=dtype)
                for o, (_, dtype) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out

@@ -122,7 +122,7 @@ class TransposedDot(BlasDot):
     TransposedDot()
     """
 
-    __props__ = ()
+    __props__: tuple = ()
     transpose_a, transpose_b = True, False
 
     def __init__(self):
@@ -236,7 +236,7 @@ def blas_dots(fgraph, node):
     return [op(a, b)]
 
 
-_installed = []
+_installed: list[bool] = []
 
 
 #: the optimizer tag of the rewrite that reduces in JAX's precision (included without 64-bit JAX)

@@ -31,7 +31,7 @@ class NodePlace:
     n_nodes: int
     node_rank: int
     coordinator: str
-    devices_per_node: int = None
+    devices_per_node: int | None = None
     source: str = "single node"
 
 

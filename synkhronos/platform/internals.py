@@ -106,7 +106,7 @@ def jit_parts(fn) -> JitParts | None:
     explicit = getattr(fn, "_input_storage_data", None)
     updates = getattr(fn, "_update_input_storage", None)
     n_outputs = getattr(fn, "_n_returned_outputs", None)
-    if None in (jit, cells, explicit, updates, n_outputs) or \
+    if jit is None or cells is None or explicit is None or updates is None or n_outputs is None or \
             any(cell is not own for cell, own in zip(cells, explicit)):
         return None
     n_args = sum(1 for inp in fn.maker.inputs if not inp.implicit)

@@ -115,7 +115,7 @@ def set_precision(float_x):
 
 
 #: the JAX settings initialize_process changed in this process, and their earlier values
-_changed_config = {}
+_changed_config: dict = {}
 
 
 def _configure_jax(name, value):

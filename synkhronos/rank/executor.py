@@ -49,7 +49,7 @@ class Share:
     n_slices: int
     rows: int
     counts_rows: bool
-    cuts: tuple = None
+    cuts: tuple | None = None
 
 
 def share_of(plan, rank, n_ranks):

@@ -58,8 +58,8 @@ class Settings:
     stall_timeout: float
     collectives: type
     #: where fork(timeline=...) writes every rank's timeline at close, or None
-    timeline: str = None
-    topology: Topology = None
+    timeline: str | None = None
+    topology: Topology | None = None
 
 
 class State:

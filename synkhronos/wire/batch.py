@@ -28,9 +28,9 @@ class Batch:
     total: int
     start: int = 0
     stop: int = 0
-    indices: np.ndarray = None
+    indices: np.ndarray | None = None
     index_offset: int = 0   # where ``indices`` start in the shared index segment
-    _bounds: tuple = field(default=None, repr=False, compare=False)   # see _index_bounds
+    _bounds: tuple | None = field(default=None, repr=False, compare=False)   # see _index_bounds
 
     @property
     def is_range(self):

@@ -56,7 +56,7 @@ class LoopSpec:
     shuffle: bool
     seed: int
     rule: object
-    center: str = None
+    center: str | None = None
 
     @property
     def synced_uids(self):

@@ -71,7 +71,7 @@ class CallPlan:
     sliced: list = field(default_factory=list)
     index_gen: int = 0
     local: bool = False
-    _words: tuple = field(default=None, repr=False, compare=False)
+    _words: tuple | None = field(default=None, repr=False, compare=False)
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
     _record: object = field(default=False, repr=False, compare=False)        # see result_record
 

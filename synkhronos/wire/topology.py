@@ -35,7 +35,7 @@ class Topology:
     n_nodes: int = 1
     node_rank: int = 0
     n_local: int = 1
-    coordinator: str = None
+    coordinator: str | None = None
 
     @property
     def n_devices(self):
