@@ -19,7 +19,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -76,7 +76,7 @@ def _key(i, var):
 
 @serialized
 def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
-         step: int | None = None, extra=None) -> None:
+         step: int | None = None, extra: Any = None) -> None:
     """Write the values of ``variables`` on every device to ``path``, atomically.
 
     Parameters
@@ -197,7 +197,7 @@ def _write_atomically(path, tensors, metadata):
         os.close(directory)
 
 
-def read(path):
+def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
     """``(metadata, extra, tensors)`` of the checkpoint at ``path`` (no runtime needed).
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError``, naming

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -249,7 +249,7 @@ def shapes_named_on_mismatch(state, vars_, what):
 
 
 @serialized
-def broadcast(shared_vars: Shareds, values=None, nccl: bool | None = None) -> None:
+def broadcast(shared_vars: Shareds, values: Any = None, nccl: bool | None = None) -> None:
     """Copy the master's value(s) to every rank, optionally setting them first.
 
     ``values`` may be numpy arrays or :class:`Data`; a Data value is read from
@@ -278,7 +278,7 @@ def broadcast(shared_vars: Shareds, values=None, nccl: bool | None = None) -> No
 
 
 @serialized
-def scatter(shared_vars: Shareds, values, batch=None) -> None:
+def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
     """Split each value along axis 0 across ranks (near-equal contiguous chunks).
 
     Parameters
@@ -412,7 +412,7 @@ def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
 
 
 @serialized
-def set_value(rank: int, shared_vars: Shareds, values, batch=None) -> None:
+def set_value(rank: int, shared_vars: Shareds, values: Any, batch: Any = None) -> None:
     """Set the value(s) of shared variable(s) on device ``rank`` only.
 
     ``batch`` (int, slice or index list) selects rows of each value first. On

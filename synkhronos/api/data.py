@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -80,27 +81,27 @@ class Data:
 
     # --- properties -------------------------------------------------------------------------
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
         """The numpy dtype (fixed at creation)."""
         return self._dtype
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         """The number of dimensions (fixed at creation)."""
         return self._ndim
 
     @property
-    def shape(self):
+    def shape(self) -> tuple | None:
         """The current shape, or None before a value is set or after ``free_memory()``."""
         return self._shape
 
     @property
-    def size(self):
+    def size(self) -> int:
         """The number of items in the current shape."""
         return 0 if self._shape is None else math.prod(self._shape)
 
     @property
-    def alloc_size(self):
+    def alloc_size(self) -> int:
         """Number of items the current allocation can hold."""
         return self._segment.nbytes // self._dtype.itemsize
 
@@ -119,7 +120,7 @@ class Data:
         return None if segment is None else segment.name
 
     @property
-    def data(self):
+    def data(self) -> Any:
         """The numpy view of the master's shared memory (None before allocation)."""
         if self._shape is None:
             return None
@@ -147,12 +148,12 @@ class Data:
         return view
 
     # --- values -----------------------------------------------------------------------------
-    def condition_data(self, value, force_cast=False):
+    def condition_data(self, value: Any, force_cast: bool = False) -> np.ndarray:
         """Return ``value`` as an array this Data can hold (dtype and ndim checked)."""
         return condition_value(value, self._dtype, self._ndim, force_cast, what=f"value for {self!r}")
 
     @serialized
-    def set_value(self, value, force_cast: bool = False, oversize: float = 1) -> None:
+    def set_value(self, value: Any, force_cast: bool = False, oversize: float = 1) -> None:
         """Write ``value``, reshaping the view if it fits, else reallocating.
 
         A reallocation makes a new segment of ``prod(shape) * oversize`` items
@@ -245,7 +246,7 @@ def staging_data(state, key, value):
     return d
 
 
-def data(value=None, var=None, dtype=None, ndim: int | None = None,
+def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None = None,
          shape: tuple[int, ...] | None = None, minibatch: bool = False, force_cast: bool = False,
          oversize: float = 1, name: str | None = None, sharded: bool = False) -> Data:
     """Make a :class:`Data` in shared memory visible to every process.

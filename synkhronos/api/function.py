@@ -13,7 +13,7 @@ the results.
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -100,7 +100,7 @@ class Function:
         self._kept_plan = functools.lru_cache(maxsize=_PLANS_KEPT)(lambda key: [])
 
     @property
-    def name(self):
+    def name(self) -> str:
         """The function's name (given, or ``synk_function_<id>``)."""
         return self.spec.name
 
@@ -109,12 +109,12 @@ class Function:
         return list(dict.fromkeys(self.spec.shared_variables()))
 
     @property
-    def output_modes(self):
+    def output_modes(self) -> list:
         """The reduction mode of each output, in order."""
         return [m for _, m in self.spec.outputs]
 
     @property
-    def update_modes(self):
+    def update_modes(self) -> list:
         """The accumulation mode of each update (used with ``num_slices > 1``)."""
         return [m for _, _, m in self.spec.updates]
 
@@ -425,7 +425,7 @@ class Function:
 def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
              bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
              givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
-             name: str | None = None, local_updates: bool = False, **kwargs) -> Function:
+             name: str | None = None, local_updates: bool = False, **kwargs: Any) -> Function:
     """Build a data-parallel function over every device of the runtime.
 
     Parameters

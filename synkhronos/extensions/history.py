@@ -63,7 +63,7 @@ class History:
         self.checks = []
         self._center_values = center_values
 
-    def append(self, check):
+    def append(self, check: Check) -> None:
         self.checks.append(check)
 
     def __len__(self):
@@ -81,11 +81,11 @@ class History:
         last = f", last {asdict(self.checks[-1])}" if self.checks else ""
         return f"History({self.rule}, {len(self)} checks{last})"
 
-    def end_run(self):
+    def end_run(self) -> None:
         """The run has ended: the center is gone (the devices hold the final parameters)."""
         self._center_values = None
 
-    def center_values(self):
+    def center_values(self) -> list:
         """The central parameters now (asynchronous rules), else the master's parameters.
 
         Each parameter block is read under its lock, a copy at a time: the
@@ -96,7 +96,7 @@ class History:
             raise RuntimeError("the run has ended; read the parameters with synk.get_value")
         return self._center_values()
 
-    def plot(self, path, title=None):
+    def plot(self, path: str, title: str | None = None) -> None:
         """Write the loss and the samples per second against training time to the PNG ``path``."""
         import matplotlib
         matplotlib.use("Agg")

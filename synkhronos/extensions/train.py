@@ -5,9 +5,12 @@
 themselves, with the sync rules of :mod:`.sync`.
 """
 
+from __future__ import annotations
+
 import os
 import time
 import warnings
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pytensor
@@ -29,11 +32,12 @@ from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .sync import AllReduce, Rule
 
-__all__ = ["make_train_function", "make_device_train_function", "make_single_process_train_function",
+__all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
            "make_train_function_theano", "run", "epoch_order", "steps_per_epoch"]
 
 
-def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
+def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
+                        *args: Any, **kwargs: Any) -> TrainStep:
     """Build ``train_minibatch(*data, batch=None, num_slices=1)`` for all devices.
 
     One step is: every device computes its local gradient into the flat vector,
@@ -97,9 +101,7 @@ def make_train_function(loss, params, x, y, update_rule, *args, **kwargs):
             rows = rows_of_every_node(current().nodes, rows)
         return step(rows, *data, batch=batch, num_slices=num_slices)
 
-    train_minibatch.runs_on_devices = True      # what run() takes
-    train_minibatch.inputs = inputs
-    return step.expose(train_minibatch)
+    return step.expose(train_minibatch, inputs, runs_on_devices=True)      # what run() takes
 
 
 def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens):
@@ -115,7 +117,7 @@ def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, g
         window = step.f_grad.given_rows(*values, 0)
         return step(window.stop - window.start, *values, num_slices=num_slices)
 
-    return step.expose(train_minibatch)
+    return step.expose(train_minibatch, scalars)
 
 
 def _input_list(value, name):
@@ -158,23 +160,52 @@ class _WeightedStep:
         self._batch_rows.data[()] = batch_rows
         return self.step(*inputs, self._batch_rows, **call_kwargs)
 
-    def expose(self, train_minibatch):
-        """Give the user's step function handles on what it runs."""
-        train_minibatch.grad_shared = self.grad_shared
-        train_minibatch.params = self.params
-        train_minibatch.functions = (self.f_grad, self.f_upd)
-        written = [s for s, _, _ in self.f_upd.spec.updates if all(s is not p for p in self.params)]
-        #: the model's statistics the step writes back (batch norm's running mean and variance)
-        train_minibatch.statistics = [s for s in written if isinstance(s, NonTrainableParameter)]
-        #: the optimizer's state (moments, step counters, training clocks)
-        train_minibatch.optimizer_state = [s for s in written if not isinstance(s, NonTrainableParameter)]
-        #: the parameters, statistics and optimizer's state: what a checkpoint of this training holds
-        train_minibatch.state_variables = self.params + train_minibatch.statistics + \
-            train_minibatch.optimizer_state
-        return train_minibatch
+    def expose(self, call, inputs=(), runs_on_devices=False):
+        """The user's step: ``call`` with handles on what it runs (a :class:`TrainStep`)."""
+        return TrainStep(call, self, list(inputs), runs_on_devices)
 
 
-def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_rule, *args, **kwargs):
+class TrainStep:
+    """A training step as :func:`make_train_function` returns it: call it, and it knows what it trains.
+
+    Attributes
+    ----------
+    params : list of SharedVariable
+    statistics : list of SharedVariable
+        The model's statistics the step writes back (batch norm's running mean and variance).
+    optimizer_state : list of SharedVariable
+        The optimizer's state (moments, step counters, training clocks).
+    state_variables : list of SharedVariable
+        The parameters, statistics and optimizer's state: what a checkpoint of this training holds.
+    grad_shared : SharedVariable
+        The flat vector the gradients (and statistics) travel in.
+    functions : (Function, Function)
+        The gradient function and the update function.
+    inputs : list of Variable
+        The scattered inputs, in call order (x's, then y's).
+    runs_on_devices : bool
+        Whether :func:`run` takes it (its data in shared memory).
+    """
+
+    def __init__(self, call, step, inputs, runs_on_devices):
+        self._call = call
+        self.grad_shared, self.params = step.grad_shared, step.params
+        self.functions = (step.f_grad, step.f_upd)
+        written = [s for s, _, _ in step.f_upd.spec.updates if all(s is not p for p in step.params)]
+        self.statistics = [s for s in written if isinstance(s, NonTrainableParameter)]
+        self.optimizer_state = [s for s in written if not isinstance(s, NonTrainableParameter)]
+        self.state_variables = self.params + self.statistics + self.optimizer_state
+        self.inputs, self.runs_on_devices = inputs, runs_on_devices
+
+    def __call__(self, *data, **kwargs):
+        return self._call(*data, **kwargs)
+
+    def __repr__(self):
+        return f"TrainStep(params={[p.name for p in self.params]})"
+
+
+def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, x_shared: Any,
+                               y_shared: Any, update_rule: Callable, *args: Any, **kwargs: Any) -> TrainStep:
     """Like :func:`make_train_function`, on data kept on the devices.
 
     ``x_shared`` and ``y_shared`` hold each device's own rows (fill them with
@@ -199,9 +230,11 @@ def make_device_train_function(loss, params, x, y, x_shared, y_shared, update_ru
     return step.expose(train_minibatch)
 
 
-def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None, sync=None, shuffle=True,
-        seed=0, check_every=None, on_check=None, checkpoint_dir=None, checkpoint_every=None,
-        resume=False) -> History:
+def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | None = None,
+        steps: int | None = None, epochs: int | None = None, sync: Rule | None = None,
+        shuffle: bool = True, seed: int = 0, check_every: int | None = None,
+        on_check: Callable[[History], bool | None] | None = None, checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None, resume: bool = False) -> History:
     """Train on the devices themselves: many steps per command, synchronised by a rule of :mod:`.sync`.
 
     Each device draws its rows of every global step (``batch_size`` rows, split
@@ -292,7 +325,7 @@ def run(train_fn, x_data, y_data=None, batch_size=None, steps=None, epochs=None,
     if uneven:
         raise ValueError(f"every input and target needs one row per example: {train_fn.inputs[0]} "
                          f"has {n_rows} rows, but {uneven}")
-    _check_batch_size(batch_size, n_rows, state.n_parallel)
+    batch_size = _check_batch_size(batch_size, n_rows, state.n_parallel)
     _check_seed(seed)
     _check_step_traces(f_grad, train_fn, refs, batch_size, state.n_parallel)
     per_epoch = steps_per_epoch(n_rows, batch_size)
@@ -399,7 +432,7 @@ class _Checkpoints:
 
 def _check_run_arguments(train_fn, sync, check_every, on_check):
     """The gradient and update functions of ``train_fn``; every other argument checked."""
-    if not getattr(train_fn, "runs_on_devices", False):
+    if not isinstance(train_fn, TrainStep) or not train_fn.runs_on_devices:
         raise TypeError("run() takes the step function make_train_function returns (data in shared "
                         f"memory), got {train_fn!r}")
     if not isinstance(sync, Rule):
@@ -424,6 +457,7 @@ def _check_batch_size(batch_size, n_rows, n_devices):
         raise ValueError(f"the last step of every epoch would have {left} rows for {n_devices} "
                          f"devices ({n_rows} rows, batch_size {batch_size}): every device needs a "
                          f"row; choose a batch_size that leaves none or at least {n_devices}")
+    return int(batch_size)
 
 
 def _check_seed(seed):
@@ -457,7 +491,8 @@ def _total_steps(steps, epochs, per_epoch):
     return int(steps) if steps is not None else int(epochs) * per_epoch
 
 
-def make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs):
+def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
+                                       update_rule: Callable, *args: Any, **kwargs: Any) -> Callable:
     """The same step in one process (plain PyTensor), for comparisons.
 
     ``x`` and ``y`` as in :func:`make_train_function`. Returns
@@ -476,7 +511,8 @@ def make_single_process_train_function(loss, params, x, y, update_rule, *args, *
     return train_minibatch
 
 
-def make_train_function_theano(loss, params, x, y, update_rule, *args, **kwargs):
+def make_train_function_theano(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
+                               *args: Any, **kwargs: Any) -> Callable:
     """The original's name of :func:`make_single_process_train_function` (deprecated)."""
     warnings.warn("make_train_function_theano is make_single_process_train_function now",
                   DeprecationWarning, stacklevel=2)

@@ -22,7 +22,10 @@ Examples
 >>> f_grad(x_dat, y_dat, batch=idx); synk.all_reduce(grad_shared); f_upd()  # doctest: +SKIP
 """
 
+from __future__ import annotations
+
 import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pytensor
@@ -32,12 +35,15 @@ from pytensor_ml.pytensorf import collect_clock_updates
 
 from .statistics import carried_statistics
 
+#: what every rule returns: (grad_updates, param_updates, grad_shared)
+FlatStep = tuple[list, list, Any]
+
 __all__ = ["flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
            "from_optim", "sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
            "adam", "adamax", "apply_momentum", "apply_nesterov_momentum", "sgd_nonflat"]
 
 
-def flatten_vars(variables):
+def flatten_vars(variables: Sequence[Any]) -> Any:
     """Concatenate the raveled ``variables`` into one symbolic vector.
 
     Examples
@@ -55,7 +61,7 @@ def _shape_of(var):
     return tuple(var.type.shape)
 
 
-def unflatten_vars(flat, like):
+def unflatten_vars(flat: Any, like: Sequence[Any]) -> list:
     """Slice the flat vector ``flat`` into pieces shaped like the shared variables ``like``.
 
     Examples
@@ -74,7 +80,7 @@ def unflatten_vars(flat, like):
     return pieces
 
 
-def vars_flat_size(variables):
+def vars_flat_size(variables: Sequence[Any]) -> int:
     """The number of items in all the shared ``variables`` together (the flat vector's length).
 
     Examples
@@ -86,7 +92,7 @@ def vars_flat_size(variables):
     return sum(math.prod(_shape_of(v)) for v in variables)
 
 
-def flat_unflat_grads(loss, params):
+def flat_unflat_grads(loss: Any, params: Sequence[Any]) -> tuple[Any, Any, list]:
     """The gradients of ``loss`` as one flat vector, and a flat shared vector to hold them.
 
     Returns
@@ -148,7 +154,7 @@ def _flat_step(loss, params):
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params), write_backs
 
 
-def nonflat_grads(loss, params):
+def nonflat_grads(loss: Any, params: Sequence[Any]) -> tuple[list, list]:
     """The gradients of ``loss``, with one shared variable per parameter to hold each.
 
     The pattern without flattening: every gradient then needs a collective of
@@ -169,7 +175,7 @@ def nonflat_grads(loss, params):
     return grads_shared, grads
 
 
-def from_optim(transform, loss, params):
+def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatStep:
     """Wrap a :mod:`pytensor_ml.optim` transform into ``(grad_updates, param_updates, grad_shared)``.
 
     The step is what pytensor-ml's ``optim.compile_train`` builds, split in two:
@@ -228,37 +234,41 @@ def _check_rule_writes(rule_updates, params, write_backs):
                          f"and the rule writes them too; leave them out of the rule's parameters")
 
 
-def sgd(loss, params, learning_rate):
+def sgd(loss: Any, params: Sequence[Any], learning_rate: float) -> FlatStep:
     r"""Stochastic gradient descent: :math:`p \leftarrow p - \eta g`."""
     return from_optim(optim.sgd(learning_rate), loss, params)
 
 
-def momentum(loss, params, learning_rate, momentum=0.9):
+def momentum(loss: Any, params: Sequence[Any], learning_rate: float, momentum: float = 0.9) -> FlatStep:
     r"""SGD with momentum: :math:`v \leftarrow \mu v + g,\ p \leftarrow p - \eta v` (pytensor-ml's form)."""
     return from_optim(optim.sgd(learning_rate, momentum=momentum), loss, params)
 
 
-def nesterov_momentum(loss, params, learning_rate, momentum=0.9):
+def nesterov_momentum(loss: Any, params: Sequence[Any], learning_rate: float,
+                      momentum: float = 0.9) -> FlatStep:
     r"""SGD with Nesterov momentum: the gradient is taken after the momentum carry."""
     return from_optim(optim.sgd(learning_rate, momentum=momentum, nesterov=True), loss, params)
 
 
-def adagrad(loss, params, learning_rate=1.0, epsilon=1e-6):
+def adagrad(loss: Any, params: Sequence[Any], learning_rate: float = 1.0, epsilon: float = 1e-6) -> FlatStep:
     r"""Adagrad: :math:`a \leftarrow a + g^2,\ p \leftarrow p - \eta g / \sqrt{a + \epsilon}`."""
     return from_optim(optim.adagrad(learning_rate, epsilon=epsilon), loss, params)
 
 
-def rmsprop(loss, params, learning_rate=1.0, rho=0.9, epsilon=1e-6):
+def rmsprop(loss: Any, params: Sequence[Any], learning_rate: float = 1.0, rho: float = 0.9,
+            epsilon: float = 1e-6) -> FlatStep:
     r"""RMSProp: :math:`a \leftarrow \rho a + (1-\rho) g^2,\ p \leftarrow p - \eta g / \sqrt{a + \epsilon}`."""
     return from_optim(optim.rmsprop(learning_rate, rho=rho, epsilon=epsilon), loss, params)
 
 
-def adadelta(loss, params, learning_rate=1.0, rho=0.95, epsilon=1e-6):
+def adadelta(loss: Any, params: Sequence[Any], learning_rate: float = 1.0, rho: float = 0.95,
+             epsilon: float = 1e-6) -> FlatStep:
     r"""Adadelta: step scaled by the ratio of running RMS of past steps and of gradients."""
     return from_optim(optim.adadelta(learning_rate, rho=rho, epsilon=epsilon), loss, params)
 
 
-def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8):
+def adam(loss: Any, params: Sequence[Any], learning_rate: float = 0.001, beta1: float = 0.9,
+         beta2: float = 0.999, epsilon: float = 1e-8) -> FlatStep:
     r"""Adam, with bias-corrected first and second moments and ONE step counter for all parameters.
 
     .. math:: m \leftarrow \beta_1 m + (1-\beta_1) g,\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
@@ -267,12 +277,13 @@ def adam(loss, params, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8
     return from_optim(optim.adam(learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon), loss, params)
 
 
-def adamax(loss, params, learning_rate=0.002, beta1=0.9, beta2=0.999, epsilon=1e-8):
+def adamax(loss: Any, params: Sequence[Any], learning_rate: float = 0.002, beta1: float = 0.9,
+           beta2: float = 0.999, epsilon: float = 1e-8) -> FlatStep:
     r"""Adamax: Adam with an infinity-norm second moment :math:`u \leftarrow \max(\beta_2 u, |g|)`."""
     return from_optim(optim.adamax(learning_rate, beta1=beta1, beta2=beta2, epsilon=epsilon), loss, params)
 
 
-def apply_momentum(param_updates, momentum=0.9):
+def apply_momentum(param_updates: list, momentum: float = 0.9) -> list:
     """Add classical momentum to ``param_updates``, as Lasagne's ``apply_momentum``.
 
     For each ``(param, new_value)``: ``x = momentum * velocity + new_value``,
@@ -297,7 +308,7 @@ def apply_momentum(param_updates, momentum=0.9):
     return updates
 
 
-def apply_nesterov_momentum(param_updates, momentum=0.9):
+def apply_nesterov_momentum(param_updates: list, momentum: float = 0.9) -> list:
     """Add Nesterov momentum to ``param_updates``, as Lasagne's ``apply_nesterov_momentum``.
 
     For each ``(param, new_value)``: ``x = momentum * velocity + new_value - param``,
@@ -312,7 +323,7 @@ def apply_nesterov_momentum(param_updates, momentum=0.9):
     return updates
 
 
-def sgd_nonflat(loss, params, learning_rate):
+def sgd_nonflat(loss: Any, params: Sequence[Any], learning_rate: float) -> FlatStep:
     """SGD with one gradient shared variable per parameter (no flattening), for comparison.
 
     Returns ``(grad_updates, param_updates, grads_shared)``; all-reduce the
