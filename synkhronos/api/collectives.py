@@ -31,18 +31,7 @@ from ..errors import ShapeMismatch, WorkerError, is_whole
 from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
-from ..wire.collective import (
-    ALL_REDUCE,
-    BROADCAST,
-    GATHER,
-    KEEP_ALL,
-    KEEP_MASTER,
-    READ_DATA,
-    REDUCE_OPS,
-    RETURN,
-    dtype_groups,
-    shapes_of,
-)
+from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups, shapes_of
 from ..wire.plan import put_batch
 from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
@@ -190,7 +179,7 @@ def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) 
     >>> synk.all_reduce(grad_shared, op="avg")     # doctest: +SKIP
     """
     _old_nccl(current(), nccl, "all_reduce")
-    _reduce(shared_vars, op, KEEP_ALL)
+    _reduce(shared_vars, op, Keep.ALL)
 
 
 @serialized
@@ -202,7 +191,7 @@ def reduce(shared_vars: Shareds, op: str = "avg", in_place: bool = True,
     theirs); with ``in_place=False`` the result is returned and no copy changes.
     """
     _old_nccl(current(), nccl, "reduce")
-    out = _reduce(shared_vars, op, KEEP_MASTER if in_place else RETURN)
+    out = _reduce(shared_vars, op, Keep.MASTER if in_place else Keep.RETURN)
     return None if in_place else out
 
 
@@ -214,11 +203,11 @@ def _reduce(shared_vars, op, keep):
     fill, reservation = reduction_command(state, vars_, op, keep)
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
         out = state.collectives.run(fill, reservation)
-    if keep == RETURN:
+    if keep == Keep.RETURN:
         return out[0] if single else out
 
 
-def reduction_command(state, vars_, op, keep=KEEP_ALL):
+def reduction_command(state, vars_, op, keep=Keep.ALL):
     """What a reduction of ``vars_`` sends: ``(fill, reservation)``.
 
     ``fill(words)`` writes the collective (with the master's shapes, which every
@@ -231,7 +220,7 @@ def reduction_command(state, vars_, op, keep=KEEP_ALL):
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w):
-        w.put(ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
+        w.put(Kind.ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
         for shape in own:
             w.put_list(shape)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
@@ -270,7 +259,7 @@ def broadcast(shared_vars: Shareds, values: Any = None, nccl: bool | None = None
     shapes = shapes_of(v.container.storage[0] for v in vars_)
 
     def fill(w):
-        w.put(BROADCAST).put_list(state.registry.uids_of(vars_))
+        w.put(Kind.BROADCAST).put_list(state.registry.uids_of(vars_))
         for shape in shapes:
             w.put_list(shape)
     sizes = [math.prod(shape) for shape in shapes]
@@ -330,7 +319,7 @@ def _read_data(state, vars_, datas, batch, chunked):
     index_gen = state.data.write_indices(with_indices[:1]) if with_indices else 0
 
     def fill(w):
-        w.put(READ_DATA).put_list(state.registry.uids_of(vars_)).put(int(chunked), index_gen)
+        w.put(Kind.READ_DATA).put_list(state.registry.uids_of(vars_)).put(int(chunked), index_gen)
         for d, b in plans:
             w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
             put_batch(w, b)
@@ -350,7 +339,7 @@ def gather(shared_vars: Shareds, nd_up: int = 1,
     vars_, single = resolve_shareds(shared_vars)
     if nd_up not in (0, 1):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
-    out = _gather(state, vars_, RETURN, nd_up)
+    out = _gather(state, vars_, Keep.RETURN, nd_up)
     return out[0] if single else out
 
 
@@ -360,12 +349,12 @@ def all_gather(shared_vars: Shareds, nccl: bool | None = None) -> None:
     state = current()
     _old_nccl(state, nccl, "all_gather")
     vars_, _ = resolve_shareds(shared_vars)
-    _gather(state, vars_, KEEP_ALL, 0)
+    _gather(state, vars_, Keep.ALL, 0)
 
 
 def _gather(state, vars_, keep, nd_up):
     shapes = state.collectives.all_shapes(vars_)
-    if keep == KEEP_ALL:
+    if keep == Keep.ALL:
         for var, per_rank in zip(vars_, shapes):
             if all(per_rank):
                 check_shared_shape(var, (sum(s[0] for s in per_rank),) + per_rank[0][1:],
@@ -382,7 +371,7 @@ def _gather(state, vars_, keep, nd_up):
                                  f"only axis 0 may differ")
 
     def fill(w):
-        w.put(GATHER).put_list(state.registry.uids_of(vars_)).put(keep, nd_up)
+        w.put(Kind.GATHER).put_list(state.registry.uids_of(vars_)).put(keep, nd_up)
         for per_rank in shapes:
             w.put_list(s[0] if s else -1 for s in per_rank)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]

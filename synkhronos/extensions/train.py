@@ -7,7 +7,6 @@ themselves, with the sync rules of :mod:`.sync`.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -20,7 +19,7 @@ from pytensor.graph.basic import Constant
 from pytensor.graph.traversal import graph_inputs
 from pytensor_ml.params import NonTrainableParameter
 
-from ..api import checkpoint, collectives
+from ..api import collectives
 from ..api.batch import batch_from_spec, parse_batch_s
 from ..api.data import data
 from ..api.function import function
@@ -30,6 +29,7 @@ from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
+from .run_checkpoints import RunCheckpoints, next_multiple
 from .sync import AllReduce, Rule
 
 __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
@@ -334,7 +334,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     params = train_fn.params
     spec = state.loops.new(f_grad, f_upd, train_fn.grad_shared, params, train_fn.statistics,
                            train_fn.optimizer_state, refs, batch_size, shuffle, seed, sync)
-    saving = _Checkpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
+    saving = RunCheckpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
         dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
              rule=repr(sync)))
     run_steps = serialized(state.loops.run)
@@ -349,7 +349,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         while done < total:
             # checks and checkpoints at whole multiples of their periods, so that a resumed run
             # checks at the steps the uninterrupted one did
-            last = min(total, _next_multiple(done, check_every), saving.next_step(done))
+            last = min(total, next_multiple(done, check_every), saving.next_step(done))
             start = time.perf_counter()
             stats = stats + run_steps(spec, done, last)
             seconds += time.perf_counter() - start
@@ -377,57 +377,6 @@ def _run_data(train_fn, x_data, y_data):
                         f"{[str(v) for v in train_fn.inputs]}), got {len(data)}: give x_data and "
                         f"y_data as the step's x and y (a list for several, y_data=None for none)")
     return data
-
-
-def _next_multiple(step, period):
-    return (step // period + 1) * period
-
-
-class _Checkpoints:
-    """Where and when :func:`run` saves, and the step it resumes from.
-
-    The checkpoint is ``<checkpoint_dir>/checkpoint.safetensors``, replaced
-    atomically every ``every`` global steps; its ``extra`` records the run's
-    data order (seed, shuffle, batch size, rows) and rule, which a resumed run
-    must share.
-    """
-
-    FILE = "checkpoint.safetensors"
-
-    def __init__(self, directory, every, resume, variables, order):
-        self.path, self.every, self.variables, self.order = None, None, variables, order
-        self._resumed = 0
-        if directory is None:
-            if every is not None or resume:
-                raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
-            return
-        if not is_whole(every, at_least=1):
-            raise ValueError(f"checkpoint_every must be a positive number of steps with "
-                             f"checkpoint_dir=, got {every!r}")
-        os.makedirs(directory, exist_ok=True)
-        self.path, self.every = os.path.join(os.fspath(directory), self.FILE), int(every)
-        if resume and os.path.exists(self.path):
-            self._resumed = self._restore()
-
-    def _restore(self):
-        saved = checkpoint.read(self.path)[1]
-        if not isinstance(saved, dict) or saved.get("order") != self.order:
-            raise ValueError(f"the checkpoint {self.path} was written by a run with "
-                             f"{None if not isinstance(saved, dict) else saved.get('order')}, not "
-                             f"{self.order}; resume with the same data, batch size, seed and rule, or "
-                             f"use another checkpoint_dir")
-        return int(checkpoint.restore(self.path, self.variables)["step"])
-
-    def resumed_step(self):
-        """The global step the run starts from (0 unless resumed)."""
-        return self._resumed
-
-    def next_step(self, done):
-        return _next_multiple(done, self.every) if self.path else float("inf")
-
-    def maybe_save(self, done):
-        if self.path and done % self.every == 0:
-            checkpoint.save(self.path, self.variables, step=done, extra=dict(order=self.order))
 
 
 def _check_run_arguments(train_fn, sync, check_every, on_check):

@@ -12,17 +12,7 @@ import numpy as np
 from ..errors import ShapeMismatch
 from ..platform.device_arrays import adopt, to_device
 from ..wire.batch import chunk
-from ..wire.collective import (
-    ALL_REDUCE,
-    BROADCAST,
-    GATHER,
-    KEEP_ALL,
-    KEEP_MASTER,
-    READ_DATA,
-    REDUCE_OPS,
-    RETURN,
-    dtype_groups,
-)
+from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups
 from ..wire.plan import InputRef, get_batch
 from .executor import rows_of
 
@@ -50,10 +40,10 @@ def _prepare_all_reduce(context, vars_, words):
         for idx, values in groups:
             for i, v in zip(idx, comm.all_reduce(values, op)):
                 results[i] = v
-        if keep == KEEP_ALL or (keep == KEEP_MASTER and rank == master_rank):
+        if keep == Keep.ALL or (keep == Keep.MASTER and rank == master_rank):
             for var, v in zip(vars_, results):
                 _store(var, v)
-        return results if keep == RETURN and rank == master_rank else []
+        return results if keep == Keep.RETURN and rank == master_rank else []
     return execute
 
 
@@ -102,7 +92,7 @@ def _prepare_gather(context, vars_, words):
                 parts = [stacked[r] if lengths[i][r] < 0 else stacked[r][:lengths[i][r]]
                          for r in range(comm.n_ranks)]
                 results[i] = jnp.stack(parts) if nd_up else jnp.concatenate(parts)
-        if keep == KEEP_ALL:
+        if keep == Keep.ALL:
             for var, v in zip(vars_, results):
                 _store(var, v)
             return []
@@ -135,8 +125,8 @@ def _prepare_read_data(context, vars_, words):
 
 
 #: what each kind of collective prepares on a rank
-PREPARE = {ALL_REDUCE: _prepare_all_reduce, BROADCAST: _prepare_broadcast, GATHER: _prepare_gather,
-           READ_DATA: _prepare_read_data}
+PREPARE = {Kind.ALL_REDUCE: _prepare_all_reduce, Kind.BROADCAST: _prepare_broadcast, Kind.GATHER: _prepare_gather,
+           Kind.READ_DATA: _prepare_read_data}
 
 
 def prepare_collective(context, words):

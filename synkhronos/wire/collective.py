@@ -16,8 +16,9 @@ import enum
 
 import numpy as np
 
-__all__ = ["REDUCE_OPS", "Kind", "Keep", "ALL_REDUCE", "BROADCAST", "GATHER", "READ_DATA", "KEEP_ALL",
-           "KEEP_MASTER", "RETURN", "kind_name", "dtype_groups", "shapes_of"]
+from .control import enum_name
+
+__all__ = ["REDUCE_OPS", "Kind", "Keep", "kind_name", "dtype_groups", "shapes_of"]
 
 REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
 
@@ -37,10 +38,6 @@ class Keep(enum.IntEnum):
     RETURN = 2
 
 
-ALL_REDUCE, BROADCAST, GATHER, READ_DATA = Kind
-KEEP_ALL, KEEP_MASTER, RETURN = Keep
-
-
 def kind_name(code):
     """A collective kind's name for messages and timelines (``"all_reduce"``), else ``"collective"``.
 
@@ -49,10 +46,7 @@ def kind_name(code):
     >>> kind_name(1), kind_name(0)
     ('all_reduce', 'collective')
     """
-    try:
-        return Kind(code).name.lower()
-    except ValueError:
-        return "collective"
+    return enum_name(Kind, code, "collective")
 
 
 def shapes_of(values):

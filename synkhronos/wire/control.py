@@ -27,7 +27,10 @@ from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
 from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
 
-__all__ = ["ControlBlock", "Op", "op_name", "Status", "Decision", "Header", "Field", "Words", "STEP_COLLECTIVE_AT"]
+__all__ = [
+    "ControlBlock", "Op", "op_name", "enum_name", "Status", "Decision", "Header", "Field", "Words",
+    "STEP_COLLECTIVE_AT",
+]
 
 ARGS = 1 << 16
 #: where a STEP command's collective words start in ``args`` (its call's plan starts at 0)
@@ -62,10 +65,21 @@ def op_name(opcode):
     >>> op_name(3), op_name(99)
     ('call', '99')
     """
+    return enum_name(Op, opcode, str(opcode))
+
+
+def enum_name(kind, code, default):
+    """The lower-case name of ``kind``'s member ``code``, or ``default`` if it has none.
+
+    Examples
+    --------
+    >>> enum_name(Decision, 1, "?"), enum_name(Decision, 7, "?")
+    ('go', '?')
+    """
     try:
-        return Op(opcode).name.lower()
+        return kind(code).name.lower()
     except ValueError:
-        return str(opcode)
+        return default
 
 
 class Status(enum.IntEnum):

@@ -1,0 +1,61 @@
+"""Where and when :func:`synkhronos.extensions.train.run` saves, and the step it resumes from."""
+
+from __future__ import annotations
+
+import os
+
+from ..api import checkpoint
+from ..errors import is_whole
+
+__all__ = ["RunCheckpoints", "next_multiple"]
+
+
+def next_multiple(step, period):
+    return (step // period + 1) * period
+
+
+class RunCheckpoints:
+    """Where and when :func:`run` saves, and the step it resumes from.
+
+    The checkpoint is ``<checkpoint_dir>/checkpoint.safetensors``, replaced
+    atomically every ``every`` global steps; its ``extra`` records the run's
+    data order (seed, shuffle, batch size, rows) and rule, which a resumed run
+    must share.
+    """
+
+    FILE = "checkpoint.safetensors"
+
+    def __init__(self, directory, every, resume, variables, order):
+        self.path, self.every, self.variables, self.order = None, None, variables, order
+        self._resumed = 0
+        if directory is None:
+            if every is not None or resume:
+                raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
+            return
+        if not is_whole(every, at_least=1):
+            raise ValueError(f"checkpoint_every must be a positive number of steps with "
+                             f"checkpoint_dir=, got {every!r}")
+        os.makedirs(directory, exist_ok=True)
+        self.path, self.every = os.path.join(os.fspath(directory), self.FILE), int(every)
+        if resume and os.path.exists(self.path):
+            self._resumed = self._restore()
+
+    def _restore(self):
+        saved = checkpoint.read(self.path)[1]
+        if not isinstance(saved, dict) or saved.get("order") != self.order:
+            raise ValueError(f"the checkpoint {self.path} was written by a run with "
+                             f"{None if not isinstance(saved, dict) else saved.get('order')}, not "
+                             f"{self.order}; resume with the same data, batch size, seed and rule, or "
+                             f"use another checkpoint_dir")
+        return int(checkpoint.restore(self.path, self.variables)["step"])
+
+    def resumed_step(self):
+        """The global step the run starts from (0 unless resumed)."""
+        return self._resumed
+
+    def next_step(self, done):
+        return next_multiple(done, self.every) if self.path else float("inf")
+
+    def maybe_save(self, done):
+        if self.path and done % self.every == 0:
+            checkpoint.save(self.path, self.variables, step=done, extra=dict(order=self.order))
