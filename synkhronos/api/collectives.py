@@ -29,6 +29,7 @@ from ..comm import Reservation
 from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError, is_whole
 from ..ipc.packing import dtype_code
+from ..platform.internals import stored
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups, shapes_of
@@ -215,7 +216,7 @@ def reduction_command(state, vars_, op, keep=Keep.ALL):
     collective implementation.
     """
     _check_op(op, vars_)
-    own = shapes_of(v.container.storage[0] for v in vars_)
+    own = shapes_of(stored(v) for v in vars_)
     nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
     one_launch = len(list(dtype_groups(vars_))) == 1
 
@@ -256,7 +257,7 @@ def broadcast(shared_vars: Shareds, values: Any = None, nccl: bool | None = None
             var.set_value(condition_value(value, var.type.dtype, var.type.ndim,
                                           what=f"value for {var}",
                                           cast_hint=_COLLECTIVE_CAST))
-    shapes = shapes_of(v.container.storage[0] for v in vars_)
+    shapes = shapes_of(stored(v) for v in vars_)
 
     def fill(w):
         w.put(Kind.BROADCAST).put_list(state.registry.uids_of(vars_))

@@ -33,6 +33,8 @@ from pytensor.graph.traversal import applys_between, graph_inputs
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.subtensor import Subtensor
 
+from ..platform.internals import stored
+
 __all__ = ["RowsFromGivens", "RECIPE"]
 
 _MISSING = object()
@@ -219,7 +221,7 @@ class RowsFromGivens:
         """One :class:`~synkhronos.Data` per row input, holding its shared variable's current value."""
         out = []
         for base in self.row_inputs:
-            value = base.container.storage[0]
+            value = stored(base)
             held = self._data.get(base)
             if held is None or held[1] is not value:
                 held = self._data[base] = (make_data(base.get_value(borrow=True), base), value)

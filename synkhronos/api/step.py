@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import Reservation
+from ..platform.internals import stored
 from ..runtime.session import current, serialized
 from ..wire.collective import shapes_of
 from .collectives import (
@@ -104,7 +105,7 @@ class Step:
 
     def _command(self, state):
         """The :class:`StepTail`, made again if the reduced variables' shapes changed."""
-        shapes = shapes_of(v.container.storage[0] for v in self.reduced)
+        shapes = shapes_of(stored(v) for v in self.reduced)
         if shapes != self._shapes:
             fill, reservation = reduction_command(state, self.reduced, self.op)
             self._tail, self._shapes = StepTail(fill, reservation, self.update.spec.fid), shapes

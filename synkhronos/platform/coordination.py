@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from .internals import coordination_service
+
 __all__ = ["ServiceProcess", "GRACE"]
 
 #: seconds the service stays after its parent died: the other nodes notice a lost node within
@@ -79,10 +81,7 @@ class ServiceProcess:
 
 def _serve(address, n_processes, heartbeat_timeout):
     """Serve until the parent says stop (then at once) or dies (then after :data:`GRACE` s)."""
-    from jax._src.lib import _jax
-    service = _jax.get_distributed_runtime_service(
-        address, n_processes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=10,
-        recoverable=True)
+    service = coordination_service(address, n_processes, heartbeat_timeout)
     print(_READY, flush=True)
     said = sys.stdin.read()                 # returns when the parent closes the pipe or dies
     if _STOP not in said:

@@ -10,6 +10,7 @@ import ctypes
 import numpy as np
 
 from ..ipc.buffers import BufferPool
+from .internals import store, stored
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
            "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES"]
@@ -37,9 +38,9 @@ def place_on_device(shared_vars):
     """
     from pytensor.tensor.type import TensorType
     for var in shared_vars:
-        value = var.container.storage[0]
+        value = stored(var)
         if isinstance(value, (np.ndarray, np.generic)) and isinstance(var.type, TensorType):
-            var.container.storage[0] = to_device(np.asarray(value, var.type.dtype))
+            store(var, to_device(np.asarray(value, var.type.dtype)))
 
 
 _HOST_POOL = BufferPool()

@@ -1,7 +1,10 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Six things have no public API and are reached for here only:
+Eight things have no public API and are reached for here only:
 
+- a shared variable's stored value, read and written as it is (a JAX array
+  stays one): ``get_value``/``set_value`` copy, or filter the value to the
+  variable's type (:func:`stored`, :func:`store`);
 - a PyTensor function linked for JAX is one jitted function behind per-call
   bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
   that bookkeeping (:func:`synkhronos.rank.compiled.jitted_call`);
@@ -15,7 +18,8 @@ Six things have no public API and are reached for here only:
   of several nodes use (:func:`distributed_client`);
 - the coordination service ``jax.distributed.initialize()`` starts in process
   0, left to a process of its own on several nodes
-  (:func:`service_served_elsewhere`);
+  (:func:`service_served_elsewhere`), and started there
+  (:func:`coordination_service`);
 - which random variables PyTensor's JAX backend can sample, which it finds out
   only when JAX traces a graph (:func:`unsampleable_in_jax`).
 
@@ -32,9 +36,11 @@ import os
 import sys
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["READS_INTERNALS_OF", "supported_versions", "check_versions", "jit_parts", "JitParts", "jax_backend_exists",
-           "detach_inherited_jax", "detect_jax_cluster", "distributed_client",
-           "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax"]
+__all__ = [
+    "stored", "store", "coordination_service", "READS_INTERNALS_OF", "supported_versions", "check_versions",
+    "jit_parts", "JitParts", "jax_backend_exists", "detach_inherited_jax", "detect_jax_cluster",
+    "distributed_client", "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax",
+]
 
 #: the libraries whose internals are read here: their supported versions are synkhronos's own
 #: requirements of them (pyproject.toml, read from the installed package's metadata)
@@ -267,3 +273,30 @@ def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:
             except NotImplementedError as e:
                 missing.append((node, str(e)))
     return missing
+
+
+def stored(var: Any) -> Any:
+    """The value a shared variable holds, as it is (no copy; a JAX array stays one).
+
+    ``var.get_value(borrow=True)`` returns the same object, but only through
+    PyTensor's container; synkhronos reads it on every call and step.
+    """
+    return var.container.storage[0]
+
+
+def store(var: Any, value: Any) -> None:
+    """Make ``value`` the shared variable's value as it is, with no filter to its type.
+
+    ``set_value`` would filter a JAX array to numpy (a host copy); the caller
+    gives a value of the variable's dtype and shape.
+    """
+    var.container.storage[0] = value
+
+
+def coordination_service(address: str, n_processes: int, heartbeat_timeout: int) -> Any:
+    """Start JAX's coordination service in this process (what ``jax.distributed.initialize``
+    starts in process 0), recoverable: a task that leaves may join again."""
+    from jax._src.lib import _jax
+    return _jax.get_distributed_runtime_service(
+        address, n_processes, heartbeat_timeout=heartbeat_timeout, shutdown_timeout=10,
+        recoverable=True)

@@ -21,6 +21,7 @@ import numpy as np
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
 from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
+from ..platform.internals import stored
 
 __all__ = ["Center"]
 
@@ -79,7 +80,7 @@ class Center:
 
         The creator (``create=True``, the master) fills it with their values now.
         """
-        values = [np.asarray(p.container.storage[0]) for p in params]
+        values = [np.asarray(stored(p)) for p in params]
         return cls(name, [v.shape for v in values], [p.type.dtype for p in params],
                    initial=values if create else None, check=check)
 

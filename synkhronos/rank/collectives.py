@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import ShapeMismatch
 from ..platform.device_arrays import adopt, to_device
+from ..platform.internals import store, stored
 from ..wire.batch import chunk
 from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups
 from ..wire.plan import InputRef, get_batch
@@ -23,17 +24,17 @@ def _store(var, value):
     """Keep ``value`` (a device array) as ``var``'s value on this rank's device."""
     if value.dtype != np.dtype(var.type.dtype):
         value = value.astype(var.type.dtype)
-    var.container.storage[0] = value
+    store(var, value)
 
 
 def _prepare_all_reduce(context, vars_, words):
     comm, rank, master_rank = context.comm, context.rank, context.master_rank
     op, keep = REDUCE_OPS[words.get()], words.get()
     for var, expected in zip(vars_, [tuple(words.get_list()) for _ in vars_]):
-        own = tuple(np.shape(var.container.storage[0]))
+        own = tuple(np.shape(stored(var)))
         if own != expected:
             raise ShapeMismatch(f"{var} has shape {own} on rank {rank} but {expected} on the master")
-    groups = [(idx, [vars_[i].container.storage[0] for i in idx]) for idx in dtype_groups(vars_)]
+    groups = [(idx, [stored(vars_[i]) for i in idx]) for idx in dtype_groups(vars_)]
 
     def execute():
         results = [None] * len(vars_)
@@ -53,7 +54,7 @@ def _prepare_broadcast(context, vars_, words):
     groups = []
     for idx in dtype_groups(vars_):
         if rank == root:
-            values = [vars_[i].container.storage[0] for i in idx]
+            values = [stored(vars_[i]) for i in idx]
         else:
             # placeholders of the right shape, never read: np.empty touches no memory (device zeros
             # would be written on every worker, a full pass over the broadcast's size)
@@ -78,7 +79,7 @@ def _prepare_gather(context, vars_, words):
     for idx in dtype_groups(vars_):
         padded = []
         for i in idx:
-            v = jnp.asarray(vars_[i].container.storage[0])
+            v = jnp.asarray(stored(vars_[i]))
             longest = max(lengths[i])
             if v.ndim and v.shape[0] < longest:
                 v = jnp.concatenate([v, jnp.zeros((longest - v.shape[0],) + v.shape[1:], v.dtype)])
@@ -149,7 +150,7 @@ def prepare_collective(context, words):
     def execute_and_wait():
         out = execute()
         # JAX dispatches asynchronously; a collective is finished (its errors raised) on return.
-        jax.block_until_ready([v.container.storage[0] for v in vars_])
+        jax.block_until_ready([stored(v) for v in vars_])
         if context.comm_made:
             context.comm.refresh()
         return out

@@ -20,7 +20,7 @@ from pytensor.tensor.type import TensorType
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
-from ..platform.internals import jit_parts
+from ..platform.internals import jit_parts, store, stored
 from ..platform.jax_init import platform
 
 __all__ = ["CompiledFunction", "jitted_call", "GatherBuffer", "rebuild_on", "spec_graph",
@@ -390,7 +390,7 @@ class CompiledFunction:
             try:
                 outputs = fn(*args)
                 if args:
-                    wait_until_computed((outputs, [s.container.storage[0] for s in shareds]))
+                    wait_until_computed((outputs, [stored(s) for s in shareds]))
             except Exception as e:
                 raise_deferred_interrupt(e)
                 raise
@@ -491,4 +491,4 @@ class CompiledFunction:
     def apply(self, values):
         """Store accumulated update values into the shared variables, on the device."""
         for (shared, _, _), value in zip(self.spec.updates, values):
-            shared.container.storage[0] = value.astype(shared.type.dtype)
+            store(shared, value.astype(shared.type.dtype))

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..comm.reduction import Accumulator
 from ..platform.device_arrays import private_empty
+from ..platform.internals import stored
 from ..tracing import trace
 from ..wire.batch import chunk
 from .rows import gather_rows
@@ -111,7 +112,7 @@ def run_share(context, plan):
     scattered = [view_of(ref) for ref in plan.scattered]
     bcast = [view_of(ref) for ref in plan.bcast]
     spec = compiled.spec
-    sliceables = [s.container.storage[0] for s in spec.sliceable_shareds]
+    sliceables = [stored(s) for s in spec.sliceable_shareds]
     sliced = plan.sliced[rank] if plan.sliced else None
     lo, hi = share.lo, share.hi
     pieces = [(a, b) for a, b in (chunk(lo, hi, share.n_slices, s) for s in range(share.n_slices))

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from ..platform.device_arrays import to_device
+from ..platform.internals import store, stored
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
@@ -60,7 +61,7 @@ class DeviceLoop:
         self.comm = context.comm if not spec.rule.asynchronous else None
         self.center, self.beat = center, beat
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
-        grad = self.grad_var.container.storage[0]
+        grad = stored(self.grad_var)
         small = np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES
         self._all_reduce_gradient = None if self.comm is None else \
             self.comm.all_reduce_host if small else self.comm.all_reduce
@@ -80,7 +81,7 @@ class DeviceLoop:
 
     def param_values(self):
         """The parameters' values as host arrays (views on CPU)."""
-        return [np.asarray(v.container.storage[0]) for v in self.params]
+        return [np.asarray(stored(v)) for v in self.params]
 
     @staticmethod
     def device_copy(host):
@@ -94,7 +95,7 @@ class DeviceLoop:
                 value = to_device(value.astype(var.type.dtype, copy=False))
             elif value.dtype != np.dtype(var.type.dtype):
                 value = value.astype(var.type.dtype)
-            var.container.storage[0] = value
+            store(var, value)
 
     def all_reduce(self, variables, values, op):
         """Reduce ``values`` (host or device, one per shared variable of ``variables``) over the
@@ -145,9 +146,9 @@ class DeviceLoop:
             trace.mark("gradient")
         if self.rule.reduces_gradient:
             reducing = time.perf_counter()
-            reduced, = self._all_reduce_gradient([self.grad_var.container.storage[0]], "avg")
+            reduced, = self._all_reduce_gradient([stored(self.grad_var)], "avg")
             self.comm.refresh()
-            self.grad_var.container.storage[0] = reduced
+            store(self.grad_var, reduced)
             self.sync_seconds += time.perf_counter() - reducing
             stats.values[LoopStats.SYNCS] += 1
             if trace.on:
@@ -179,7 +180,7 @@ class DeviceLoop:
         else:
             for step in range(first, last):
                 self._step(step, self.rank, stats)
-        self.set_values([self.grad_var], [self.grad_var.container.storage[0]])
+        self.set_values([self.grad_var], [stored(self.grad_var)])
         busy = time.perf_counter() - self._phase_start
         self._busy_before += busy
         stats.values[LoopStats.SYNC_SECONDS] = self.sync_seconds - sync_before

@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 from ..errors import is_whole
+from ..platform.internals import stored
 
 __all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]
 
@@ -169,7 +170,7 @@ class Average(Rule):
     def _average(self, loop):
         weight = self._mine / self._all
         variables = loop.params + (loop.state_vars if self.state else [])
-        values = [np.asarray(v.container.storage[0]) * weight for v in variables]
+        values = [np.asarray(stored(v)) * weight for v in variables]
         loop.set_values(variables, loop.all_reduce(variables, values, "sum"))
         self._steps = self._mine = self._all = 0
 
@@ -287,7 +288,7 @@ class Downpour(_CentralRule):
 
     def start(self, loop):
         self._steps = 0
-        self._pulled = [v.container.storage[0] for v in loop.params]
+        self._pulled = [stored(v) for v in loop.params]
 
     def after_update(self, loop, rows, batch_rows):
         self._steps += 1

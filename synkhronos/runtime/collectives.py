@@ -13,6 +13,7 @@ import numpy as np
 from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
+from ..platform.internals import stored
 from ..tracing import trace
 from ..wire.collective import kind_name, shapes_of
 from ..wire.control import Op, Words
@@ -65,7 +66,7 @@ class Collectives(Part):
         state.registry.ensure_shipped()
         channel = state.channel
         Words(channel.ctl.args).put_list(state.registry.uids_of(vars_))
-        own = shapes_of(v.container.storage[0] for v in vars_)
+        own = shapes_of(stored(v) for v in vars_)
         channel.command(Op.GET_SHAPES)
         per_rank = {state.local_master: own}
         for rank in state.worker_ranks:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..comm import Reservation
 from ..errors import SynkError
+from ..platform.internals import stored
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .nodes import joined_over_nodes
@@ -145,7 +146,7 @@ class Loops(Part):
     def _reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
         def nbytes(uid):
-            return np.asarray(self._state.registry.shared_by_uid(uid).container.storage[0]).nbytes
+            return np.asarray(stored(self._state.registry.shared_by_uid(uid))).nbytes
         if spec.rule.reduces_gradient:
             grad = nbytes(spec.grad_uid)
             return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,

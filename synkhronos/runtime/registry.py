@@ -16,6 +16,7 @@ from pytensor.tensor.type import TensorType
 
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
+from ..platform.internals import store, stored
 from ..wire.control import ARGS, Op
 from .part import Part
 
@@ -86,8 +87,7 @@ class Registry(Part):
         functions, in any mode, read the same shared variables.
         """
         for var in self._tensors:
-            cell = var.container.storage
-            cell[0] = host_face(cell[0])
+            store(var, host_face(stored(var)))
 
     def values_to_devices(self):
         """Take the master's shared values back as device arrays, before a synkhronos call.
@@ -96,20 +96,18 @@ class Registry(Part):
         is copied to the device (every rank computes on device arrays).
         """
         for var in self._tensors:
-            cell = var.container.storage
-            value = cell[0]
+            value = stored(var)
             if isinstance(value, np.ndarray):
                 device = device_face(value)
-                cell[0] = device if device is not value else \
-                    to_device(value.astype(var.type.dtype, copy=False))
+                store(var, device if device is not value else to_device(value.astype(var.type.dtype, copy=False)))
 
     def detach_values(self):
         """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""
         import jax
         for _, var in self._shared.values():
-            value = device_face(var.container.storage[0])
+            value = device_face(stored(var))
             if isinstance(value, jax.Array):
-                var.container.storage[0] = np.array(value)
+                store(var, np.array(value))
 
     # --- bringing the workers up to date ---------------------------------------------------------
     def ensure_shipped(self):

@@ -28,6 +28,7 @@ from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
 from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
 from ..platform.device_arrays import place_on_device
+from ..platform.internals import stored
 from ..rank.context import RankContext
 from ..tracing import trace
 from ..wire.collective import shapes_of
@@ -294,7 +295,7 @@ class Worker:
 
     def get_shapes(self):
         uids = Words(self.ctl.args).get_list()
-        shapes = shapes_of(self.shared[uid].container.storage[0] for uid in uids)
+        shapes = shapes_of(stored(self.shared[uid]) for uid in uids)
         self.write_arrays([np.array(s, dtype=np.int64) for s in shapes])
 
     def cleanup(self):
