@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from bench.common import spread
 from bench.mlp import SIZES, pytensor_graph
 
 
@@ -38,7 +39,8 @@ def measure(rounds=7):
         synk_times, numpy_times = synk_times[1:], numpy_times[1:]
         return dict(values=n_values, bytes=n_values * 4, rounds=rounds, synk=float(np.median(synk_times)),
                     numpy=float(np.median(numpy_times)),
-                    ratio=float(np.median(np.array(synk_times) / np.array(numpy_times))))
+                    ratio=float(np.median(np.array(synk_times) / np.array(numpy_times))),
+                    ratios=list(np.array(synk_times) / np.array(numpy_times)))
     finally:
         synk.close()
 
@@ -48,12 +50,11 @@ def section(r):
     return ["## 7. Checkpoints: saving the benchmark MLP's training state", "",
             f"Parameters and momentum of the MLP {'-'.join(map(str, SIZES))}: {r['values'] / 1e6:.1f} M "
             f"float32 values ({r['bytes'] / 2**20:.0f} MB), 2 devices.", "",
-            "| `synk.checkpoint.save` (ms) | `numpy.savez` of the master's arrays, fsynced (ms) | ratio |",
-            "|---|---|---|",
-            f"| {1000 * r['synk']:.0f} | {1000 * r['numpy']:.0f} | {r['ratio']:.2f}× |", "",
-            "Both are blocking: training waits for the whole save. The synkhronos save also reads every "
-            "value from every device (to store once what is the same everywhere and per device what "
-            "differs), writes a safetensors file beside the old one, fsyncs it and renames it over the "
-            "old one (a kill during the save leaves the old checkpoint whole). Medians of "
-            f"{r['rounds']} rounds after a warm-up round, alternating; the ratio is the median of "
-            "per-round ratios.", ""]
+            "| `synk.checkpoint.save` (ms) | `numpy.savez` of the master's arrays, fsynced (ms) | ratio | "
+            "spread over rounds |",
+            "|---|---|---|---|",
+            f"| {1000 * r['synk']:.0f} | {1000 * r['numpy']:.0f} | {r['ratio']:.2f}× | "
+            f"{spread(r.get('ratios', []), unit='×')} |", "",
+            f"{r['rounds']} alternating rounds after a warm-up round; both block training for the whole "
+            "save (synkhronos's reads every device's values, writes safetensors beside the old file, "
+            "fsyncs and renames).", ""]

@@ -45,6 +45,24 @@ def interleaved_medians(fns, rounds, calls, warmup=20, blocks=None):
     return medians + ([float(np.median(ratios))] if ratios else [])
 
 
+def per_round_ratios(xs, ys):
+    """The ratio of two variants in every round both measured (numbers; others skipped)."""
+    return [x / y for x, y in zip(xs, ys) if isinstance(x, float) and isinstance(y, float) and y]
+
+
+def spread(values, fmt="{:.2f}", unit=""):
+    """``"lo–hi"`` of per-round figures (the spread the tables report), or ``"—"`` for fewer than two."""
+    values = [v for v in values if isinstance(v, (int, float)) and np.isfinite(v)]
+    if len(values) < 2:
+        return "—"
+    return f"{fmt.format(min(values))}–{fmt.format(max(values))}{unit}"
+
+
+def block_ratios(blocks, first=0, second=1):
+    """Per-round ratios of two functions' block medians (the ``blocks`` of :func:`interleaved_medians`)."""
+    return [float(b[first] / b[second]) for b in blocks]
+
+
 @contextlib.contextmanager
 def busy_peer(seconds=120):
     """A second process calling the tiny benchmark function in a loop while the block runs."""
@@ -57,21 +75,6 @@ def busy_peer(seconds=120):
     finally:
         proc.kill()
         proc.wait()
-
-
-@contextlib.contextmanager
-def core_handover():
-    """Yield ``probe()``: GB/s at which 1 MB chunks pass from one core's process to the other's.
-
-    Two bare processes (a fresh interpreter and its fork, one bound to each of
-    the first two cores) hand 64 chunks over through a two-slot ring in shared
-    memory, the reader adding each to a buffer of its own, as the pipelined
-    all-reduce does. On a virtual machine this moves with where the hypervisor
-    runs the vCPUs: here ~12 GB/s (median) while they share a cache, ~4.5 GB/s
-    when they do not (told apart by a C cache-line ping-pong: ~100 vs ~480 ns).
-    """
-    with _helper("handover") as ask:
-        yield lambda: float(ask())
 
 
 @contextlib.contextmanager
@@ -96,52 +99,6 @@ def _helper(kind, *args):
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
-
-
-def _serve_handover(chunks=64, step=1 << 18):
-    """The helper behind :func:`core_handover`: one hand-over per line read from stdin.
-
-    Both processes wait in blocking reads between hand-overs, so they take no
-    core from what the benchmark times in between.
-    """
-    import mmap
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    m = mmap.mmap(-1, 2 * step * 4 + 4096)            # shared with the fork below
-    ring = np.frombuffer(m, np.float32, 2 * step).reshape(2, step)
-    counters = np.frombuffer(m, np.int64, 2, offset=2 * step * 4)    # chunks filled, chunks freed
-    src = np.ones(chunks * step, np.float32)
-    own, out = np.ones(step, np.float32), np.empty(step, np.float32)
-    start_r, start_w = os.pipe()
-    os.sched_setaffinity(0, {cores[0]})
-    if os.fork() == 0:                                 # the reader: adds every chunk it is handed
-        os.close(start_w)
-        os.sched_setaffinity(0, {cores[-1]})
-        k = 0
-        while os.read(start_r, 1):                     # b"" once the writer is gone
-            for _ in range(chunks):
-                while counters[0] <= k:
-                    pass
-                np.add(own, ring[k % 2], out=out)
-                k += 1
-                counters[1] = k
-        os._exit(0)
-    os.close(start_r)
-    k = 0
-    print("ready", flush=True)
-    for _ in sys.stdin:
-        os.write(start_w, b"g")
-        t = time.perf_counter()
-        for i in range(chunks):
-            while k >= 2 and counters[1] < k - 1:      # the slot's previous chunk was read
-                pass
-            ring[k % 2] = src[i * step:(i + 1) * step]
-            k += 1
-            counters[0] = k
-        while counters[1] < k:
-            pass
-        print(chunks * step * 4 / (time.perf_counter() - t) / 1e9, flush=True)
-    os.close(start_w)
-    os.wait()
 
 
 def run_json(cmd, env=None, timeout=900):
@@ -306,9 +263,6 @@ def _serve_gathering(rows, cols, batch, batches):
 
 
 def _main(kind, *args):
-    if kind == "handover":
-        _serve_handover()
-        return
     if kind == "copy":
         nbytes, processes, repeat = map(int, args)
         emit({"seconds": _run_in_lockstep([lambda: _copy_step(nbytes)] * processes, repeat)})

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from bench.common import HERE, ROOT, interleaved_medians, python
+from bench.common import HERE, ROOT, block_ratios, interleaved_medians, python, spread
 
 NODE_SCRIPT = os.path.join(HERE, "nodes_bench.py")
 
@@ -59,12 +59,13 @@ def _all_reduce_against_psum(rounds):
     nodes = session.current().nodes
     # the third: one exchange of the masters through the key-value store alone, the cost of the
     # agreement that precedes every cross-node collective
+    blocks = []
     t_synk, t_bare, t_agree, ratio = interleaved_medians(
         [lambda: synk.all_reduce(grad, op="sum"), lambda: psum(whole).block_until_ready(),
          lambda: nodes.exchange("an exchange alone", True)],
-        rounds, calls=10, warmup=5)
+        rounds, calls=10, warmup=5, blocks=blocks)
     return dict(grad_bytes=int(value.nbytes), all_reduce_ms=t_synk * 1e3, psum_ms=t_bare * 1e3,
-                agreement_ms=t_agree * 1e3, all_reduce_over_psum=ratio)
+                agreement_ms=t_agree * 1e3, all_reduce_over_psum=ratio, ratios=block_ratios(blocks))
 
 
 def _namespaces():
@@ -122,25 +123,21 @@ def section(r):
     two, one = r["two_nodes"], r["one_node"]
     if "error" in two or "error" in one:
         return L + [f"Failed: {two.get('error') or one.get('error')}.", ""]
-    L += ["Each node is a `python -m synkhronos.launch` process tree in a mount namespace of its own "
-          "with a private /dev/shm, both on this machine: the cross-node path (the node masters' "
-          "Gloo all-reduce over loopback, the coordination service's key-value store for the "
-          "masters' exchanges) replaces the shared-memory one.", "",
-          "| global batch | 1 node × 2 devices (samples/s) | 2 nodes × 1 device (samples/s) | ratio |",
+    L += ["| global batch | 1 node × 2 devices (samples/s) | 2 nodes × 1 device (samples/s) | ratio |",
           "|---|---|---|---|"]
     for b in map(str, r["batches"]):
         a, c = one["training"][b], two["training"][b]
         L.append(f"| {b} | {a:,.0f} | {c:,.0f} | {c / a:.2f} |")
-    L += ["", f"The flat gradient's all-reduce across the two nodes ({two['grad_bytes'] / 2**20:.1f} MB, "
-          f"`synk.all_reduce(grad, op=\"sum\")`: the agreement of both masters, then the masters' "
-          f"JAX-runtime all-reduce) took {two['all_reduce_ms']:.2f} ms against {two['psum_ms']:.2f} ms "
-          f"for a bare jitted `psum` of the same array over the same JAX runtime, timed in "
-          f"alternating blocks in the same processes: **{two['all_reduce_over_psum']:.2f}×** "
-          f"(median of the per-round ratios; goal ≤ 1.1×). One exchange of the masters through the "
-          f"key-value store alone, the agreement every cross-node collective starts with (every node "
-          f"prepared it, and makes the same one), took {two['agreement_ms']:.2f} ms in the same "
-          f"rounds. Without it a node that cannot take part, or makes another collective, would "
-          f"leave the others waiting inside the JAX runtime's all-reduce.", ""]
+    L += ["", f"| flat gradient all-reduce across nodes ({two['grad_bytes'] / 2**20:.1f} MB, ms) | bare "
+          "jitted `psum` over the same JAX runtime (ms) | ratio | spread over rounds | "
+          "goal ≤ 1.1× | the masters' agreement alone (ms) |", "|---|---|---|---|---|---|",
+          f"| {two['all_reduce_ms']:.2f} | {two['psum_ms']:.2f} | {two['all_reduce_over_psum']:.2f}× | "
+          f"{spread(two.get('ratios', []), unit='×')} | "
+          f"{'met' if two['all_reduce_over_psum'] <= 1.1 else 'not met'} | {two['agreement_ms']:.2f} |", "",
+          "Each node is a `python -m synkhronos.launch` process tree in a mount namespace of its own with a "
+          "private /dev/shm, both on this machine (the masters' Gloo all-reduce over loopback and the "
+          "coordination service's key-value store replace shared memory); the three collectives alternate "
+          "in blocks of 10 in the same processes.", ""]
     return L
 
 

@@ -11,10 +11,10 @@ import synkhronos as synk
 from bench.busy_call import tiny_direct
 from bench.common import (
     bare_gathering,
+    block_ratios,
     busy_peer,
     concurrent_copy_time,
     copy_pair,
-    core_handover,
     interleaved_medians,
     shuffled_batches,
 )
@@ -50,8 +50,10 @@ def call_overhead(rounds=40, calls=50):
         ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]
     rows = []
     for name, synk_call, direct_call in cases:
-        t_synk, t_direct, ratio = interleaved_medians([synk_call, direct_call], rounds, calls)
-        rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6, ratio=ratio))
+        blocks = []
+        t_synk, t_direct, ratio = interleaved_medians([synk_call, direct_call], rounds, calls, blocks=blocks)
+        rows.append(dict(case=name, synk_us=t_synk * 1e6, direct_us=t_direct * 1e6, ratio=ratio,
+                         ratios=block_ratios(blocks)))
     with busy_peer():
         t_busy, = interleaved_medians([cases[0][2]], rounds // 2, calls)
     rows[0]["direct_busy_us"] = t_busy * 1e6
@@ -59,18 +61,11 @@ def call_overhead(rounds=40, calls=50):
 
 
 def all_reduce(sizes_bytes, n):
-    """synk.all_reduce of float32 vectors beside a numpy copy of the same size.
-
-    From ``PIPELINE_MIN_BYTES`` on, every round also measures how fast 1 MB
-    chunks pass between the two cores (:func:`bench.common.core_handover`),
-    which tells the rounds in which the hypervisor ran the vCPUs far apart.
-    """
-    with core_handover() as probe:
-        probe(), probe()                               # its first hand-overs touch new memory
-        return [_all_reduce_size(nbytes, n, probe) for nbytes in sizes_bytes]
+    """synk.all_reduce of float32 vectors beside a numpy copy of the same size."""
+    return [_all_reduce_size(nbytes, n) for nbytes in sizes_bytes]
 
 
-def _all_reduce_size(nbytes, n, probe):
+def _all_reduce_size(nbytes, n):
     count = nbytes // 4
     v = pytensor.shared(np.ones(count, "float32"), name=f"ar_{nbytes}")
     synk.function([], [(v[0], "sum")], name=f"holder_{nbytes}")
@@ -81,15 +76,13 @@ def _all_reduce_size(nbytes, n, probe):
     # all-reduce (the ratio is the median of per-round ratios); the warm-up covers the first
     # touch of the shared result regions (the first three 400 MB all-reduces take 0.3-0.6 s)
     seen = []                                     # per all-reduce: (seconds, region, path)
-    handovers, blocks = [], []
+    blocks = []
 
     def reduce_and_note():
         t = time.perf_counter()
         synk.all_reduce(v, op="sum")
         seen.append((time.perf_counter() - t, result_region(), reduce_path()))
     fns = [reduce_and_note, lambda: np.copyto(dst, src)]
-    if nbytes >= PIPELINE_MIN_BYTES:
-        fns.append(lambda: handovers.append(probe()))
     # the warm-up also covers the path chooser's first calls (each path measured twice; the
     # first published call touches the whole slot)
     warmup = 9 if nbytes >= PIPELINE_MIN_BYTES else 5
@@ -102,6 +95,7 @@ def _all_reduce_size(nbytes, n, probe):
     row = dict(bytes=nbytes, allreduce_ms=t_ar * 1e3, algbw_GBs=algbw, busbw_GBs=busbw,
                copy_ms=t_copy * 1e3, copy_GBs=nbytes / t_copy / 1e9,
                bus_vs_copy=2 * (n - 1) / n / ratio,
+               bus_vs_copy_rounds=[2 * (n - 1) / n / r for r in block_ratios(blocks)],
                concurrent_copy_ms=t_both * 1e3, ar_in_concurrent_copies=t_ar / t_both,
                # to tell a slow run's cause: the spread of the timed all-reduces, the result
                # regions they wrote (-1: a private result) and the paths they took
@@ -109,29 +103,9 @@ def _all_reduce_size(nbytes, n, probe):
                allreduce_max_ms=max(t for t, _, _ in timed) * 1e3,
                regions=sorted({r for _, r, _ in timed}),
                published=sum(p == PUBLISHED for _, _, p in timed), timed_calls=len(timed))
-    if handovers:
-        row.update(_split_by_core_distance(blocks, handovers[-rounds:], n))
     v.set_value(np.zeros(1, "float32"))
     synk.broadcast(v)                                  # free the big buffers everywhere
     return row
-
-
-def _split_by_core_distance(blocks, handovers, n):
-    """The rounds whose core-to-core hand-over ran under half the fastest one's rate ("far")
-    against the others: their median all-reduce time and busbw / copy."""
-    far = [h < 0.5 * max(handovers) for h in handovers]
-
-    def summary(which):
-        picked = [b for b, f in zip(blocks, far) if f == which]
-        if not picked:
-            return None, None
-        return (float(np.median([b[0] for b in picked])) * 1e3,
-                float(np.median([2 * (n - 1) / n * b[1] / b[0] for b in picked])))
-    (near_ms, near_ratio), (far_ms, far_ratio) = summary(False), summary(True)
-    return dict(handover_GBs=float(np.median(handovers)), handover_min_GBs=min(handovers),
-                handover_max_GBs=max(handovers), far_rounds=sum(far), rounds=len(far),
-                near_ms=near_ms, near_bus_vs_copy=near_ratio, far_ms=far_ms,
-                far_bus_vs_copy=far_ratio)
 
 
 def result_region():
@@ -196,9 +170,10 @@ def gathering(n_rows, batch, n, batches=16):
     with bare_gathering(n_rows, 784, batch, batches) as probe:
         # the bare gatherings run in the same rounds: how much two gatherings at once slow each
         # other down moves from minute to minute
+        blocks = []
         t_workers, t_master, _, t_narrow, ratio = interleaved_medians(
             [every_device_gathers, master_alone, lambda: bare.append(probe()),
-             lambda: f(narrow, batch=next(narrow_next))], rounds, calls)
+             lambda: f(narrow, batch=next(narrow_next))], rounds, calls, blocks=blocks)
     # what a call costs besides the gathering: the same call on a range of rows (nothing gathered)
     t_range, = interleaved_medians([lambda: f(x_dat, batch=batch)], rounds, calls)
     check = all(np.isclose(float(f(x_dat, batch=idx)[0]), float(X[idx, 0].sum()), rtol=1e-4)
@@ -208,5 +183,5 @@ def gathering(n_rows, batch, n, batches=16):
     bare_speedup = np.median(np.median(timed[:, :, 0], axis=1) / np.median(timed[:, :, 1], axis=1))
     return dict(rows=n_rows, batch=batch, workers_ms=t_workers * 1e3, master_alone_ms=t_master * 1e3,
                 range_call_ms=t_range * 1e3, index_call_ms=t_narrow * 1e3,
-                speedup=1 / ratio, correct=bool(check), bare_alone_ms=alone * 1e3,
+                speedup=1 / ratio, speedups=block_ratios(blocks, 1, 0), correct=bool(check), bare_alone_ms=alone * 1e3,
                 bare_split_ms=split * 1e3, bare_speedup=float(bare_speedup))
