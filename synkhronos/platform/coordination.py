@@ -14,14 +14,18 @@ notice and leave). If node 0's machine itself goes down,
 the service goes with it, and JAX ends the other nodes' processes.
 
 Run as ``python .../synkhronos/platform/coordination.py ADDRESS N HEARTBEAT`` (by path: the
-service process imports JAX's library and nothing of synkhronos).
+service process imports JAX's library and the adapter beside this file, :mod:`.internals`, not
+the package).
 """
 
 import subprocess
 import sys
 import time
 
-from .internals import coordination_service
+if __package__:
+    from .internals import coordination_service
+else:   # the service process, run by path: its directory is on sys.path, the package is not imported
+    from internals import coordination_service  # type: ignore[no-redef]
 
 __all__ = ["ServiceProcess", "GRACE"]
 
