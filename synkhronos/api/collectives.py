@@ -26,13 +26,14 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..comm import Reservation
+from ..comm.reduction import Reduce
 from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError, is_whole
 from ..ipc.packing import dtype_code
 from ..platform.internals import stored
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
-from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups, shapes_of
+from ..wire.collective import Keep, Kind, dtype_groups, shapes_of
 from ..wire.plan import put_batch
 from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
@@ -105,9 +106,8 @@ def _check_rank(state, rank):
 
 
 def _check_op(op, vars_):
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {list(REDUCE_OPS)}, got {op!r}")
-    if op == "avg":
+    op = Reduce.named(op)
+    if op == Reduce.AVG:
         for var in vars_:
             if not np.issubdtype(np.dtype(var.type.dtype), np.floating) and \
                     not np.issubdtype(np.dtype(var.type.dtype), np.complexfloating):
@@ -215,13 +215,13 @@ def reduction_command(state, vars_, op, keep=Keep.ALL):
     rank checks while preparing); ``reservation`` is what it needs of the
     collective implementation.
     """
-    _check_op(op, vars_)
+    op = _check_op(op, vars_)
     own = shapes_of(stored(v) for v in vars_)
     nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w):
-        w.put(Kind.ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(REDUCE_OPS.index(op), keep)
+        w.put(Kind.ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(op.code, keep)
         for shape in own:
             w.put_list(shape)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)

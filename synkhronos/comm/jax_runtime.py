@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from .base import Comm
+from .reduction import GATHER, Reduce
 
 __all__ = ["JaxComm"]
 
@@ -37,12 +38,12 @@ def _bodies():
     import jax
     import jax.numpy as jnp
     return {
-        "sum": lambda a: jax.lax.psum(a, _AXIS),
-        "avg": lambda a: jax.lax.pmean(a, _AXIS),
-        "max": lambda a: jax.lax.pmax(a, _AXIS),
-        "min": lambda a: jax.lax.pmin(a, _AXIS),
-        "prod": lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS), axis=0),
-        "gather": lambda a: jax.lax.all_gather(a, _AXIS),
+        Reduce.SUM: lambda a: jax.lax.psum(a, _AXIS),
+        Reduce.AVG: lambda a: jax.lax.pmean(a, _AXIS),
+        Reduce.MAX: lambda a: jax.lax.pmax(a, _AXIS),
+        Reduce.MIN: lambda a: jax.lax.pmin(a, _AXIS),
+        Reduce.PROD: lambda a: jnp.prod(jax.lax.all_gather(a, _AXIS), axis=0),
+        GATHER: lambda a: jax.lax.all_gather(a, _AXIS),
     }
 
 
@@ -84,7 +85,7 @@ class JaxComm(Comm):
         if fn is None:
             # an all_gather's result is the same on every rank, but JAX's replication check
             # cannot tell (it types it as varying): unchecked for the gathering bodies only
-            gathers = key in ("gather", "prod")
+            gathers = key in (GATHER, Reduce.PROD)
             fn = self._programs[key] = jax.jit(jax.shard_map(
                 body, mesh=self.mesh, in_specs=self.spec, out_specs=PartitionSpec(),
                 check_vma=not gathers))
@@ -115,7 +116,7 @@ class JaxComm(Comm):
 
     def all_gather(self, values):
         import jax.numpy as jnp
-        stacked = self._run("gather", self._bodies["gather"], _flat(values))     # (n_ranks, size)
+        stacked = self._run(GATHER, self._bodies[GATHER], _flat(values))     # (n_ranks, size)
         return [jnp.reshape(part, (self.n_ranks,) + np.shape(v))
                 for part, v in zip(_split(stacked, values, axis=1), values)]
 

@@ -4,13 +4,57 @@
 so the mean over an uneven split equals the mean over the whole batch.
 """
 
+import enum
+
 import numpy as np
 
-__all__ = ["OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode", "check_update_mode",
+__all__ = ["Reduce", "GATHER", "OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode", "check_update_mode",
            "Accumulator", "reduce_ranks"]
 
-OUTPUT_MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
-UPDATE_MODES = ("avg", "sum", "prod", "min", "max", None)
+
+class Reduce(enum.StrEnum):
+    """The reductions: one vocabulary for outputs, updates, collectives and every ``Comm``.
+
+    A member is its name as a string (``Reduce.AVG == "avg"``), so users pass
+    plain strings; :attr:`code` is how it travels in the control block.
+
+    Examples
+    --------
+    >>> Reduce("max"), Reduce.of_code(Reduce.SUM.code)
+    (<Reduce.MAX: 'max'>, <Reduce.SUM: 'sum'>)
+    >>> Reduce.named("mean")
+    Traceback (most recent call last):
+    ...
+    ValueError: op must be one of ['avg', 'sum', 'prod', 'min', 'max'], got 'mean'
+    """
+    AVG = "avg"
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+
+    @property
+    def code(self) -> int:
+        return _CODES[self]
+
+    @classmethod
+    def of_code(cls, code: int) -> "Reduce":
+        return list(cls)[code]
+
+    @classmethod
+    def named(cls, op: str, what: str = "op") -> "Reduce":
+        """The member named ``op``, or a ValueError listing them (``what`` names the argument)."""
+        try:
+            return cls(op)
+        except ValueError:
+            raise ValueError(f"{what} must be one of {[m.value for m in cls]}, got {op!r}") from None
+
+
+_CODES = {member: code for code, member in enumerate(Reduce)}
+#: what an output may do besides reducing: concatenate the slices' rows in order
+GATHER = "gather"
+OUTPUT_MODES = (*(m.value for m in Reduce), GATHER, None)
+UPDATE_MODES = (*(m.value for m in Reduce), None)
 
 
 def _is_integer(dtype):
@@ -24,7 +68,7 @@ def check_output_mode(var, mode):
     if mode == "avg" and _is_integer(var.type.dtype):
         raise TypeError(f"output {var} has integer dtype {var.type.dtype}, which 'avg' cannot "
                         f"average exactly; use 'sum' (and divide yourself) or cast it to float")
-    if mode == "gather" and var.type.ndim == 0:
+    if mode == GATHER and var.type.ndim == 0:
         raise TypeError(f"output {var} is 0-d; 'gather' concatenates along axis 0, so give it "
                         f"at least one dimension (e.g. pt.shape_padleft) or choose another mode")
     return mode
@@ -52,7 +96,7 @@ class Accumulator:
 
     def add(self, value, rows):
         mode, xp = self.mode, self.xp
-        if mode == "gather":
+        if mode == GATHER:
             self.parts.append(value)
         elif self.value is None:
             self.value = value * rows if mode == "avg" else value
@@ -71,7 +115,7 @@ class Accumulator:
         self.rows += rows
 
     def result(self):
-        if self.mode == "gather":
+        if self.mode == GATHER:
             return self.parts[0] if len(self.parts) == 1 else self.xp.concatenate(self.parts, axis=0)
         if self.mode == "avg":
             return self.value / self.rows
@@ -79,7 +123,7 @@ class Accumulator:
 
 
 #: the numpy ufunc of each elementwise reduction
-COMBINE = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+COMBINE = {Reduce.SUM: np.add, Reduce.PROD: np.multiply, Reduce.MIN: np.minimum, Reduce.MAX: np.maximum}
 
 
 def reduce_ranks(mode, values, rows):
@@ -90,7 +134,7 @@ def reduce_ranks(mode, values, rows):
     numpy arrays, or, for a scalar output, one 1-D array over those ranks
     (reduced in one ufunc call).
     """
-    if mode == "gather":
+    if mode == GATHER:
         return np.concatenate(values, axis=0)
     if isinstance(values, np.ndarray):
         if mode == "avg":

@@ -9,11 +9,12 @@ others skip the collective instead of waiting in it forever.
 
 import numpy as np
 
+from ..comm.reduction import Reduce
 from ..errors import ShapeMismatch
 from ..platform.device_arrays import adopt, to_device
 from ..platform.internals import store, stored
 from ..wire.batch import chunk
-from ..wire.collective import REDUCE_OPS, Keep, Kind, dtype_groups
+from ..wire.collective import Keep, Kind, dtype_groups
 from ..wire.plan import InputRef, get_batch
 from .executor import rows_of
 
@@ -29,7 +30,7 @@ def _store(var, value):
 
 def _prepare_all_reduce(context, vars_, words):
     comm, rank, master_rank = context.comm, context.rank, context.master_rank
-    op, keep = REDUCE_OPS[words.get()], words.get()
+    op, keep = Reduce.of_code(words.get()), words.get()
     for var, expected in zip(vars_, [tuple(words.get_list()) for _ in vars_]):
         own = tuple(np.shape(stored(var)))
         if own != expected:

@@ -3,7 +3,7 @@
 The master writes a collective into the control block's ``args`` as::
 
     kind, [shared-variable uids], then per kind:
-    ALL_REDUCE  op index, keep, per variable its shape on the master
+    ALL_REDUCE  op code (synkhronos.comm.reduction.Reduce.code), keep, per variable its shape on the master
     BROADCAST   per variable its shape
     GATHER      keep, nd_up, per variable its length on every rank (-1: 0-d)
     READ_DATA   chunked, index generation, per variable [data id, gen, dtype code, *shape]
@@ -18,9 +18,7 @@ import numpy as np
 
 from .control import enum_name
 
-__all__ = ["REDUCE_OPS", "Kind", "Keep", "kind_name", "dtype_groups", "shapes_of"]
-
-REDUCE_OPS = ("avg", "sum", "prod", "min", "max")
+__all__ = ["Kind", "Keep", "kind_name", "dtype_groups", "shapes_of"]
 
 
 class Kind(enum.IntEnum):

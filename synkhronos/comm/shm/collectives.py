@@ -28,7 +28,7 @@ from ...ipc.buffers import ceil_div, round_up
 from ...ipc.segments import GrowableSegment, SegmentMirror
 from ...platform.device_arrays import adopt, copy_large, private_empty, to_device
 from ..base import Comm
-from ..reduction import COMBINE
+from ..reduction import COMBINE, Reduce
 from .control import ShmControl
 from .paths import PIPELINED, PathChooser
 from .regions import SharedResults
@@ -319,7 +319,7 @@ class ShmComm(Comm):
         if not peer_parts:          # one rank: the reduction is its own values
             np.copyto(out, own)
             return
-        combine = COMBINE["sum" if op == "avg" else op]
+        combine = COMBINE[Reduce.SUM if op == Reduce.AVG else op]
         src = own
         for part in peer_parts:
             combine(src, part, out=out)
