@@ -6,12 +6,18 @@ puts it back.
 
 Examples
 --------
->>> import synkhronos as synk                                   # doctest: +SKIP
->>> n = synk.fork()                                             # doctest: +SKIP
->>> f = synk.function([x, y], [(loss, "avg")], updates=upd)     # doctest: +SKIP
->>> synk.distribute()                                           # doctest: +SKIP
->>> f(synk.data(X), synk.data(Y), batch=idx)                    # doctest: +SKIP
->>> synk.close()                                                # doctest: +SKIP
+>>> import numpy as np, pytensor, pytensor.tensor as pt
+>>> import synkhronos as synk
+>>> n = synk.fork(2)                                  # two devices: this process and one more
+>>> x, y = pt.matrix("x"), pt.vector("y")
+>>> w = pytensor.shared(np.zeros(3), name="w")
+>>> loss = ((x.dot(w) - y) ** 2).mean()
+>>> f = synk.function([x, y], [(loss, "avg"), (x.dot(w), "gather")])
+>>> synk.distribute()                                 # every device compiles f
+>>> X, Y = synk.data(np.ones((8, 3))), synk.data(np.arange(8.0))
+>>> f(X, Y, batch=np.arange(8))                       # 4 rows on each device: averaged, gathered
+[array(17.5), array([0., 0., 0., 0., 0., 0., 0., 0.])]
+>>> synk.close()
 """
 
 from .api import checkpoint

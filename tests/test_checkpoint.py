@@ -57,6 +57,16 @@ def test_save_and_restore_replicated_and_per_device_values(synk2, tmp_path):
     np.testing.assert_allclose(f(np.ones((4, 3))), expected, rtol=1e-12)
 
 
+def test_save_ships_functions_built_since_the_last_call(synk2, tmp_path):
+    w = pytensor.shared(np.arange(3.0), name="w_new")
+    synk.function([], (w.sum(), "sum"))                     # built, never called nor distributed
+    synk.checkpoint.save(tmp_path / "c.safetensors", [w], step=1)
+    w.set_value(np.zeros(3))
+    synk.checkpoint.restore(tmp_path / "c.safetensors", [w])
+    for rank in range(N_PARALLEL):
+        np.testing.assert_array_equal(synk.get_value(rank, w), np.arange(3.0))
+
+
 def test_default_variables_are_parameters_and_state_not_gradients_or_data(synk2, rng):
     X, y = pt.matrix("X"), pt.vector("y")
     w = pytensor.shared(np.zeros(3), name="w_default")

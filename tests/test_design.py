@@ -171,8 +171,42 @@ def test_supported_versions_are_the_pinned_ones():
         assert supported[name] == pins[name], name
 
 
-@pytest.mark.parametrize("module", [name for name, _ in _modules()
-                                    if not name.endswith("worker")])
+#: modules whose examples need a runtime: the first forks and closes its own, the others run in
+#: one of two devices with numpy as np, pytensor and pytensor.tensor as pt imported
+FORKS_ITS_OWN = "synkhronos"
+NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "synkhronos.api.data",
+                   "synkhronos.api.function", "synkhronos.api.step", "synkhronos.api.checkpoint",
+                   "synkhronos.extensions.updates", "synkhronos.extensions.train",
+                   "synkhronos.platform.device_arrays"]
+
+
+@pytest.mark.parametrize("module", [name for name, _ in _modules() if not name.endswith("worker")
+                                    and name not in [FORKS_ITS_OWN, *NEEDS_A_RUNTIME]])
 def test_docstring_examples_run(module):
     failures, _ = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert failures == 0
+
+
+@pytest.mark.timeout(300)
+def test_docstring_examples_of_the_public_api_run_in_a_runtime():
+    out = run_script(f"""
+        import doctest, importlib, sys
+        import numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+
+        def run(name, **globs):
+            failed, tried = doctest.testmod(importlib.import_module(name), extraglobs=globs,
+                                            optionflags=doctest.ELLIPSIS)
+            print(name, failed, tried, flush=True)
+            return failed
+
+        failed = run({FORKS_ITS_OWN!r})
+        synk.fork(2)
+        try:
+            for name in {NEEDS_A_RUNTIME!r}:
+                failed += run(name, synk=synk, np=np, pytensor=pytensor, pt=pt)
+        finally:
+            synk.close()
+        sys.exit(1 if failed else 0)
+    """, timeout=280)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]

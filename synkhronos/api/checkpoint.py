@@ -9,9 +9,16 @@ checkpoint whole.
 
 Examples
 --------
->>> synk.checkpoint.save("run/ckpt.safetensors", step=1000, extra={"epoch": 3})   # doctest: +SKIP
->>> synk.checkpoint.restore("run/ckpt.safetensors")                            # doctest: +SKIP
+>>> import os, tempfile
+>>> w = pytensor.shared(np.arange(3.0), name="w")
+>>> total = synk.function([], (w.sum(), "sum"))
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
+>>> synk.checkpoint.save(path, [w], step=1000, extra={"epoch": 3})
+>>> w.set_value(np.zeros(3))
+>>> synk.checkpoint.restore(path, [w])
 {'step': 1000, 'extra': {'epoch': 3}}
+>>> w.get_value(), synk.get_value(1, w)
+(array([0., 1., 2.]), array([0., 1., 2.]))
 """
 
 from __future__ import annotations

@@ -133,7 +133,10 @@ def get_shapes(shared_vars: Shareds) -> list:
 
     Examples
     --------
-    >>> synk.get_shapes(w)            # doctest: +SKIP
+    >>> w = pytensor.shared(np.zeros((5, 3)), name="w")
+    >>> total = synk.function([], (w.sum(), "sum"))      # the devices hold w once a function uses it
+    >>> synk.set_value(1, w, np.zeros((6, 3)))
+    >>> synk.get_shapes(w)
     [(5, 3), (6, 3)]
     """
     state = current()
@@ -177,7 +180,12 @@ def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) 
 
     Examples
     --------
-    >>> synk.all_reduce(grad_shared, op="avg")     # doctest: +SKIP
+    >>> g = pytensor.shared(np.zeros(3), name="g")
+    >>> total = synk.function([], (g.sum(), "sum"))
+    >>> synk.set_value(1, g, np.array([2.0, 4.0, 6.0]))     # rank 0 holds zeros
+    >>> synk.all_reduce(g, op="avg")
+    >>> g.get_value(), synk.get_value(1, g)
+    (array([1., 2., 3.]), array([1., 2., 3.]))
     """
     _old_nccl(current(), nccl, "all_reduce")
     _reduce(shared_vars, op, Keep.ALL)
@@ -392,7 +400,11 @@ def get_value(rank: int, shared_vars: Shareds) -> np.ndarray | list[np.ndarray]:
 
     Examples
     --------
-    >>> w1 = synk.get_value(1, w)       # doctest: +SKIP
+    >>> w = pytensor.shared(np.zeros(2), name="w")
+    >>> total = synk.function([], (w.sum(), "sum"))
+    >>> synk.set_value(1, w, np.ones(2))
+    >>> synk.get_value(1, w), w.get_value()
+    (array([1., 1.]), array([0., 0.]))
     """
     state = current()
     rank = _check_rank(state, rank)

@@ -281,8 +281,13 @@ def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None
 
     Examples
     --------
-    >>> x_dat = synk.data(np.zeros((100, 5), "float32"))     # doctest: +SKIP
-    >>> y_dat = synk.data(var=y, shape=(100,))                 # doctest: +SKIP
+    >>> x_dat = synk.data(np.zeros((100, 5), "float32"))
+    >>> x_dat.shape, x_dat.dtype
+    ((100, 5), dtype('float32'))
+    >>> y = pt.vector("y")
+    >>> y_dat = synk.data(var=y, shape=(100,))                  # allocated, to be filled
+    >>> y_dat.shape, y_dat.dtype == y.dtype
+    ((100,), True)
     """
     state = current()
     _check_oversize(oversize)

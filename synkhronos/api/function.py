@@ -474,8 +474,16 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
 
     Examples
     --------
-    >>> f = synk.function([x, y], [(loss, "avg"), (err, "sum")])     # doctest: +SKIP
-    >>> loss, err = f(x_dat, y_dat, batch=idx, num_slices=4)         # doctest: +SKIP
+    >>> x, y = pt.matrix("x"), pt.vector("y")
+    >>> w = pytensor.shared(np.array([1.0, 0.0]), name="w")
+    >>> loss = ((x.dot(w) - y) ** 2).mean()
+    >>> err = pt.neq(pt.sign(x.dot(w)), pt.sign(y)).sum()
+    >>> f = synk.function([x, y], [(loss, "avg"), (err, "sum")])
+    >>> x_dat = synk.data(np.array([[1.0, 0], [2, 0], [3, 0], [4, 0]]))
+    >>> y_dat = synk.data(np.array([1.0, 2, -3, -4]))
+    >>> loss, err = f(x_dat, y_dat, batch=np.arange(4), num_slices=2)
+    >>> float(loss), int(err)
+    (25.0, 2)
     """
     state = current()
     spec, bare, rows = record(state.registry.next_function_id(), inputs, outputs, bcast_inputs,

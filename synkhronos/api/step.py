@@ -69,8 +69,18 @@ class Step:
 
     Examples
     --------
-    >>> train_step = Step(f_grad, grad_shared, f_update)              # doctest: +SKIP
-    >>> loss = train_step(x_dat, y_dat, batch=idx)                     # doctest: +SKIP
+    >>> from synkhronos.extensions import updates
+    >>> x, y = pt.matrix("x"), pt.vector("y")
+    >>> w = pytensor.shared(np.zeros(3), name="w")
+    >>> loss = ((x.dot(w) - y) ** 2).mean()
+    >>> grad_updates, param_updates, grad_shared = updates.sgd(loss, [w], 0.1)
+    >>> f_grad = synk.function([x, y], (loss, "avg"), updates=grad_updates)
+    >>> f_update = synk.function([], updates=param_updates)
+    >>> train_step = Step(f_grad, grad_shared, f_update)
+    >>> train_step(np.ones((4, 3)), np.ones(4))
+    array(1.)
+    >>> w.get_value()
+    array([0.2, 0.2, 0.2])
     """
 
     def __init__(self, call: Function, reduced, update: Function, op: str = "avg"):

@@ -80,11 +80,20 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
 
     Examples
     --------
-    >>> train = make_train_function(loss, params, x, y, updates.adam, learning_rate=1e-3)  # doctest: +SKIP
-    >>> for idx in batches:                                                                   # doctest: +SKIP
+    >>> from synkhronos.extensions import updates
+    >>> x, y = pt.matrix("x"), pt.vector("y")
+    >>> w = pytensor.shared(np.zeros(3), name="w")
+    >>> loss = ((x.dot(w) - y) ** 2).mean()
+    >>> train = make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)
+    >>> x_dat, y_dat = synk.data(np.ones((64, 3))), synk.data(np.ones(64))
+    >>> for idx in np.split(np.arange(64), 4):
     ...     batch_loss = train(x_dat, y_dat, batch=idx)
-    >>> denoise = make_train_function(cost, params, x, None, updates.sgd, 0.1)               # doctest: +SKIP
-    >>> denoise(x_dat, batch=idx)                                                             # doctest: +SKIP
+    >>> float(batch_loss) < 0.1
+    True
+    >>> cost = (x.dot(w) ** 2).mean()                   # no targets: y is None
+    >>> shrink = make_train_function(cost, [w], x, None, updates.sgd, 0.1)
+    >>> float(shrink(x_dat, batch=np.arange(8))) > float(shrink(x_dat, batch=np.arange(8)))
+    True
     """
     inputs = _input_list(x, "x") + _input_list(y, "y")
     givens = kwargs.pop("givens", None)
@@ -215,9 +224,17 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
 
     Examples
     --------
-    >>> synk.scatter([x_sh, y_sh], [X_train, Y_train])                          # doctest: +SKIP
-    >>> train = make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.sgd, 0.1)  # doctest: +SKIP
-    >>> train(batch_s=[perm0[:64], perm1[:64]])                                # doctest: +SKIP
+    >>> from synkhronos.extensions import updates
+    >>> x, y = pt.matrix("x"), pt.vector("y")
+    >>> w = pytensor.shared(np.zeros(3), name="w")
+    >>> loss = ((x.dot(w) - y) ** 2).mean()
+    >>> x_sh = pytensor.shared(np.zeros((1, 3)), name="x_sh")
+    >>> y_sh = pytensor.shared(np.zeros(1), name="y_sh")
+    >>> train = make_device_train_function(loss, [w], x, y, x_sh, y_sh, updates.sgd, 0.1)
+    >>> synk.scatter([x_sh, y_sh], [np.ones((64, 3)), np.ones(64)])     # 32 rows on each device
+    >>> rng = np.random.default_rng(0)
+    >>> train(batch_s=[rng.permutation(32)[:8], rng.permutation(32)[:8]])
+    array(1.)
     """
     step = _WeightedStep(loss, params, x, update_rule, args, kwargs,
                          givens=[(x, x_shared), (y, y_shared)], sliceable_shareds=[x_shared, y_shared])
@@ -303,10 +320,17 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
 
     Examples
     --------
-    >>> train = make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.1)  # doctest: +SKIP
-    >>> history = run(train, x_train, y_train, 128, epochs=10, sync=sync.EASGD(0.5, every=4),
-    ...               on_check=lambda h: h[-1].loss < 0.05)                                # doctest: +SKIP
-    >>> history.plot("curves.png")                                                         # doctest: +SKIP
+    >>> import os, tempfile
+    >>> from synkhronos.extensions import sync, updates
+    >>> x, y = pt.matrix("x"), pt.vector("y")
+    >>> w = pytensor.shared(np.zeros(3), name="w")
+    >>> loss = ((x.dot(w) - y) ** 2).mean()
+    >>> train = make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)
+    >>> history = run(train, np.ones((256, 3)), np.ones(256), 32, epochs=10,
+    ...               sync=sync.EASGD(0.5, every=4), on_check=lambda h: h[-1].loss < 0.05)
+    >>> history[-1].loss < 0.05                         # stopped early by on_check
+    True
+    >>> history.plot(os.path.join(tempfile.mkdtemp(), "curves.png"))
     """
     state = current()
     sync = AllReduce() if sync is None else sync

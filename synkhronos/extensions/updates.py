@@ -16,10 +16,18 @@ rules below keep Lasagne's signatures and defaults.
 
 Examples
 --------
->>> grad_updates, param_updates, grad_shared = adam(loss, params)      # doctest: +SKIP
->>> f_grad = synk.function([x, y], loss, updates=grad_updates)          # doctest: +SKIP
->>> f_upd = synk.function([], updates=param_updates)                    # doctest: +SKIP
->>> f_grad(x_dat, y_dat, batch=idx); synk.all_reduce(grad_shared); f_upd()  # doctest: +SKIP
+>>> x, y = pt.matrix("x"), pt.vector("y")
+>>> w = pytensor.shared(np.zeros(3), name="w")
+>>> loss = ((x.dot(w) - y) ** 2).mean()
+>>> grad_updates, param_updates, grad_shared = adam(loss, [w])
+>>> f_grad = synk.function([x, y], loss, updates=grad_updates)
+>>> f_upd = synk.function([], updates=param_updates)
+>>> f_grad(np.ones((4, 3)), np.ones(4))
+array(1.)
+>>> synk.all_reduce(grad_shared, op="avg")
+>>> outputs = f_upd()
+>>> w.get_value()          # Adam's first step: the learning rate along the gradient's sign
+array([0.001, 0.001, 0.001])
 """
 
 from __future__ import annotations

@@ -116,9 +116,9 @@ def host_face(value):
 
     Examples
     --------
-    >>> import jax.numpy as jnp                    # doctest: +SKIP
-    >>> face = host_face(jnp.arange(3.0))          # doctest: +SKIP
-    >>> type(face).__name__, face.flags.writeable, device_face(face).tolist()   # doctest: +SKIP
+    >>> import jax.numpy as jnp
+    >>> face = host_face(jnp.arange(3.0))
+    >>> type(face).__name__, face.flags.writeable, device_face(face).tolist()
     ('ndarray', True, [0.0, 1.0, 2.0])
     """
     import jax

@@ -95,6 +95,7 @@ class Collectives(Part):
         state = self._state
         if rank == state.local_master:
             return [np.array(v.get_value()) for v in vars_]
+        state.registry.ensure_shipped()
         state.channel.send_pickled(state.registry.uids_of(vars_))
         state.channel.command(Op.GET_SHARED, ranks=[rank])
         return state.channel.read_result_arrays(rank)
