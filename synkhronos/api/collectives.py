@@ -29,12 +29,11 @@ from ..comm import Reservation
 from ..comm.reduction import Reduce
 from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError, is_whole
-from ..ipc.packing import dtype_code
 from ..platform.internals import stored
+from ..rank import collectives as kinds
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
-from ..wire.collective import Keep, Kind, dtype_groups, shapes_of
-from ..wire.plan import put_batch
+from ..wire.collective import Keep, dtype_groups, shapes_of
 from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
 from .shapes import check_shared_shape
@@ -229,9 +228,7 @@ def reduction_command(state, vars_, op, keep=Keep.ALL):
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w):
-        w.put(Kind.ALL_REDUCE).put_list(state.registry.uids_of(vars_)).put(op.code, keep)
-        for shape in own:
-            w.put_list(shape)
+        kinds.all_reduce.encode(w, state.registry.uids_of(vars_), op, keep, own)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
 
 
@@ -268,9 +265,7 @@ def broadcast(shared_vars: Shareds, values: Any = None, nccl: bool | None = None
     shapes = shapes_of(stored(v) for v in vars_)
 
     def fill(w):
-        w.put(Kind.BROADCAST).put_list(state.registry.uids_of(vars_))
-        for shape in shapes:
-            w.put_list(shape)
+        kinds.broadcast.encode(w, state.registry.uids_of(vars_), shapes)
     sizes = [math.prod(shape) for shape in shapes]
     state.collectives.run(fill, Reservation(_group_bytes(vars_, sizes)))
 
@@ -328,10 +323,7 @@ def _read_data(state, vars_, datas, batch, chunked):
     index_gen = state.data.write_indices(with_indices[:1]) if with_indices else 0
 
     def fill(w):
-        w.put(Kind.READ_DATA).put_list(state.registry.uids_of(vars_)).put(int(chunked), index_gen)
-        for d, b in plans:
-            w.put_list([d.id, d.gen, dtype_code(d.dtype), *d.shape])
-            put_batch(w, b)
+        kinds.read_data.encode(w, state.registry.uids_of(vars_), chunked, index_gen, plans)
     state.collectives.run(fill)
 
 
@@ -380,9 +372,7 @@ def _gather(state, vars_, keep, nd_up):
                                  f"only axis 0 may differ")
 
     def fill(w):
-        w.put(Kind.GATHER).put_list(state.registry.uids_of(vars_)).put(keep, nd_up)
-        for per_rank in shapes:
-            w.put_list(s[0] if s else -1 for s in per_rank)
+        kinds.gather.encode(w, state.registry.uids_of(vars_), keep, nd_up, shapes)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
     return state.collectives.run(fill, Reservation(_group_bytes(vars_, padded)))
 

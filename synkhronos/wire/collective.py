@@ -1,15 +1,9 @@
 """A collective as it travels: its kind, who keeps the result, and how buffers are grouped.
 
-The master writes a collective into the control block's ``args`` as::
-
-    kind, [shared-variable uids], then per kind:
-    ALL_REDUCE  op code (synkhronos.comm.reduction.Reduce.code), keep, per variable its shape on the master
-    BROADCAST   per variable its shape
-    GATHER      keep, nd_up, per variable its length on every rank (-1: 0-d)
-    READ_DATA   chunked, index generation, per variable [data id, gen, dtype code, *shape]
-                and its batch (synkhronos.wire.plan.put_batch)
-
-and every rank reads it back in :func:`synkhronos.rank.collectives.prepare_collective`.
+The master writes a collective into the control block's ``args`` as its
+:class:`Kind`, the uids of its shared variables, then what the kind's own module
+of :mod:`synkhronos.rank.collectives` writes; every rank reads it back there
+(its ``prepare``), so each kind's writing and reading sit side by side.
 """
 
 import enum

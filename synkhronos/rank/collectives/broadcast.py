@@ -1,0 +1,42 @@
+"""Broadcast: the root rank's values (node 0's master's) to every rank.
+
+Written as ``per variable its shape`` on the root.
+"""
+
+import numpy as np
+
+from ...platform.internals import stored
+from ...wire.collective import Kind, dtype_groups
+from .keep import keep_on_device
+
+__all__ = ["KIND", "encode", "prepare"]
+
+KIND = Kind.BROADCAST
+
+
+def encode(words, uids, shapes):
+    """Write a broadcast of the variables ``uids`` (of ``shapes`` on the root)."""
+    words.put(KIND).put_list(uids)
+    for shape in shapes:
+        words.put_list(shape)
+
+
+def prepare(context, vars_, words):
+    comm, rank, root = context.comm, context.rank, context.root_rank
+    shapes = [tuple(words.get_list()) for _ in vars_]
+    groups = []
+    for idx in dtype_groups(vars_):
+        if rank == root:
+            values = [stored(vars_[i]) for i in idx]
+        else:
+            # placeholders of the right shape, never read: np.empty touches no memory (device zeros
+            # would be written on every worker, a full pass over the broadcast's size)
+            values = [np.empty(shapes[i], vars_[i].type.dtype) for i in idx]
+        groups.append((idx, values))
+
+    def execute():
+        for idx, values in groups:
+            for i, v in zip(idx, comm.broadcast(values, root)):
+                keep_on_device(vars_[i], v)
+        return []
+    return execute
