@@ -156,7 +156,7 @@ class Channel:
         self.ctl.post_command(opcode, ranks)
         execute, local_error = self._run_local(local_prepare)
         self.wait_done(ranks, what=f"preparing {what}")
-        failed = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] == Status.ERROR]
+        failed = [r for r in ranks if self.ctl.state(r) == Status.ERROR]
         go = local_error is None and not failed
         elsewhere = None
         if agree is not None:
@@ -249,7 +249,7 @@ class Channel:
                 what = f"a {op_name(what)} command"
             self._check_alive(ranks, what)
             if time.time() > deadline:
-                arrived = [r for r in ranks if self.ctl.status[r, ControlBlock.STATE] != Status.IDLE]
+                arrived = [r for r in ranks if self.ctl.state(r) != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
                 self.on_fault()
                 raise self.reports.stalled(what, arrived=arrived + [self.master_rank], missing=missing)
@@ -320,13 +320,13 @@ class Channel:
                 return
             last["at"] = now
             self._check_alive(ranks, what)
-            failed = [r for r in ranks if status[r, ControlBlock.STATE] == Status.ERROR]
+            failed = [r for r in ranks if self.ctl.state(r) == Status.ERROR]
             if failed:
                 exc_type, message, tb, where = self.read_result_pickle(failed[0])
                 self.on_fault()
                 raise self.reports.raised(failed[0], exc_type, message + " (the runtime was shut down: "
                                    "call synk.fork() to start again)", tb, where)
-            running = [r for r in ranks if status[r, ControlBlock.STATE] == Status.IDLE]
+            running = [r for r in ranks if self.ctl.state(r) == Status.IDLE]
             progress = status[running, ControlBlock.PROGRESS].tolist()
             if progress != last["progress"] or not running:
                 last["progress"], last["moved"] = progress, now

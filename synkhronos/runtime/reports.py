@@ -51,7 +51,7 @@ class RankReports:
         for rank in ranks:
             if status[rank, ControlBlock.WARN_NBYTES]:
                 self.forward_warnings(rank)
-            if status[rank, ControlBlock.STATE] == Status.ERROR:
+            if self._channel.ctl.state(rank) == Status.ERROR:
                 errors.append(self.raised(rank, *self._channel.read_result_pickle(rank)))
         return errors
 

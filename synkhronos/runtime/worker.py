@@ -245,7 +245,7 @@ class Worker:
         self.ctl.go[self.rank].wait(self.check_master, spin=self.spin, slice_=0.5)
         if trace.on:
             trace.mark("wait for the go-ahead")
-        if self.ctl.header[ControlBlock.DECISION] != Decision.GO:
+        if int(self.ctl.header[ControlBlock.DECISION]) != Decision.GO:
             if error is not None:
                 raise error
             return rows

@@ -194,9 +194,15 @@ class ControlBlock:
         self.rows = self.status[:, self.ROWS]       # rows each rank computed in the last call
         *self.go, self.done = semaphores_in(self.segment, sem_offset, n_ranks + 1, create)
 
-    # the header's fields and a status row's, as names of the block
-    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = Header
-    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = Field
+    # the header's fields and a status row's, as names of the block: plain ints, because numpy
+    # indexes with an int subclass (an IntEnum member) by a slower path, on every command
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = map(int, Header)
+    STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = map(int, Field)
+
+    def state(self, rank):
+        """Rank ``rank``'s :class:`Status`, as a Python int: a numpy scalar compared with an IntEnum
+        member takes numpy's slow generic path, and the master checks every rank's state per command."""
+        return int(self.status[rank, self.STATE])
 
     def post_command(self, opcode, ranks):
         """Publish the command already written to ``args`` to ``ranks``."""
