@@ -80,7 +80,8 @@ def main(argv=None):
     saving = checkpoint_bench.measure(3 if args.quick else 7)
     from bench import nodes_bench
     nodes = nodes_bench.measure(batches, steps, 3 if args.quick else 7)
-    compile_times = {s: run_json([python(), "-m", "bench.compile_time", s]) for s in ("pytensor", "synk")}
+    from bench import compile_time
+    compile_times = compile_time.measure(1 if args.quick else 3, python())
 
     report.write(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                  loops.section(loop_results) + checkpoint_bench.section(saving)

@@ -1,6 +1,8 @@
 """Shared fixtures: one 2-process runtime for the whole session (forking costs ~3 s)."""
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -9,6 +11,9 @@ import synkhronos as synk
 from synkhronos.runtime import session
 
 N_PARALLEL = 2
+#: the suite's own compile cache (fork()'s default honours JAX's variable): the user's stays untouched,
+#: and each suite starts cold
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="synk-test-compile-cache-")
 
 
 def synk_segments():
@@ -67,6 +72,7 @@ def comm_kind(request):
 def _close_at_end():
     yield
     synk.close()
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
 from ..errors import SynkWarning
 from ..platform import cluster, jax_init
+from ..platform import compile_cache as jax_compile_cache
 from ..runtime import session
 from ..runtime.session import Settings, current, serialized
 from ..tracing import trace
@@ -29,7 +30,7 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
          profile_workers: bool = False, threads_per_device: int | None = None, timeout: float = 60,
          spin_us: float | None = None, stall_timeout: float = 600,
          collectives: str | type[Comm] | None = None, timeline: str | None = None,
-         **options) -> int:
+         compile_cache: str | os.PathLike | bool | None = None, **options) -> int:
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     On several nodes (a script started by ``python -m synkhronos.launch``, or
@@ -73,6 +74,15 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     timeline : str, optional
         Record every rank's timeline from now on and write it to this path
         (Chrome trace JSON) at ``close()``; see :func:`synkhronos.timeline`.
+    compile_cache : str, path, False or None
+        Where every process keeps the programs it compiles, so that the next
+        run (a resumed one, the same script again) loads them instead of
+        compiling: JAX's persistent compilation cache, in a directory per host
+        CPU inside this one. Default (None): ``$JAX_COMPILATION_CACHE_DIR``
+        when set, else ``~/.cache/synkhronos/jax`` (``$XDG_CACHE_HOME``
+        honoured); False: nothing is kept. At most 2 GiB per host, least
+        recently used first out; remove the directory to clear it. See the
+        user guide, "Start-up and the compile cache".
 
     Returns
     -------
@@ -127,11 +137,12 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     threads = threads_per_device or max(1, cores // n_parallel)
     if spin_us is None:
         spin_us = 2000 if n_parallel <= cores else 0
+    timeline = None if timeline is None else _writable(timeline)
+    cache_dir = jax_compile_cache.usable_directory(compile_cache)
     state = session.begin(Settings(n_parallel, master_rank, platform, threads, timeout, profile_workers,
                                   spin=float(spin_us) * 1e-6, stall_timeout=float(stall_timeout),
-                                  collectives=implementation,
-                                  timeline=None if timeline is None else _writable(timeline),
-                                  topology=topology))
+                                  collectives=implementation, timeline=timeline,
+                                  compile_cache=cache_dir, topology=topology))
     if timeline is not None:
         state.timeline.start()
     return state.n_parallel

@@ -1,6 +1,6 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Eight things have no public API and are reached for here only:
+Nine things have no public API and are reached for here only:
 
 - a shared variable's stored value, read and written as it is (a JAX array
   stays one): ``get_value``/``set_value`` copy, or filter the value to the
@@ -20,6 +20,8 @@ Eight things have no public API and are reached for here only:
   0, left to a process of its own on several nodes
   (:func:`service_served_elsewhere`), and started there
   (:func:`coordination_service`);
+- JAX's persistent compilation cache, which only process 0 of a runtime
+  writes (:func:`cache_writes_from_every_process`);
 - which random variables PyTensor's JAX backend can sample, which it finds out
   only when JAX traces a graph (:func:`unsampleable_in_jax`).
 
@@ -40,6 +42,7 @@ __all__ = [
     "stored", "store", "coordination_service", "READS_INTERNALS_OF", "supported_versions", "check_versions",
     "jit_parts", "JitParts", "jax_backend_exists", "detach_inherited_jax", "detect_jax_cluster",
     "distributed_client", "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax",
+    "cache_writes_from_every_process",
 ]
 
 #: the libraries whose internals are read here: their supported versions are synkhronos's own
@@ -206,6 +209,41 @@ def service_served_elsewhere():
         yield
     finally:
         distributed._jax.get_distributed_runtime_service = make
+
+
+def cache_writes_from_every_process():
+    """Have JAX's persistent compilation cache written by every process of the runtime, not only process 0.
+
+    JAX skips the write in any other process, so that many hosts do not write
+    one shared file system at once. synkhronos keeps one cache per host, and
+    its processes compile programs of their own (on CPU JAX keys a program by
+    the device it runs on), which would otherwise be compiled again every run.
+    The write itself stays JAX's (``put_executable_and_time``, under the
+    cache's lock); only the process check is left out. Idempotent.
+    """
+    try:
+        from jax._src import compilation_cache, compiler, config, distributed
+        write = compiler._cache_write
+    except (ImportError, AttributeError):
+        return
+    if getattr(write, "synkhronos", False):
+        return
+
+    def _cache_write(cache_key, compile_time_secs, module_name, backend, executable):
+        if distributed.global_state.process_id == 0:
+            return write(cache_key, compile_time_secs, module_name, backend, executable)
+        if compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
+            return None
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as e:        # as JAX's own write: a failed write is a warning, never an error
+            import warnings
+            warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
+                          f"{type(e).__name__}: {e}")
+        return None
+    _cache_write.synkhronos = True     # type: ignore[attr-defined]
+    compiler._cache_write = _cache_write
 
 
 @contextlib.contextmanager

@@ -20,11 +20,11 @@ import os
 import subprocess
 import sys
 
-from . import cpu_blas, cpu_tuning, internals
+from . import compile_cache, compile_spans, cpu_blas, cpu_tuning, internals
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
-           "set_precision", "forget_runtime_in_child", "has_gpu_plugin"]
+           "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -129,8 +129,30 @@ def _configure_jax(name, value):
 NODE_HEARTBEAT_TIMEOUT = 4
 
 
+def use_compile_cache(directory):
+    """Keep every program this process compiles in JAX's persistent cache at ``directory`` (None: off).
+
+    Every program, however quick to compile or small (JAX's defaults keep only
+    those that took a second), within :data:`~.compile_cache.MAX_BYTES`
+    (least recently used first out; JAX then locks the directory, so runs at
+    once share it), by every process (JAX's own writes from process 0 only).
+    See :mod:`synkhronos.platform.compile_cache`.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()         # JAX opens its cache once per process: anew per runtime
+    if directory is None:
+        _configure_jax("jax_enable_compilation_cache", False)
+        return
+    _configure_jax("jax_enable_compilation_cache", True)
+    _configure_jax("jax_compilation_cache_dir", directory)
+    _configure_jax("jax_persistent_cache_min_compile_time_secs", 0.0)
+    _configure_jax("jax_persistent_cache_min_entry_size_bytes", 0)
+    _configure_jax("jax_compilation_cache_max_size", compile_cache.MAX_BYTES)
+    internals.cache_writes_from_every_process()
+
+
 def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",
-                       threads=None, local_rank=None, n_local=None, cores=None):
+                       threads=None, local_rank=None, n_local=None, cores=None, compile_cache_dir=None):
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
@@ -143,7 +165,9 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     On CPU, the process keeps freed memory for reuse, numpy's BLAS gets the
     process's share of the cores and XLA's thread pool is made on ``cores``,
     this rank's cores (:func:`device_cores`; see :mod:`synkhronos.platform.cpu_tuning`).
-    :func:`shutdown_process` undoes these changes where it can.
+    :func:`shutdown_process` undoes these changes where it can. Programs are
+    kept in JAX's persistent cache at ``compile_cache_dir`` (None: not kept;
+    :func:`use_compile_cache`).
     """
     import jax
     if platform == "cpu":
@@ -165,6 +189,8 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # JAX's preemption service catches SIGTERM and only logs it (a `kill`, a scheduler's or `docker
     # stop`'s SIGTERM would no longer end the script); synkhronos has no use for it
     _configure_jax("jax_enable_preemption_service", False)
+    use_compile_cache(compile_cache_dir)
+    compile_spans.watch()
     local_rank = rank if local_rank is None else local_rank
     several_nodes = n_local is not None and n_local != n_ranks
     # on several nodes the coordination service runs in a process of its own (see
@@ -219,5 +245,7 @@ def shutdown_process():
         for name, value in _changed_config.items():
             jax.config.update(name, value)
         _changed_config.clear()
+        from jax.experimental.compilation_cache import compilation_cache
+        compilation_cache.reset_cache()
         cpu_blas.restore_blas_threads()
         cpu_tuning.restore_allocator_defaults()

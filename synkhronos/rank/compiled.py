@@ -22,6 +22,7 @@ from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import jit_parts, store, stored
 from ..platform.jax_init import platform
+from ..tracing import trace
 
 __all__ = ["CompiledFunction", "jitted_call", "GatherBuffer", "rebuild_on", "spec_graph",
            "needs_static_shapes", "ROW_VARIANTS_KEPT"]
@@ -367,7 +368,13 @@ class CompiledFunction:
             warnings.filterwarnings("ignore", message="Skipping Assert", category=UserWarning)
             mode = spec.pytensor_kwargs() if self.reference else \
                 spec.pytensor_kwargs(compile_mode(platform()))
-            fn = pytensor.function(inputs, outputs, updates=upd + generators, givens=givens, **mode)
+            if trace.on:
+                trace.begin("compile", f"build {spec.name}")     # PyTensor's rewrites and linking
+            try:
+                fn = pytensor.function(inputs, outputs, updates=upd + generators, givens=givens, **mode)
+            finally:
+                if trace.on:
+                    trace.end(shapes=str(shapes) if shapes else "any rows")
         # The master validated every argument (dtype, ndim, rows) before any process was woken;
         # PyTensor's per-call input checks would only repeat that in every process.
         fn.trust_input = not self.reference

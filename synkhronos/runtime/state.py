@@ -59,6 +59,8 @@ class Settings:
     collectives: type
     #: where fork(timeline=...) writes every rank's timeline at close, or None
     timeline: str | None = None
+    #: the directory of this node's compile cache (synkhronos.platform.compile_cache), or None (off)
+    compile_cache: str | None = None
     topology: Topology | None = None
 
 
@@ -131,14 +133,14 @@ class State:
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
                 topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
                 comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,
-                profile=bool(s.profile_workers)), env)
+                profile=bool(s.profile_workers), compile_cache=s.compile_cache), env)
         self.channel.wait_done(self.worker_ranks, what="start-up")
         try:
             jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
                                         max(1.0, s.timeout - (time.monotonic() - started)),
                                         self.float_x(), threads=s.threads,
                                         local_rank=self.local_master, n_local=self.n_local,
-                                        cores=cores)
+                                        cores=cores, compile_cache_dir=s.compile_cache)
         except Exception as e:
             if not t.several_nodes:
                 raise

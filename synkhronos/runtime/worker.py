@@ -343,7 +343,8 @@ def main():
         jax_init.initialize_process(worker.grank, worker.n_devices, cfg["coordinator"],
                                     cfg["platform"], cfg["timeout"], cfg["float_x"],
                                     threads=cfg["threads"], local_rank=worker.rank,
-                                    n_local=worker.n_ranks, cores=cores)
+                                    n_local=worker.n_ranks, cores=cores,
+                                    compile_cache_dir=cfg["compile_cache"])
         # the worker's thread runs its programs (no async dispatch): on its own cores, as its pool
         cpu_tuning.stay_on_cores(cores)
         if profiler:

@@ -19,7 +19,7 @@ Examples
 
 import time
 
-__all__ = ["on", "start", "stop", "begin", "mark", "end", "now", "chrome_events", "process_names",
+__all__ = ["on", "start", "stop", "begin", "mark", "end", "record", "now", "chrome_events", "process_names",
            "write_chrome_trace"]
 
 now = time.time_ns
@@ -65,6 +65,12 @@ def end(phase=None, at=None, **args):
         # does not make every collection longer
         _spans.append((category, name, t0, tuple(marks), now() if at is None else at, phase,
                        args or None))
+
+
+def record(category, name, t0, t_end, **args):
+    """Record a span that already happened, from ``t0`` to ``t_end`` (:func:`now` values), as it is
+    (reported after the fact, by a library that timed it)."""
+    _spans.append((category, name, t0, (), t_end, None, args or None))
 
 
 def chrome_events(spans, rank, origin=0, thread=1):

@@ -1,0 +1,115 @@
+"""Compiled programs kept between runs: JAX's persistent compilation cache, one directory per host.
+
+Every process of a runtime points JAX's persistent compilation cache at the
+same directory before it compiles anything (:func:`enable`), so a program that
+an earlier run compiled, or that this run compiled before, is loaded instead of
+compiled again: every program, whatever its compile time or size (the
+per-row-count variants and the collectives' programs included).
+
+Where it lives (:func:`directory`): ``fork(compile_cache=None)`` means
+``$JAX_COMPILATION_CACHE_DIR`` when set, else the user's cache directory
+(``$XDG_CACHE_HOME``, by default ``~/.cache``) ``/synkhronos/jax``; a path means
+that directory; ``False`` turns it off. Inside it, the entries of one host
+sit in a directory named for its CPU (model and instruction-set features):
+JAX's key of an entry covers the program, the JAX and jaxlib versions, the
+devices' kind and count, the compile options and the XLA flags, but an XLA CPU
+program is also compiled for the features of the CPU it was compiled on.
+
+How big it gets: at most :data:`MAX_BYTES` per host; JAX evicts the least
+recently used entries beyond it, under a file lock, so runs at once on one
+machine share it safely. Clear it by removing the directory. A corrupt entry
+is read with a warning and compiled again (JAX's own handling); it never
+fails a call.
+
+Examples
+--------
+>>> directory(False) is None
+True
+>>> directory("/tmp/my-cache").startswith("/tmp/my-cache/cpu-")
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform as _platform
+import warnings
+
+from ..errors import SynkWarning
+
+__all__ = ["directory", "host_fingerprint", "usable_directory", "MAX_BYTES", "ENV_VAR"]
+
+#: JAX's own setting of the cache directory, honoured when set
+ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
+#: the most the cache of one host holds (bytes); least recently used entries go first
+MAX_BYTES = 2 * 2**30
+
+
+def _default_base():
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR]
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "synkhronos", "jax")
+
+
+def host_fingerprint() -> str:
+    """``cpu-`` and a digest of this host's CPU model and instruction-set features.
+
+    From ``/proc/cpuinfo`` where there is one (its model name and flags), else
+    from :func:`platform.processor` and :func:`platform.machine`.
+    """
+    identity = [_platform.machine(), _platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features", "CPU part", "vendor_id"):
+                    identity.append(line.strip())
+                elif not line.strip() and len(identity) > 2:
+                    break                    # the first processor describes the others
+    except OSError:
+        pass
+    return "cpu-" + hashlib.sha256("\n".join(identity).encode()).hexdigest()[:16]
+
+
+def directory(compile_cache: str | os.PathLike | bool | None = None) -> str | None:
+    """The directory this host's compiled programs are kept in, or None when off.
+
+    ``compile_cache`` is ``fork()``'s: None (the default place), a path, or False (off).
+    """
+    if compile_cache is False:
+        return None
+    if compile_cache is None or compile_cache is True:
+        base = _default_base()
+    elif isinstance(compile_cache, (str, os.PathLike)):
+        base = os.fspath(compile_cache)
+    else:
+        raise TypeError(f"compile_cache must be None (the default place), a directory or False (off), "
+                        f"got {compile_cache!r}")
+    return os.path.join(os.path.abspath(os.path.expanduser(base)), host_fingerprint())
+
+
+def usable_directory(compile_cache: str | os.PathLike | bool | None = None) -> str | None:
+    """:func:`directory`, made if missing; None when off, or when the default place cannot be made.
+
+    A directory the caller named that cannot be made raises ``ValueError``
+    naming the fix; the default place only warns (the cache is then off), so
+    a machine with a read-only home still runs.
+    """
+    path = directory(compile_cache)
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path} is not writable")
+    except OSError as e:
+        if compile_cache is None or compile_cache is True:
+            warnings.warn(f"the compile cache is off: {path} cannot be made ({e}); set "
+                          f"fork(compile_cache=DIRECTORY) or {ENV_VAR} to a writable directory",
+                          SynkWarning, stacklevel=4)
+            return None
+        raise ValueError(f"fork(compile_cache={compile_cache!r}): {path} cannot be made ({e}); give a "
+                         f"writable directory, or compile_cache=False to compile without one") from None
+    return path

@@ -1,0 +1,175 @@
+"""The compile cache: a second run loads every program, anything that changes the program compiles anew,
+a corrupt entry is compiled again with a warning, compile_cache=False keeps nothing, runs at once share it.
+
+Every run is a fresh process (JAX opens its cache once per process). Whether a rank compiled or loaded
+a program is read from its timeline (JAX reports each, see synkhronos.platform.compile_spans), never
+from timing.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import run_script
+
+import synkhronos as synk
+from synkhronos.platform import compile_cache
+from synkhronos.platform.compile_spans import COMPILED, LOADED
+from synkhronos.runtime import session
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: argv: cache ("off", or a directory), timeline path, devices, floatX, collectives
+RUN = """
+import json, sys
+import numpy as np, pytensor, pytensor.tensor as pt
+cache, timeline, n, float_x, kind = sys.argv[1:6]
+pytensor.config.floatX = float_x
+import synkhronos as synk
+synk.fork(int(n), compile_cache=False if cache == "off" else cache, timeline=timeline, collectives=kind)
+x = pt.matrix("x")
+w = pytensor.shared(np.arange(6.0).reshape(3, 2).astype(float_x), name="w")
+g = pytensor.shared(np.ones(4, float_x), name="g")
+f = synk.function([x], [((x @ w).sum(), "sum"), (x @ w, "gather")], updates=[(g, g * 2)])
+total, rows = f(np.arange(24.0).reshape(8, 3).astype(float_x))
+synk.all_reduce(g)
+print("RESULT " + json.dumps([float(total), np.asarray(rows).tolist(), synk.get_value(1, g).tolist()]))
+synk.close()
+"""
+EXPECTED_TOTAL = float((np.arange(24.0).reshape(8, 3) @ np.arange(6.0).reshape(3, 2)).sum())
+
+
+def run(tmp_path, cache, name, n=2, float_x="float64", collectives="shm", env=None, background=False):
+    """One run of RUN; returns (its printed result, what each rank did: {rank: {span name: count}})."""
+    timeline = str(tmp_path / f"{name}.json")
+    args = [str(cache), timeline, str(n), float_x, collectives]
+    if background:
+        environ = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        return subprocess.Popen([sys.executable, "-c", RUN, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=environ), timeline
+    out = run_script(RUN, timeout=240, env=env, args=args)
+    return finished(out.returncode, out.stdout, out.stderr, timeline)
+
+
+def finished(code, stdout, stderr, timeline):
+    assert code == 0, stdout + stderr[-3000:]
+    result = json.loads(next(line[7:] for line in stdout.splitlines() if line.startswith("RESULT ")))
+    assert result[0] == pytest.approx(EXPECTED_TOTAL)
+    with open(timeline) as fh:
+        events = json.load(fh)["traceEvents"]
+    done = {}
+    for e in events:
+        if e.get("cat") == "compile" and e["name"] in (COMPILED, LOADED):
+            done.setdefault(e["pid"], {COMPILED: 0, LOADED: 0})[e["name"]] += 1
+    return result, done, stderr
+
+
+def entries(directory):
+    return sorted(name for _, _, names in os.walk(directory) for name in names if name.endswith("-cache"))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A first run into an empty cache: (its directory, result, what each rank did)."""
+    tmp = tmp_path_factory.mktemp("cold")
+    cache = tmp / "cache"
+    result, done, _ = run(tmp, cache, "cold")
+    return cache, result, done
+
+
+def copy_of(cold, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold[0], cache)
+    return cache
+
+
+def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path):
+    cache, first, done_cold = cold
+    assert sorted(done_cold) == [0, 1]
+    assert all(d[COMPILED] > 0 for d in done_cold.values()), done_cold
+    kept = entries(cache)
+    assert kept and os.listdir(cache) == [compile_cache.host_fingerprint()]   # one host's directory
+    again = copy_of(cold, tmp_path)
+    result, done, _ = run(tmp_path, again, "warm")
+    assert result == first
+    assert sorted(done) == [0, 1]
+    for rank, d in done.items():              # every program of every rank came from the cache
+        assert d[COMPILED] == 0 and d[LOADED] == done_cold[rank][COMPILED], (rank, d, done_cold)
+    assert entries(again) == kept             # and nothing new was written
+
+
+@pytest.mark.parametrize("change", ["xla_flag", "devices", "float32"])
+def test_a_changed_flag_device_count_or_float_x_compiles_anew(cold, tmp_path, change):
+    cache = copy_of(cold, tmp_path)
+    kwargs = dict(xla_flag=dict(env={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}),
+                  devices=dict(n=3, collectives="jax"), float32=dict(float_x="float32"))[change]
+    result, done, _ = run(tmp_path, cache, change, **kwargs)
+    np.testing.assert_allclose(result[1], cold[1][1], rtol=1e-6)
+    for rank, d in done.items():
+        assert d[COMPILED] > 0, (change, rank, d)
+    if change == "xla_flag":                 # the flags key every program: none could be loaded
+        assert all(d[LOADED] == 0 for d in done.values()), (change, done)
+    # (with another floatX or device count, a program that does not depend on it, moving integer
+    # indices say, is the same program and is loaded)
+    assert len(entries(cache)) > len(entries(cold[0]))
+
+
+def test_a_corrupt_entry_is_compiled_again_with_a_warning(cold, tmp_path):
+    cache = copy_of(cold, tmp_path)
+    for root, _, names in os.walk(cache):
+        for name in names:
+            if name.endswith("-cache"):
+                with open(os.path.join(root, name), "r+b") as fh:
+                    fh.truncate(max(1, os.path.getsize(fh.name) // 3))      # a write cut short
+    result, done, stderr = run(tmp_path, cache, "corrupt")
+    assert result == cold[1]
+    assert all(d[COMPILED] > 0 and d[LOADED] == 0 for d in done.values()), done
+    assert "persistent compilation cache" in stderr, stderr[-3000:]
+
+
+def test_compile_cache_false_keeps_nothing_even_where_jax_is_told_to(tmp_path):
+    told = tmp_path / "jax_cache"
+    told.mkdir()
+    result, done, _ = run(tmp_path, "off", "off", env={"JAX_COMPILATION_CACHE_DIR": str(told)})
+    assert os.listdir(told) == []
+    assert all(d[LOADED] == 0 for d in done.values())
+
+
+def test_by_default_the_cache_is_jax_s_directory_when_set_else_the_user_s_cache(tmp_path):
+    assert compile_cache.directory(None).startswith(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    home = tmp_path / "xdg"
+    out = run_script("""
+        import os
+        from synkhronos.platform import compile_cache
+        print(compile_cache.directory(None))
+    """, env={"JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(home)})
+    assert out.stdout.strip() == os.path.join(home, "synkhronos", "jax", compile_cache.host_fingerprint())
+
+
+def test_two_runs_at_once_share_one_cache(tmp_path):
+    cache = tmp_path / "cache"
+    started = [run(tmp_path, cache, f"at_once_{i}", background=True) for i in range(2)]
+    results = []
+    for proc, timeline in started:
+        stdout, stderr = proc.communicate(timeout=240)
+        results.append(finished(proc.returncode, stdout, stderr, timeline)[0])
+    assert results[0] == results[1]
+    assert entries(cache)
+
+
+def test_a_compile_cache_that_cannot_be_used_is_refused_before_anything_starts(tmp_path):
+    if session.active() is not None:
+        synk.close()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(TypeError, match="compile_cache must be"):
+        synk.fork(2, compile_cache=3)
+    with pytest.raises(ValueError, match="writable directory"):
+        synk.fork(2, compile_cache=blocker / "below_a_file")
+    assert session.active() is None
