@@ -1,5 +1,7 @@
 """Shapes: rows are free, graphs that need static shapes get them per device, declarations hold."""
 
+import json
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -55,6 +57,26 @@ def test_a_graph_that_needs_static_shapes_is_compiled_per_shape_and_exact(synk2,
     X2, Y2 = rng.normal(size=(5, 6, 6, 1)), rng.integers(0, 3, size=5)  # other shapes: compiled too
     for got, want in zip(f(X2, Y2), reference(f, X2, Y2)):
         close(got, want)
+
+
+def test_a_graph_found_to_need_concrete_shapes_is_built_per_shape_on_every_rank_at_once(synk2, rng, tmp_path):
+    """A graph that builds on free rows but only traces on concrete ones is found when it is built, so
+    that no worker builds it on free rows for nothing."""
+    from demos.resnet_synthetic import build
+    make_graph, params = build(4, 2, 4)
+    x, y, loss, _ = make_graph(None)
+    grad = pytensor.grad(loss, params[0])          # a ResNet's gradient traces on concrete shapes only
+    path = tmp_path / "trace.json"
+    with synk.timeline(path):
+        f = synk.function([x, y], [(loss, "avg"), (grad, "avg")])
+        assert f.spec.by_rows
+        X, Y = rng.normal(size=(5, 4, 4, 3)), rng.integers(0, 2, size=5)      # rows 2 + 3
+        for got, want in zip(f(X, Y), reference(f, X, Y)):
+            close(got, want)
+    with open(path) as fh:
+        builds = [e for e in json.load(fh)["traceEvents"]
+                  if e.get("cat") == "compile" and e["name"] == f"build {f.name}"]
+    assert sorted(e["args"]["shapes"] for e in builds if e["pid"] == 1) == ["((3, 4, 4, 3), (3,))"]
 
 
 def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng):

@@ -490,6 +490,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
                               updates, givens, sliceable_shareds, name, local_updates, kwargs)
     set_precision(State.float_x())       # the same rule every rank applies
     state.registry.own_streams(spec.shared_variables())
-    compiled = CompiledFunction(spec)    # compile errors surface here, in the master
+    compiled = CompiledFunction(spec, probe=True)    # compile errors surface here, in the master
+    spec.by_rows = compiled.by_rows      # so that no worker builds the graph on free rows for nothing
     state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows)

@@ -307,9 +307,14 @@ class CompiledFunction:
         Compile the plain single-process PyTensor function instead (PyTensor's
         own JAX mode and input checks, sliceable shareds used whole): what
         ``Function.as_pytensor`` runs.
+    probe : bool
+        Find out at once whether the graph needs concrete shapes, by tracing
+        it on sample shapes (where the inputs' shapes other than their rows are
+        declared), so that no rank builds it on free rows for nothing
+        (``spec.by_rows``). The master probes; the workers read its finding.
     """
 
-    def __init__(self, spec, reference=False):
+    def __init__(self, spec, reference=False, probe=False):
         self.spec = spec
         self.reference = reference
         self.output_modes = [m for _, m in spec.outputs]
@@ -327,17 +332,39 @@ class CompiledFunction:
         self.by_rows = False
         #: whether the graph on free rows ran once (a later failure is then the call's own)
         self._free_rows_ran = False
-        try:
-            self.function = self._compile(updates=True)
-        except Exception as e:
-            if not self._row_args or not needs_static_shapes(e):
-                raise
+        if spec.by_rows and self._row_args and not reference:
             self.by_rows = True        # compiled at the first call, for its shapes
+        else:
+            try:
+                self.function = self._compile(updates=True)
+            except Exception as e:
+                if not self._row_args or not needs_static_shapes(e):
+                    raise
+                self.by_rows = True
+            if probe and self.function is not None and self._fails_to_trace_on_free_rows():
+                self.by_rows, self.function = True, None
         self._run = self._runner(self.function) if self.function is not None else None
         if not reference:
             place_on_device(spec.shared_variables())     # compiled once, for device values
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
+
+    def _fails_to_trace_on_free_rows(self):
+        """True if the graph on free rows fails to trace, for sample shapes, for want of concrete shapes.
+
+        False where a dimension other than the rows is not declared (a call
+        tells it: found at the first call instead), or for any other failure
+        (the call raises it).
+        """
+        types = [v.type for v in self.spec.all_inputs + self.sliced_inputs]
+        shapes = [(2, *t.shape[1:]) if i in self._row_args else t.shape for i, t in enumerate(types)]
+        if any(d is None for shape in shapes for d in shape):
+            return False
+        try:
+            self._trace(self.function, shapes)
+        except Exception as e:
+            return needs_static_shapes(e)
+        return False
 
     @property
     def calls_jit_directly(self):
