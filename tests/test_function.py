@@ -11,7 +11,7 @@ from helpers import close, reference
 
 import synkhronos as synk
 from synkhronos.platform.device_arrays import device_face
-from synkhronos.rank.compiled import jitted_call
+from synkhronos.rank.jitted import jitted_call
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ Nine things have no public API and are reached for here only:
   variable's type (:func:`stored`, :func:`store`);
 - a PyTensor function linked for JAX is one jitted function behind per-call
   bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
-  that bookkeeping (:func:`synkhronos.rank.compiled.jitted_call`);
+  that bookkeeping (:func:`synkhronos.rank.jitted.jitted_call`);
 - whether this process already made a JAX backend (``fork()`` must come first);
 - in a child made by ``os.fork()``, the JAX runtime objects it inherited, to be
   kept alive and forgotten (:func:`detach_inherited_jax`);

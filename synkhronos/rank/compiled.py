@@ -7,7 +7,6 @@ compiled per argument shape instead (:func:`rebuild_on`).
 
 import functools
 import math
-import sys
 import warnings
 
 import numpy as np
@@ -15,7 +14,6 @@ import pytensor
 from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import toposort
-from pytensor.tensor.type import TensorType
 
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..ipc.buffers import aligned_empty
@@ -23,144 +21,10 @@ from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import jit_parts, store, stored
 from ..platform.jax_init import platform
 from ..tracing import trace
+from .jitted import jitted_call
 
-__all__ = ["CompiledFunction", "jitted_call", "GatherBuffer", "rebuild_on", "spec_graph",
+__all__ = ["CompiledFunction", "GatherBuffer", "rebuild_on", "spec_graph",
            "needs_static_shapes", "ROW_VARIANTS_KEPT"]
-
-
-def jitted_call(fn):
-    """Call ``fn``'s jitted JAX graph directly, or None if ``fn`` was not linked by PyTensor's JAX linker.
-
-    A PyTensor function linked for JAX is one ``jax.jit`` function behind
-    per-call bookkeeping (profiling checks, an output storage round trip,
-    garbage-collection loops): a good part of a tiny graph's call, paid by
-    every process in every call. The returned callable
-    does what that bookkeeping does for a function whose inputs are trusted:
-    it fills the explicit input cells, runs the jitted graph on every input
-    cell (shared variables included), stores the update values into their
-    shared variables and empties the input cells again (they hold views of
-    shared memory that must not outlive the call). A call with arguments
-    returns once the computation has finished, so no argument is read after
-    the call (JAX dispatches asynchronously; PyTensor's other backends compute
-    before they return). Large updated values are computed into their old
-    buffers (:func:`donating_variant`). An error is re-raised through ``fn``
-    itself, with PyTensor's account of the failing node.
-
-    Parameters
-    ----------
-    fn : pytensor.compile.Function
-        Compiled with ``trust_input`` and list outputs.
-
-    Returns
-    -------
-    callable or None
-        ``call(*args)`` returning the list of ``fn``'s outputs.
-    """
-    parts = jit_parts(fn)
-    if parts is None or fn.profile or not fn.maker.fgraph.outputs:
-        return None
-    jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
-    arg_cells = cells[:parts.n_args]
-    donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
-    chosen = []             # the graph this function runs, chosen at its first call
-    # all outputs of one execution become ready together: wait on one array (a random generator's
-    # next state is a dict of arrays, which has no block_until_ready)
-    arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
-    wait = (lambda outputs: outputs[arrays[-1]].block_until_ready()) if arrays else \
-        wait_until_computed
-
-    def call(*args):
-        for cell, arg in zip(arg_cells, args):
-            cell[0] = arg
-        try:
-            values = [cell[0] for cell in cells]
-            if not chosen:
-                chosen.append(donating if donated and worth_donating(values, donated) else jit)
-            if chosen[0] is donating:
-                copy_values_held_elsewhere(values, donated)
-            outputs = chosen[0](*values)
-            del values
-        except Exception as e:
-            raise_deferred_interrupt(e)
-            return fn(*args)
-        finally:
-            for cell in arg_cells:
-                cell[0] = None
-        for i, storage in updates:
-            storage[0] = outputs[i]
-        # JAX returns before the computation has run, and the arguments are views of shared memory
-        # that the caller may rewrite as soon as the call returns (the next batch into the same
-        # Data): wait for it. Without arguments nothing can change under the computation, and it
-        # may run on past the call.
-        if arg_cells:
-            wait(outputs)
-        raise_deferred_interrupt()
-        return list(outputs[:n_outputs])
-
-    call.fn = fn
-    return call
-
-
-def donating_variant(parts, input_types):
-    """``(jit, cells)``: ``parts``' graph jitted to update its shared variables in place, and the
-    input cells it donates; ``(None, ())`` if it updates no tensor it reads.
-
-    XLA then computes a shared variable's new value into the buffer of its old
-    one (``donate_argnums``) instead of a fresh allocation, so an update pass
-    over the parameters and the optimizer's state touches no new memory.
-    :func:`jitted_call` runs it if, at its first call, the donated values hold
-    :data:`DONATE_MIN_BYTES` or more (:func:`worth_donating`). A donated value
-    is gone after the call: :func:`copy_values_held_elsewhere`
-    first hands the graph a copy of any value something else still refers to.
-    XLA writes only into buffers it allocated itself: a value adopted from
-    memory it does not own (a shared-memory result) is released, never
-    overwritten, and the new value gets a buffer of its own.
-
-    Parameters
-    ----------
-    parts : JitParts
-    input_types : list of Type
-        The type of each of ``parts.cells``' inputs.
-    """
-    import jax
-    updated = [storage for _, storage in parts.updates]
-    donated = tuple(j for j, (cell, t) in enumerate(zip(parts.cells, input_types))
-                    if j >= parts.n_args and isinstance(t, TensorType)
-                    and any(cell is storage for storage in updated))
-    if parts.traced is None or not donated:
-        return None, ()
-    return jax.jit(parts.traced, donate_argnums=donated), donated
-
-
-#: a function donates its updated values only if they hold this many bytes together: a small
-#: fresh result costs nothing (the allocator hands out memory still warm), a donation's bookkeeping
-#: does, and a tiny step would notice
-DONATE_MIN_BYTES = 1 << 20
-
-
-def worth_donating(values, donated):
-    """True if the values at ``donated`` are large enough for donation to pay (DONATE_MIN_BYTES)."""
-    return sum(getattr(values[j], "nbytes", 0) for j in donated) >= DONATE_MIN_BYTES
-
-
-#: references to a value held only by its input cell, as :func:`copy_values_held_elsewhere` counts
-#: them: the cell, the call's list of values and getrefcount's argument
-_ONLY_IN_ITS_CELL = 3
-
-
-def copy_values_held_elsewhere(values, donated):
-    """Replace each value at ``donated`` that anything but its input cell refers to by a device copy.
-
-    Such a reference (the user's ``get_value(borrow=True)``, a sync rule
-    keeping the last pulled parameters, PyTensor's record of a shared
-    variable's first value, one array in two shared variables) must still see
-    the value after the call that donates it. The copy is XLA's own, so the
-    call after it updates in place again.
-    """
-    import jax
-    for j in donated:
-        if not isinstance(values[j], jax.Array) or sys.getrefcount(values[j]) > _ONLY_IN_ITS_CELL:
-            values[j] = jax.device_put(values[j], may_alias=False)
 
 
 class GatherBuffer:
@@ -174,7 +38,7 @@ class GatherBuffer:
     returns, so a pool rarely has the last one free again).
 
     Reusing the memory is safe because a call given arguments returns only
-    once its computation has finished (see :func:`jitted_call`), and no output
+    once its computation has finished (see :func:`~.jitted.jitted_call`), and no output
     or update value is a view of an input: PyTensor copies an output that
     would be one (``DeepCopyOp``), so nothing outlives the call with a view of
     this buffer.
@@ -368,7 +232,7 @@ class CompiledFunction:
 
     @property
     def calls_jit_directly(self):
-        """True if calls skip PyTensor's per-call bookkeeping (see :func:`jitted_call`)."""
+        """True if calls skip PyTensor's per-call bookkeeping (see :func:`~.jitted.jitted_call`)."""
         return self._run is not None and getattr(self._run, "fn", None) is self.function
 
     def _givens(self):
@@ -411,7 +275,7 @@ class CompiledFunction:
         """How this process calls ``fn``: its jitted graph directly, else ``fn`` itself.
 
         Either returns only once a computation given arguments has finished (see
-        :func:`jitted_call`).
+        :func:`~.jitted.jitted_call`).
         """
         if self.reference:
             return fn
