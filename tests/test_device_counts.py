@@ -9,7 +9,7 @@ import pytensor
 import pytest
 from helpers import close
 from test_extensions import mlp
-from test_loops import global_batches
+from test_loops import check_diloco, global_batches
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
@@ -100,3 +100,9 @@ def test_training_and_every_sync_rule(runtime, rng):
             # synchronous SGD is the one-process run; on one device averaging and pushing too
             for a, b in zip(finals[0], params1):
                 close(a, b.get_value(), rtol=1e-10, atol=1e-12)
+
+
+def test_diloco_takes_its_outer_steps_exactly(runtime, rng):
+    if runtime.comm_kind == "jax":
+        pytest.skip("the loop's collectives on the JAX runtime: test_loops")
+    check_diloco(runtime.n_parallel, rng)

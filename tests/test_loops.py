@@ -202,6 +202,89 @@ def test_one_easgd_exchange_matches_the_formula(synk2, rng):
             np.testing.assert_allclose(got, c, rtol=1e-12)
 
 
+def diloco_reference(seed, x_np, y_np, n, steps, lr, rule, batches):
+    """DiLoCo in one process: each round, every device's own SGD steps on its rows of each global step
+    from the round's start, then the outer step on the row-weighted mean of the devices' parameters."""
+    X, y, loss, params, _ = mlp(seed)
+    one = train.make_single_process_train_function(loss, params, X, y, updates.sgd, learning_rate=lr)
+    theta = [np.array(p.get_value()) for p in params]
+    velocity = [np.zeros_like(t) for t in theta]
+    batches = list(batches)[:steps]
+    for start in range(0, steps, rule.every):
+        rounds = batches[start:start + rule.every]
+        total = sum(len(b) for b in rounds)
+        mean = [np.zeros_like(t) for t in theta]
+        for rank in range(n):
+            for p, t in zip(params, theta):
+                p.set_value(t.copy())
+            rows = 0
+            for batch in rounds:
+                a, b = chunk(0, len(batch), n, rank)
+                one(x_np[batch[a:b]], y_np[batch[a:b]])
+                rows += b - a
+            for m, p in zip(mean, params):
+                m += np.asarray(p.get_value()) * (rows / total)     # (a JAX array would not add in place)
+        for t, v, m in zip(theta, velocity, mean):
+            delta = t - m
+            v[...] = rule.outer_momentum * v + delta
+            t -= rule.outer_lr * (delta + rule.outer_momentum * v if rule.nesterov else v)
+    return theta
+
+
+def check_diloco(n, rng, steps=9):
+    """A DiLoCo run (rounds of 4 steps, the last round one step) equals :func:`diloco_reference`."""
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, _ = mlp(seed=12)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    for rule in [sync.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9),
+                 sync.DiLoCo(every=4, outer_lr=1.3, outer_momentum=0.5, nesterov=False)]:
+        reset(params, mlp(seed=12)[4], step)
+        history = train.run(step, x_np, y_np, BATCH, steps=steps, sync=rule)
+        assert history[-1].step == steps
+        want = diloco_reference(12, x_np, y_np, n, steps, 0.2, rule, global_batches(N_ROWS, BATCH, 2))
+        for rank in range(n):
+            for got, w in zip(values_on(rank, params), want):
+                np.testing.assert_allclose(got, w, rtol=1e-9, atol=1e-12)
+
+
+def test_diloco_takes_its_outer_nesterov_steps_exactly(synk2, rng):
+    check_diloco(N_PARALLEL, rng)
+
+
+def test_a_resumed_diloco_run_continues_exactly_from_inside_a_round(synk2, rng, tmp_path):
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=14)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    rule = sync.DiLoCo(every=4, outer_lr=0.7, outer_momentum=0.9)
+    train.run(step, x_np, y_np, BATCH, steps=12, sync=rule)
+    whole = [values_on(r, params) for r in range(N_PARALLEL)]
+    reset(params, init, step)
+    # checkpoints at steps 3 and 6, inside rounds: the devices' own values, the outer ones, the momentum
+    train.run(step, x_np, y_np, BATCH, steps=6, sync=rule, checkpoint_dir=tmp_path, checkpoint_every=3)
+    reset(params, [np.zeros_like(v) for v in init], step)
+    train.run(step, x_np, y_np, BATCH, steps=12, sync=rule, checkpoint_dir=tmp_path, checkpoint_every=3,
+              resume=True)
+    for rank in range(N_PARALLEL):
+        for a, b in zip(values_on(rank, params), whole[rank]):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_diloco_with_unit_outer_rate_and_no_momentum_is_average(synk2, rng):
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=13)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    train.run(step, x_np, y_np, BATCH, steps=8, sync=sync.Average(every=4))
+    averaged = values_on(0, params)
+    reset(params, init, step)
+    train.run(step, x_np, y_np, BATCH, steps=8, sync=sync.DiLoCo(every=4, outer_lr=1.0, outer_momentum=0.0))
+    for rank in range(N_PARALLEL):
+        for a, b in zip(values_on(rank, params), averaged):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------------------------
 # Every rule trains the digits MLP
 # ------------------------------------------------------------------------------------------------
@@ -210,6 +293,7 @@ def test_one_easgd_exchange_matches_the_formula(synk2, rng):
 ACCURACY_RULES = [
     (sync.AllReduce(), 30),
     (sync.Average(every=4), 30),
+    (sync.DiLoCo(every=4, outer_lr=0.5, outer_momentum=0.5), 30),
     (sync.EASGD(alpha=0.5, every=4), 30),
     (sync.EASGD(alpha=0.5, every=4, asynchronous=True), 40),
     (sync.Downpour(every=2), 40),
@@ -410,6 +494,9 @@ def test_wrong_functions_and_data_are_refused(model, rng):
 @pytest.mark.parametrize("make,message", [
     (lambda: sync.EASGD(alpha=1.5), "alpha must be in"),
     (lambda: sync.Average(every=0), "every must be a positive"),
+    (lambda: sync.DiLoCo(every=4, outer_lr=0), "outer_lr must be a positive"),
+    (lambda: sync.DiLoCo(every=4, outer_momentum=1), "outer_momentum must be below 1"),
+    (lambda: sync.DiLoCo(every=4, outer_momentum=-0.1), "outer_momentum must be in"),
     (lambda: sync.Downpour(every=2.5), "every must be a positive"),
     (lambda: sync.RateLimited(max_rate=0), "max_rate must be in"),
 ])

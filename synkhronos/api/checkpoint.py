@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -37,11 +37,13 @@ from ..runtime.nodes import joined_over_nodes
 from ..runtime.session import current, serialized
 from . import collectives
 
-__all__ = ["save", "restore", "read", "default_variables"]
+__all__ = ["save", "restore", "read", "default_variables", "ARRAY_PREFIX"]
 
 #: the layout version written into every checkpoint's metadata
 FORMAT_VERSION = 1
 _META_KEY = "synkhronos"
+#: the key prefix of the arrays save() keeps beside the variables
+ARRAY_PREFIX = "array/"
 
 
 def default_variables() -> list[SharedVariable]:
@@ -83,7 +85,7 @@ def _key(i, var):
 
 @serialized
 def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
-         step: int | None = None, extra: Any = None) -> None:
+         step: int | None = None, extra: Any = None, arrays: Mapping[str, Any] | None = None) -> None:
     """Write the values of ``variables`` on every device to ``path``, atomically.
 
     Parameters
@@ -96,6 +98,10 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     step : int, optional
     extra : optional
         Anything JSON can hold (data order, epoch, ...), returned by :func:`restore`.
+    arrays : dict of str to array, optional
+        Arrays of this process that are no shared variable but the same on
+        every device (a sync rule's state, say), kept by name: :func:`read`
+        returns them among its tensors as ``"array/<name>"``.
 
     Notes
     -----
@@ -130,6 +136,8 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
             for rank, value in enumerate(values_of(i)):
                 tensors[f"{key}@{rank}"] = np.array(value)
         layout.append(dict(key=key, name=var.name, per_rank=not replicated[i]))
+    for name, value in (arrays or {}).items():
+        tensors[f"{ARRAY_PREFIX}{name}"] = np.array(value)
     #: a digest of every tensor's bytes: a file whose data changed is refused when read
     checksums = {key: _checksum(value) for key, value in tensors.items()}
     meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout,

@@ -28,6 +28,8 @@ class RunCheckpoints:
     def __init__(self, directory, every, resume, variables, order):
         self.path, self.every, self.variables, self.order = None, None, variables, order
         self._resumed = 0
+        #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
+        self.rule_state = None
         if directory is None:
             if every is not None or resume:
                 raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
@@ -41,12 +43,14 @@ class RunCheckpoints:
             self._resumed = self._restore()
 
     def _restore(self):
-        saved = checkpoint.read(self.path)[1]
+        _, saved, tensors = checkpoint.read(self.path)
         if not isinstance(saved, dict) or saved.get("order") != self.order:
             raise ValueError(f"the checkpoint {self.path} was written by a run with "
                              f"{None if not isinstance(saved, dict) else saved.get('order')}, not "
                              f"{self.order}; resume with the same data, batch size, seed and rule, or "
                              f"use another checkpoint_dir")
+        held = saved.get("rule_state", 0)
+        self.rule_state = [tensors[f"{checkpoint.ARRAY_PREFIX}rule/{i}"] for i in range(held)]
         return int(checkpoint.restore(self.path, self.variables)["step"])
 
     def resumed_step(self):
@@ -56,6 +60,10 @@ class RunCheckpoints:
     def next_step(self, done):
         return next_multiple(done, self.every) if self.path else float("inf")
 
-    def maybe_save(self, done):
+    def maybe_save(self, done, rule_state=lambda: []):
+        """Save at a multiple of the period; ``rule_state()`` gives the sync rule's state (arrays)."""
         if self.path and done % self.every == 0:
-            checkpoint.save(self.path, self.variables, step=done, extra=dict(order=self.order))
+            held = rule_state()
+            checkpoint.save(self.path, self.variables, step=done,
+                            extra=dict(order=self.order, rule_state=len(held)),
+                            arrays={f"rule/{i}": a for i, a in enumerate(held)})

@@ -1,7 +1,8 @@
 """The sync rules of :func:`synkhronos.extensions.train.run`: how devices keep their parameters together.
 
 ``AllReduce()`` (synchronous SGD), ``Average(every=k)`` (BSP weight averaging,
-local SGD), ``EASGD(alpha, every=tau, asynchronous=False)`` (elastic averaging),
+local SGD), ``DiLoCo(every=H, outer_lr, outer_momentum, nesterov)`` (local steps, then an
+outer Nesterov step on the devices' mean change), ``EASGD(alpha, every=tau, asynchronous=False)`` (elastic averaging),
 ``Downpour(every=k)`` (ASGD with central parameters) and
 ``RateLimited(every_n_batches, alpha, beta, max_rate)`` (Legion's rule). Their
 maths and what each device runs are in :mod:`synkhronos.rank.sync`.
@@ -13,6 +14,6 @@ Examples
 EASGD(alpha=0.3, every=4, asynchronous=True)
 """
 
-from ..rank.sync import EASGD, AllReduce, Average, Downpour, RateLimited, Rule
+from ..rank.sync import EASGD, AllReduce, Average, DiLoCo, Downpour, RateLimited, Rule
 
-__all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]
+__all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]

@@ -288,7 +288,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     steps, epochs : int
         How long to train: exactly one of them.
     sync : Rule
-        :class:`~.sync.AllReduce` (default), :class:`~.sync.Average`,
+        :class:`~.sync.AllReduce` (default), :class:`~.sync.Average`, :class:`~.sync.DiLoCo`,
         :class:`~.sync.EASGD`, :class:`~.sync.Downpour` or :class:`~.sync.RateLimited`.
     shuffle : bool
         Visit the rows in a seeded permutation per epoch (else in order).
@@ -313,6 +313,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         rules resume from the saved parameters and continue the step count
         and the data order (an asynchronous rule's devices claim the steps
         after the checkpoint's); their center starts again from the master's.
+        :class:`~.sync.DiLoCo` keeps its outer parameters, momentum and round in
+        the checkpoint and continues exactly.
 
     Returns
     -------
@@ -356,11 +358,12 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if check_every is None else check_every
     params = train_fn.params
-    spec = state.loops.new(f_grad, f_upd, train_fn.grad_shared, params, train_fn.statistics,
-                           train_fn.optimizer_state, refs, batch_size, shuffle, seed, sync)
     saving = RunCheckpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
         dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
              rule=repr(sync)))
+    rule = sync if saving.rule_state is None else sync.resumed(saving.rule_state)
+    spec = state.loops.new(f_grad, f_upd, train_fn.grad_shared, params, train_fn.statistics,
+                           train_fn.optimizer_state, refs, batch_size, shuffle, seed, rule)
     run_steps = serialized(state.loops.run)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
@@ -378,7 +381,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             stats = stats + run_steps(spec, done, last)
             seconds += time.perf_counter() - start
             done = last
-            saving.maybe_save(done)
+            saving.maybe_save(done, lambda: serialized(state.loops.rule_state)(spec))
             if done % check_every and done < total:
                 continue
             elapsed += seconds

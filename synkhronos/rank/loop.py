@@ -50,6 +50,7 @@ class DeviceLoop:
         # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
         self.spec, self.rule = spec, copy.copy(spec.rule)
         self.rank, self.n_ranks, self.master_rank = context.rank, context.n_ranks, context.master_rank
+        self.root_rank = context.root_rank
         self.grad, self.update = context.function(spec.grad_fid), context.function(spec.update_fid)
         self.grad_var = context.variable(spec.grad_uid)
         #: what the rule keeps together: the parameters, then the model's statistics
@@ -108,7 +109,9 @@ class DeviceLoop:
         return out
 
     def broadcast_from_master(self, values):
-        return self.comm.broadcast(values, self.master_rank)
+        """``values`` as node 0's master holds them, on every rank of every node (one root for all:
+        each node's own master would make the nodes' broadcasts disagree)."""
+        return self.comm.broadcast(values, self.root_rank)
 
     # --- steps ------------------------------------------------------------------------------
     def _order(self, epoch):

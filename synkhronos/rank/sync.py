@@ -7,7 +7,7 @@ to synchronise, and says whether it did), ``finish`` once at the end, leaving
 every device with the same final parameters.
 
 Synchronous rules (every device steps at once, through the collective
-implementation): :class:`AllReduce`, :class:`Average`, :class:`EASGD`.
+implementation): :class:`AllReduce`, :class:`Average`, :class:`DiLoCo`, :class:`EASGD`.
 Asynchronous rules (each device at its own pace, through central parameters in
 shared memory, :class:`~synkhronos.rank.center.Center`): :class:`EASGD` with
 ``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`.
@@ -18,6 +18,9 @@ center and :math:`n` devices:
 - AllReduce: :math:`g = \sum_r \frac{b_r}{B} g_r` every step (synchronous SGD).
 - Average(every=k): every :math:`k` steps :math:`x_r \leftarrow \sum_q w_q x_q`,
   :math:`w_q` device :math:`q`'s share of the rows since the last average.
+- DiLoCo(every=H, outer_lr, outer_momentum): every :math:`H` steps
+  :math:`\Delta = \theta - \sum_r w_r x_r`, :math:`v \leftarrow \mu v + \Delta`,
+  :math:`\theta \leftarrow \theta - \eta (\Delta + \mu v)`, :math:`x_r \leftarrow \theta`.
 - EASGD(alpha, every=tau): every :math:`\tau` steps :math:`d_r = \alpha (x_r - c)`,
   :math:`x_r \leftarrow x_r - d_r`, :math:`c \leftarrow c + \sum_r d_r` (asynchronous:
   :math:`c \leftarrow c + d_r` by device :math:`r` alone, at its own pace).
@@ -36,20 +39,32 @@ would move the central one :math:`n` times as fast.
   :math:`c \leftarrow \alpha c + \beta x_r`, :math:`x_r \leftarrow c`.
 """
 
+import copy
 import time
 
 import numpy as np
 
 from ..errors import is_whole
 from ..platform.internals import stored
+from ..wire.batch import chunk
 
-__all__ = ["Rule", "AllReduce", "Average", "EASGD", "Downpour", "RateLimited"]
+__all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
 
 
 def _positive_int(value, name, rule):
     if not is_whole(value, at_least=1):
         raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
     return int(value)
+
+
+def _positive_number(value, name, rule):
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
+    if not value > 0 or not np.isfinite(value):
+        raise ValueError(f"{rule}: {name} must be a positive number, got {value!r}")
+    return value
 
 
 def _fraction(value, name, rule, low_open=False):
@@ -101,6 +116,14 @@ class Rule:
     def center_values(self, loop):
         """The center's values now (copies), or None for a rule without one."""
         return None
+
+    def saved_state(self, loop):
+        """What a checkpoint keeps of this rule beside the variables (arrays, the same on every device)."""
+        return []
+
+    def resumed(self, arrays):
+        """This rule, to start from ``arrays`` (what :meth:`saved_state` gave) instead of afresh."""
+        return self
 
     def _settings(self):
         return {k: v for k, v in vars(self).items() if not k.startswith("_")}
@@ -177,6 +200,96 @@ class Average(Rule):
     def finish(self, loop):
         if self._steps:
             self._average(loop)
+
+
+class DiLoCo(Rule):
+    r"""DiLoCo (Douillard et al. 2023): local steps, then one outer Nesterov step on the devices' mean change.
+
+    Every device runs ``every`` (:math:`H`) steps with the train function's
+    own rule, the inner optimizer. Then, with :math:`\theta` the parameters
+    every device held when the round began and :math:`w_r` device :math:`r`'s
+    share of the round's rows, the outer gradient
+    :math:`\Delta = \theta - \sum_r w_r x_r` is all-reduced once, and an outer
+    SGD with momentum moves :math:`\theta` on every device alike:
+    :math:`v \leftarrow \mu v + \Delta`, then
+    :math:`\theta \leftarrow \theta - \eta (\Delta + \mu v)` (Nesterov) or
+    :math:`\theta \leftarrow \theta - \eta v`. Every device goes on from
+    :math:`\theta`. The model's statistics are averaged, row-weighted, as
+    :class:`Average` averages them. A run whose steps end inside a round takes
+    the outer step on that round's rows. With ``outer_lr=1`` and
+    ``outer_momentum=0`` it is :class:`Average` ``(every=H)``.
+
+    Parameters
+    ----------
+    every : int
+        Inner steps per round (:math:`H`).
+    outer_lr : float
+        The outer learning rate :math:`\eta` (positive).
+    outer_momentum : float
+        The outer momentum :math:`\mu`, in [0, 1).
+    nesterov : bool
+
+    Examples
+    --------
+    >>> DiLoCo(every=50)
+    DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    """
+
+    def __init__(self, every=500, outer_lr=0.7, outer_momentum=0.9, nesterov=True):
+        self.every = _positive_int(every, "every", "DiLoCo")
+        self.outer_lr = _positive_number(outer_lr, "outer_lr", "DiLoCo")
+        self.outer_momentum = _fraction(outer_momentum, "outer_momentum", "DiLoCo")
+        if self.outer_momentum == 1:
+            raise ValueError("DiLoCo: outer_momentum must be below 1, got 1.0")
+        self.nesterov = bool(nesterov)
+
+    def start(self, loop):
+        saved = getattr(self, "_saved", None)
+        if saved is not None:        # resumed: the round so far, the outer parameters and momentum
+            self._steps, self._rows = int(saved[0][0]), np.array(saved[1], np.int64)
+            half = (len(saved) - 2) // 2
+            self._outer = [np.array(a) for a in saved[2:2 + half]]
+            self._velocity = [np.array(a) for a in saved[2 + half:]]
+            return
+        self._steps, self._rows = 0, np.zeros(loop.n_ranks, np.int64)
+        n = len(loop.params) - loop.n_statistics
+        self._outer = [np.array(v) for v in loop.broadcast_from_master(loop.param_values()[:n])]
+        self._velocity = [np.zeros_like(v) for v in self._outer]
+
+    def saved_state(self, loop):
+        # every rank's rows of the round so far, so that each resumes with its own weight
+        return ([np.array([self._steps], np.int64), self._rows.copy()]
+                + [t.copy() for t in self._outer] + [v.copy() for v in self._velocity])
+
+    def resumed(self, arrays):
+        rule = copy.copy(self)
+        rule._saved = [np.array(a) for a in arrays]
+        return rule
+
+    def after_update(self, loop, rows, batch_rows):
+        self._steps += 1
+        self._rows += [b - a for a, b in (chunk(0, batch_rows, loop.n_ranks, r) for r in range(loop.n_ranks))]
+        if self._steps < self.every:
+            return False
+        self._outer_step(loop)
+        return True
+
+    def _outer_step(self, loop):
+        weight = self._rows[loop.rank] / self._rows.sum()
+        local = loop.param_values()
+        mean = loop.all_reduce(loop.params, [x * weight for x in local], "sum")
+        n = len(self._outer)
+        for theta, v, m in zip(self._outer, self._velocity, mean[:n]):
+            delta = theta - np.asarray(m, theta.dtype)
+            v *= self.outer_momentum
+            v += delta
+            theta -= self.outer_lr * (delta + self.outer_momentum * v if self.nesterov else v)
+        loop.set_values(loop.params, [t.copy() for t in self._outer] + list(mean[n:]))
+        self._steps, self._rows = 0, np.zeros_like(self._rows)
+
+    def finish(self, loop):
+        if self._steps:
+            self._outer_step(loop)
 
 
 class EASGD(Rule):

@@ -80,6 +80,11 @@ class Loops(Part):
                       for uid in spec.synced_uids]
         return values
 
+    def rule_state(self, spec):
+        """Loop ``spec``'s rule state as the master's device holds it (arrays; see Rule.saved_state)."""
+        loop = self._loops.get(spec.loop_id)
+        return loop.rule.saved_state(loop) if loop is not None else []
+
     def release(self):
         """At the runtime's end: close every center."""
         centers = list(self._centers.values()) + [loop.center for loop in self._loops.values()]

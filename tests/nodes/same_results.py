@@ -155,6 +155,13 @@ synk.broadcast(params)
 history = train.run(step, xm, ym, 10, steps=6, shuffle=True, seed=3, check_every=3)
 out["run_losses"] = np.array(history["loss"])
 out["run_rows"] = np.array(history[-1].rows_per_device)
+for name, rule in [("diloco", sync.DiLoCo(every=4, outer_lr=0.7)), ("easgd", sync.EASGD(0.5, every=2))]:
+    for p, v in zip(params, init):            # rules that start from node 0's master's parameters
+        p.set_value(v)
+    synk.broadcast(params)
+    train.run(step, xm, ym, 10, steps=6, shuffle=True, seed=3, sync=rule)
+    for i, p in enumerate(params):
+        out[f"{name}_param{i}"] = np.stack([synk.get_value(r, p) for r in every_rank()])
 try:
     train.run(step, xm, ym, 10, steps=2, sync=sync.Downpour())
     out["async_refused"] = np.array("")
