@@ -31,7 +31,7 @@ from ..wire.plan import CallPlan, InputRef, result_record
 from .batch import check_num_slices, parse_batch, parse_batch_s
 from .data import Data, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
-from .recording import record
+from .recording import compile_on_master, record
 from .shapes import check_argument_shape
 
 __all__ = ["function", "Function"]
@@ -490,7 +490,6 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
                               updates, givens, sliceable_shareds, name, local_updates, kwargs)
     set_precision(State.float_x())       # the same rule every rank applies
     state.registry.own_streams(spec.shared_variables())
-    compiled = CompiledFunction(spec, probe=True)    # compile errors surface here, in the master
-    spec.by_rows = compiled.by_rows      # so that no worker builds the graph on free rows for nothing
+    compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here
     state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows)

@@ -6,7 +6,9 @@ declare a static row count), output and update modes, a compilation mode that
 does not compile for JAX, random variables JAX cannot sample, graphs that
 cannot travel. The tutorials' ``givens`` idiom is rewritten here
 (:mod:`.givens`), and what the function threads in is added
-(:mod:`synkhronos.compile.graph_updates`).
+(:mod:`synkhronos.compile.graph_updates`). The master then compiles the spec
+first (:func:`compile_on_master`), finding out for every rank whether the graph
+traces only on concrete shapes.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from pytensor.graph.traversal import ancestors
 from ..comm.reduction import check_output_mode, check_update_mode
 from ..compile import graph_updates, randomness, shipping
 from ..errors import LocalUpdatesWarning
+from ..platform import compile_cache
 from ..platform.internals import unsampleable_in_jax
+from ..rank.compiled import CompiledFunction
 from ..wire.spec import FunctionSpec
 from .givens import RowsFromGivens
 from .shapes import declared_rows, shape_text
 
-__all__ = ["record"]
+__all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE"]
 
 
 def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, name,
@@ -216,3 +220,25 @@ def _check_mode(kwargs):
                          f"function on each process's JAX device (CPU or GPU alike); leave mode "
                          f"unset (synkhronos's JAX mode), or pass mode=\"JAX\" or a "
                          f"pytensor Mode whose linker is \"jax\"")
+
+
+#: the compile cache's finding about a graph that traces only on concrete shapes
+TRACES_BY_SHAPE = "traces-by-shape"
+
+
+def compile_on_master(spec, cache):
+    """The master's CompiledFunction of ``spec``, and ``spec.by_rows`` set for the workers.
+
+    Whether the graph traces only on concrete shapes is found by the master
+    (``probe``), or recalled from an earlier run through the compile cache, so
+    that no rank builds it on free rows for nothing.
+    """
+    key = spec.digest() if cache is not None else None
+    recalled = key is not None and compile_cache.recalls(cache, TRACES_BY_SHAPE, key)
+    spec.by_rows = recalled
+    compiled = CompiledFunction(spec, probe=not recalled)
+    spec.by_rows = compiled.by_rows
+    if compiled.by_rows and not recalled:
+        compile_cache.record(cache, TRACES_BY_SHAPE, key)
+    return compiled
+

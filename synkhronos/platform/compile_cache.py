@@ -15,6 +15,12 @@ JAX's key of an entry covers the program, the JAX and jaxlib versions, the
 devices' kind and count, the compile options and the XLA flags, but an XLA CPU
 program is also compiled for the features of the CPU it was compiled on.
 
+Beside the programs, the directory keeps what synkhronos found out about a
+function's graph (:func:`record`, :func:`recalls`): whether it traces only on
+concrete shapes, so that a later run builds it per shape at once instead of on
+free rows first. A finding is a shortcut, never a result: a wrong one could only
+cost compile time.
+
 How big it gets: at most :data:`MAX_BYTES` per host; JAX evicts the least
 recently used entries beyond it, under a file lock, so runs at once on one
 machine share it safely. Clear it by removing the directory. A corrupt entry
@@ -38,7 +44,7 @@ import warnings
 
 from ..errors import SynkWarning
 
-__all__ = ["directory", "host_fingerprint", "usable_directory", "MAX_BYTES", "ENV_VAR"]
+__all__ = ["directory", "host_fingerprint", "usable_directory", "recalls", "record", "MAX_BYTES", "ENV_VAR"]
 
 #: JAX's own setting of the cache directory, honoured when set
 ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
@@ -113,3 +119,24 @@ def usable_directory(compile_cache: str | os.PathLike | bool | None = None) -> s
         raise ValueError(f"fork(compile_cache={compile_cache!r}): {path} cannot be made ({e}); give a "
                          f"writable directory, or compile_cache=False to compile without one") from None
     return path
+
+
+#: where the cache keeps what synkhronos found out about a graph: a marker file per finding and digest
+FINDINGS = "synkhronos-findings"
+
+
+def recalls(directory: str | None, finding: str, key: str) -> bool:
+    """True if an earlier run recorded ``finding`` about the graph of digest ``key`` in ``directory``."""
+    return directory is not None and os.path.exists(os.path.join(directory, FINDINGS, finding, key))
+
+
+def record(directory: str | None, finding: str, key: str) -> None:
+    """Record ``finding`` about the graph of digest ``key`` (nothing when the cache is off, or on a
+    failure to write: a finding is only ever a shortcut)."""
+    if directory is None:
+        return
+    try:
+        os.makedirs(os.path.join(directory, FINDINGS, finding), exist_ok=True)
+        open(os.path.join(directory, FINDINGS, finding, key), "a").close()
+    except OSError:
+        pass

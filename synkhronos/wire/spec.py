@@ -5,6 +5,7 @@ every process compiles it for its own device
 (:class:`synkhronos.rank.compiled.CompiledFunction`).
 """
 
+import hashlib
 from dataclasses import dataclass, field
 
 from pytensor.compile.sharedvalue import SharedVariable
@@ -59,6 +60,22 @@ class FunctionSpec:
     def graph_vars(self):
         return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
                 + [g[1] for g in self.givens] + [nxt for _, nxt in self.generator_updates])
+
+    def digest(self):
+        """A digest of what decides how this function's graph compiles, the same in every run of
+        the same script: its graphs (as PyTensor prints them, types included), inputs, givens,
+        options and floatX, and the versions of PyTensor and JAX."""
+        import importlib.metadata
+
+        import pytensor
+        from pytensor.printing import debugprint
+        parts = [pytensor.config.floatX, repr(sorted(self.kwargs.items(), key=str)),
+                 repr([(v.name, str(v.type)) for v in self.all_inputs + self.sliceable_shareds]),
+                 repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs])]
+        parts += [importlib.metadata.version(name) for name in ("pytensor", "jax", "jaxlib")]
+        graphs = self.graph_vars()
+        parts.append(debugprint(graphs, file="str", print_type=True) if graphs else "")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def shared_variables(self):
         """Every shared variable the function reads or updates (the workers must hold them)."""
