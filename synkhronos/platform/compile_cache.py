@@ -1,7 +1,8 @@
 """Compiled programs kept between runs: JAX's persistent compilation cache, one directory per host.
 
 Every process of a runtime points JAX's persistent compilation cache at the
-same directory before it compiles anything (:func:`enable`), so a program that
+same directory before it compiles anything
+(:func:`synkhronos.platform.jax_init.use_compile_cache`), so a program that
 an earlier run compiled, or that this run compiled before, is loaded instead of
 compiled again: every program, whatever its compile time or size (the
 per-row-count variants and the collectives' programs included).

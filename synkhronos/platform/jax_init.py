@@ -138,8 +138,6 @@ def use_compile_cache(directory):
     once share it), by every process (JAX's own writes from process 0 only).
     See :mod:`synkhronos.platform.compile_cache`.
     """
-    from jax.experimental.compilation_cache import compilation_cache
-    compilation_cache.reset_cache()         # JAX opens its cache once per process: anew per runtime
     if directory is None:
         _configure_jax("jax_enable_compilation_cache", False)
         return
@@ -246,6 +244,6 @@ def shutdown_process():
             jax.config.update(name, value)
         _changed_config.clear()
         from jax.experimental.compilation_cache import compilation_cache
-        compilation_cache.reset_cache()
+        compilation_cache.reset_cache()     # JAX opens its cache once per process: the next fork anew
         cpu_blas.restore_blas_threads()
         cpu_tuning.restore_allocator_defaults()

@@ -57,21 +57,22 @@ def _positive_int(value, name, rule):
     return int(value)
 
 
-def _positive_number(value, name, rule):
+def _number(value, name, rule):
     try:
-        value = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
+
+
+def _positive_number(value, name, rule):
+    value = _number(value, name, rule)
     if not value > 0 or not np.isfinite(value):
         raise ValueError(f"{rule}: {name} must be a positive number, got {value!r}")
     return value
 
 
 def _fraction(value, name, rule, low_open=False):
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
+    value = _number(value, name, rule)
     if not (0 < value <= 1 if low_open else 0 <= value <= 1):
         bounds = "in (0, 1]" if low_open else "in [0, 1]"
         raise ValueError(f"{rule}: {name} must be {bounds}, got {value!r}")
