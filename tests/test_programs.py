@@ -435,10 +435,10 @@ def test_lasagnes_flattened_input_trains_compiled_per_row_count(synk2, rng):
     # the dropout mask drawn for the flattened shape needs it concrete: compiled per row count
     x4, y, loss, params = lasagne_mlp(2, dropout=True)
     step = train.make_train_function(loss, params, x4, y, updates.sgd, learning_rate=0.5)
-    first = step(X, Y)
-    for _ in range(30):
-        last = step(X, Y)
-    assert step.functions[0].compiled.by_rows and last < 0.8 * first
+    losses = [float(step(X, Y)) for _ in range(60)]
+    # one step's loss moves with its dropout mask: compare means over several steps
+    assert step.functions[0].compiled.by_rows
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:3])
 
 
 def test_a_worker_error_is_one_short_report_with_the_graph_line_and_a_hint(synk2, monkeypatch):
