@@ -337,10 +337,6 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     state = current()
     sync = AllReduce() if sync is None else sync
     f_grad, f_upd = _check_run_arguments(train_fn, sync, check_every, on_check)
-    if sync.asynchronous and state.topology.several_nodes:
-        raise ValueError(f"{sync!r} keeps its center in one node's shared memory and cannot span "
-                         f"{state.topology.n_nodes} nodes; across nodes use a synchronous rule "
-                         f"(AllReduce(), Average(every=k) or EASGD(asynchronous=False))")
     if getattr(x_data, "sharded", False) and state.topology.several_nodes:
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "

@@ -51,13 +51,17 @@ class Center:
     initial : sequence of array, optional
         The initial central values: given by the creator (the master), which
         creates the segment; omitted by the devices that attach to it.
+    merge : callable
+        ``merge(block, pushed)``: a device's push applied to a block in place
+        (the rule's :meth:`~synkhronos.rank.sync.Downpour.merge`); returns what
+        the device takes back.
     check : callable
         Called while a mutex is waited for (raises to abandon the wait).
     """
 
     CLAIMED = 0
 
-    def __init__(self, name, shapes, dtypes, initial=None, check=lambda: None):
+    def __init__(self, name, shapes, dtypes, initial=None, merge=None, check=lambda: None):
         create = initial is not None
         offsets, size = _layout(shapes, dtypes)
         self.segment = Segment(name, size, create=create)
@@ -66,7 +70,7 @@ class Center:
                                                        create)
         self.blocks = [self.segment.array(dtype, tuple(shape), offset)
                        for shape, dtype, offset in zip(shapes, dtypes, offsets)]
-        self.check = check
+        self.check, self.merge = check, merge
         self._owner = create
         if create:
             for block, value in zip(self.blocks, initial):
@@ -75,14 +79,14 @@ class Center:
                 lock.post()            # a mutex starts free
 
     @classmethod
-    def of(cls, name, params, create, check=lambda: None):
+    def of(cls, name, params, create, merge=None, check=lambda: None):
         """The center of the shared variables ``params``, one block each, shaped like their values.
 
         The creator (``create=True``, the master) fills it with their values now.
         """
         values = [np.asarray(stored(p)) for p in params]
         return cls(name, [v.shape for v in values], [p.type.dtype for p in params],
-                   initial=values if create else None, check=check)
+                   initial=values if create else None, merge=merge, check=check)
 
     @contextmanager
     def _held(self, lock):
@@ -95,6 +99,18 @@ class Center:
     def locked(self, i):
         """Hold block ``i`` (``with center.locked(i): ...``) while reading or writing it."""
         return self._held(self._locks[i])
+
+    def exchange(self, pushes, take=np.array):
+        """One device's exchange: block by block, under its mutex, ``take(merge(block, push))``.
+
+        ``take`` makes what the device keeps of the merge's answer (a copy)
+        while the block is still held.
+        """
+        out = []
+        for i, pushed in enumerate(pushes):
+            with self.locked(i):
+                out.append(take(self.merge(self.blocks[i], pushed)))
+        return out
 
     def claim(self, limit):
         """The next unit of work below ``limit`` (the counter moves on by one), or None."""

@@ -345,14 +345,15 @@ class EASGD(Rule):
             c += np.asarray(total, c.dtype)
 
     def _exchange_with_center(self, loop):
-        center, new = loop.center, []
-        for i, x in enumerate(loop.param_values()):
-            with center.locked(i):
-                c = center.blocks[i]
-                d = self.alpha * (x - c)
-                c += d
-            new.append(x - d)
-        loop.set_values(loop.params, new)
+        local = loop.param_values()
+        pulls = loop.center.exchange(local, np.asarray)
+        loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
+
+    def merge(self, center, local):
+        """Asynchronous: device values ``local`` meet the center (in place); returns the device's pull."""
+        pull = self.alpha * (local - center)
+        center += pull
+        return pull
 
     def center_values(self, loop):
         return loop.center.values() if self.asynchronous else [c.copy() for c in self._center]
@@ -367,16 +368,16 @@ class _CentralRule(Rule):
         return loop.center.values()
 
     @staticmethod
-    def _push_and_pull(loop, pushes, push):
-        """For every parameter block: ``push(center, pushes[i])`` in place under its lock, then the
+    def _push_and_pull(loop, pushes):
+        """Every parameter block: the rule's :meth:`merge` of ``pushes[i]`` into the center, then the
         device takes the center. Returns the pulled device arrays."""
-        center, pulled = loop.center, []
-        for i, value in enumerate(pushes):
-            with center.locked(i):
-                push(center.blocks[i], value)
-                pulled.append(loop.device_copy(center.blocks[i]))
+        pulled = loop.center.exchange(pushes, loop.device_copy)
         loop.set_values(loop.params, pulled)
         return pulled
+
+    def merge(self, center, pushed):
+        """Apply a device's push ``pushed`` to a center block ``center`` in place; return the block."""
+        raise NotImplementedError
 
 
 class Downpour(_CentralRule):
@@ -412,8 +413,13 @@ class Downpour(_CentralRule):
         first_statistic = len(updates) - loop.n_statistics
         for i in range(first_statistic, len(updates)):
             updates[i] /= loop.n_ranks
-        self._pulled = self._push_and_pull(loop, updates, np.ndarray.__iadd__)
+        self._pulled = self._push_and_pull(loop, updates)
         return True
+
+    def merge(self, center, pushed):
+        center += pushed
+        return center
+        return center
 
 
 class RateLimited(_CentralRule):
@@ -457,10 +463,11 @@ class RateLimited(_CentralRule):
             loop.skipped += 1
             return False
         start = time.perf_counter()
-        self._push_and_pull(loop, [self.beta * x for x in loop.param_values()], self._blend)
+        self._push_and_pull(loop, [self.beta * x for x in loop.param_values()])
         self._last_cost = time.perf_counter() - start
         return True
 
-    def _blend(self, center, pushed):
+    def merge(self, center, pushed):
         center *= self.alpha
         center += pushed
+        return center

@@ -9,6 +9,8 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..comm import Reservation
@@ -28,7 +30,9 @@ class Loops(Part):
     def __init__(self, state):
         super().__init__(state)
         self._loops = {}      # loop id -> the master's DeviceLoop, from its first phase to finish
-        self._centers = {}    # loop id -> its central parameters, until the master's loop takes them
+        self._centers = {}    # loop id -> the master's handle on its center, until its loop takes it
+        self._routes = {}     # loop id -> where its devices find its center (a segment, or a server)
+        self._server = None   # node 0's server of its centers to the other nodes (several nodes)
         self._next_loop = 0
 
     def new(self, grad, update, grad_shared, params, statistics, optimizer_state, inputs, batch_size,
@@ -91,7 +95,10 @@ class Loops(Part):
         for center in centers:
             if center is not None:
                 center.close()
-        self._loops, self._centers = {}, {}
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self._loops, self._centers, self._routes = {}, {}, {}
 
     def _phase(self, spec, phase, first=0, last=0):
         state = self._state
@@ -99,9 +106,11 @@ class Loops(Part):
         channel, nodes = state.channel, state.nodes
         if not spec.rule.asynchronous:
             state.context.comm.reserve(self._reservation(spec))
-        elif spec.loop_id not in self._centers and spec.loop_id not in self._loops:  # before workers map it
-            self._centers[spec.loop_id] = self._new_center(spec, first)
-        channel.send_pickled(dict(spec=spec, phase=phase, first=first, last=last))
+        elif spec.loop_id not in self._routes:      # before the workers attach to it
+            self._open_center(spec, first)
+        # the workers attach to the center where it is (on another node: node 0's server)
+        sent = replace(spec, center=self._routes[spec.loop_id]) if spec.rule.asynchronous else spec
+        channel.send_pickled(dict(spec=sent, phase=phase, first=first, last=last))
 
         def master_loop():
             # made once the workers have the command: a rule may start with a collective
@@ -131,6 +140,12 @@ class Loops(Part):
             if phase == "finish" or not state.is_open:
                 self._loops.pop(spec.loop_id, None)
         if phase == "finish":
+            self._routes.pop(spec.loop_id, None)
+            if spec.rule.asynchronous and nodes is not None:
+                # node 0 serves the center until every node's devices took it
+                nodes.exchange(("train.run finish", spec.loop_id), None)
+                if self._server is not None:
+                    self._server.forget(spec.center)
             return None
         stats = np.zeros((state.n_local, len(own)))
         stats[state.local_master] = own
@@ -138,15 +153,46 @@ class Loops(Part):
             stats[rank] = channel.read_result_arrays(rank)[0]
         return np.array(joined_over_nodes(nodes, ("train.run", phase), stats))
 
-    def _new_center(self, spec, first):
-        """The loop's central parameters, made from the master's values, its claims starting at
-        global step ``first`` (a resumed run's)."""
+    def _open_center(self, spec, first):
+        """Make the loop's central parameters, from the master's values, their claims starting at
+        global step ``first`` (a resumed run's), and the master's handle on them.
+
+        They live in node 0's shared memory. On several nodes node 0's server
+        process (:class:`~synkhronos.rank.center_server.CenterServer`, started
+        with the first such loop) serves them too, and node 0's master tells
+        the other nodes where; their devices exchange with it.
+        """
         from ..rank.center import Center
-        state = self._state
-        center = Center.of(spec.center, [state.registry.shared_by_uid(uid) for uid in spec.synced_uids],
-                           create=True, check=state.channel.check_during_collective)
-        center.start_claims_at(first * state.n_parallel)
-        return center
+        from ..rank.center_server import CenterServer, RemoteCenter
+        state, nodes = self._state, self._state.nodes
+        params = [state.registry.shared_by_uid(uid) for uid in spec.synced_uids]
+        home = nodes is None or state.topology.node_rank == 0
+        where = spec.center
+        if home:
+            center = Center.of(spec.center, params, create=True, merge=spec.rule.merge,
+                               check=state.channel.check_during_collective)
+            center.start_claims_at(first * state.n_parallel)
+            if nodes is not None:
+                if self._server is None:
+                    self._server = CenterServer(state.topology.coordinator.rsplit(":", 1)[0])
+                blocks = center.blocks
+                where = self._server.serve(spec.center, [b.shape for b in blocks],
+                                           [b.dtype for b in blocks], spec.rule)
+        if nodes is not None:
+            where = nodes.exchange(("train.run's center", spec.loop_id), where if home else None)[0]
+        if not home:
+            center = RemoteCenter.of(where, params, check=self._check_node_zero,
+                                     on_silence=self._node_zero_silent)
+        self._centers[spec.loop_id] = center
+        self._routes[spec.loop_id] = where
+
+    def _check_node_zero(self):
+        """While a device of another node waits for node 0's center: this node's runtime, the nodes."""
+        self._state.channel.check_during_collective()
+        self._state.nodes.check_nodes_alive()
+
+    def _node_zero_silent(self, waited):
+        raise self._state.nodes.node_died(0, 0, f"node 0's center has not answered for {waited:.0f} s")
 
     def _reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""

@@ -256,13 +256,15 @@ class Worker:
 
     def loop(self):
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""
-        from ..rank.center import Center
+        from ..rank.center_server import attach_center
         message = self.payload_object()
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)
         if loop is None:
-            center = Center.of(spec.center, [self.shared[uid] for uid in spec.synced_uids],
-                               create=False, check=self.check_master) if spec.center else None
+            # a center on another node is waited for as long as this node's master lives: the
+            # master finds a lost node 0 and ends the runtime
+            center = attach_center(spec.center, [self.shared[uid] for uid in spec.synced_uids],
+                                   spec.rule.merge, check=self.check_master) if spec.center else None
             loop = self.loops[spec.loop_id] = self.context.device_loop(spec, center, self._beat())
         if message["phase"] == "finish":
             self.loops.pop(spec.loop_id).finish()

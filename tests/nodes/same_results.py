@@ -148,7 +148,7 @@ out["restored_params"] = np.array(all(np.array_equal(a, p.get_value()) for a, p 
 out["restored_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
 out["ref_restored_every_rank"] = np.stack([np.arange(5.0) + r for r in every_rank()])
 
-# --- a device-driven loop (synchronous), and the refusal of an asynchronous rule ------------------------
+# --- a device-driven loop under the synchronous rules ----------------------------------------------------
 for p, v in zip(params, init):
     p.set_value(v)
 synk.broadcast(params)
@@ -162,11 +162,6 @@ for name, rule in [("diloco", sync.DiLoCo(every=4, outer_lr=0.7)), ("easgd", syn
     train.run(step, xm, ym, 10, steps=6, shuffle=True, seed=3, sync=rule)
     for i, p in enumerate(params):
         out[f"{name}_param{i}"] = np.stack([synk.get_value(r, p) for r in every_rank()])
-try:
-    train.run(step, xm, ym, 10, steps=2, sync=sync.Downpour())
-    out["async_refused"] = np.array("")
-except ValueError as e:
-    out["async_refused"] = np.array(str(e))
 
 # --- training steps on sharded Data: every node's batch of its own rows, one step over all of them --
 XS, YS = XM[:27], YM[:27]
