@@ -1,8 +1,10 @@
 """Several nodes, simulated on this machine: each node a script started by ``python -m synkhronos.launch``
 in a mount namespace of its own with a private /dev/shm, so nothing can cross nodes through shared memory."""
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -380,4 +382,30 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
             assert bool(got[f"{name}_same_everywhere"]) and got[f"{name}_epochs"] == 40
             assert min(got[f"{name}_rows"]) > 0, f"{name}: every device of every node trained"
         np.testing.assert_array_equal(nodes[0][f"{name}_center"], nodes[1][f"{name}_center"])
+    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_zero(tmp_path, victim):
+    procs = start_nodes(os.path.join(SCRIPTS, "lost_node.py"), [tmp_path, victim], 2, 1, tmp_path)
+    codes = wait_all(procs, tmp_path, 150)
+    survivor = 1 - victim
+    assert codes[survivor] == 0 and codes[victim] == -signal.SIGKILL, read_logs(tmp_path)
+    seen = json.load(open(tmp_path / "survivor.json"))
+    if victim == 1:      # node 0 trains on: the run ends, names the loss, and the model is trained
+        assert [node for _, node in seen["lost_nodes"]] == [1], seen
+        assert len(seen["warnings"]) == 1 and "node 1 was lost" in seen["warnings"][0], seen
+        assert seen["epochs"] == 40 and seen["accuracy"] >= 0.95, seen
+    else:                # node 0 serves the center: the other node's run ends, naming it
+        killed_at = float(open(tmp_path / "killed_at.txt").read())
+        assert (seen["node"], seen["how"]) == (0, "died"), seen
+        assert seen["at"] - killed_at < 10, seen
+    assert seen["closed"] is True, seen
+    pids = [p for node in range(2) for p in json.load(open(tmp_path / f"pids{node}.json"))]
+    deadline = time.time() + 15          # a coordination service outlives its killed master a while
+    while time.time() < deadline and [p for p in pids if _alive(p)]:
+        time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"

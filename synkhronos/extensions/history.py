@@ -56,15 +56,29 @@ class History:
     >>> h.append(Check(10, 1.0, 0.5, 0.7, 2560.0, 0.1, 10, 0, (640, 640)))
     >>> len(h), h["loss"], h[-1].step
     (1, [0.7], 10)
+    >>> h.lose_node(1, step=14); h.lost_nodes
+    [(14, 1)]
+
+    Attributes
+    ----------
+    checks : list of Check
+    lost_nodes : list of (int, int)
+        ``(step, node)`` for every node an asynchronous run went on without:
+        found lost in the phase that ended at global step ``step``.
     """
 
     def __init__(self, rule, center_values=None):
         self.rule = rule
         self.checks = []
+        self.lost_nodes = []
         self._center_values = center_values
 
     def append(self, check: Check) -> None:
         self.checks.append(check)
+
+    def lose_node(self, node: int, step: int) -> None:
+        """Record that the run went on without ``node`` from the phase ending at ``step``."""
+        self.lost_nodes.append((int(step), int(node)))
 
     def __len__(self):
         return len(self.checks)
@@ -79,7 +93,8 @@ class History:
 
     def __repr__(self):
         last = f", last {asdict(self.checks[-1])}" if self.checks else ""
-        return f"History({self.rule}, {len(self)} checks{last})"
+        lost = f", lost nodes {self.lost_nodes}" if self.lost_nodes else ""
+        return f"History({self.rule}, {len(self)} checks{lost}{last})"
 
     def end_run(self) -> None:
         """The run has ended: the center is gone (the devices hold the final parameters)."""

@@ -18,7 +18,6 @@ from ..errors import SynkError
 from ..platform.internals import stored
 from ..tracing import trace
 from ..wire.loop import LoopSpec
-from .nodes import joined_over_nodes
 from .part import Part
 
 __all__ = ["Loops"]
@@ -143,7 +142,7 @@ class Loops(Part):
             self._routes.pop(spec.loop_id, None)
             if spec.rule.asynchronous and nodes is not None:
                 # node 0 serves the center until every node's devices took it
-                nodes.exchange(("train.run finish", spec.loop_id), None)
+                nodes.exchange(("train.run finish", spec.loop_id), None, tolerate_loss=True)
                 if self._server is not None:
                     self._server.forget(spec.center)
             return None
@@ -151,7 +150,17 @@ class Loops(Part):
         stats[state.local_master] = own
         for rank in state.worker_ranks:
             stats[rank] = channel.read_result_arrays(rank)[0]
-        return np.array(joined_over_nodes(nodes, ("train.run", phase), stats))
+        if nodes is None:
+            return stats
+        # an asynchronous run goes on without a lost node (its ranks count nothing); a synchronous
+        # one cannot (its collectives need every rank)
+        by_node = nodes.exchange(("train.run", phase), stats, tolerate_loss=spec.rule.asynchronous)
+        return np.concatenate([np.zeros_like(stats) if got is None else got for got in by_node])
+
+    def lost_nodes(self):
+        """The nodes an asynchronous run went on without (none on one node)."""
+        nodes = self._state.nodes
+        return set() if nodes is None else set(nodes.lost)
 
     def _open_center(self, spec, first):
         """Make the loop's central parameters, from the master's values, their claims starting at

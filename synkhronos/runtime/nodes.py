@@ -85,11 +85,14 @@ class NodeLink:
         self._stop_beating.set()
         self._beater.join(timeout=2 * BEAT_EVERY)
 
-    def exchange(self, what, obj):
+    def exchange(self, what, obj, tolerate_loss=False):
         """Give every node ``obj``; return every node's, in node order.
 
         ``what`` names the exchange (a string or tuple); every node must
         exchange the same ``what`` at the same point, else :class:`NodesDiverged`.
+        ``tolerate_loss``: a node other than node 0 lost before or during the
+        exchange gives None (it joins :attr:`lost`, this node's runtime goes
+        on); else, and always for node 0 (it serves the runtime), it raises.
         """
         t, seq = self.topology, self.seq
         self.seq += 1
@@ -104,7 +107,13 @@ class NodeLink:
             if node == t.node_rank:
                 out.append(obj)
                 continue
-            their_what, their_obj = pickle.loads(self._wait_for(f"{directory}/{seq}/{node}", node, what))
+            spared = tolerate_loss and node != 0
+            raw = None if spared and node in self.lost else \
+                self._wait_for(f"{directory}/{seq}/{node}", node, what, spared)
+            if raw is None:
+                out.append(None)
+                continue
+            their_what, their_obj = pickle.loads(raw)
             if their_what != what:
                 raise NodesDiverged(
                     f"node {t.node_rank} made {_describe(what)} while node {node} made "
@@ -113,7 +122,8 @@ class NodeLink:
             out.append(their_obj)
         return out
 
-    def _wait_for(self, key, node, what):
+    def _wait_for(self, key, node, what, tolerate_loss=False):
+        """The bytes ``node`` set under ``key``; None if ``tolerate_loss`` and the node is lost."""
         deadline = time.monotonic() + self.stall_timeout
         while True:
             try:
@@ -127,6 +137,9 @@ class NodeLink:
             if found is not None:
                 return found
             self.check()
+            if tolerate_loss and node in self.silent_nodes():
+                self.lost.add(node)
+                return None
             self.check_nodes_alive()
             if time.monotonic() > deadline:
                 t = self.topology
@@ -144,7 +157,15 @@ class NodeLink:
 
     def check_nodes_alive(self):
         """Raise :class:`WorkerError` naming a node not heard from for :data:`LOST_AFTER` seconds."""
+        silent = self.silent_nodes()
+        if silent:
+            raise self.node_died(silent[0], self.topology.ranks_of(silent[0])[0],
+                                 f"node {silent[0]} has not been heard from for {LOST_AFTER:g} s")
+
+    def silent_nodes(self):
+        """The other nodes not heard from for :data:`LOST_AFTER` seconds (the lost ones included)."""
         t, now = self.topology, time.monotonic()
+        silent = []
         for node in range(t.n_nodes):
             if node == t.node_rank:
                 continue
@@ -156,8 +177,8 @@ class NodeLink:
             if last is None or beat != last[0]:
                 self._heard[node] = (beat, now)
             elif now - last[1] > LOST_AFTER:
-                raise self.node_died(node, t.ranks_of(node)[0],
-                                     f"node {node} has not been heard from for {LOST_AFTER:g} s")
+                silent.append(node)
+        return silent
 
     def leave(self):
         """Before this master leaves the JAX runtime (its workers already left): say so."""

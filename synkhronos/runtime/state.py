@@ -199,7 +199,8 @@ class State:
             return
         try:
             if clean and self.nodes is not None:
-                self.nodes.exchange("close()", None)
+                # a node an asynchronous run went on without does not close with the others
+                self.nodes.exchange("close()", None, tolerate_loss=bool(self.nodes.lost))
             self.channel.stop_workers()
         finally:
             reap(self.channel.procs.values())
