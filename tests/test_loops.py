@@ -293,7 +293,7 @@ def test_diloco_with_unit_outer_rate_and_no_momentum_is_average(synk2, rng):
 ACCURACY_RULES = [
     (sync.AllReduce(), 30),
     (sync.Average(every=4), 30),
-    (sync.DiLoCo(every=4, outer_lr=0.5, outer_momentum=0.5), 30),
+    (sync.DiLoCo(every=8), 30),
     (sync.EASGD(alpha=0.5, every=4), 30),
     (sync.EASGD(alpha=0.5, every=4, asynchronous=True), 40),
     (sync.Downpour(every=2), 40),

@@ -35,12 +35,13 @@ NO_NAMESPACES = _namespaces_work()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
 
 
-def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=None):
+def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=None, pin=False):
     """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes.
 
     With ``private_shm`` each node runs in a mount namespace of its own with a tmpfs /dev/shm;
     without, the nodes share /dev/shm (each runtime's segments have a prefix of their own).
-    ``only`` starts just those nodes (the others never come).
+    ``only`` starts just those nodes (the others never come). ``pin``: node k runs on core
+    k only, as on machines of their own (a node that sleeps lends no core to another).
     """
     port = free_port()
     procs = []
@@ -48,6 +49,8 @@ def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=No
         launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(n_nodes),
                   "--node-rank", str(node), "--coordinator", f"127.0.0.1:{port}",
                   "--devices-per-node", str(per_node), script] + [str(a) for a in args]
+        if pin:
+            launch = ["taskset", "-c", str(node % os.cpu_count())] + launch
         if private_shm:
             inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
             launch = ["unshare", "-m", "sh", "-c", inner]
@@ -409,3 +412,15 @@ def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_ze
         time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+def test_node_zero_outpaces_allreduce_under_downpour_when_node_one_straggles(tmp_path):
+    # each node on a core of its own, as on machines of their own: the straggler's sleep lends
+    # no core to node 0
+    procs = start_nodes(os.path.join(SCRIPTS, "straggler.py"), [tmp_path], 2, 1, tmp_path, pin=True)
+    assert wait_all(procs, tmp_path, 150) == [0, 0], read_logs(tmp_path)
+    rates = json.load(open(tmp_path / "rates.json"))
+    print("node 0's rows/s with node 1 straggling:", rates)
+    assert rates["Downpour"] >= 1.3 * rates["AllReduce"], rates
