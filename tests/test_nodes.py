@@ -385,6 +385,9 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
             assert bool(got[f"{name}_same_everywhere"]) and got[f"{name}_epochs"] == 40
             assert min(got[f"{name}_rows"]) > 0, f"{name}: every device of every node trained"
         np.testing.assert_array_equal(nodes[0][f"{name}_center"], nodes[1][f"{name}_center"])
+    for got in nodes:        # resumed at step 4 of 8: steps 4 to 7 only, 10 rows each
+        assert got["resume_steps"].tolist() == [2, 4, 6, 8], got["resume_steps"]
+        assert got["resume_rows"].tolist() == [20, 20, 20, 20], got["resume_rows"]
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 

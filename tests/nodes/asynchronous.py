@@ -2,7 +2,8 @@
 
 1. One exchange each, at learning rate 0, from values set per device: what every device ends with
    (node 0's center) and every device's syncs, to compare with the rule's formula in numpy.
-2. Every asynchronous rule trains the digits MLP (``EPOCHS`` epochs, default 40): the test
+2. Resumed from a checkpoint at step 4 of 8 (``Downpour``): the steps of every check, and the rows.
+3. Every asynchronous rule trains the digits MLP (``EPOCHS`` epochs, default 40): the test
    accuracy, and whether every device of every node ends holding the center.
 Each node writes what it got to OUT/node<R>.npz.
 """
@@ -49,6 +50,16 @@ for name, rule in EXCHANGE_RULES.items():
     history = train.run(still, X, Y, 4 * n, steps=1, sync=rule)
     out[f"{name}_center"] = np.stack([synk.get_value(r, w) for r in range(n)])
     out[f"{name}_exchange_rows"] = np.array(history[-1].rows_per_device)
+
+# --- resumed from a checkpoint: the step count and the data order go on -------------------------------
+checkpoints = os.path.join(out_dir, "checkpoints")
+XR, YR = np.random.default_rng(3).normal(size=(60, 3)), np.zeros(60)
+first = train.run(still, XR, YR, 10, steps=4, sync=sync.Downpour(), checkpoint_dir=checkpoints,
+                  checkpoint_every=2, check_every=2)
+resumed = train.run(still, XR, YR, 10, steps=8, sync=sync.Downpour(), checkpoint_dir=checkpoints,
+                    checkpoint_every=2, check_every=2, resume=True)
+out["resume_steps"] = np.array([c.step for c in first] + [c.step for c in resumed])
+out["resume_rows"] = np.array([sum(c.rows_per_device) for c in list(first) + list(resumed)])
 
 init = [p.get_value() for p in params]
 stores = {k: synk.data(data[k]) for k in ("x_train", "y_train", "x_test", "y_test")}
