@@ -88,6 +88,7 @@ def main(argv=None):
                  + timeline_bench.section(recording) + nodes_bench.section(nodes))
     report.plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
+    nodes_bench.plot_accuracy(nodes, os.path.join(HERE, "nodes_accuracy.png"))
     print(open(os.path.join(HERE, "RESULTS.md")).read())
 
 

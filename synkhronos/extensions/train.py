@@ -269,7 +269,11 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     over the same orders. Under the other rules every device steps on the mean
     gradient of its own rows. Under the asynchronous rules the devices claim
     the minibatches (one device's part of a global step) from a shared
-    counter, so a fast device trains on more of them than a slow one.
+    counter, so a fast device trains on more of them than a slow one. On
+    several nodes every rule spans them: the asynchronous rules' center stays
+    on node 0, which serves it to the other nodes' devices, and such a run goes
+    on without a lost node other than node 0 (``history.lost_nodes``, a
+    :class:`~synkhronos.SynkWarning`).
 
     An error inside the loop (a device raising or dying, or no progress for
     ``stall_timeout``) shuts the runtime down, as a failed collective does:

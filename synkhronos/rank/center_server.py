@@ -127,12 +127,14 @@ def _serve(host):
     print(port, token.decode(), flush=True)
     lifeline = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), lifeline.set()), daemon=True).start()
+    socket.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))    # a receive that waits, sliced
     centers = {}
     try:
         while not lifeline.is_set():
-            if not socket.poll(int(_SLICE_S * 1000)):
+            try:
+                sender, given, op, name, *args = socket.recv_multipart(copy=False)
+            except zmq.Again:
                 continue
-            sender, given, op, name, *args = socket.recv_multipart(copy=False)
             if given.bytes != token:
                 continue
             try:
@@ -190,6 +192,7 @@ class RemoteCenter:
         self.check, self.on_silence, self.silence = check, on_silence, silence
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVTIMEO, int(_SLICE_S * 1000))    # a receive that waits, sliced
         self._socket.connect(endpoint)
 
     @classmethod
@@ -203,12 +206,16 @@ class RemoteCenter:
         """Send request ``op`` about this center; return the reply's frames."""
         self._socket.send_multipart([self._token, op, self.name, *frames], copy=False)
         start = time.monotonic()
-        while not self._socket.poll(int(_SLICE_S * 1000)):
+        while True:
+            try:
+                reply = self._socket.recv_multipart(copy=False)
+                break
+            except zmq.Again:
+                pass
             self.check()
             waited = time.monotonic() - start
             if waited > self.silence:
                 self.on_silence(waited)
-        reply = self._socket.recv_multipart(copy=False)
         if reply and reply[0].bytes == _ERROR:
             raise RuntimeError(f"node 0's center server: {reply[1].bytes.decode()}")
         return reply

@@ -9,8 +9,11 @@ every device with the same final parameters.
 Synchronous rules (every device steps at once, through the collective
 implementation): :class:`AllReduce`, :class:`Average`, :class:`DiLoCo`, :class:`EASGD`.
 Asynchronous rules (each device at its own pace, through central parameters in
-shared memory, :class:`~synkhronos.rank.center.Center`): :class:`EASGD` with
-``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`.
+node 0's shared memory, :class:`~synkhronos.rank.center.Center`, which node 0
+serves to the devices of other nodes,
+:class:`~synkhronos.rank.center_server.CenterServer`): :class:`EASGD` with
+``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`. Each says in
+:meth:`Downpour.merge` how a device's push changes a center block.
 
 The maths, with :math:`x_r` the parameters of device :math:`r`, :math:`c` the
 center and :math:`n` devices:
@@ -85,8 +88,9 @@ class Rule:
     Attributes
     ----------
     asynchronous : bool
-        Devices step at their own pace and exchange with central parameters in
-        shared memory (one node only); else they step together.
+        Devices step at their own pace and exchange with central parameters
+        (in node 0's shared memory, served to the other nodes); else they step
+        together.
     reduces_gradient : bool
         The flat gradient is all-reduced (row-weighted) before every update;
         else every device steps on its own gradient.
