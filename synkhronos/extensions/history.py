@@ -1,8 +1,11 @@
 """What a device-driven run reports at every check: :class:`History`."""
 
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from ..errors import SynkWarning
 
 __all__ = ["History", "Check"]
 
@@ -79,6 +82,14 @@ class History:
     def lose_node(self, node: int, step: int) -> None:
         """Record that the run went on without ``node`` from the phase ending at ``step``."""
         self.lost_nodes.append((int(step), int(node)))
+
+    def lose_nodes(self, lost: set, step: int) -> None:
+        """The run went on without the nodes in ``lost``: record the new ones, warn naming each."""
+        for node in sorted(lost - {n for _, n in self.lost_nodes}):
+            self.lose_node(node, step)
+            warnings.warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
+                          f"asynchronous run goes on with the other nodes, and the minibatches its "
+                          f"devices had claimed are not trained on", SynkWarning, stacklevel=3)
 
     def __len__(self):
         return len(self.checks)

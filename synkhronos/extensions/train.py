@@ -381,7 +381,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             stats = stats + run_steps(spec, done, last)
             seconds += time.perf_counter() - start
             done = last
-            _record_lost_nodes(history, state.loops.lost_nodes(), done)
+            history.lose_nodes(state.loops.lost_nodes(), done)
             saving.maybe_save(done, lambda: serialized(state.loops.rule_state)(spec))
             if done % check_every and done < total:
                 continue
@@ -395,16 +395,6 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             serialized(state.loops.finish)(spec)
         history.end_run()
     return history
-
-
-def _record_lost_nodes(history, lost, step):
-    """An asynchronous run across nodes went on without the nodes in ``lost``: record the new ones
-    in ``history``, and warn naming them."""
-    for node in sorted(lost - {n for _, n in history.lost_nodes}):
-        history.lose_node(node, step)
-        warnings.warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
-                      f"asynchronous run goes on with the other nodes, and the minibatches its "
-                      f"devices had claimed are not trained on", SynkWarning, stacklevel=3)
 
 
 def _run_data(train_fn, x_data, y_data):

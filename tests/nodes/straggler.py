@@ -46,7 +46,7 @@ train.run(step, x_train, y_train, 512, epochs=1)
 for _ in range(2):
     train.run(step, x_train, y_train, 512, epochs=2, sync=sync.Downpour())
 rates = {"AllReduce": 0.0, "Downpour": 0.0}
-for _ in range(3):               # a shared machine: each rule's best of interleaved rounds
+for _ in range(2):               # a shared machine: each rule's best of two interleaved rounds
     for name, rule in [("AllReduce", sync.AllReduce()), ("Downpour", sync.Downpour(every=1))]:
         rates[name] = max(rates[name], node_zero_rate(rule))
 if node == 0:
