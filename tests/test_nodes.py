@@ -419,7 +419,8 @@ def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_ze
 
 
 @needs_namespaces
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core for each of two nodes")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None,
+                    reason="needs a core for each of two nodes, and taskset to pin them")
 @pytest.mark.timeout(200)
 def test_node_zero_outpaces_allreduce_under_downpour_when_node_one_straggles(tmp_path):
     # each node on a core of its own, as on machines of their own: the straggler's sleep lends
