@@ -430,3 +430,22 @@ def test_node_zero_outpaces_allreduce_under_downpour_when_node_one_straggles(tmp
     rates = json.load(open(tmp_path / "rates.json"))
     print("node 0's rows/s with node 1 straggling:", rates)
     assert rates["Downpour"] >= 1.3 * rates["AllReduce"], rates
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps_and_rows(tmp_path):
+    script = os.path.join(SCRIPTS, "killed_resume.py")
+    killed = start_nodes(script, [tmp_path, 6, 0], 2, 1, tmp_path)
+    assert wait_all(killed, tmp_path, 100) == [-signal.SIGKILL] * 2, read_logs(tmp_path)
+    resumed = start_nodes(script, [tmp_path, 0, 1], 2, 1, tmp_path)
+    assert wait_all(resumed, tmp_path, 100) == [0, 0], read_logs(tmp_path)
+    for node in range(2):
+        checks = [json.loads(line) for line in open(tmp_path / f"checks{node}.jsonl")]
+        # killed at the check of step 6 (its checkpoint written): steps 6 to 11 again from there,
+        # 10 rows each, no more
+        assert checks == [[2, 20], [4, 20], [6, 20], [8, 20], [10, 20], [12, 20]], checks
+    deadline = time.time() + 15          # the killed run's coordination service stays a while
+    while time.time() < deadline and processes_running("synkhronos.rank.center_server"):
+        time.sleep(0.5)
+    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
