@@ -17,9 +17,10 @@ Validation runs with ``num_slices``; the loss/accuracy curves are saved as a PNG
 
 ``--loop device`` (variant ``cpu``) runs the training loop on the devices themselves
 (``synkhronos.extensions.train.run``), synchronised by ``--sync``: ``allreduce``
-(synchronous SGD), ``average`` (local SGD, averaging every 4 steps), ``easgd`` /
-``easgd-async`` (elastic averaging every 4 steps), ``downpour`` (ASGD, pushing every 2 steps)
-or ``ratelimited`` (Legion's rule); the master validates after every epoch.
+(synchronous SGD), ``average`` (local SGD, averaging every 4 steps), ``diloco`` (an outer
+Nesterov step every 8), ``easgd`` / ``easgd-async`` (elastic averaging every 4 steps),
+``downpour`` (ASGD, pushing every 2 steps) or ``ratelimited`` (Legion's rule); the master
+validates after every epoch. Every rule runs on several nodes too (``python -m synkhronos.launch``).
 
 Examples
 --------
@@ -50,6 +51,7 @@ LOOPS = ("master", "device")
 SYNC_RULES = {
     "allreduce": lambda: sync.AllReduce(),
     "average": lambda: sync.Average(every=4),
+    "diloco": lambda: sync.DiLoCo(every=8),
     "easgd": lambda: sync.EASGD(alpha=0.5, every=4),
     "easgd-async": lambda: sync.EASGD(alpha=0.5, every=4, asynchronous=True),
     "downpour": lambda: sync.Downpour(every=2),
