@@ -449,3 +449,15 @@ def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps
     while time.time() < deadline and processes_running("synkhronos.rank.center_server"):
         time.sleep(0.5)
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+
+
+@needs_namespaces
+@pytest.mark.timeout(120)
+def test_a_center_node_zero_cannot_serve_is_named_on_every_node_before_anything_runs(tmp_path):
+    procs = start_nodes(os.path.join(SCRIPTS, "unservable.py"), [tmp_path], 2, 1, tmp_path)
+    assert wait_all(procs, tmp_path, 100) == [0, 0], read_logs(tmp_path)
+    for node in range(2):
+        seen = json.load(open(tmp_path / f"node{node}.json"))
+        assert seen["node"] == 0 and "could not serve the center" in seen["error"], seen
+        assert "made to fail by the test" in seen["error"], seen
+        assert seen["after"] < 0.1, seen            # the runtime trains on after the refusal

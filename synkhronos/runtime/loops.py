@@ -72,6 +72,8 @@ class Loops(Part):
 
     def finish(self, spec):
         """Leave every device with loop ``spec``'s final parameters; the loop is then forgotten."""
+        if spec.rule.asynchronous and spec.loop_id not in self._routes:
+            return          # its center was never made: no device ran
         self._phase(spec, "finish")
 
     def center_values(self, spec):
@@ -182,13 +184,21 @@ class Loops(Part):
                                check=state.channel.check_during_collective)
             center.start_claims_at(first * state.n_parallel)
             if nodes is not None:
-                if self._server is None:
-                    self._server = CenterServer(state.topology.coordinator.rsplit(":", 1)[0])
-                blocks = center.blocks
-                where = self._server.serve(spec.center, [b.shape for b in blocks],
-                                           [b.dtype for b in blocks], spec.rule)
+                try:
+                    if self._server is None:
+                        self._server = CenterServer(state.topology.coordinator.rsplit(":", 1)[0])
+                    where = self._server.serve(spec.center, [b.shape for b in center.blocks],
+                                               [b.dtype for b in center.blocks], spec.rule)
+                except OSError as e:         # every node raises, before any device starts
+                    center.close()
+                    where = ("failed", str(e))
         if nodes is not None:
             where = nodes.exchange(("train.run's center", spec.loop_id), where if home else None)[0]
+            if isinstance(where, tuple):
+                raise nodes.error_on(0, f"node 0 could not serve the center of {spec.rule!r} to "
+                                        f"the other nodes ({where[1]}); nothing ran. Check that "
+                                        f"node 0's coordinator host accepts connections on a "
+                                        f"free port, or use a synchronous rule")
         if not home:
             center = RemoteCenter.of(where, params, check=self._check_node_zero,
                                      on_silence=self._node_zero_silent)
