@@ -137,10 +137,11 @@ class NodeLink:
             if found is not None:
                 return found
             self.check()
-            if tolerate_loss and node in self.silent_nodes():
+            silent = self.silent_nodes()
+            if tolerate_loss and node in silent:
                 self.lost.add(node)
                 return None
-            self.check_nodes_alive()
+            self._raise_for_silent(silent)
             if time.monotonic() > deadline:
                 t = self.topology
                 self.on_fault()
@@ -157,7 +158,9 @@ class NodeLink:
 
     def check_nodes_alive(self):
         """Raise :class:`WorkerError` naming a node not heard from for :data:`LOST_AFTER` seconds."""
-        silent = self.silent_nodes()
+        self._raise_for_silent(self.silent_nodes())
+
+    def _raise_for_silent(self, silent):
         if silent:
             raise self.node_died(silent[0], self.topology.ranks_of(silent[0])[0],
                                  f"node {silent[0]} has not been heard from for {LOST_AFTER:g} s")
