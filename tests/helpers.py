@@ -271,3 +271,20 @@ class FailingAllReduce(_FailOnRank1, AllReduce):
 
 class FailingDownpour(_FailOnRank1, Downpour):
     pass
+
+
+# ------------------------------------------------------------------------------------------------
+# The demo's digits model
+# ------------------------------------------------------------------------------------------------
+
+def digits_step(spec, rule, learning_rate):
+    """The demo's digits data and model ``spec`` with a master-driven step, on a running runtime:
+    ``(data, step, params, (x, y, loss, accuracy))``."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from demos.mnist import build_model, load_data
+    from synkhronos.extensions import train
+    data = load_data()
+    make_graph, params, _ = build_model(spec, data["side"])
+    x, y, loss, accuracy = make_graph()
+    step = train.make_train_function(loss, params, x, y, rule, learning_rate=learning_rate)
+    return data, step, params, (x, y, loss, accuracy)

@@ -21,6 +21,7 @@ from helpers import (
     SlowEASGD,
     SlowRateLimited,
     close,
+    digits_step,
     wait_for_marker,
 )
 from test_extensions import mlp
@@ -302,17 +303,10 @@ ACCURACY_RULES = [
 
 
 def digits_model(spec, rule, learning_rate):
-    """The demo's digits data and model ``spec`` with a master-driven step, on a running runtime."""
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from demos.mnist import build_model, load_data
+    """:func:`helpers.digits_step`, forking first if no runtime runs."""
     if session.active() is None:
         synk.fork(N_PARALLEL)
-    data = load_data()
-    make_graph, params, _ = build_model(spec, data["side"])
-    x, y, loss, accuracy = make_graph()
-    step = train.make_train_function(loss, params, x, y, rule, learning_rate=learning_rate)
-    return data, step, params, (x, y, loss, accuracy)
+    return digits_step(spec, rule, learning_rate)
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,10 @@ import sys
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from helpers import digits_step  # tests/ is on the path of every node script
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from demos.mnist import build_model, load_data  # noqa: E402
 
 out_dir = sys.argv[1]
 epochs = int(sys.argv[2]) if len(sys.argv) > 2 else 40
@@ -36,10 +34,7 @@ w = pytensor.shared(np.zeros(3), name="w")
 still = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd, learning_rate=0.0)
 
 # --- the digits MLP ------------------------------------------------------------------------------------
-data = load_data()
-make_graph, params, _ = build_model("custom_mlp:1,128", data["side"])
-dx, dy, loss, accuracy = make_graph()
-step = train.make_train_function(loss, params, dx, dy, updates.momentum, learning_rate=0.05)
+data, step, params, (dx, dy, loss, accuracy) = digits_step("custom_mlp:1,128", updates.momentum, 0.05)
 evaluate = synk.function([dx, dy], [(accuracy, "avg")], name="evaluate_digits")
 synk.distribute()
 

@@ -10,12 +10,11 @@ import sys
 import time
 import warnings
 
+from helpers import digits_step  # tests/ is on the path of every node script
+
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import session
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from demos.mnist import build_model, load_data  # noqa: E402
 
 out, victim = sys.argv[1], int(sys.argv[2])
 synk.fork()
@@ -23,10 +22,7 @@ node, state = synk.node_rank(), session.current()
 with open(os.path.join(out, f"pids{node}.json"), "w") as f:
     json.dump([os.getpid()] + list(state.worker_pids.values())
               + ([state.service.pid] if state.service is not None else []), f)
-data = load_data()
-make_graph, params, _ = build_model("custom_mlp:1,128", data["side"])
-x, y, loss, accuracy = make_graph()
-step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=0.05)
+data, step, params, (x, y, loss, accuracy) = digits_step("custom_mlp:1,128", updates.momentum, 0.05)
 synk.distribute()
 x_train, y_train = synk.data(data["x_train"]), synk.data(data["y_train"])
 

@@ -8,12 +8,11 @@ import os
 import sys
 import time
 
+from helpers import digits_step  # tests/ is on the path of every node script
+
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.rank.loop import DeviceLoop
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from demos.mnist import build_model, load_data  # noqa: E402
 
 out = sys.argv[1]
 synk.fork()
@@ -27,10 +26,7 @@ if node == 1:                      # the one device of node 1 is its master: slo
         time.sleep(time.perf_counter() - start)
     DeviceLoop._step = straggling_step
 
-data = load_data()
-make_graph, params, _ = build_model("custom_mlp:2,512", data["side"])
-x, y, loss, accuracy = make_graph()
-step = train.make_train_function(loss, params, x, y, updates.sgd, learning_rate=0.01)
+data, step, params, (x, y, loss, accuracy) = digits_step("custom_mlp:2,512", updates.sgd, 0.01)
 synk.distribute()
 x_train, y_train = synk.data(data["x_train"]), synk.data(data["y_train"])
 
