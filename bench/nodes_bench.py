@@ -145,8 +145,9 @@ def _exchange_against_round_trip(rounds, spec):
     from demos.mnist import build_model, load_data
     from synkhronos.extensions import sync
     from synkhronos.rank.center import Center
-    from synkhronos.rank.center_server import CenterServer, RemoteCenter
+    from synkhronos.rank.center_server import RemoteCenter
     from synkhronos.runtime import session
+    from synkhronos.runtime.centers import CenterServer
     state = session.current()
     _, params, _ = build_model(spec, load_data()["side"])
     values = [np.asarray(p.get_value()) for p in params]

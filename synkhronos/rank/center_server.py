@@ -4,8 +4,10 @@ ZeroMQ, and the devices of the other nodes exchange with them at their own pace.
 An asynchronous rule's center lives in node 0's shared memory, as on one node
 (:class:`~synkhronos.rank.center.Center`), and node 0's devices use it there.
 For the other nodes, node 0's master starts one server process per runtime
-(:class:`CenterServer`; its own process, so that serving never waits for the
-master's own training to let go of Python's lock). It binds one ZeroMQ
+(:func:`_serve`, run as ``python -m synkhronos.rank.center_server HOST``;
+:class:`synkhronos.runtime.centers.CenterServer` is the master's handle on it):
+its own process, so that serving never waits for the master's own training to
+let go of Python's lock. It binds one ZeroMQ
 ``ROUTER`` socket to the host the other nodes reach node 0 at, attaches to
 each loop's center, and applies every request under the same mutexes node 0's
 devices take: an exchange is atomic per block whichever node it comes from,
@@ -26,10 +28,8 @@ the port cannot read or change a center. The server process ends when its
 master closes its standard input, or dies.
 """
 
-import os
 import pickle
 import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +39,7 @@ import zmq
 
 from .center import Center
 
-__all__ = ["CenterServer", "RemoteCenter", "attach_center", "SCHEME"]
+__all__ = ["RemoteCenter", "attach_center", "SCHEME"]
 
 #: how a center's address starts when it is a server's, not a shared-memory segment's name
 SCHEME = "tcp://"
@@ -60,66 +60,10 @@ def _split(address):
     return endpoint, token.encode(), name.encode()
 
 
-class CenterServer:
-    """Node 0's master's handle on the process serving its loops' centers to the other nodes.
-
-    Parameters
-    ----------
-    host : str
-        The address the server binds (the one the other nodes reach node 0
-        at); the port is the system's choice.
-    """
-
-    def __init__(self, host):
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [package_parent] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, host], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True)
-        line = self.proc.stdout.readline().split()
-        if len(line) != 2:
-            self.stop()
-            raise OSError(f"the center's server could not bind {host} (exit code "
-                          f"{self.proc.returncode})")
-        port, token = line
-        #: ``tcp://host:port#token``: what a center's address starts with
-        self.endpoint = f"{SCHEME}{host}:{port}#{token}"
-        self._control = RemoteCenter(self.endpoint + "#", [], [])
-
-    def serve(self, name, shapes, dtypes, rule):
-        """Serve the center in segment ``name`` (blocks ``shapes``, ``dtypes``) under ``rule``'s
-        merge; returns its address for the other nodes' devices."""
-        self._control.name = name.encode()
-        self._control.request(b"open", [pickle.dumps(([tuple(s) for s in shapes],
-                                                      [np.dtype(d).str for d in dtypes], rule))])
-        return f"{self.endpoint}#{name}"
-
-    def forget(self, name):
-        """Stop serving the center in segment ``name`` (every node is done with its loop)."""
-        self._control.name = name.encode()
-        self._control.request(b"close")
-
-    def stop(self):
-        """End the server process."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if getattr(self, "_control", None) is not None:
-            self._control.close()
-
-    @property
-    def pid(self):
-        return self.proc.pid
-
-
 def _serve(host):
-    """The server process: serve centers until the master closes standard input or dies."""
+    """The server process: serve centers until the master closes standard input or dies.
+
+    Its first line of output is ``PORT TOKEN``."""
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     port = socket.bind_to_random_port(f"tcp://{host}")
@@ -143,7 +87,7 @@ def _serve(host):
                 reply = [_ERROR, f"{type(e).__name__}: {e}".encode()]
             socket.send_multipart([sender] + reply, copy=False)
     finally:
-        for center, _, _ in centers.values():
+        for center in centers.values():
             center.close()
         socket.close()
 
@@ -152,18 +96,18 @@ def _answer(centers, op, name, args):
     """The reply to one request ``op`` about the center in segment ``name``."""
     if op == b"open":
         shapes, dtypes, rule = pickle.loads(args[0].bytes)
-        centers[name] = (Center(name, shapes, dtypes, merge=rule.merge), shapes, dtypes)
+        centers[name] = Center(name, shapes, dtypes, merge=rule.merge)
         return [b"ok"]
     if op == b"close":
-        center, _, _ = centers.pop(name)
-        center.close()
+        centers.pop(name).close()
         return [b"ok"]
-    center, shapes, dtypes = centers[name]
+    center = centers[name]
     if op == b"claim":
         unit = center.claim(int(np.frombuffer(args[0].buffer, np.int64)[0]))
         return [np.int64(-1 if unit is None else unit).tobytes()]
     if op == b"exchange":
-        return center.exchange(_frames_to_arrays(args, shapes, dtypes))
+        return center.exchange(_frames_to_arrays(args, [b.shape for b in center.blocks],
+                                                 [b.dtype for b in center.blocks]))
     return center.values()
 
 
@@ -174,7 +118,7 @@ class RemoteCenter:
     ----------
     address : str
         The center's address, ``tcp://host:port#token#center`` (from
-        :meth:`CenterServer.serve`).
+        :meth:`synkhronos.runtime.centers.CenterServer.serve`).
     shapes, dtypes : sequence
         One per parameter block.
     check : callable

@@ -11,7 +11,7 @@ implementation): :class:`AllReduce`, :class:`Average`, :class:`DiLoCo`, :class:`
 Asynchronous rules (each device at its own pace, through central parameters in
 node 0's shared memory, :class:`~synkhronos.rank.center.Center`, which node 0
 serves to the devices of other nodes,
-:class:`~synkhronos.rank.center_server.CenterServer`): :class:`EASGD` with
+:mod:`~synkhronos.rank.center_server`): :class:`EASGD` with
 ``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`. Each says in
 :meth:`Downpour.merge` how a device's push changes a center block.
 

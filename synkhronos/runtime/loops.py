@@ -169,12 +169,13 @@ class Loops(Part):
         global step ``first`` (a resumed run's), and the master's handle on them.
 
         They live in node 0's shared memory. On several nodes node 0's server
-        process (:class:`~synkhronos.rank.center_server.CenterServer`, started
+        process (:class:`~synkhronos.runtime.centers.CenterServer`, started
         with the first such loop) serves them too, and node 0's master tells
         the other nodes where; their devices exchange with it.
         """
         from ..rank.center import Center
-        from ..rank.center_server import CenterServer, RemoteCenter
+        from ..rank.center_server import RemoteCenter
+        from .centers import CenterServer
         state, nodes = self._state, self._state.nodes
         params = [state.registry.shared_by_uid(uid) for uid in spec.synced_uids]
         home = nodes is None or state.topology.node_rank == 0

@@ -1,4 +1,4 @@
-"""Starting, describing and reaping the worker processes."""
+"""Starting, describing and reaping the runtime's child processes (the workers above all)."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-__all__ = ["free_port", "launch_worker", "describe_exit", "reap"]
+__all__ = ["free_port", "package_env", "launch_worker", "describe_exit", "reap"]
 
 
 def free_port():
@@ -17,6 +17,15 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def package_env(env=None):
+    """``env`` (default: this process's environment) for a child that runs ``python -m
+    synkhronos...``: it finds this checkout first on its path, then this process's."""
+    env = dict(os.environ if env is None else env)
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([package_parent] + [p for p in sys.path if p])
+    return env
 
 
 def launch_worker(settings, env):
@@ -27,9 +36,7 @@ def launch_worker(settings, env):
     child ends, so a worker asks for it only when started from the main thread
     (``die_with_parent``); otherwise it watches the master's pid alone.
     """
-    env = dict(env)
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([package_parent] + [p for p in sys.path if p])
+    env = package_env(env)
     settings = dict(settings, master_pid=os.getpid(),
                     die_with_parent=threading.current_thread() is threading.main_thread())
     env["SYNK_WORKER"] = json.dumps(settings)

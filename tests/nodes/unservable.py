@@ -13,7 +13,7 @@ import pytensor.tensor as pt
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.rank import center_server
+from synkhronos.runtime import centers
 
 out = sys.argv[1]
 synk.fork()
@@ -24,7 +24,7 @@ def cannot_bind(self, host):
     raise OSError(f"the center's server could not bind {host} (made to fail by the test)")
 
 
-center_server.CenterServer.__init__ = cannot_bind
+centers.CenterServer.__init__ = cannot_bind
 x, y = pt.matrix("x"), pt.vector("y")
 w = pytensor.shared(np.zeros(3), name="w")
 step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd, learning_rate=0.1)
