@@ -89,10 +89,20 @@ def copy_of(cold, tmp_path):
     return cache
 
 
+def compiled(done):
+    return sum(d[COMPILED] for d in done.values())
+
+
+def test_the_ranks_of_a_host_compile_each_program_once_between_them(cold):
+    cache, _, done = cold
+    assert sorted(done) == [0, 1]
+    assert compiled(done) == len(entries(cache))      # one compile per program kept, whichever rank
+    assert done[1][LOADED] > 0, done                  # the worker loaded what the master compiled
+
+
 def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path):
     cache, first, done_cold = cold
     assert sorted(done_cold) == [0, 1]
-    assert all(d[COMPILED] > 0 for d in done_cold.values()), done_cold
     kept = entries(cache)
     assert kept and os.listdir(cache) == [compile_cache.host_fingerprint()]   # one host's directory
     again = copy_of(cold, tmp_path)
@@ -100,7 +110,7 @@ def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path
     assert result == first
     assert sorted(done) == [0, 1]
     for rank, d in done.items():              # every program of every rank came from the cache
-        assert d[COMPILED] == 0 and d[LOADED] == done_cold[rank][COMPILED], (rank, d, done_cold)
+        assert d[COMPILED] == 0 and d[LOADED] == sum(done_cold[rank].values()), (rank, d, done_cold)
     assert entries(again) == kept             # and nothing new was written
 
 
@@ -111,13 +121,12 @@ def test_a_changed_flag_device_count_or_float_x_compiles_anew(cold, tmp_path, ch
                   devices=dict(n=3, collectives="jax"), float32=dict(float_x="float32"))[change]
     result, done, _ = run(tmp_path, cache, change, **kwargs)
     np.testing.assert_allclose(result[1], cold[1][1], rtol=1e-6)
-    for rank, d in done.items():
-        assert d[COMPILED] > 0, (change, rank, d)
-    if change == "xla_flag":                 # the flags key every program: none could be loaded
-        assert all(d[LOADED] == 0 for d in done.values()), (change, done)
+    assert compiled(done) > 0, (change, done)
+    if change == "xla_flag":                 # the flags key every program: each is compiled anew
+        assert compiled(done) == compiled(cold[2]), (change, done, cold[2])
     # (with another floatX or device count, a program that does not depend on it, moving integer
     # indices say, is the same program and is loaded)
-    assert len(entries(cache)) > len(entries(cold[0]))
+    assert len(entries(cache)) == len(entries(cold[0])) + compiled(done)
 
 
 def test_a_corrupt_entry_is_compiled_again_with_a_warning(cold, tmp_path):
@@ -175,36 +184,70 @@ def test_a_compile_cache_that_cannot_be_used_is_refused_before_anything_starts(t
     assert session.active() is None
 
 
-#: argv: cache, timeline. A ResNet's gradient: it traces only on concrete shapes
-BY_SHAPE = """
+#: argv: cache, timeline, graph. A ResNet's gradient ("resnet": it traces only on concrete shapes) or
+#: a tanh layer ("layer": it traces on free rows), called with two row counts
+FINDINGS = """
 import json, sys
-import numpy as np, pytensor
+import numpy as np, pytensor, pytensor.tensor as pt
 import synkhronos as synk
 from demos.resnet_synthetic import build
 synk.fork(2, compile_cache=sys.argv[1])
-make_graph, params = build(4, 2, 4)
-x, y, loss, _ = make_graph(None)
 rng = np.random.default_rng(0)
-X, Y = rng.normal(size=(5, 4, 4, 3)), rng.integers(0, 2, size=5)
+if sys.argv[3] == "resnet":
+    make_graph, params = build(4, 2, 4)
+    x, y, loss, _ = make_graph(None)
+    outputs = [(loss, "avg"), (pytensor.grad(loss, params[0]), "avg")]
+    data = [(rng.normal(size=(n, 4, 4, 3)), rng.integers(0, 2, size=n)) for n in (5, 7)]
+else:
+    x, y = pt.matrix("x"), pt.matrix("y")
+    outputs = [(((pt.tanh(x @ np.ones((3, 2))) - y) ** 2).sum(), "sum")]
+    data = [(rng.normal(size=(n, 3)), rng.normal(size=(n, 2))) for n in (5, 7)]
 with synk.timeline(sys.argv[2]):
-    f = synk.function([x, y], [(loss, "avg"), (pytensor.grad(loss, params[0]), "avg")], name="by_shape")
-    got = f(X, Y)
-gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, f.as_pytensor(X, Y)))
+    f = synk.function([x, y], outputs, name="findings")
+    got = [f(*args) for args in data]
+want = [f.as_pytensor(*args) for args in data]
+gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for g, w in zip(got, want) for a, b in zip(g, w))
 print("RESULT " + json.dumps(gap))
 synk.close()
 """
 
 
-def test_a_graph_found_to_trace_only_on_concrete_shapes_is_built_per_shape_at_once_next_time(tmp_path):
-    builds, results = [], []
+def builds_of_two_runs(tmp_path, graph):
+    """Per run (one cache, two fresh processes): the builds of the function, as (rank, shapes), and
+    the results' largest gap from the single process."""
+    builds, gaps = [], []
     for name in ("first", "second"):
         timeline = str(tmp_path / f"{name}.json")
-        out = run_script(BY_SHAPE, timeout=240, args=[str(tmp_path / "cache"), timeline])
+        out = run_script(FINDINGS, timeout=240, args=[str(tmp_path / "cache"), timeline, graph])
         assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-        results.append(json.loads(next(line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT "))))
+        gaps.append(json.loads(next(line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT "))))
         with open(timeline) as fh:
             builds.append(sorted((e["pid"], e["args"]["shapes"]) for e in json.load(fh)["traceEvents"]
-                                 if e.get("cat") == "compile" and e["name"] == "build by_shape"))
-    assert (0, "any rows") in builds[0]                 # the master built it on free rows to find out
-    assert builds[1] == [(0, "((2, 4, 4, 3), (2,))"), (1, "((3, 4, 4, 3), (3,))")]     # per shape only
-    assert max(results) < 1e-12                         # and each run computes what one process does
+                                 if e.get("cat") == "compile" and e["name"] == "build findings"))
+    return builds, gaps
+
+
+def test_a_graph_found_to_trace_only_on_concrete_shapes_is_built_per_shape_at_once_next_time(tmp_path):
+    builds, gaps = builds_of_two_runs(tmp_path, "resnet")
+    assert (0, "any rows") in builds[0]        # the second row count tried free rows, and found out
+    assert builds[1] == [(0, "((2, 4, 4, 3), (2,))"), (0, "((3, 4, 4, 3), (3,))"),
+                         (1, "((3, 4, 4, 3), (3,))"), (1, "((4, 4, 4, 3), (4,))")]     # per shape only
+    assert max(gaps) < 1e-12                   # and each run computes what one process does
+
+
+def test_a_graph_found_to_trace_on_free_rows_is_built_so_at_once_next_time(tmp_path):
+    builds, gaps = builds_of_two_runs(tmp_path, "layer")
+    assert builds[0] == [(0, "((2, 3), (2, 2))"), (0, "any rows"), (1, "((3, 3), (3, 2))"), (1, "any rows")]
+    assert builds[1] == [(0, "any rows"), (1, "any rows")]      # once, for every row count
+    assert max(gaps) < 1e-12
+
+
+def test_the_master_and_its_workers_run_with_the_same_xla_flags():
+    """The workers' environment is made from the master's, made already: the flags (which key every
+    program in the cache) come out once each, the same in both, with the user's own kept."""
+    from synkhronos.platform.jax_init import configure_environment
+    master = configure_environment({"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}, "cpu", 1)
+    worker = configure_environment(dict(master), "cpu", 1)
+    assert worker["XLA_FLAGS"] == master["XLA_FLAGS"]
+    flags = master["XLA_FLAGS"].split()
+    assert len(flags) == len(set(flags)) and flags[0] == "--xla_cpu_enable_fast_math=false"

@@ -503,3 +503,52 @@ def test_more_slices_than_rows_means_one_row_a_slice(synk2, rng):
     for ours, theirs in zip(f(X, num_slices=10**9), f(X, num_slices=5)):
         close(ours, theirs)
     assert time.perf_counter() - start < 30
+
+
+def test_what_pytensor_refuses_in_a_graph_is_raised_when_the_function_is_built(synk2, rng):
+    """The graph on free rows is built at a call (see test_shapes), yet a missing input or an update
+    of another type is refused by synk.function, before any worker runs, and nothing is registered."""
+    from pytensor.graph.utils import MissingInputError
+    x, y = pt.matrix("x"), pt.matrix("y")
+    w = pytensor.shared(np.ones(3), name="w_refused")
+    n_functions = len(synk2.registry.specs)
+    with pytest.raises(MissingInputError, match="y"):
+        synk.function([x], ((x + y).sum(), "sum"))
+    with pytest.raises(TypeError, match="w_refused"):
+        synk.function([x], (x.sum(), "sum"), updates=[(w, x.sum(0).astype("int32"))], local_updates=True)
+    assert len(synk2.registry.specs) == n_functions
+    f = synk.function([x], ((x @ w).sum(), "sum"))                 # and the runtime goes on
+    X = rng.normal(size=(5, 3))
+    close(f(X), reference(f, X))
+
+
+def test_a_program_without_arguments_is_compiled_before_its_first_call(synk2, rng, tmp_path):
+    """An update function's shapes are known when it is built: XLA compiles it then, on another thread,
+    once for the host (the worker loads the master's program, or the master the worker's)."""
+    import json
+
+    from synkhronos.platform.compile_spans import COMPILED, LOADED
+    W = rng.normal(size=(50, 40))
+    w = pytensor.shared(W.copy(), name="w_ahead")
+    m = pytensor.shared(np.zeros((50, 40)), name="m_ahead")
+    path = tmp_path / "trace.json"
+    with synk.timeline(path):
+        f = synk.function([], [], updates=[(m, 0.9 * m + w), (w, w - 0.1 * m)], name="ahead")
+        synk.distribute()
+        time.sleep(1.0)                    # the master's own work meanwhile
+        f()
+        f()
+    m1, w1 = W, W.copy()                               # step 1 from m = 0: m = w, w unchanged
+    m2, w2 = 0.9 * m1 + w1, w1 - 0.1 * m1              # step 2
+    for rank in (0, 1):
+        close(synk.get_value(rank, m), m2)
+        close(synk.get_value(rank, w), w2)
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    programs = [e for e in events if e.get("cat") == "compile" and e["name"] in (COMPILED, LOADED)]
+    first_call = min(e["ts"] for e in events if e.get("ph") == "X" and e["name"] == "ahead")
+    assert programs
+    for e in programs:                   # every rank had its program before the first call began
+        assert e["ts"] + e["dur"] <= first_call, (e, first_call)
+    graphs = [e["name"] for e in programs if e["args"]["program"] == "jit(jax_funcified_fgraph)"]
+    assert sorted(graphs) == [COMPILED, LOADED]                             # one compile for the host

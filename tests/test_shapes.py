@@ -50,18 +50,18 @@ def cnn_classifier(rng):
 def test_a_graph_that_needs_static_shapes_is_compiled_per_shape_and_exact(synk2, rng, num_slices):
     x, y, loss, logits, _ = cnn_classifier(rng)
     f = synk.function([x, y], [(loss, "avg"), (logits, "gather")])
-    assert f.compiled.by_rows          # the graph on free rows cannot compile for JAX
     X, Y = rng.normal(size=(7, 6, 6, 1)), rng.integers(0, 3, size=7)    # rows 3 + 4
     for got, want in zip(f(X, Y, num_slices=num_slices), reference(f, X, Y)):
         close(got, want)
     X2, Y2 = rng.normal(size=(5, 6, 6, 1)), rng.integers(0, 3, size=5)  # other shapes: compiled too
     for got, want in zip(f(X2, Y2), reference(f, X2, Y2)):
         close(got, want)
+    assert f.compiled.by_rows          # found at the new shapes: the graph on free rows cannot trace
 
 
-def test_a_graph_found_to_need_concrete_shapes_is_built_per_shape_on_every_rank_at_once(synk2, rng, tmp_path):
-    """A graph that builds on free rows but only traces on concrete ones is found when it is built, so
-    that no worker builds it on free rows for nothing."""
+def test_a_graph_is_built_for_its_first_calls_shapes_on_every_rank_and_nothing_else(synk2, rng, tmp_path):
+    """A graph that builds on free rows but only traces on concrete ones (a ResNet's gradient) is built
+    once per rank, for the rows of its first call there: no rank builds it on free rows for nothing."""
     from demos.resnet_synthetic import build
     make_graph, params = build(4, 2, 4)
     x, y, loss, _ = make_graph(None)
@@ -69,14 +69,37 @@ def test_a_graph_found_to_need_concrete_shapes_is_built_per_shape_on_every_rank_
     path = tmp_path / "trace.json"
     with synk.timeline(path):
         f = synk.function([x, y], [(loss, "avg"), (grad, "avg")])
-        assert f.spec.by_rows
         X, Y = rng.normal(size=(5, 4, 4, 3)), rng.integers(0, 2, size=5)      # rows 2 + 3
-        for got, want in zip(f(X, Y), reference(f, X, Y)):
-            close(got, want)
+        got = f(X, Y)
+    for got, want in zip(got, reference(f, X, Y)):
+        close(got, want)
     with open(path) as fh:
         builds = [e for e in json.load(fh)["traceEvents"]
                   if e.get("cat") == "compile" and e["name"] == f"build {f.name}"]
     assert sorted(e["args"]["shapes"] for e in builds if e["pid"] == 1) == ["((3, 4, 4, 3), (3,))"]
+    assert sorted(e["args"]["shapes"] for e in builds if e["pid"] == 0) == ["((2, 4, 4, 3), (2,))"]
+
+
+def test_a_graph_that_traces_on_free_rows_is_built_so_at_its_second_row_count(synk2, rng, tmp_path):
+    """The first rows of a call get a graph of their own; new rows try the graph on free rows, which
+    then serves every later row count without another build."""
+    x, w = pt.matrix("x"), pt.matrix("w")
+    f = synk.function([x], [((x @ w).sum(), "sum"), (pt.tanh(x @ w), "gather")], bcast_inputs=[w],
+                      name="free_rows")
+    W = rng.normal(size=(3, 2))
+    path = tmp_path / "trace.json"
+    calls = [rng.normal(size=(rows, 3)) for rows in (6, 9, 13, 6)]
+    with synk.timeline(path):
+        results = [f(X, W) for X in calls]
+    for X, result in zip(calls, results):
+        for got, want in zip(result, reference(f, X, W)):
+            close(got, want)
+    assert f.compiled.by_rows is False
+    with open(path) as fh:
+        builds = [(e["pid"], e["args"]["shapes"]) for e in json.load(fh)["traceEvents"]
+                  if e.get("cat") == "compile" and e["name"] == "build free_rows"]
+    for rank in (0, 1):       # 6 rows: 3 each; 9 rows: the graph on free rows, for 9 and 13 rows alike
+        assert [shapes for pid, shapes in builds if pid == rank] == ["((3, 3),)", "any rows"], builds
 
 
 def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng):

@@ -31,7 +31,7 @@ from ..wire.spec import FunctionSpec
 from .givens import RowsFromGivens
 from .shapes import declared_rows, shape_text
 
-__all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE"]
+__all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE", "TRACES_ON_FREE_ROWS"]
 
 
 def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, name,
@@ -222,23 +222,22 @@ def _check_mode(kwargs):
                          f"pytensor Mode whose linker is \"jax\"")
 
 
-#: the compile cache's finding about a graph that traces only on concrete shapes
-TRACES_BY_SHAPE = "traces-by-shape"
+#: the compile cache's findings about a graph: it traces only on concrete shapes, or on free rows
+TRACES_BY_SHAPE, TRACES_ON_FREE_ROWS = "traces-by-shape", "traces-on-free-rows"
 
 
 def compile_on_master(spec, cache):
     """The master's CompiledFunction of ``spec``, and ``spec.by_rows`` set for the workers.
 
-    Whether the graph traces only on concrete shapes is found by the master
-    (``probe``), or recalled from an earlier run through the compile cache, so
-    that no rank builds it on free rows for nothing.
+    Whether the graph traces only on concrete shapes is recalled from an
+    earlier run through the compile cache (``spec.by_rows``, for every rank),
+    else found out by the calls (see :class:`~synkhronos.rank.compiled.CompiledFunction`)
+    and recorded there for the next run.
     """
     key = spec.digest() if cache is not None else None
-    recalled = key is not None and compile_cache.recalls(cache, TRACES_BY_SHAPE, key)
-    spec.by_rows = recalled
-    compiled = CompiledFunction(spec, probe=not recalled)
-    spec.by_rows = compiled.by_rows
-    if compiled.by_rows and not recalled:
-        compile_cache.record(cache, TRACES_BY_SHAPE, key)
-    return compiled
+    spec.by_rows = (True if compile_cache.recalls(cache, TRACES_BY_SHAPE, key) else
+                    False if compile_cache.recalls(cache, TRACES_ON_FREE_ROWS, key) else None)
 
+    def remember(by_rows):
+        compile_cache.record(cache, TRACES_BY_SHAPE if by_rows else TRACES_ON_FREE_ROWS, key)
+    return CompiledFunction(spec, on_finding=remember if key is not None else None)

@@ -1,6 +1,6 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Nine things have no public API and are reached for here only:
+Ten things have no public API and are reached for here only:
 
 - a shared variable's stored value, read and written as it is (a JAX array
   stays one): ``get_value``/``set_value`` copy, or filter the value to the
@@ -23,7 +23,10 @@ Nine things have no public API and are reached for here only:
 - JAX's persistent compilation cache, which only process 0 of a runtime
   writes (:func:`cache_writes_from_every_process`);
 - which random variables PyTensor's JAX backend can sample, which it finds out
-  only when JAX traces a graph (:func:`unsampleable_in_jax`).
+  only when JAX traces a graph (:func:`unsampleable_in_jax`);
+- what ``pytensor.function`` refuses in a graph before it rewrites it (missing
+  or unused inputs, updates of another type, givens that do not fit), checked
+  without the rewrites and the linking (:func:`check_function_graph`).
 
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
@@ -42,7 +45,7 @@ __all__ = [
     "stored", "store", "coordination_service", "READS_INTERNALS_OF", "supported_versions", "check_versions",
     "jit_parts", "JitParts", "jax_backend_exists", "detach_inherited_jax", "detect_jax_cluster",
     "distributed_client", "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax",
-    "cache_writes_from_every_process",
+    "cache_writes_from_every_process", "compile_once_per_host", "check_function_graph",
 ]
 
 #: the libraries whose internals are read here: their supported versions are synkhronos's own
@@ -246,6 +249,64 @@ def cache_writes_from_every_process():
     compiler._cache_write = _cache_write
 
 
+def compile_once_per_host(lock_directory: str) -> None:
+    """Have the processes of one host compile each program once between them, through JAX's cache.
+
+    Two things JAX does not: on CPU its cache key holds the device a program
+    runs on (it leaves it out on GPU, so that processes share entries), so
+    each rank's copy of a program got a key of its own; and processes that
+    miss the same entry at once all compile it. Here the key leaves the
+    device out on every platform, as JAX's does on GPU (the devices are given
+    when an entry is loaded), and a process that misses an entry compiles it
+    holding a lock on its key (a file in ``lock_directory``): another process
+    missing the same entry meanwhile waits, then loads what the first one
+    wrote. A lock is released when its process ends, however it ends.
+    Idempotent.
+    """
+    try:
+        from jax._src import cache_key, compiler, monitoring
+        hash_options = cache_key._hash_serialized_compile_options
+        hash_accelerators = cache_key._hash_accelerator_config
+        hash_kinds = cache_key._hash_devices
+        compile_and_write = compiler._compile_and_write_cache
+        read = compiler._cache_read
+    except (ImportError, AttributeError):
+        return
+    if getattr(compile_and_write, "synkhronos", False):
+        return
+
+    def _hash_serialized_compile_options(hash_obj, compile_options_obj, strip_device_assignment=False):
+        return hash_options(hash_obj, compile_options_obj, strip_device_assignment=True)
+
+    def _hash_accelerator_config(hash_obj, accelerators):
+        # a CPU topology's fingerprint names the process; the host is in the cache's directory name
+        if all(d.platform == "cpu" for d in accelerators.flat):
+            return hash_kinds(hash_obj, accelerators)
+        return hash_accelerators(hash_obj, accelerators)
+
+    def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
+                                 host_callbacks, module_name, key):
+        import fcntl
+        path = os.path.join(lock_directory, key + ".lock")
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            executable, _ = read(module_name, key, compile_options, backend, executable_devices,
+                                 host_callbacks)
+            if executable is not None:          # another process compiled it meanwhile
+                monitoring.record_event("/jax/compilation_cache/cache_hits")
+                return executable
+            executable = compile_and_write(backend, computation, executable_devices, compile_options,
+                                           host_callbacks, module_name, key)
+            # no lock file outlives its compile: a process that opens a new one finds the entry
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return executable
+    _compile_and_write_cache.synkhronos = True     # type: ignore[attr-defined]
+    cache_key._hash_serialized_compile_options = _hash_serialized_compile_options
+    cache_key._hash_accelerator_config = _hash_accelerator_config
+    compiler._compile_and_write_cache = _compile_and_write_cache
+
+
 @contextlib.contextmanager
 def join_errors_raised():
     """Within the block, a failed ``jax.distributed.initialize`` raises instead of ending the process.
@@ -311,6 +372,32 @@ def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:
             except NotImplementedError as e:
                 missing.append((node, str(e)))
     return missing
+
+
+def check_function_graph(inputs, outputs, updates=(), givens=(), mode=None, **options) -> None:
+    """Raise what ``pytensor.function(inputs, outputs, updates=, givens=, **options)`` would raise
+    before rewriting the graph, at a fraction of its cost: it stops short of the rewrites and the
+    linking (``pytensor.function`` does both in its ``FunctionMaker``).
+
+    >>> import pytensor.tensor as pt
+    >>> x, y = pt.vector("x"), pt.vector("y")
+    >>> check_function_graph([x], [x + y])
+    Traceback (most recent call last):
+    ...
+    pytensor.graph.utils.MissingInputError: Input 0 (y) of the graph (indices start from 0), used to compute Add(x, y), was not provided and not given a value. Use the PyTensor flag exception_verbosity='high', for more information on this error.
+    """
+    try:
+        from pytensor.compile.maker import FunctionMaker
+        from pytensor.compile.mode import get_mode
+        from pytensor.compile.rebuild import construct_function_ins_and_outs
+    except ImportError:
+        return          # the first build raises it instead
+    keep = {k: options[k] for k in ("rebuild_strict", "allow_input_downcast", "no_default_updates")
+            if k in options}
+    ins, outs = construct_function_ins_and_outs(list(inputs), list(outputs), updates=list(updates),
+                                                givens=list(givens), **keep)
+    FunctionMaker(ins, outs, get_mode(mode), accept_inplace=options.get("accept_inplace", False),
+                  on_unused_input=options.get("on_unused_input"), no_fgraph_prep=True)
 
 
 def stored(var: Any) -> Any:

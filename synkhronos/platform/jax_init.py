@@ -85,12 +85,14 @@ def configure_environment(env, platform, threads):
     and each one's default pools slow the others' steps several-fold.
     """
     env["JAX_PLATFORMS"] = platform
-    flags = env.get("XLA_FLAGS", "")
+    flags = env.get("XLA_FLAGS", "").split()
     if platform == "cpu":
-        flags += " --xla_force_host_platform_device_count=1"
+        ours = ["--xla_force_host_platform_device_count=1"]
         if threads == 1:
-            flags += " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    env["XLA_FLAGS"] = flags.strip()
+            ours += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+        # once each, however often applied: JAX's compile cache keys programs by these flags
+        flags += [f for f in ours if f not in flags]
+    env["XLA_FLAGS"] = " ".join(flags)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     # XLA's C++ warnings (e.g. one per process about the recoverable-task mode we enable)
@@ -147,6 +149,9 @@ def use_compile_cache(directory):
     _configure_jax("jax_persistent_cache_min_entry_size_bytes", 0)
     _configure_jax("jax_compilation_cache_max_size", compile_cache.MAX_BYTES)
     internals.cache_writes_from_every_process()
+    locks = os.path.join(directory, "synkhronos-compiling")
+    os.makedirs(locks, exist_ok=True)
+    internals.compile_once_per_host(locks)
 
 
 def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",

@@ -5,8 +5,10 @@ backend. Graphs on free rows that JAX can only trace with concrete shapes are
 compiled per argument shape instead (:func:`rebuild_on`).
 """
 
+import contextlib
 import functools
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -18,12 +20,12 @@ from pytensor.graph.traversal import toposort
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
-from ..platform.internals import jit_parts, store, stored
+from ..platform.internals import check_function_graph, jit_parts, store, stored
 from ..platform.jax_init import platform
 from ..tracing import trace
 from .jitted import jitted_call
 
-__all__ = ["CompiledFunction", "GatherBuffer", "rebuild_on", "spec_graph",
+__all__ = ["CompiledFunction", "GatherBuffer", "rebuild_on", "spec_graph", "compile_ahead",
            "needs_static_shapes", "ROW_VARIANTS_KEPT"]
 
 
@@ -145,6 +147,29 @@ def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
             [(g, v) for (g, _), v in zip(generators, new[2])], [])
 
 
+def compile_ahead(runner):
+    """Have XLA compile the program ``runner`` will run, on another thread, if its shapes are known
+    before its first call (a graph without arguments: an update function). Returns the thread, or None.
+
+    The thread spends time the process would otherwise wait: for the other
+    ranks' reports, or its own next command. XLA releases Python's lock while
+    it compiles, so the process goes on meanwhile; the first call waits for
+    the thread and then finds its program compiled. A failure there is left
+    for the call to meet and report.
+    """
+    ahead = getattr(runner, "compile_ahead", None)
+    compile_ = ahead() if ahead is not None else None
+    if compile_ is None:
+        return None
+
+    def run():
+        with contextlib.suppress(Exception):
+            compile_()
+    thread = threading.Thread(target=run, name="synkhronos-compile-ahead")
+    thread.start()
+    return thread
+
+
 class CompiledFunction:
     """A FunctionSpec compiled for this process's device (lazily for the slice variant).
 
@@ -178,7 +203,7 @@ class CompiledFunction:
         (``spec.by_rows``). The master probes; the workers read its finding.
     """
 
-    def __init__(self, spec, reference=False, probe=False):
+    def __init__(self, spec, reference=False, on_finding=None):
         self.spec = spec
         self.reference = reference
         self.output_modes = [m for _, m in spec.outputs]
@@ -191,44 +216,44 @@ class CompiledFunction:
         self._run_no_updates = None
         #: (shapes, updates applied) -> runner of the graph rebuilt on them, the most recent kept
         self._row_variant = functools.lru_cache(maxsize=ROW_VARIANTS_KEPT)(self._rebuilt_runner)
-        #: the PyTensor function (updates applied), or None when compiled per row count
+        #: the PyTensor function on free rows (updates applied), or None while not built
         self.function = None
-        self.by_rows = False
+        #: True: compiled per row count; False: on free rows; None: not known yet (see the class notes)
+        self.by_rows = False if reference or not self._row_args else spec.by_rows
+        self._on_finding = on_finding
+        #: the row shapes compiled per shape while ``by_rows`` was not known (they keep their graphs)
+        self._shapes_first = set()
         #: whether the graph on free rows ran once (a later failure is then the call's own)
         self._free_rows_ran = False
-        if spec.by_rows and self._row_args and not reference:
-            self.by_rows = True        # compiled at the first call, for its shapes
-        else:
+        if self.by_rows is None:
+            self._check()                # what PyTensor refuses before rewriting is raised here
+        elif self.by_rows is False:
             try:
                 self.function = self._compile(updates=True)
             except Exception as e:
                 if not self._row_args or not needs_static_shapes(e):
                     raise
-                self.by_rows = True
-            if probe and self.function is not None and self._fails_to_trace_on_free_rows():
-                self.by_rows, self.function = True, None
+                self._settle(True)
         self._run = self._runner(self.function) if self.function is not None else None
         if not reference:
             place_on_device(spec.shared_variables())     # compiled once, for device values
+        #: XLA compiling the program ahead of its first call, on another thread (see compile_ahead)
+        self._compiling = None if reference else compile_ahead(self._run)
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
-    def _fails_to_trace_on_free_rows(self):
-        """True if the graph on free rows fails to trace, for sample shapes, for want of concrete shapes.
+    def _compiled_ahead(self):
+        """Wait for the compile ahead, if one is running: the call then finds its program compiled."""
+        if self._compiling is not None:
+            self._compiling.join()
+            self._compiling = None
 
-        False where a dimension other than the rows is not declared (a call
-        tells it: found at the first call instead), or for any other failure
-        (the call raises it).
-        """
-        types = [v.type for v in self.spec.all_inputs + self.sliced_inputs]
-        shapes = [(2, *t.shape[1:]) if i in self._row_args else t.shape for i, t in enumerate(types)]
-        if any(d is None for shape in shapes for d in shape):
-            return False
-        try:
-            self._trace(self.function, shapes)
-        except Exception as e:
-            return needs_static_shapes(e)
-        return False
+    def _settle(self, by_rows):
+        """Record what was found: the graph needs concrete shapes (True) or traces on free rows."""
+        changed = self.by_rows is not by_rows
+        self.by_rows = by_rows
+        if changed and self._on_finding is not None:
+            self._on_finding(by_rows)
 
     @property
     def calls_jit_directly(self):
@@ -246,6 +271,12 @@ class CompiledFunction:
         """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given."""
         return spec_graph(self.spec, self.spec.all_inputs + self.sliced_inputs, self._givens(),
                           self.spec.inputs + self.sliced_inputs, shapes)
+
+    def _check(self):
+        """Raise what building the graph would raise before PyTensor's rewrites (a missing input...)."""
+        inputs, outputs, upd, generators, givens = self._graph()
+        check_function_graph(inputs, outputs, updates=upd + generators, givens=givens,
+                             **self.spec.pytensor_kwargs())
 
     def _compile(self, updates, shapes=None):
         spec = self.spec
@@ -294,40 +325,67 @@ class CompiledFunction:
                 raise
             raise_deferred_interrupt()
             return outputs
+        call.fn = fn
         return call
 
     def _for_shapes(self, shapes, updates):
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
-        return self._row_variant(tuple(shapes), updates)
+        shapes = tuple(shapes)
+        if self.by_rows is None:
+            self._shapes_first.add(shapes)
+        return self._row_variant(shapes, updates)
 
     def _rebuilt_runner(self, shapes, updates):
         return self._runner(self._compile(updates, shapes))
 
-    def _for_args(self, args, updates):
-        return self._for_shapes([args[i].shape for i in self._row_args], updates)
+    def _call(self, args, updates):
+        """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
+        shapes = tuple(args[i].shape for i in self._row_args)
+        if self.by_rows or shapes in self._shapes_first or \
+                (self.by_rows is None and not self._shapes_first):
+            return self._for_shapes(shapes, updates)(*args)
+        return self._free_or_by_rows(args, updates)
 
-    def _generic_or_by_rows(self, args, updates):
+    def _free_runner(self, updates):
+        """The runner of the graph on free rows (built at its first use)."""
+        if updates:
+            if self._run is None:
+                self.function = self._compile(updates=True)
+                self._run = self._runner(self.function)
+            return self._run
+        if self._run_no_updates is None:
+            self._run_no_updates = self._runner(self._compile(updates=False))
+        return self._run_no_updates
+
+    def _free_or_by_rows(self, args, updates):
         """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
         try:
-            if updates:
-                result = self._run(*args)
-            else:
-                if self._run_no_updates is None:
-                    self._run_no_updates = self._runner(self._compile(updates=False))
-                result = self._run_no_updates(*args)
+            result = self._free_runner(updates)(*args)
         except Exception as e:
             if not self._row_args or self._free_rows_ran:
                 raise
             failure = e
         else:
             self._free_rows_ran = True
+            if self.by_rows is None:
+                self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
             result = self._for_args(args, updates)(*args)
         except Exception:
             raise failure from None
-        self.by_rows = True
+        self._settle(True)
         return result
+
+    def _for_args(self, args, updates):
+        return self._for_shapes([args[i].shape for i in self._row_args], updates)
+
+    def function_for(self, row_shapes):
+        """The PyTensor function a call whose row-carrying arguments have ``row_shapes`` runs
+        (updates applied), built if it is not yet: what a test reads to see what was compiled."""
+        if self.by_rows is False:
+            return self.function
+        return self._for_shapes(row_shapes, True).fn
 
     def check_traces(self, arg_shapes):
         """Trace the graph for arguments of ``arg_shapes`` without computing; raise what tracing raises.
@@ -339,7 +397,7 @@ class CompiledFunction:
         rebuilt for these shapes.
         """
         free_rows = None
-        if not self.by_rows and self.function is not None:
+        if self.by_rows is False and self.function is not None:
             try:
                 return self._trace(self.function, arg_shapes)
             except Exception as e:
@@ -348,7 +406,7 @@ class CompiledFunction:
                 free_rows = e
         runner = self._for_shapes([arg_shapes[i] for i in self._row_args], True)
         try:
-            self._trace(getattr(runner, "fn", None), arg_shapes)
+            self._trace(runner.fn, arg_shapes)
         except Exception:
             if free_rows is not None:
                 raise free_rows from None
@@ -373,16 +431,13 @@ class CompiledFunction:
 
     def run(self, args):
         """Run once, applying updates."""
-        if self.by_rows:
-            return self._for_args(args, True)(*args)
-        return self._generic_or_by_rows(args, True)
+        self._compiled_ahead()
+        return self._call(args, True)
 
     def run_deferred(self, args):
         """Run once without applying updates; return (outputs, new update values)."""
-        if self.by_rows:
-            out = self._for_args(args, False)(*args)
-        else:
-            out = self._generic_or_by_rows(args, False)
+        self._compiled_ahead()
+        out = self._call(args, False)
         n = len(self.spec.outputs)
         return out[:n], out[n:]
 

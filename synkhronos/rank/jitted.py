@@ -8,6 +8,7 @@ update buffers when that pays (:func:`donating_variant`).
 
 import sys
 
+import numpy as np
 from pytensor.tensor.type import TensorType
 
 from ..compile.rewrites import raise_deferred_interrupt
@@ -87,8 +88,31 @@ def jitted_call(fn):
         raise_deferred_interrupt()
         return list(outputs[:n_outputs])
 
+    def compile_ahead():
+        """What the first call will compile, as a callable for another thread (None if the graph
+        takes arguments: their shapes come with the call). The graph to run is chosen here, on the
+        values the cells hold now, as the first call would."""
+        if arg_cells:
+            return None
+        import jax
+        values = [cell[0] for cell in cells]
+        if not chosen:
+            chosen.append(donating if donated and worth_donating(values, donated) else jit)
+        avals = jax.tree_util.tree_map(_abstract, values)
+        return lambda: chosen[0].lower(*avals).compile()
+
     call.fn = fn
+    call.compile_ahead = compile_ahead
     return call
+
+
+def _abstract(value):
+    """The abstract value a jitted call would see for ``value`` (its device and weak type too)."""
+    import jax
+    if isinstance(value, jax.Array):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=value.sharding,
+                                    weak_type=value.weak_type)
+    return jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
 
 
 def donating_variant(parts, input_types):

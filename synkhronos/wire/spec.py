@@ -37,9 +37,9 @@ class FunctionSpec:
     kwargs: dict = field(default_factory=dict)
     #: (generator, next state): every random generator the graphs draw from (see .randomness)
     generator_updates: list = field(default_factory=list)
-    #: the master found that the graph traces only on concrete shapes: every rank compiles it per
-    #: row count from its first call, without building it on free rows first
-    by_rows: bool = False
+    #: whether the graph traces only on concrete shapes (True: every rank compiles it per row count),
+    #: or on free rows (False), as an earlier run found; None when not known (every rank finds out)
+    by_rows: bool | None = None
 
     @property
     def all_inputs(self):
