@@ -51,6 +51,31 @@ def test_each_device_draws_its_own_stream_and_every_call_draws_anew(synk2, api):
         close(second, np.concatenate([master[1], worker[1]]))
 
 
+@pytest.mark.parametrize("graph", ["traces on free rows", "needs concrete shapes"])
+def test_the_stream_goes_on_when_the_row_count_changes(synk2, graph):
+    """A function runs a graph per row count (and one on free rows, one deferring its updates for
+    slices), each with PyTensor's private copy of the generator: the draws still continue the one
+    stream, exactly the numbers one process draws call after call."""
+    x = pt.tensor("x", shape=(None, 2, 1))
+    # a size computed from a flatten: JAX traces that only on concrete shapes
+    size = x.flatten(2).shape if graph == "needs concrete shapes" else x.shape[:2]
+    _, draw = pt.random.normal(size=size, rng=pytensor.shared(np.random.default_rng(5)),
+                               return_next_rng=True)
+    f = synk.function([x], (draw, "gather"))
+    calls = [((8, 2), 1), ((12, 2), 1), ((8, 2), 2), ((8, 2), 1), ((6, 2), 1)]
+    got = [f(np.zeros((*shape, 1)), num_slices=slices) for shape, slices in calls]
+    assert f.compiled.by_rows is (graph == "needs concrete shapes")
+    master_shapes = []                          # the master's share of each call, slice by slice
+    for (rows, cols), slices in calls:
+        share = rows // 2
+        master_shapes += [(share // slices, cols)] * slices
+    want = single_process_draws(np.random.default_rng(5), master_shapes)
+    at = 0
+    for ((rows, _), slices), result in zip(calls, got):
+        close(np.asarray(result)[:rows // 2], np.concatenate(want[at:at + slices]))
+        at += slices
+
+
 def test_dropout_draws_a_new_mask_every_call_slice_and_device_reproducibly(synk2):
     def masks(seed):
         x = pt.matrix("x")

@@ -7,8 +7,7 @@ does not compile for JAX, random variables JAX cannot sample, graphs that
 cannot travel. The tutorials' ``givens`` idiom is rewritten here
 (:mod:`.givens`), and what the function threads in is added
 (:mod:`synkhronos.compile.graph_updates`). The master then compiles the spec
-first (:func:`compile_on_master`), finding out for every rank whether the graph
-traces only on concrete shapes.
+(:func:`compile_on_master`), with what the compile cache recalls of its graph.
 """
 
 from __future__ import annotations

@@ -5,7 +5,11 @@ same directory before it compiles anything
 (:func:`synkhronos.platform.jax_init.use_compile_cache`), so a program that
 an earlier run compiled, or that this run compiled before, is loaded instead of
 compiled again: every program, whatever its compile time or size (the
-per-row-count variants and the collectives' programs included).
+per-row-count variants and the collectives' programs included). The ranks of
+one host compile each program once between them: the key leaves out which of
+the host's devices a program runs on, and whichever rank misses an entry first
+compiles it under a lock that the others wait on
+(:func:`synkhronos.platform.internals.compile_once_per_host`).
 
 Where it lives (:func:`directory`): ``fork(compile_cache=None)`` means
 ``$JAX_COMPILATION_CACHE_DIR`` when set, else the user's cache directory
@@ -17,10 +21,10 @@ devices' kind and count, the compile options and the XLA flags, but an XLA CPU
 program is also compiled for the features of the CPU it was compiled on.
 
 Beside the programs, the directory keeps what synkhronos found out about a
-function's graph (:func:`record`, :func:`recalls`): whether it traces only on
-concrete shapes, so that a later run builds it per shape at once instead of on
-free rows first. A finding is a shortcut, never a result: a wrong one could only
-cost compile time.
+function's graph (:func:`record`, :func:`recalls`): whether it traces on free
+rows or only on concrete shapes, so that a later run builds it that way at once
+(see :class:`synkhronos.rank.compiled.CompiledFunction`). A finding is a
+shortcut, never a result: a wrong one could only cost compile time.
 
 How big it gets: at most :data:`MAX_BYTES` per host; JAX evicts the least
 recently used entries beyond it, under a file lock, so runs at once on one

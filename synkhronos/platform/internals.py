@@ -384,7 +384,7 @@ def check_function_graph(inputs, outputs, updates=(), givens=(), mode=None, **op
     >>> check_function_graph([x], [x + y])
     Traceback (most recent call last):
     ...
-    pytensor.graph.utils.MissingInputError: Input 0 (y) of the graph (indices start from 0), used to compute Add(x, y), was not provided and not given a value. Use the PyTensor flag exception_verbosity='high', for more information on this error.
+    pytensor.graph.utils.MissingInputError: Input 1 (y) of the graph ...
     """
     try:
         from pytensor.compile.maker import FunctionMaker

@@ -17,6 +17,7 @@ from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import toposort
 
+from ..compile.randomness import is_generator
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
@@ -147,6 +148,16 @@ def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
             [(g, v) for (g, _), v in zip(generators, new[2])], [])
 
 
+def generator_cells(fn):
+    """Where ``fn`` keeps the state of each random generator it draws from: {the user's generator: the
+    storage cell of ``fn``'s private copy} (empty if ``fn`` is not one jitted graph)."""
+    parts = jit_parts(fn)
+    if parts is None:
+        return {}
+    return {inp.variable: parts.cells[j] for j, inp in enumerate(fn.maker.inputs)
+            if is_generator(inp.variable)}
+
+
 def compile_ahead(runner):
     """Have XLA compile the program ``runner`` will run, on another thread, if its shapes are known
     before its first call (a graph without arguments: an update function). Returns the thread, or None.
@@ -178,16 +189,23 @@ class CompiledFunction:
     from the device-resident value.
 
     Rows are free in the graph (``synk.function`` refuses a scattered input
-    with a static row count). A graph that JAX can only trace with concrete
-    shapes (``arange`` over the batch in a cross-entropy, pytensor-ml's
-    convolutions, a ``flatten`` before a layer) is compiled per shape instead:
-    rebuilt on inputs of the shapes this process is given, rows and all
-    (:func:`rebuild_on`; static shapes only get added, so nothing in the graph
-    can contradict them), keeping the last ``ROW_VARIANTS_KEPT`` shapes.
-    ``by_rows`` says which. Whether a graph needs it is found by trying: the
-    first call of the graph on free rows that fails is retried on the graph
-    rebuilt for its shapes, and if that succeeds every later call takes that
-    way; if it fails too, the first failure is the call's error.
+    with a static row count). JAX traces some graphs only with concrete shapes
+    (``arange`` over the batch in a cross-entropy, pytensor-ml's convolutions, a
+    ``flatten`` before a layer), so a process's first call builds the graph for
+    the shapes it is given, rows and all (:func:`rebuild_on`; static shapes only
+    get added, so nothing in the graph can contradict them), which always
+    traces. A call with other shapes then builds the graph on free rows: if it
+    runs, it serves every later shape (``by_rows`` False); if it fails, each new
+    shape gets a graph of its own (``by_rows`` True; the last
+    ``ROW_VARIANTS_KEPT`` are kept). Whenever both fail (a first call's graph
+    for its shapes is retried on free rows), the free-rows failure, JAX's
+    account with the graph's line, is the call's error. Every graph run
+    continues the function's random streams (:meth:`_invoke`).
+    ``spec.by_rows`` brings what an earlier run
+    found (None: nothing), and ``on_finding(by_rows)`` hears what this one finds.
+    A graph without row-carrying arguments is built at once, on free rows.
+    Whatever the graph, what PyTensor refuses before rewriting it (a missing
+    input...) is raised here, at construction.
 
     Parameters
     ----------
@@ -196,11 +214,9 @@ class CompiledFunction:
         Compile the plain single-process PyTensor function instead (PyTensor's
         own JAX mode and input checks, sliceable shareds used whole): what
         ``Function.as_pytensor`` runs.
-    probe : bool
-        Find out at once whether the graph needs concrete shapes, by tracing
-        it on sample shapes (where the inputs' shapes other than their rows are
-        declared), so that no rank builds it on free rows for nothing
-        (``spec.by_rows``). The master probes; the workers read its finding.
+    on_finding : callable, optional
+        Called with ``by_rows`` once a call has found whether the graph traces
+        on free rows (the master records it in the compile cache).
     """
 
     def __init__(self, spec, reference=False, on_finding=None):
@@ -225,6 +241,8 @@ class CompiledFunction:
         self._shapes_first = set()
         #: whether the graph on free rows ran once (a later failure is then the call's own)
         self._free_rows_ran = False
+        #: the generator cells of the graph that ran last: where the random streams are (see _invoke)
+        self._streams_at = None
         if self.by_rows is None:
             self._check()                # what PyTensor refuses before rewriting is raised here
         elif self.by_rows is False:
@@ -312,6 +330,7 @@ class CompiledFunction:
             return fn
         direct = jitted_call(fn)
         if direct is not None:
+            direct.streams = generator_cells(fn)
             return direct
         shareds = [s for s, _, _ in self.spec.updates]
 
@@ -326,7 +345,26 @@ class CompiledFunction:
             raise_deferred_interrupt()
             return outputs
         call.fn = fn
+        call.streams = {}         # not linked for JAX: the generators' own containers, shared by all
         return call
+
+    def _invoke(self, runner, args):
+        """``runner(*args)``, its random generators first brought to where the last graph run left them.
+
+        PyTensor's JAX linker gives every compiled graph a private copy of its
+        generators' state (see :mod:`synkhronos.compile.randomness`), and this
+        function may run several graphs (one per row count, one on free rows,
+        one that defers its updates): each continues the one stream, never
+        starts it again.
+        """
+        streams = getattr(runner, "streams", None)      # (the reference runs PyTensor's function)
+        if streams and self._streams_at is not None and self._streams_at is not streams:
+            for generator, cell in streams.items():
+                if generator in self._streams_at:
+                    cell[0] = self._streams_at[generator][0]
+        if streams:
+            self._streams_at = streams
+        return runner(*args)
 
     def _for_shapes(self, shapes, updates):
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
@@ -341,10 +379,26 @@ class CompiledFunction:
     def _call(self, args, updates):
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
         shapes = tuple(args[i].shape for i in self._row_args)
-        if self.by_rows or shapes in self._shapes_first or \
-                (self.by_rows is None and not self._shapes_first):
-            return self._for_shapes(shapes, updates)(*args)
+        if self.by_rows is None and not self._shapes_first:
+            return self._first_call(shapes, args, updates)
+        if self.by_rows or shapes in self._shapes_first:
+            return self._invoke(self._for_shapes(shapes, updates), args)
         return self._free_or_by_rows(args, updates)
+
+    def _first_call(self, shapes, args, updates):
+        """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure
+        (JAX's account, with the graph's line) is then the call's error."""
+        try:
+            return self._invoke(self._for_shapes(shapes, updates), args)
+        except Exception:
+            self._shapes_first.discard(shapes)
+        try:
+            result = self._invoke(self._free_runner(updates), args)
+        except Exception as failure:
+            raise failure from None
+        self._free_rows_ran = True
+        self._settle(False)
+        return result
 
     def _free_runner(self, updates):
         """The runner of the graph on free rows (built at its first use)."""
@@ -360,7 +414,7 @@ class CompiledFunction:
     def _free_or_by_rows(self, args, updates):
         """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
         try:
-            result = self._free_runner(updates)(*args)
+            result = self._invoke(self._free_runner(updates), args)
         except Exception as e:
             if not self._row_args or self._free_rows_ran:
                 raise
@@ -371,7 +425,7 @@ class CompiledFunction:
                 self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
-            result = self._for_args(args, updates)(*args)
+            result = self._invoke(self._for_args(args, updates), args)
         except Exception:
             raise failure from None
         self._settle(True)
