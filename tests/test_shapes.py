@@ -110,7 +110,7 @@ def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng)
     X, Y = rng.normal(size=(9, 6, 6, 1)), rng.integers(0, 3, size=9)
     start = [p.get_value() for p in params]
     x9 = pt.tensor("images", shape=(9, 6, 6, 1), dtype="float64")       # the reference, static
-    from synkhronos.rank.compiled import rebuild_on
+    from synkhronos.rank.graphs import rebuild_on
     loss9, = rebuild_on([loss], {x: x9})
     want_loss, *grads = pytensor.function([x9, y], [loss9, *pytensor.grad(loss9, params)],
                                           mode="JAX")(X, Y)

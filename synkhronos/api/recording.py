@@ -239,4 +239,4 @@ def compile_on_master(spec, cache):
 
     def remember(by_rows):
         compile_cache.record(cache, TRACES_BY_SHAPE if by_rows else TRACES_ON_FREE_ROWS, key)
-    return CompiledFunction(spec, on_finding=remember if key is not None else None)
+    return CompiledFunction(spec, on_finding=remember if key is not None else None, check=True)

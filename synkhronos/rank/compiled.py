@@ -2,7 +2,7 @@
 
 Every process (the master too) compiles each function with PyTensor's JAX
 backend. Graphs on free rows that JAX can only trace with concrete shapes are
-compiled per argument shape instead (:func:`rebuild_on`).
+compiled per argument shape instead (:func:`~.graphs.rebuild_on`).
 """
 
 import contextlib
@@ -13,9 +13,7 @@ import warnings
 
 import numpy as np
 import pytensor
-from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.traversal import toposort
 
 from ..compile.randomness import is_generator
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
@@ -24,10 +22,10 @@ from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import check_function_graph, jit_parts, store, stored
 from ..platform.jax_init import platform
 from ..tracing import trace
+from .graphs import needs_static_shapes, spec_graph
 from .jitted import jitted_call
 
-__all__ = ["CompiledFunction", "GatherBuffer", "rebuild_on", "spec_graph", "compile_ahead",
-           "needs_static_shapes", "ROW_VARIANTS_KEPT"]
+__all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "ROW_VARIANTS_KEPT"]
 
 
 class GatherBuffer:
@@ -58,94 +56,8 @@ class GatherBuffer:
         return self._owner[:nbytes].view(dtype).reshape(shape)
 
 
-def rebuild_on(variables, replace):
-    """``variables`` rebuilt with the inputs in ``replace`` swapped for variables of other static shapes.
-
-    Every node downstream of a replaced input is rebuilt (``make_node`` on
-    the new inputs), so static shapes propagate; the given graph is not
-    changed. An op that builds its inner graph from its input types (a
-    pytensor-ml layer: PyTensor's ``SymbolicOp``) is applied anew, building
-    that inner graph for the new shapes; any other ``OpFromGraph`` is
-    inlined (its inner graph keeps the shapes it was built for).
-
-    Examples
-    --------
-    >>> import pytensor.tensor as pt
-    >>> x = pt.tensor("x", shape=(8, 3))
-    >>> x4 = pt.tensor("x", shape=(4, 3))
-    >>> mean, = rebuild_on([x.mean(0) + x.shape[0]], {x: x4})
-    >>> mean.eval({x4: np.ones((4, 3), x4.dtype)}).tolist()
-    [5.0, 5.0, 5.0]
-    """
-    memo = dict(replace)
-    for node in list(toposort(variables, blockers=list(replace))):
-        inputs = [memo.get(i, i) for i in node.inputs]
-        if all(new is old for new, old in zip(inputs, node.inputs)):
-            continue
-        if isinstance(node.op, SymbolicOp):
-            outs = node.op(*inputs)
-            outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        elif isinstance(node.op, OpFromGraph):
-            inner = node.op.fgraph.bind(dict(zip(node.op.fgraph.inputs, node.inputs)))
-            outs = rebuild_on(inner, {old: new for old, new in zip(node.inputs, inputs) if new is not old})
-        else:
-            outs = node.clone_with_new_inputs(inputs, strict=False).outputs
-        memo.update(zip(node.outputs, outs))
-    return [memo.get(v, v) for v in variables]
-
-
 #: graphs a function keeps compiled for the row counts it is called with (see CompiledFunction)
 ROW_VARIANTS_KEPT = 8
-
-
-def declared_rows(var):
-    """The static row count of input ``var`` (``pt.tensor(shape=(8, 3))``: 8), or None."""
-    return var.type.shape[0] if var.type.ndim else None
-
-
-def needs_static_shapes(e):
-    """True if ``e`` says JAX could not trace a graph without concrete shapes.
-
-    (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
-    shape used as a Python int.) Used only where nothing can be retried;
-    a call retries any failure of a graph on free rows with the graph rebuilt
-    on the call's shapes (see :class:`CompiledFunction`).
-    """
-    import jax
-    concretization = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
-                      jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError)
-    text = str(e)
-    return isinstance(e, concretization) or "Tracer" in text or \
-        (isinstance(e, IndexError) and "static" in text) or \
-        (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
-
-
-def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
-    """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
-
-    With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
-    replaced by an input of that static shape and the graphs are rebuilt on
-    it (:func:`rebuild_on`); the givens are applied in that rebuild
-    (PyTensor's own substitution would not carry the new static shapes on),
-    so none are left to give.
-    """
-    outputs = [v for v, _ in spec.outputs]
-    updates = [(s, v) for s, v, _ in spec.updates]
-    generators = list(spec.generator_updates)
-    if shapes is None:
-        return inputs, outputs, updates, generators, givens
-    replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
-    given = rebuild_on([v for _, v in givens], replace)
-    substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}
-    pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]
-    flat = rebuild_on(sum(pieces, []), substitute)
-    new = []
-    for piece in pieces:
-        new.append(flat[:len(piece)])
-        flat = flat[len(piece):]
-    return ([replace.get(v, v) for v in inputs], new[0],
-            [(s, v) for (s, _), v in zip(updates, new[1])],
-            [(g, v) for (g, _), v in zip(generators, new[2])], [])
 
 
 def generator_cells(fn):
@@ -192,7 +104,7 @@ class CompiledFunction:
     with a static row count). JAX traces some graphs only with concrete shapes
     (``arange`` over the batch in a cross-entropy, pytensor-ml's convolutions, a
     ``flatten`` before a layer), so a process's first call builds the graph for
-    the shapes it is given, rows and all (:func:`rebuild_on`; static shapes only
+    the shapes it is given, rows and all (:func:`~.graphs.rebuild_on`; static shapes only
     get added, so nothing in the graph can contradict them), which always
     traces. A call with other shapes then builds the graph on free rows: if it
     runs, it serves every later shape (``by_rows`` False); if it fails, each new
@@ -204,8 +116,6 @@ class CompiledFunction:
     ``spec.by_rows`` brings what an earlier run
     found (None: nothing), and ``on_finding(by_rows)`` hears what this one finds.
     A graph without row-carrying arguments is built at once, on free rows.
-    Whatever the graph, what PyTensor refuses before rewriting it (a missing
-    input...) is raised here, at construction.
 
     Parameters
     ----------
@@ -217,9 +127,13 @@ class CompiledFunction:
     on_finding : callable, optional
         Called with ``by_rows`` once a call has found whether the graph traces
         on free rows (the master records it in the compile cache).
+    check : bool
+        Raise at once what PyTensor refuses in the graph before rewriting it,
+        where nothing is built yet (the master checks; the workers get checked
+        graphs).
     """
 
-    def __init__(self, spec, reference=False, on_finding=None):
+    def __init__(self, spec, reference=False, on_finding=None, check=False):
         self.spec = spec
         self.reference = reference
         self.output_modes = [m for _, m in spec.outputs]
@@ -243,7 +157,7 @@ class CompiledFunction:
         self._free_rows_ran = False
         #: the generator cells of the graph that ran last: where the random streams are (see _invoke)
         self._streams_at = None
-        if self.by_rows is None:
+        if self.by_rows is None and check:
             self._check()                # what PyTensor refuses before rewriting is raised here
         elif self.by_rows is False:
             try:

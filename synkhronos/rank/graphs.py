@@ -1,0 +1,92 @@
+"""A function spec's graphs, and graphs rebuilt on inputs of static shapes.
+
+JAX traces some graphs only with concrete shapes; such a graph is rebuilt on
+inputs of the shapes a call brings (:func:`rebuild_on`), which always traces.
+"""
+
+from pytensor.compile.builders import OpFromGraph, SymbolicOp
+from pytensor.graph.traversal import toposort
+
+__all__ = ["rebuild_on", "spec_graph", "needs_static_shapes"]
+
+
+def rebuild_on(variables, replace):
+    """``variables`` rebuilt with the inputs in ``replace`` swapped for variables of other static shapes.
+
+    Every node downstream of a replaced input is rebuilt (``make_node`` on
+    the new inputs), so static shapes propagate; the given graph is not
+    changed. An op that builds its inner graph from its input types (a
+    pytensor-ml layer: PyTensor's ``SymbolicOp``) is applied anew, building
+    that inner graph for the new shapes; any other ``OpFromGraph`` is
+    inlined (its inner graph keeps the shapes it was built for).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import pytensor.tensor as pt
+    >>> x = pt.tensor("x", shape=(8, 3))
+    >>> x4 = pt.tensor("x", shape=(4, 3))
+    >>> mean, = rebuild_on([x.mean(0) + x.shape[0]], {x: x4})
+    >>> mean.eval({x4: np.ones((4, 3), x4.dtype)}).tolist()
+    [5.0, 5.0, 5.0]
+    """
+    memo = dict(replace)
+    for node in list(toposort(variables, blockers=list(replace))):
+        inputs = [memo.get(i, i) for i in node.inputs]
+        if all(new is old for new, old in zip(inputs, node.inputs)):
+            continue
+        if isinstance(node.op, SymbolicOp):
+            outs = node.op(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        elif isinstance(node.op, OpFromGraph):
+            inner = node.op.fgraph.bind(dict(zip(node.op.fgraph.inputs, node.inputs)))
+            outs = rebuild_on(inner, {old: new for old, new in zip(node.inputs, inputs) if new is not old})
+        else:
+            outs = node.clone_with_new_inputs(inputs, strict=False).outputs
+        memo.update(zip(node.outputs, outs))
+    return [memo.get(v, v) for v in variables]
+
+
+def needs_static_shapes(e):
+    """True if ``e`` says JAX could not trace a graph without concrete shapes.
+
+    (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
+    shape used as a Python int.) Used only where nothing can be retried;
+    a call retries any failure of a graph on free rows with the graph rebuilt
+    on the call's shapes (see :class:`CompiledFunction`).
+    """
+    import jax
+    concretization = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                      jax.errors.TracerArrayConversionError, jax.errors.TracerBoolConversionError)
+    text = str(e)
+    return isinstance(e, concretization) or "Tracer" in text or \
+        (isinstance(e, IndexError) and "static" in text) or \
+        (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
+
+
+def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
+    """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
+
+    With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
+    replaced by an input of that static shape and the graphs are rebuilt on
+    it (:func:`rebuild_on`); the givens are applied in that rebuild
+    (PyTensor's own substitution would not carry the new static shapes on),
+    so none are left to give.
+    """
+    outputs = [v for v, _ in spec.outputs]
+    updates = [(s, v) for s, v, _ in spec.updates]
+    generators = list(spec.generator_updates)
+    if shapes is None:
+        return inputs, outputs, updates, generators, givens
+    replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
+    given = rebuild_on([v for _, v in givens], replace)
+    substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}
+    pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]
+    flat = rebuild_on(sum(pieces, []), substitute)
+    new = []
+    for piece in pieces:
+        new.append(flat[:len(piece)])
+        flat = flat[len(piece):]
+    return ([replace.get(v, v) for v in inputs], new[0],
+            [(s, v) for (s, _), v in zip(updates, new[1])],
+            [(g, v) for (g, _), v in zip(generators, new[2])], [])
