@@ -33,6 +33,8 @@ cache, timeline, n, float_x, kind = sys.argv[1:6]
 pytensor.config.floatX = float_x
 import synkhronos as synk
 synk.fork(int(n), compile_cache=False if cache == "off" else cache, timeline=timeline, collectives=kind)
+from synkhronos.compile import rewrites
+rewrites.set_cpu_rewrite(False)      # no timing of products, whose programs only a first run compiles
 x = pt.matrix("x")
 w = pytensor.shared(np.arange(6.0).reshape(3, 2).astype(float_x), name="w")
 g = pytensor.shared(np.ones(4, float_x), name="g")
@@ -251,3 +253,30 @@ def test_the_master_and_its_workers_run_with_the_same_xla_flags():
     assert worker["XLA_FLAGS"] == master["XLA_FLAGS"]
     flags = master["XLA_FLAGS"].split()
     assert len(flags) == len(set(flags)) and flags[0] == "--xla_cpu_enable_fast_math=false"
+
+
+#: argv: cache. Prints whether the master timed the products, and what it decided
+PRODUCTS = """
+import json, sys
+import numpy as np, pytensor.tensor as pt
+import synkhronos as synk
+from synkhronos.compile import rewrites
+synk.fork(2, compile_cache=sys.argv[1])
+x, w = pt.matrix("x"), pt.matrix("w")
+f = synk.function([x], ((x @ w).sum(), "sum"), bcast_inputs=[w])
+assert float(f(np.ones((4, 3)), np.ones((3, 2)))) == 24.0
+print("DECIDED " + json.dumps([bool(rewrites.products_measured), rewrites.use_cpu_rewrite()]))
+synk.close()
+"""
+
+
+def test_the_product_timing_is_measured_once_per_host_and_kept(tmp_path):
+    decided = []
+    for _ in range(2):
+        out = run_script(PRODUCTS, timeout=240, args=[str(tmp_path / "cache")])
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        decided.append(json.loads(next(line[8:] for line in out.stdout.splitlines()
+                                       if line.startswith("DECIDED "))))
+    (measured_first, chosen_first), (measured_again, chosen_again) = decided
+    assert measured_first and not measured_again          # the second run took the kept finding
+    assert chosen_again == chosen_first

@@ -12,7 +12,8 @@ there through :class:`TransposedDot`'s tiled transposes (XLA runs a skinny
 
 Whether that pays depends on the CPU: on some, XLA's products are the faster
 ones. The master times both once (:func:`use_cpu_rewrite`) and every rank
-compiles with the faster. The callback needs numpy's BLAS limited to this
+compiles with the faster; the compile cache keeps the finding for later runs
+on the host. The callback needs numpy's BLAS limited to this
 process's share of the cores
 (:func:`synkhronos.platform.cpu_blas.limit_blas_threads`); without that, products stay in
 XLA. GPUs take transposed operands natively and multiply on the device; there
@@ -29,6 +30,7 @@ from pytensor.scalar import upcast
 from pytensor.tensor.elemwise import CAReduce, DimShuffle
 from pytensor.tensor.math import Dot
 
+from ..platform import compile_cache
 from ..platform.cpu_blas import blas_threads
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
@@ -314,6 +316,19 @@ def set_cpu_rewrite(on):
     _cpu_rewrite = on
 
 
+#: where a measured decision is kept for later runs on this host (the compile cache), or None
+_kept_in: str | None = None
+#: the compile cache's findings: which products were faster here
+BLAS_FASTER, XLA_FASTER = "products-faster-in-blas", "products-faster-in-xla"
+
+
+def keep_decision_in(directory):
+    """Keep what :func:`use_cpu_rewrite` measures in ``directory`` (this host's compile cache), and
+    take it from there in later runs instead of measuring again (None: measure in every process)."""
+    global _kept_in
+    _kept_in = directory
+
+
 def use_cpu_rewrite():
     """Whether CPU functions compile with the rewrite; measured once per process if undecided.
 
@@ -321,16 +336,33 @@ def use_cpu_rewrite():
     lose on others; the first call times one large product and its
     weight-gradient form (``h.T @ d``) both ways, on this process's share of
     the cores, and keeps the faster (:data:`products_measured` says what it
-    found). Without a BLAS synkhronos can limit, the rewrite is left out.
+    found), in the compile cache too (:func:`keep_decision_in`): a later run
+    on this host with the same libraries and threads takes it from there.
+    Without a BLAS synkhronos can limit, the rewrite is left out.
     """
     global _cpu_rewrite
     if _cpu_rewrite is None:
-        if blas_threads() is None:
+        threads = blas_threads()
+        if threads is None:
             _cpu_rewrite = False
-        else:
-            products_measured.update(_time_products())
-            _cpu_rewrite = products_measured["blas_s"] < products_measured["xla_s"]
+            return _cpu_rewrite
+        kept, key = _kept_in, _decision_key(threads)
+        if compile_cache.recalls(kept, BLAS_FASTER, key) or compile_cache.recalls(kept, XLA_FASTER, key):
+            _cpu_rewrite = compile_cache.recalls(kept, BLAS_FASTER, key)
+            return _cpu_rewrite
+        products_measured.update(_time_products())
+        _cpu_rewrite = products_measured["blas_s"] < products_measured["xla_s"]
+        compile_cache.record(kept, BLAS_FASTER if _cpu_rewrite else XLA_FASTER, key)
     return _cpu_rewrite
+
+
+def _decision_key(threads):
+    """What the measurement depends on besides the host (the cache's directory is the host's): the
+    libraries (numpy's wheel brings its BLAS) and the threads each side gets."""
+    import hashlib
+    import importlib.metadata
+    versions = [importlib.metadata.version(name) for name in ("numpy", "jax", "jaxlib")]
+    return hashlib.sha256(repr((versions, threads)).encode()).hexdigest()
 
 
 def _time_products(rows=512, k=1024, cols=1024, repeat=3):

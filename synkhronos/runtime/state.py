@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..comm import class_path
+from ..compile import rewrites
 from ..errors import SynkError
 from ..ipc.segments import new_prefix
 from ..platform import jax_init
@@ -141,6 +142,7 @@ class State:
                                         self.float_x(), threads=s.threads,
                                         local_rank=self.local_master, n_local=self.n_local,
                                         cores=cores, compile_cache_dir=s.compile_cache)
+            rewrites.keep_decision_in(s.compile_cache)
         except Exception as e:
             if not t.several_nodes:
                 raise
