@@ -210,6 +210,27 @@ def test_the_master_computes_a_long_call_on_its_cores_and_a_tiny_one_anywhere(sy
     assert os.sched_getaffinity(0) == cores
 
 
+def test_a_compile_runs_on_every_core_the_process_started_with_and_gives_them_back():
+    """A rank's thread is bound to its cores; for an XLA compile it gets every core the process
+    started with (the compile's own threads take them), and its cores back after."""
+    from synkhronos.platform.cpu_tuning import on_cores, on_every_core
+    cores = os.sched_getaffinity(0)
+    one = [min(cores)]
+    with on_cores(one):
+        with on_every_core():
+            assert os.sched_getaffinity(0) == cores
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+            t.start(), t.join()
+            assert seen == [cores]                   # what XLA's compile threads get
+        assert os.sched_getaffinity(0) == set(one)
+        with pytest.raises(ZeroDivisionError):
+            with on_every_core():
+                1 / 0
+        assert os.sched_getaffinity(0) == set(one)
+    assert os.sched_getaffinity(0) == cores
+
+
 def test_on_cores_binds_the_thread_for_the_block_and_gives_it_back():
     from synkhronos.platform.cpu_tuning import on_cores
     cores = os.sched_getaffinity(0)

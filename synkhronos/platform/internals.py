@@ -249,7 +249,7 @@ def cache_writes_from_every_process():
     compiler._cache_write = _cache_write
 
 
-def compile_once_per_host(lock_directory: str) -> None:
+def compile_once_per_host(lock_directory: str, while_compiling: Callable | None = None) -> None:
     """Have the processes of one host compile each program once between them, through JAX's cache.
 
     Two things JAX does not: on CPU its cache key holds the device a program
@@ -261,7 +261,8 @@ def compile_once_per_host(lock_directory: str) -> None:
     holding a lock on its key (a file in ``lock_directory``): another process
     missing the same entry meanwhile waits, then loads what the first one
     wrote. A lock is released when its process ends, however it ends.
-    Idempotent.
+    ``while_compiling()``, a context manager, surrounds each compile (the
+    cores it may use). Idempotent.
     """
     try:
         from jax._src import cache_key, compiler, monitoring
@@ -295,8 +296,9 @@ def compile_once_per_host(lock_directory: str) -> None:
             if executable is not None:          # another process compiled it meanwhile
                 monitoring.record_event("/jax/compilation_cache/cache_hits")
                 return executable
-            executable = compile_and_write(backend, computation, executable_devices, compile_options,
-                                           host_callbacks, module_name, key)
+            with while_compiling() if while_compiling is not None else contextlib.nullcontext():
+                executable = compile_and_write(backend, computation, executable_devices,
+                                               compile_options, host_callbacks, module_name, key)
             # no lock file outlives its compile: a process that opens a new one finds the entry
             with contextlib.suppress(OSError):
                 os.unlink(path)

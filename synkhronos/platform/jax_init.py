@@ -151,7 +151,7 @@ def use_compile_cache(directory):
     internals.cache_writes_from_every_process()
     locks = os.path.join(directory, "synkhronos-compiling")
     os.makedirs(locks, exist_ok=True)
-    internals.compile_once_per_host(locks)
+    internals.compile_once_per_host(locks, while_compiling=cpu_tuning.on_every_core)
 
 
 def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",
