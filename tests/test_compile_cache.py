@@ -99,7 +99,7 @@ def test_the_ranks_of_a_host_compile_each_program_once_between_them(cold):
     cache, _, done = cold
     assert sorted(done) == [0, 1]
     assert compiled(done) == len(entries(cache))      # one compile per program kept, whichever rank
-    assert done[1][LOADED] > 0, done                  # the worker loaded what the master compiled
+    assert sum(d[LOADED] for d in done.values()) > 0, done    # a rank loaded what the other compiled
 
 
 def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path):
