@@ -347,8 +347,9 @@ def use_cpu_rewrite():
             _cpu_rewrite = False
             return _cpu_rewrite
         kept, key = _kept_in, _decision_key(threads)
-        if compile_cache.recalls(kept, BLAS_FASTER, key) or compile_cache.recalls(kept, XLA_FASTER, key):
-            _cpu_rewrite = compile_cache.recalls(kept, BLAS_FASTER, key)
+        blas_faster = compile_cache.recalls(kept, BLAS_FASTER, key)
+        if blas_faster or compile_cache.recalls(kept, XLA_FASTER, key):
+            _cpu_rewrite = blas_faster
             return _cpu_rewrite
         products_measured.update(_time_products())
         _cpu_rewrite = products_measured["blas_s"] < products_measured["xla_s"]

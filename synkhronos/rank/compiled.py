@@ -23,7 +23,7 @@ from ..platform.internals import check_function_graph, jit_parts, store, stored
 from ..platform.jax_init import platform
 from ..tracing import trace
 from .graphs import needs_static_shapes, spec_graph
-from .jitted import jitted_call
+from .jitted import abstract_value, jitted_call
 
 __all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "ROW_VARIANTS_KEPT"]
 
@@ -335,8 +335,7 @@ class CompiledFunction:
             failure = e
         else:
             self._free_rows_ran = True
-            if self.by_rows is None:
-                self._settle(False)
+            self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
             result = self._invoke(self._for_args(args, updates), args)
@@ -388,13 +387,10 @@ class CompiledFunction:
             return
         types = [inp.variable.type for inp in fn.maker.inputs if not inp.implicit]
 
-        def aval(shape, dtype):          # in the precision JAX computes (no truncation warning)
-            return jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(dtype))
-
-        def abstract(value):
-            return aval(np.shape(value), getattr(value, "dtype", np.asarray(value).dtype))
-        avals = [aval(shape, t.dtype) for shape, t in zip(arg_shapes, types)]
-        avals += [jax.tree_util.tree_map(abstract, cell[0]) for cell in parts.cells[parts.n_args:]]
+        # in the precision JAX computes (no truncation warning)
+        avals = [jax.ShapeDtypeStruct(tuple(shape), jax.dtypes.canonicalize_dtype(t.dtype))
+                 for shape, t in zip(arg_shapes, types)]
+        avals += [jax.tree_util.tree_map(abstract_value, cell[0]) for cell in parts.cells[parts.n_args:]]
         jax.eval_shape(parts.jit, *avals)
 
     def run(self, args):

@@ -15,7 +15,7 @@ from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.device_arrays import wait_until_computed
 from ..platform.internals import jit_parts
 
-__all__ = ["jitted_call", "donating_variant", "worth_donating", "copy_values_held_elsewhere",
+__all__ = ["jitted_call", "abstract_value", "donating_variant", "worth_donating", "copy_values_held_elsewhere",
            "DONATE_MIN_BYTES"]
 
 
@@ -98,7 +98,7 @@ def jitted_call(fn):
         values = [cell[0] for cell in cells]
         if not chosen:
             chosen.append(donating if donated and worth_donating(values, donated) else jit)
-        avals = jax.tree_util.tree_map(_abstract, values)
+        avals = jax.tree_util.tree_map(abstract_value, values)
         return lambda: chosen[0].lower(*avals).compile()
 
     call.fn = fn
@@ -106,7 +106,7 @@ def jitted_call(fn):
     return call
 
 
-def _abstract(value):
+def abstract_value(value):
     """The abstract value a jitted call would see for ``value`` (its device and weak type too)."""
     import jax
     if isinstance(value, jax.Array):
