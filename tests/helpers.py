@@ -71,6 +71,43 @@ WarnRows = _host_identity("WarnRows", _warn_rows,
                           "Identity that warns (UserWarning) with the number of rows it sees.")
 
 
+def check_an_error_keeps_every_variable(n, failing_rank):
+    """A call raising while computing on ``failing_rank`` (a host callback) leaves every variable on
+    every rank as before it: a 2.9 MB one (its buffer donated where that pays) and a small one; the
+    error names the rank; the next call is exact on every rank."""
+    import pytensor
+
+    import synkhronos as synk
+    w = pytensor.shared(np.arange(360_000.0).reshape(600, 600) / 1e3, name="w_kept")
+    m = pytensor.shared(np.zeros(3), name="m_kept")
+    x = pt.matrix("x")
+    s = RaiseIfNegative()(x).sum()
+    f = synk.function([x], (s, "sum"), updates=[(w, w * 0.5 + s), (m, m + x.sum(0))],
+                      local_updates=True, name="keeps")
+    good = np.ones((2 * n, 3))
+    f(good)
+    before = [[np.array(v) for v in synk.get_value(r, [w, m])] for r in range(n)]
+    bad = good.copy()
+    bad[2 * failing_rank + 1, 0] = -1.0           # 2 rows a device: only this rank sees it
+    for _ in range(2):                             # and again: nothing was lost the first time
+        try:
+            f(bad)
+        except synk.WorkerError as e:
+            assert e.rank == failing_rank and e.how == "raised" and isinstance(e, ValueError), e
+            assert "RaiseIfNegative saw a negative value" in str(e)
+        else:
+            raise AssertionError("the call did not raise")
+        np.testing.assert_array_equal(w.get_value(), before[0][0])
+        for r in range(n):
+            for got, kept in zip(synk.get_value(r, [w, m]), before[r]):
+                np.testing.assert_array_equal(got, kept)
+    close(f(good), 6.0 * n)
+    for r in range(n):
+        w_r, m_r = synk.get_value(r, [w, m])
+        close(w_r, before[r][0] * 0.5 + 6.0)
+        close(m_r, before[r][1] + 2.0)
+
+
 def run_script(code, timeout=120, env=None, args=()):
     """Run ``code`` (dedented) in a fresh Python with this checkout and these helpers importable.
 

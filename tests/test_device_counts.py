@@ -106,3 +106,8 @@ def test_diloco_takes_its_outer_steps_exactly(runtime, rng):
     if runtime.comm_kind == "jax":
         pytest.skip("the loop's collectives on the JAX runtime: test_loops")
     check_diloco(runtime.n_parallel, rng)
+
+
+def test_an_error_while_computing_keeps_every_variable(runtime):
+    from helpers import check_an_error_keeps_every_variable
+    check_an_error_keeps_every_variable(runtime.n_parallel, runtime.n_parallel - 1)

@@ -205,3 +205,29 @@ def test_warnings_of_workers_reach_the_master_once_through_its_filters(synk2):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         close(f(np.ones((4, 2))), 8.0)
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_an_error_while_computing_keeps_every_variable(synk2, failing_rank):
+    from helpers import check_an_error_keeps_every_variable
+    check_an_error_keeps_every_variable(2, failing_rank)
+
+
+@pytest.mark.parametrize("rows, failing_rank", [(5, 1), (3, 0)])
+def test_a_donating_call_failing_on_one_rank_keeps_every_rank_as_it_was(synk2, rows, failing_rank):
+    """The graph calls no host code and its 2.9 MB update is donated; it fails when traced for one
+    rank's rows only, while the other rank computes and stores its update: that rank puts it back."""
+    w = pytensor.shared(np.ones((600, 600)), name="w_donated")
+    x = pt.matrix("x")
+    s = pt.reshape(x, (2, 3)).sum()
+    g = synk.function([x], (s, "sum"), updates=[(w, w + s)], local_updates=True, name="donating")
+    close(g(np.ones((4, 3))), 12.0)
+    before = [synk.get_value(r, w) for r in range(2)]
+    for _ in range(2):
+        with pytest.raises(synk.WorkerError, match=f"rank {failing_rank} raised .*[Rr]eshape"):
+            g(np.ones((rows, 3)))
+        for r in range(2):
+            np.testing.assert_array_equal(synk.get_value(r, w), before[r])
+    close(g(np.ones((4, 3))), 12.0)
+    for r in range(2):
+        close(synk.get_value(r, w), before[r] + 6.0)

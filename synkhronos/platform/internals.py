@@ -1,6 +1,6 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Ten things have no public API and are reached for here only:
+Eleven things have no public API and are reached for here only:
 
 - a shared variable's stored value, read and written as it is (a JAX array
   stays one): ``get_value``/``set_value`` copy, or filter the value to the
@@ -26,7 +26,10 @@ Ten things have no public API and are reached for here only:
   only when JAX traces a graph (:func:`unsampleable_in_jax`);
 - what ``pytensor.function`` refuses in a graph before it rewrites it (missing
   or unused inputs, updates of another type, givens that do not fit), checked
-  without the rewrites and the linking (:func:`check_function_graph`).
+  without the rewrites and the linking (:func:`check_function_graph`);
+- whether a traced graph calls back into Python (a host callback, which can
+  raise while the device computes), read from its jaxpr and every jaxpr
+  nested in it (:func:`calls_host_code`).
 
 Every reader returns None (or does nothing) when the internals it expects are
 not there, so a PyTensor or JAX release that moves them costs speed, not
@@ -46,6 +49,7 @@ __all__ = [
     "jit_parts", "JitParts", "jax_backend_exists", "detach_inherited_jax", "detect_jax_cluster",
     "distributed_client", "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax",
     "cache_writes_from_every_process", "compile_once_per_host", "check_function_graph",
+    "calls_host_code",
 ]
 
 #: the libraries whose internals are read here: their supported versions are synkhronos's own
@@ -249,7 +253,13 @@ def cache_writes_from_every_process():
     compiler._cache_write = _cache_write
 
 
-def compile_once_per_host(lock_directory: str, while_compiling: Callable | None = None) -> None:
+#: the compile locks of this process's runtime: their directory (None: compiles take no lock, as
+#: when its cache is off or it was closed) and what surrounds each compile; set at every fork, since
+#: the master outlives its runtimes (the workers are new processes each time)
+_compile_locks: dict = {"directory": None, "while_compiling": None}
+
+
+def compile_once_per_host(lock_directory: str | None, while_compiling: Callable | None = None) -> None:
     """Have the processes of one host compile each program once between them, through JAX's cache.
 
     Two things JAX does not: on CPU its cache key holds the device a program
@@ -262,8 +272,16 @@ def compile_once_per_host(lock_directory: str, while_compiling: Callable | None 
     missing the same entry meanwhile waits, then loads what the first one
     wrote. A lock is released when its process ends, however it ends.
     ``while_compiling()``, a context manager, surrounds each compile (the
-    cores it may use). Idempotent.
+    cores it may use).
+
+    Each call replaces the directory of the one before: a runtime's locks sit
+    in its own cache, and ``lock_directory=None`` (its cache off, or the
+    runtime closed) has compiles take no lock anywhere. The functions of JAX
+    are replaced once per process.
     """
+    _compile_locks.update(directory=lock_directory, while_compiling=while_compiling)
+    if lock_directory is None:
+        return
     try:
         from jax._src import cache_key, compiler, monitoring
         hash_options = cache_key._hash_serialized_compile_options
@@ -287,26 +305,43 @@ def compile_once_per_host(lock_directory: str, while_compiling: Callable | None 
 
     def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
                                  host_callbacks, module_name, key):
+        def compile_it():
+            surround = _compile_locks["while_compiling"]
+            with surround() if surround is not None else contextlib.nullcontext():
+                return compile_and_write(backend, computation, executable_devices, compile_options,
+                                         host_callbacks, module_name, key)
+        lock = _open_compile_lock(_compile_locks["directory"], key)
+        if lock is None:
+            return compile_it()
         import fcntl
-        path = os.path.join(lock_directory, key + ".lock")
-        with open(path, "a") as lock:
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             executable, _ = read(module_name, key, compile_options, backend, executable_devices,
                                  host_callbacks)
             if executable is not None:          # another process compiled it meanwhile
                 monitoring.record_event("/jax/compilation_cache/cache_hits")
                 return executable
-            with while_compiling() if while_compiling is not None else contextlib.nullcontext():
-                executable = compile_and_write(backend, computation, executable_devices,
-                                               compile_options, host_callbacks, module_name, key)
+            executable = compile_it()
             # no lock file outlives its compile: a process that opens a new one finds the entry
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(lock.name)
             return executable
     _compile_and_write_cache.synkhronos = True     # type: ignore[attr-defined]
     cache_key._hash_serialized_compile_options = _hash_serialized_compile_options
     cache_key._hash_accelerator_config = _hash_accelerator_config
     compiler._compile_and_write_cache = _compile_and_write_cache
+
+
+def _open_compile_lock(directory, key):
+    """The lock file of the program ``key`` in ``directory``, opened; None without a directory or
+    where it cannot be made (the program is then compiled without a lock: a lock only saves work)."""
+    if directory is None:
+        return None
+    try:
+        os.makedirs(directory, exist_ok=True)      # the cache may have been removed since
+        return open(os.path.join(directory, key + ".lock"), "a")
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
@@ -400,6 +435,38 @@ def check_function_graph(inputs, outputs, updates=(), givens=(), mode=None, **op
                                                 givens=list(givens), **keep)
     FunctionMaker(ins, outs, get_mode(mode), accept_inplace=options.get("accept_inplace", False),
                   on_unused_input=options.get("on_unused_input"), no_fgraph_prep=True)
+
+
+def calls_host_code(traced: Any) -> bool:
+    """True if a traced JAX function (``jax.jit(f).trace(...)``) calls Python on the host anywhere.
+
+    A host callback (``jax.pure_callback``, ``io_callback``, ``jax.debug``
+    prints) runs Python while the device computes, and an exception there
+    fails the computation after it was dispatched. Unknown internals count as
+    a callback: the caller then takes the careful path.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> calls_host_code(jax.jit(lambda x: x + 1).trace(jnp.ones(2)))
+    False
+    >>> def host(x):
+    ...     return x
+    >>> calls_host_code(jax.jit(lambda x: jax.pure_callback(host, x, x)).trace(jnp.ones(2)))
+    True
+    """
+    try:
+        from jax._src.core import subjaxprs
+        pending = [traced.jaxpr]
+        while pending:
+            jaxpr = pending.pop()
+            jaxpr = getattr(jaxpr, "jaxpr", jaxpr)      # a closed jaxpr holds its jaxpr
+            if any("callback" in eqn.primitive.name for eqn in jaxpr.eqns):
+                return True
+            pending.extend(subjaxprs(jaxpr))
+    except Exception:
+        return True
+    return False
 
 
 def stored(var: Any) -> Any:

@@ -247,8 +247,11 @@ class CompiledFunction:
             direct.streams = generator_cells(fn)
             return direct
         shareds = [s for s, _, _ in self.spec.updates]
+        update_cells = [s.container.storage for s in shareds]
 
-        def call(*args):
+        def call(*args, undo=None):
+            if undo is not None:
+                undo.keep(update_cells)
             try:
                 outputs = fn(*args)
                 if args:
@@ -262,14 +265,14 @@ class CompiledFunction:
         call.streams = {}         # not linked for JAX: the generators' own containers, shared by all
         return call
 
-    def _invoke(self, runner, args):
+    def _invoke(self, runner, args, undo=None):
         """``runner(*args)``, its random generators first brought to where the last graph run left them.
 
         PyTensor's JAX linker gives every compiled graph a private copy of its
         generators' state (see :mod:`synkhronos.compile.randomness`), and this
         function may run several graphs (one per row count, one on free rows,
         one that defers its updates): each continues the one stream, never
-        starts it again.
+        starts it again. ``undo``, an :class:`~.undo.UndoLog`, goes to the runner.
         """
         streams = getattr(runner, "streams", None)      # (the reference runs PyTensor's function)
         if streams and self._streams_at is not None and self._streams_at is not streams:
@@ -278,7 +281,7 @@ class CompiledFunction:
                     cell[0] = self._streams_at[generator][0]
         if streams:
             self._streams_at = streams
-        return runner(*args)
+        return runner(*args) if undo is None or self.reference else runner(*args, undo=undo)
 
     def _for_shapes(self, shapes, updates):
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
@@ -290,24 +293,24 @@ class CompiledFunction:
     def _rebuilt_runner(self, shapes, updates):
         return self._runner(self._compile(updates, shapes))
 
-    def _call(self, args, updates):
+    def _call(self, args, updates, undo=None):
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
         shapes = tuple(args[i].shape for i in self._row_args)
         if self.by_rows is None and not self._shapes_first:
-            return self._first_call(shapes, args, updates)
+            return self._first_call(shapes, args, updates, undo)
         if self.by_rows or shapes in self._shapes_first:
-            return self._invoke(self._for_shapes(shapes, updates), args)
-        return self._free_or_by_rows(args, updates)
+            return self._invoke(self._for_shapes(shapes, updates), args, undo)
+        return self._free_or_by_rows(args, updates, undo)
 
-    def _first_call(self, shapes, args, updates):
+    def _first_call(self, shapes, args, updates, undo):
         """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure
         (JAX's account, with the graph's line) is then the call's error."""
         try:
-            return self._invoke(self._for_shapes(shapes, updates), args)
+            return self._invoke(self._for_shapes(shapes, updates), args, undo)
         except Exception:
             self._shapes_first.discard(shapes)
         try:
-            result = self._invoke(self._free_runner(updates), args)
+            result = self._invoke(self._free_runner(updates), args, undo)
         except Exception as failure:
             raise failure from None
         self._free_rows_ran = True
@@ -325,10 +328,10 @@ class CompiledFunction:
             self._run_no_updates = self._runner(self._compile(updates=False))
         return self._run_no_updates
 
-    def _free_or_by_rows(self, args, updates):
+    def _free_or_by_rows(self, args, updates, undo):
         """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
         try:
-            result = self._invoke(self._free_runner(updates), args)
+            result = self._invoke(self._free_runner(updates), args, undo)
         except Exception as e:
             if not self._row_args or self._free_rows_ran:
                 raise
@@ -338,7 +341,7 @@ class CompiledFunction:
             self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
-            result = self._invoke(self._for_args(args, updates), args)
+            result = self._invoke(self._for_args(args, updates), args, undo)
         except Exception:
             raise failure from None
         self._settle(True)
@@ -393,19 +396,22 @@ class CompiledFunction:
         avals += [jax.tree_util.tree_map(abstract_value, cell[0]) for cell in parts.cells[parts.n_args:]]
         jax.eval_shape(parts.jit, *avals)
 
-    def run(self, args):
-        """Run once, applying updates."""
+    def run(self, args, undo=None):
+        """Run once, applying updates; an :class:`~.undo.UndoLog` keeps what they replace if the call
+        could fail (see :func:`~.jitted.jitted_call`)."""
         self._compiled_ahead()
-        return self._call(args, True)
+        return self._call(args, True, undo)
 
-    def run_deferred(self, args):
+    def run_deferred(self, args, undo=None):
         """Run once without applying updates; return (outputs, new update values)."""
         self._compiled_ahead()
-        out = self._call(args, False)
+        out = self._call(args, False, undo)
         n = len(self.spec.outputs)
         return out[:n], out[n:]
 
-    def apply(self, values):
+    def apply(self, values, undo=None):
         """Store accumulated update values into the shared variables, on the device."""
+        if undo is not None:
+            undo.keep([shared.container.storage for shared, _, _ in self.spec.updates])
         for (shared, _, _), value in zip(self.spec.updates, values):
             store(shared, value.astype(shared.type.dtype))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..comm import CommContext
+from .undo import UndoLog
 
 __all__ = ["RankContext"]
 
@@ -46,6 +47,9 @@ class RankContext:
         Seconds a wait polls before it sleeps.
     topology : Topology or None
         Where the nodes are, on several nodes.
+    undo : UndoLog
+        What the current command's updates replaced, while the command could still fail on
+        some rank (see :mod:`.undo`).
     """
 
     rank: int
@@ -63,6 +67,7 @@ class RankContext:
     prefix: str
     spin: float
     topology: Any = None
+    undo: UndoLog = field(default_factory=UndoLog)
     _comm: Any = field(default=None, repr=False)
 
     @property
@@ -97,7 +102,7 @@ class RankContext:
 
         def run():
             execute()
-            run_update(update)
+            run_update(update, self.undo)
         return run
 
     def device_loop(self, spec, center, beat):

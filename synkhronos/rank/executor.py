@@ -105,7 +105,7 @@ def run_share(context, plan):
         # the common call (a range of rows, one slice): views in, nothing to decide or accumulate;
         # this path is shorter per process than the general one below
         values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
-                              + [view_of(ref) for ref in plan.bcast])
+                              + [view_of(ref) for ref in plan.bcast], context.undo)
         if trace.on:
             trace.mark("compute")
         return share.rows, [values[i] for i in plan.subset]
@@ -133,31 +133,32 @@ def run_share(context, plan):
         return result
 
     if len(pieces) == 1:
-        values = traced(compiled.run(args_for(lo, hi)))
+        values = traced(compiled.run(args_for(lo, hi), context.undo))
         return share.rows, [values[i] for i in plan.subset]
     import jax.numpy as jnp
     outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
     for a, b in pieces:
         n = (b - a) if share.counts_rows else 1
-        values, new = traced(compiled.run_deferred(args_for(a, b)) if upds else
-                             (compiled.run(args_for(a, b)), []))
+        values, new = traced(compiled.run_deferred(args_for(a, b), context.undo) if upds else
+                             (compiled.run(args_for(a, b), context.undo), []))
         for acc, v in zip(upds, new):
             acc.add(v, n)
         for acc, i in zip(outs, plan.subset):
             acc.add(values[i], n)
     if upds:
-        compiled.apply([acc.result() for acc in upds])
+        compiled.apply([acc.result() for acc in upds], context.undo)
     return share.rows, [acc.result() for acc in outs]
 
 
-def run_update(compiled):
+def run_update(compiled, undo=None):
     """Run a function without inputs (a training step's update) on this rank; its results are dropped.
 
     A timeline shows it as a call of its own, inside the command that ran it.
+    ``undo``: the rank's :class:`~.undo.UndoLog` (see :meth:`CompiledFunction.run`).
     """
     if trace.on:
         trace.begin("call", compiled.spec.name)
-    compiled.run([])
+    compiled.run([], undo)
     if trace.on:
         trace.end("compute")

@@ -13,7 +13,7 @@ from pytensor.tensor.type import TensorType
 
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.device_arrays import wait_until_computed
-from ..platform.internals import jit_parts
+from ..platform.internals import calls_host_code, jit_parts
 
 __all__ = ["jitted_call", "abstract_value", "donating_variant", "worth_donating", "copy_values_held_elsewhere",
            "DONATE_MIN_BYTES"]
@@ -37,6 +37,11 @@ def jitted_call(fn):
     buffers (:func:`donating_variant`). An error is re-raised through ``fn``
     itself, with PyTensor's account of the failing node.
 
+    Given an :class:`~.undo.UndoLog` (``call(*args, undo=log)``), a call keeps
+    the values its updates replace there first if the graph calls host code
+    (it can fail while computing) or the log asks to keep everything; a
+    graph calling host code never donates.
+
     Parameters
     ----------
     fn : pytensor.compile.Function
@@ -45,31 +50,48 @@ def jitted_call(fn):
     Returns
     -------
     callable or None
-        ``call(*args)`` returning the list of ``fn``'s outputs.
+        ``call(*args, undo=None)`` returning the list of ``fn``'s outputs.
     """
     parts = jit_parts(fn)
     if parts is None or fn.profile or not fn.maker.fgraph.outputs:
         return None
     jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
     arg_cells = cells[:parts.n_args]
+    update_cells = [storage for _, storage in updates]
     donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
-    chosen = []             # the graph this function runs, chosen at its first call
+    #: the graph this function runs, and whether it calls host code: chosen at its first call
+    chosen = []
     # all outputs of one execution become ready together: wait on one array (a random generator's
     # next state is a dict of arrays, which has no block_until_ready)
     arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
     wait = (lambda outputs: outputs[arrays[-1]].block_until_ready()) if arrays else \
         wait_until_computed
 
-    def call(*args):
+    def choose(values):
+        """Run the donating graph if its updates are large enough and it calls no host code; find
+        out whether the graph run calls host code (only where it has updates to keep)."""
+        graph = donating if donated and worth_donating(values, donated) else jit
+        host = bool(update_cells)         # unknown: as careful as host code
+        if update_cells and hasattr(graph, "trace"):
+            # jax.jit keeps the trace: the call does not trace again
+            host = calls_host_code(graph.trace(*values))
+            if host and graph is donating:
+                graph = jit
+        chosen[:] = [graph, host]
+
+    def call(*args, undo=None):
         for cell, arg in zip(arg_cells, args):
             cell[0] = arg
         try:
             values = [cell[0] for cell in cells]
             if not chosen:
-                chosen.append(donating if donated and worth_donating(values, donated) else jit)
-            if chosen[0] is donating:
+                choose(values)
+            graph, host = chosen
+            if undo is not None and (host or undo.keep_all):
+                undo.keep(update_cells)       # before the copy below: a kept value is not donated
+            if graph is donating:
                 copy_values_held_elsewhere(values, donated)
-            outputs = chosen[0](*values)
+            outputs = graph(*values)
             del values
         except Exception as e:
             raise_deferred_interrupt(e)
@@ -90,16 +112,19 @@ def jitted_call(fn):
 
     def compile_ahead():
         """What the first call will compile, as a callable for another thread (None if the graph
-        takes arguments: their shapes come with the call). The graph to run is chosen here, on the
-        values the cells hold now, as the first call would."""
+        takes arguments: their shapes come with the call). The thread chooses the graph to run, on
+        the values the cells hold now, as the first call would; the first call waits for it."""
         if arg_cells:
             return None
         import jax
         values = [cell[0] for cell in cells]
-        if not chosen:
-            chosen.append(donating if donated and worth_donating(values, donated) else jit)
         avals = jax.tree_util.tree_map(abstract_value, values)
-        return lambda: chosen[0].lower(*avals).compile()
+
+        def compile_():
+            if not chosen:
+                choose(values)
+            chosen[0].lower(*avals).compile()
+        return compile_
 
     call.fn = fn
     call.compile_ahead = compile_ahead

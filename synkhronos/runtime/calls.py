@@ -5,9 +5,16 @@ every rank of the node, the master's share included; on several nodes the
 nodes' results are then exchanged (and compared: nodes making different calls
 raise ``NodesDiverged``). A training step's tail (its all-reduce and update)
 may ride in the same command (:class:`synkhronos.api.step.Step`).
+
+A call that raises anywhere leaves every rank's shared variables as they were
+(:mod:`synkhronos.rank.undo`): until a call's argument shapes have run once on
+every rank, every rank keeps what its updates replace, and a failure has every
+rank put it back.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -25,6 +32,8 @@ class Calls(Part):
     def __init__(self, state):
         super().__init__(state)
         self._plans = PlanSlots()
+        #: the shape keys (CallPlan.shape_key) of calls that have run on every rank
+        self._ran_everywhere = set()
 
     def name(self, plan):
         """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
@@ -68,6 +77,10 @@ class Calls(Part):
         self._plans.publish(plan.encode(), ctl.header, ctl.args)
         fields = ctl.record_fields(record) if record is not None else None
         context, local_master = state.context, state.local_master
+        shapes = plan.shape_key()
+        keep_all = shapes not in self._ran_everywhere
+        ctl.header[ControlBlock.KEEP_UNDO] = keep_all
+        context.undo.begin(keep_all)
 
         def local():
             rows, outs = run_share(context, plan)
@@ -83,9 +96,12 @@ class Calls(Part):
             else:
                 outs = self._run_step(local, tail, kind=(Op.STEP, plan.fid))
         except Exception as e:
+            self._undo()
             if nodes is not None and state.is_open:
                 nodes.tell_failed(self.name(plan), e)
             raise
+        if keep_all:
+            self._ran_everywhere.add(shapes)
         if not plan.subset and nodes is None:      # a call selecting no outputs (only updates)
             return None, []
         rows = ctl.rows.tolist()
@@ -98,8 +114,21 @@ class Calls(Part):
             columns = [[None if values is None else values[j] for values in per_rank]
                        for j in range(len(plan.subset))]
         if nodes is not None:
-            rows, columns = nodes.results_of_every_node(self.name(plan), rows, columns)
+            try:
+                rows, columns = nodes.results_of_every_node(self.name(plan), rows, columns)
+            except Exception:
+                self._undo()          # another node failed: this one's call did not happen either
+                raise
         return (rows, columns) if plan.subset else (None, [])
+
+    def _undo(self):
+        """Put back, on every rank of this node, what the failed command's updates replaced."""
+        state = self._state
+        if not state.is_open:     # shut down by the fault: nothing is left to put back
+            return
+        state.context.undo.restore()
+        with contextlib.suppress(Exception):     # a fault here shuts the runtime down itself
+            state.channel.command(Op.UNDO)
 
     def _run_step(self, local, tail, kind):
         """The call's command extended by ``tail`` (see :meth:`run` and ``Channel.step``)."""

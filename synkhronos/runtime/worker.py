@@ -58,6 +58,10 @@ class Terminated(SystemExit):
     """Raised in a worker that received SIGTERM; it ends by that signal after cleaning up."""
 
 
+#: commands whose updates a rank keeps the replaced values of when the master asks (KEEP_UNDO)
+_UPDATING = (int(Op.CALL), int(Op.STEP))
+
+
 class Worker:
     """State of one worker: its rank, the control block, functions, shared vars, Data views.
 
@@ -101,7 +105,7 @@ class Worker:
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
                          Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STEP: self.step,
-                         Op.STOP: lambda: None}
+                         Op.UNDO: self.context.undo.restore, Op.STOP: lambda: None}
         self.loops = {}             # loop id -> this rank's DeviceLoop, from its first phase to finish
 
     def check_master(self):
@@ -115,6 +119,8 @@ class Worker:
             waiting = trace.now() if trace.on else None
             go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
+            if opcode != Op.UNDO:         # the last command succeeded everywhere: let its values go
+                self.context.undo.begin(opcode in _UPDATING and bool(self.ctl.header[ControlBlock.KEEP_UNDO]))
             if trace.on:
                 trace.begin("command", op_name(opcode), waiting)
                 trace.mark("wait for the command")

@@ -55,6 +55,7 @@ class Op(enum.IntEnum):
     TIMELINE = 10     # args[0]: 1 start recording, 0 stop -> result: the pickled spans
     STEP = 11         # a CALL, then (if every rank computed) an all-reduce, then an update function:
                       # args: the plan, and the collective from STEP_COLLECTIVE_AT; header: UPDATE_FID
+    UNDO = 12         # put back what the last CALL or STEP replaced (it failed on some rank)
 
 
 def op_name(opcode):
@@ -106,6 +107,7 @@ class Header(enum.IntEnum):
     PLAN_SLOT = 5
     PLAN_GEN = 6
     UPDATE_FID = 7
+    KEEP_UNDO = 8     # a CALL or STEP: 1 if every rank keeps what all its updates replace (see rank.undo)
 
 
 class Field(enum.IntEnum):
@@ -196,7 +198,8 @@ class ControlBlock:
 
     # the header's fields and a status row's, as names of the block: plain ints, because numpy
     # indexes with an int subclass (an IntEnum member) by a slower path, on every command
-    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID = map(int, Header)
+    OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID, \
+        KEEP_UNDO = map(int, Header)
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = map(int, Field)
 
     def state(self, rank):

@@ -74,6 +74,7 @@ class CallPlan:
     _words: tuple | None = field(default=None, repr=False, compare=False)
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
     _record: object = field(default=False, repr=False, compare=False)        # see result_record
+    _shape_key: tuple | None = field(default=None, repr=False, compare=False)  # see shape_key
 
     def with_batch(self, batch):
         """This plan with another ``batch`` of as many rows (the same shares, the same record).
@@ -87,6 +88,25 @@ class CallPlan:
         plan = copy.copy(self)
         plan.batch, plan._words = batch, None
         return plan
+
+    def shape_key(self):
+        """What fixes the shapes every rank's graph is called with: two plans with the same key
+        trace alike on every rank (the function, the rows and their split, each input's shape).
+
+        Examples
+        --------
+        >>> a = CallPlan(0, 1, Batch(8, 0, 8), [0], [InputRef(4, 0, 1, 0, (30, 2))], [])
+        >>> b = CallPlan(0, 1, Batch(8, 10, 18), [0], [InputRef(5, 0, 1, 0, (50, 2))], [])
+        >>> a.shape_key() == b.shape_key()
+        True
+        """
+        key = self._shape_key
+        if key is None:
+            key = self._shape_key = (
+                self.fid, self.num_slices, self.batch.total, self.local,
+                tuple(tuple(ref.shape[1:]) for ref in self.scattered),
+                tuple(tuple(ref.shape) for ref in self.bcast), tuple(b.total for b in self.sliced))
+        return key
 
     def arguments_text(self):
         """What the call computes on, in words every node compares (see ``State.run_call``).
