@@ -280,3 +280,61 @@ def test_the_product_timing_is_measured_once_per_host_and_kept(tmp_path):
     (measured_first, chosen_first), (measured_again, chosen_again) = decided
     assert measured_first and not measured_again          # the second run took the kept finding
     assert chosen_again == chosen_first
+
+
+#: argv: directory A, directory B, "recreate" or "gone", JAX's directory. One process forks three
+#: times: into A, into B after A was removed (and, with "recreate", made again empty), then with the
+#: cache off. Prints what B and A hold after the second run, every file after the third, the results
+RECACHE = """
+import json, os, shutil, sys
+import numpy as np, pytensor.tensor as pt
+import synkhronos as synk
+from synkhronos.compile import rewrites
+first, second, recreate, told = sys.argv[1:5]
+
+
+def files(*tops):
+    return sorted(os.path.join(d, n) for top in tops for d, _, names in os.walk(top) for n in names)
+
+
+x = pt.matrix("x")
+X = np.arange(24.0).reshape(8, 3)
+synk.fork(2, compile_cache=first)
+rewrites.set_cpu_rewrite(False)
+assert float(synk.function([x], (x.sum(), "sum"))(X)) == X.sum()
+synk.close()
+shutil.rmtree(first)
+if recreate == "recreate":
+    os.makedirs(first)
+synk.fork(2, compile_cache=second)
+f = synk.function([x], [((pt.tanh(x) * 3.0).sum(), "sum"), (pt.exp(x[:, :2]), "gather")], name="in_b")
+gaps = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(f(X), f.as_pytensor(X))]
+synk.close()
+in_b, in_a = files(second), files(first)
+before = files(first, second, told)
+synk.fork(2, compile_cache=False)
+g = synk.function([x], ((pt.cos(x) + 7.0).sum(), "sum"), name="off")
+gaps.append(abs(float(g(X)) - float(g.as_pytensor(X))))
+synk.close()
+print("RESULT " + json.dumps(dict(gaps=gaps, in_b=in_b, in_a=in_a, before=before,
+                                  after=files(first, second, told))))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("first_again", ["gone", "recreate"])
+def test_a_second_fork_keeps_its_compiles_and_locks_in_its_own_cache(tmp_path, first_again):
+    """fork(compile_cache=A), close, A removed, fork(compile_cache=B): every compile of the second
+    runtime works, its entries and locks are in B only; then fork(compile_cache=False) writes nowhere."""
+    first, second, told = tmp_path / "a", tmp_path / "b", tmp_path / "jax_told"
+    told.mkdir()
+    out = run_script(RECACHE, timeout=280, env={"JAX_COMPILATION_CACHE_DIR": str(told)},
+                     args=[str(first), str(second), first_again, str(told)])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    got = json.loads(next(line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT ")))
+    assert max(got["gaps"]) < 1e-12
+    assert any(name.endswith("-cache") for name in got["in_b"]), got["in_b"]
+    assert not any(name.endswith(".lock") for name in got["in_b"]), got["in_b"]
+    assert got["in_a"] == []
+    assert got["after"] == got["before"]
+    assert os.listdir(told) == []

@@ -6,7 +6,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close, reference
+from helpers import RaiseIfNegative, close, reference
 
 import synkhronos as synk
 
@@ -145,3 +145,54 @@ def test_collectives_respect_a_declared_shape(synk2, rng):
         synk.set_value(1, fixed, np.zeros((2, 3)))
     synk.broadcast(fixed, np.ones((4, 3)))                           # what fits still works
     close(synk.get_value(1, fixed), np.ones((4, 3)))
+
+
+def _rows_hint_of(f, *args):
+    """The hint of the WorkerError that ``f(*args)`` raises."""
+    with pytest.raises(synk.WorkerError) as info:
+        f(*args)
+    return info.value.hint
+
+
+ROWS_HINT = "each device gets 10 of the call's 20 rows: write -1 or x.shape[0]"
+W16 = np.linspace(-1.0, 1.0, 48).reshape(16, 3)
+
+#: a batch size written into the graph, in every place one is written: name, output of x with batch size n
+BATCH_WRITTEN = [
+    ("flatten", lambda x, n: x.reshape((n, 1, 4, 4)).flatten(2) @ W16),          # fails in SpecifyShape
+    ("reshape", lambda x, n: x.reshape((n, 1, 4, 4)).sum(axis=(2, 3))),
+    ("reshape then product", lambda x, n: x.reshape((n, -1)) @ W16),           # fails in the product
+    ("reshape beside a shape", lambda x, n: x.reshape((n, x.shape[1])) @ W16),
+    ("specify_shape", lambda x, n: pt.specify_shape(x, (n, 16)) @ W16),
+    ("zeros", lambda x, n: pt.zeros((n, 16)) + x),
+    ("broadcast_to", lambda x, n: pt.broadcast_to(x.sum(1, keepdims=True), (n, 16)) @ W16),
+]
+
+
+@pytest.mark.parametrize("name, make", BATCH_WRITTEN, ids=[c[0] for c in BATCH_WRITTEN])
+def test_a_batch_size_written_into_the_graph_gets_the_hint_of_the_rows_each_device_gets(synk2, name, make):
+    x = pt.matrix("x")
+    X = np.linspace(0.0, 1.0, 320).reshape(20, 16)
+    f = synk.function([x], (make(x, 20).sum(), "sum"), name=f"batch_in_{name}")
+    hint = _rows_hint_of(f, X)
+    assert hint is not None and ROWS_HINT in hint, hint
+    fixed = synk.function([x], (make(x, x.shape[0]).sum(), "sum"), name=f"rows_in_{name}")
+    close(fixed(X), reference(fixed, X))        # what the hint says to write computes what PyTensor does
+
+
+def test_an_error_that_has_nothing_to_do_with_rows_gets_no_rows_hint(synk2):
+    """The graph holds 20, the call's row count, as a shape (a bias of 20 units, a weight reshaped to
+    20 values), but the error is a host callback's, or a product of mismatched columns."""
+    x, b = pt.matrix("x"), pt.vector("b")
+    X = np.linspace(-1.0, 1.0, 320).reshape(20, 16)
+    bias = pt.zeros(20)
+    raising = synk.function([x], ((RaiseIfNegative()(x) @ W16).sum() + bias.sum(), "sum"),
+                            name="raises_in_a_callback")
+    hint = _rows_hint_of(raising, X)
+    assert hint is None or "rows" not in hint, hint
+    weight = pytensor.shared(np.ones((4, 5)), name="weight_of_20")
+    mismatched = synk.function([x], ((x @ b).sum() + weight.reshape((20,)).sum(), "sum"),
+                               bcast_inputs=[b], name="mismatched_columns")
+    hint = _rows_hint_of(mismatched, X, np.ones(5))
+    assert hint is None or "rows" not in hint, hint
+    close(mismatched(X, np.ones(16)), X.sum() + 2 * 20.0)         # each device adds the weight's sum

@@ -238,7 +238,7 @@ class Function:
             outputs = self._reduce(plan, rows, columns)
         except WorkerError as e:
             if e.how == "raised":
-                add_hint(e, self._call_rows(plan))
+                add_hint(e, self._call_rows(plan), self.spec)
             raise
         finally:
             if since is not None:

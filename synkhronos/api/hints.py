@@ -1,8 +1,16 @@
-"""The common causes of a rank's error in a call, recognised from its message, and their fixes.
+"""The common causes of a rank's error in a call, recognised from the function's graph and the error.
 
-A :class:`~synkhronos.WorkerError` from a call gets the first hint whose
-pattern its message matches (:func:`add_hint`). Each hint knows what the call
-was: the rows each device got.
+A :class:`~synkhronos.WorkerError` from a call gets the first hint that
+recognises it (:func:`add_hint`). Each hint knows what the call was: the rows
+each device got, and the function's graph.
+
+The commonest cause is a batch size written into the graph: a reshape,
+``specify_shape``, ``zeros``/``alloc``/``broadcast_to`` or a random draw whose
+shape holds the call's row count as a constant, where each device holds only
+its share of the rows. It is recognised from the graph (such a shape, and an
+error about shapes), whichever operation the error surfaced in: the reshape
+itself, a ``SpecifyShape`` a rewrite put after it, or the product that
+received the wrong shape.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["CallRows", "add_hint"]
+__all__ = ["CallRows", "add_hint", "batch_size_written"]
 
 
 @dataclass(frozen=True)
@@ -21,32 +29,103 @@ class CallRows:
     total: int
 
 
-def _batch_in_a_reshape(match, rows):
-    if not rows.total or len(set(rows.per_device)) == 0:
-        return None
+#: an error about shapes (its first line says so): the only kind a batch size in the graph causes
+_SHAPE_ERROR = re.compile(r"shape|broadcast|dimension|\bsize\b", re.IGNORECASE)
+#: a shape that a trace could not make concrete (not a matter of rows)
+_STATIC_SHAPES = re.compile(r"Shapes must be 1D sequences of concrete values|Tracer")
+
+
+def _share_of(rows):
     shares = sorted(set(rows.per_device))
-    share = str(shares[0]) if len(shares) == 1 else f"{shares[0]} to {shares[-1]}"
-    return (f"each device gets {share} of the call's {rows.total} rows: write -1 or x.shape[0] for "
-            f"the batch axis of the reshape instead of a batch size")
+    return str(shares[0]) if len(shares) == 1 else f"{shares[0]} to {shares[-1]}"
 
 
-def _static_shapes(match, rows):
+def _rows_hint(error, rows, spec):
+    if not rows.total or set(rows.per_device) <= {rows.total} or spec is None:
+        return None
+    if not _SHAPE_ERROR.search(error.message.split("\n", 1)[0]):
+        return None
+    where = batch_size_written(spec, rows.total)
+    if where is None:
+        return None
+    return (f"each device gets {_share_of(rows)} of the call's {rows.total} rows: write -1 or "
+            f"x.shape[0] for the batch axis of {where} instead of a batch size")
+
+
+def _static_shapes_hint(error, rows, spec):
+    if not _STATIC_SHAPES.search(error.message):
+        return None
     return ("the graph needs a concrete shape that synkhronos could not give it by compiling per "
             "row count; declare the input's other axes in its type (pt.tensor(shape=(None, 28, 28)))")
 
 
-#: (pattern of the message, hint maker) in the order they are tried
-HINTS = [
-    (re.compile(r"cannot reshape array of shape \((\d+)"), _batch_in_a_reshape),
-    (re.compile(r"Shapes must be 1D sequences of concrete values|Tracer"), _static_shapes),
-]
+#: the hints in the order they are tried: each returns its text, or None when it does not apply
+HINTS = [_static_shapes_hint, _rows_hint]
 
 
-def add_hint(error, rows: CallRows):
-    """Give ``error`` (a WorkerError) the hint of the first pattern its message matches, if any."""
-    for pattern, make in HINTS:
-        match = pattern.search(error.message)
-        if match:
-            error.hint = make(match, rows)
-            if error.hint:
-                return
+def add_hint(error, rows: CallRows, spec=None):
+    """Give ``error`` (a WorkerError) the first hint that recognises it, if any.
+
+    ``spec`` is the function's :class:`~synkhronos.wire.spec.FunctionSpec`
+    (its graph); without it only the hints read from the message apply.
+    """
+    for make in HINTS:
+        hint = make(error, rows, spec)
+        if hint:
+            error.hint = hint
+            return
+
+
+def batch_size_written(spec, total):
+    """What in the function's graph holds ``total`` (the call's rows) as a constant in a shape, or None.
+
+    A reshape or ``specify_shape`` counts when what it shapes depends on the
+    scattered inputs; ``alloc`` (``zeros``, ``ones``, ``broadcast_to``),
+    ``empty`` and a random draw's ``size`` count as they are (they make the
+    rows the others meet).
+    """
+    from pytensor.graph.traversal import ancestors, apply_ancestors
+    from pytensor.tensor.basic import Alloc, AllocEmpty
+    from pytensor.tensor.random.op import RandomVariable
+    from pytensor.tensor.shape import Reshape, SpecifyShape
+
+    row_inputs = set(spec.inputs) | {target for target, _ in spec.givens}
+    for node in apply_ancestors(spec.graph_vars()):
+        op = node.op
+        if isinstance(op, (Reshape, SpecifyShape)):
+            shapes, what = node.inputs[1:], ("the reshape" if isinstance(op, Reshape) else "specify_shape")
+            if not any(v in row_inputs for v in ancestors([node.inputs[0]])):
+                continue
+        elif isinstance(op, Alloc):
+            shapes, what = node.inputs[1:], "the alloc (zeros, ones, broadcast_to)"
+        elif isinstance(op, AllocEmpty):
+            shapes, what = node.inputs, "the empty array"
+        elif isinstance(op, RandomVariable):
+            shapes, what = [op.size_param(node)], "the random draw's size"
+        else:
+            continue
+        if any(total in _constants_of(shape) for shape in shapes):
+            return what
+    return None
+
+
+def _constants_of(shape, depth=4):
+    """The integers a shape argument holds as constants: its own value, or the constant entries of
+    the vector it is made of (through casts), as ``x.reshape((20, x.shape[1]))`` makes it."""
+    import numpy as np
+    from pytensor.graph.basic import Constant
+    from pytensor.scalar.basic import Cast
+    from pytensor.tensor.basic import MakeVector, ScalarFromTensor, TensorFromScalar
+    from pytensor.tensor.elemwise import Elemwise
+
+    if isinstance(shape, Constant):
+        values = np.asarray(shape.data)
+        return set(values.ravel().tolist()) if values.dtype.kind in "iu" else set()
+    node = shape.owner
+    if node is None or not depth:
+        return set()
+    op = node.op
+    if isinstance(op, (MakeVector, ScalarFromTensor, TensorFromScalar)) or \
+            (isinstance(op, Elemwise) and isinstance(op.scalar_op, Cast)):
+        return set().union(*(_constants_of(v, depth - 1) for v in node.inputs))
+    return set()

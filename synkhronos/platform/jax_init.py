@@ -142,6 +142,7 @@ def use_compile_cache(directory):
     """
     if directory is None:
         _configure_jax("jax_enable_compilation_cache", False)
+        internals.compile_once_per_host(None)      # and no locks in an earlier runtime's cache
         return
     _configure_jax("jax_enable_compilation_cache", True)
     _configure_jax("jax_compilation_cache_dir", directory)
@@ -250,5 +251,6 @@ def shutdown_process():
         _changed_config.clear()
         from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()     # JAX opens its cache once per process: the next fork anew
+        internals.compile_once_per_host(None)      # the next fork's locks go to its own cache
         cpu_blas.restore_blas_threads()
         cpu_tuning.restore_allocator_defaults()
