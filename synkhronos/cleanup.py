@@ -2,8 +2,13 @@
 
 A run ended by SIGKILL together with its resource trackers (``kill -9`` of the
 process group, the OOM killer, a scheduler's cancel) leaves its segments in
-``/dev/shm`` until reboot. ``fork()`` removes those of runs whose master no
-longer runs; this command does the same without starting anything.
+``/dev/shm`` until reboot. A run is alive while its master holds the lock on
+the run's ``<prefix>_live`` segment, whatever PID namespace it runs in (a
+container sharing ``/dev/shm`` with the host included); ``fork()`` removes
+the segments of this user's runs that nobody holds, and this command does the
+same without starting anything. Entries named like segments that are not
+this user's segments (directories, links, fifos, other users' files) are
+listed as skipped and left alone.
 
 Examples
 --------
@@ -14,7 +19,7 @@ Examples
 import argparse
 import os
 
-from .ipc.segments import SEGMENT_DIRECTORY, remove_stale_segments, stale_segments
+from .ipc.segments import SEGMENT_DIRECTORY, stale_segments
 
 
 def main(argv=None):
@@ -22,18 +27,24 @@ def main(argv=None):
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     args = parser.parse_args(argv)
-    names = stale_segments() if args.dry_run else remove_stale_segments()
-    size = 0
-    for name in names if args.dry_run else []:
-        try:
-            size += os.stat(os.path.join(SEGMENT_DIRECTORY, name)).st_size
-        except OSError:
-            pass
-    verb = "left by runs that no longer run" if args.dry_run else "removed"
-    for name in names:
+    found = stale_segments(remove=not args.dry_run)
+    for name in found.stale:
         print(name)
-    print(f"{len(names)} segment(s) {verb}" + (f", {size / 2**20:.1f} MiB" if args.dry_run else ""))
+    for name, why in found.skipped:
+        print(f"skipped {name}: {why}")
+    verb = "left by runs that no longer run" if args.dry_run else "removed"
+    print(f"{len(found.stale)} segment(s) {verb}"
+          + (f", {sum(map(_size, found.stale)) / 2**20:.1f} MiB" if args.dry_run else "")
+          + (f"; {len(found.skipped)} entr{'y' if len(found.skipped) == 1 else 'ies'} skipped, "
+             f"not this user's segments" if found.skipped else ""))
     return 0
+
+
+def _size(name):
+    try:
+        return os.lstat(os.path.join(SEGMENT_DIRECTORY, name)).st_size
+    except OSError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -330,17 +330,23 @@ def test_listens_on_loopback_only_and_segments_are_private(synk2):
 @pytest.mark.timeout(120)
 def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_path):
     """kill -9 of the whole process group (master, workers, resource trackers) leaves the run's
-    segments; the cleanup command lists them, and the next fork() removes them, never a live run's."""
+    segments, its lock segment (``<prefix>_live``) among them, no longer locked; the cleanup command
+    lists them, and the next fork() removes them, never those of a live run, which holds its lock."""
     script = tmp_path / "killed_whole.py"
     script.write_text(textwrap.dedent("""
         import os, sys, time, numpy as np, synkhronos as synk
+        from synkhronos.runtime import session
         synk.fork(2)
         d = synk.data(np.ones((1000, 100)))
-        open(sys.argv[1], "w").write("ready")
+        open(sys.argv[1] + ".part", "w").write(session.current().prefix)
+        os.rename(sys.argv[1] + ".part", sys.argv[1])
         time.sleep(600)
     """))
     marker = tmp_path / "ready"
-    before = set(synk_segments())
+
+    def segments_of(marker):            # of that run only: other runs may come and go meanwhile
+        return {name for name in synk_segments() if name.startswith(marker.read_text() + "_")}
+
     proc = subprocess.Popen([sys.executable, str(script), str(marker)], start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -351,11 +357,11 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     time.sleep(0.5)
-    left = set(synk_segments()) - before
-    assert left, "a run killed whole leaves its segments"
+    left = segments_of(marker)
+    assert f"{marker.read_text()}_live" in left, "a run killed whole leaves its segments"
     listed = subprocess.run([sys.executable, "-m", "synkhronos.cleanup", "--dry-run"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
-    assert set(listed.stdout.split()) >= left and f"{len(left)} segment(s)" in listed.stdout
+    assert set(listed.stdout.split()) >= left and "segment(s) left by runs" in listed.stdout
     assert left <= set(synk_segments())                      # a dry run removes nothing
     other = subprocess.Popen([sys.executable, str(script), str(tmp_path / "other")],   # a live run
                              start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT),
@@ -363,7 +369,7 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
     try:
         while not (tmp_path / "other").exists() and time.time() < deadline + 60:
             time.sleep(0.1)
-        live = set(synk_segments()) - before - left
+        live = segments_of(tmp_path / "other")
         assert live
         if session.active() is not None:
             synk.close()

@@ -1,12 +1,18 @@
 """Named POSIX shared-memory segments, and growable segments addressed by generation.
 
 Every segment of one runtime is named ``<prefix>_<kind><generation>`` where the
-prefix holds the master's pid and start time and 64 random bits, so names
-cannot be guessed from outside the process group; segments are created with
-owner-only permissions (0600). The pid and start time tell whose a segment is:
-a run killed whole (its resource trackers too) leaves its segments, and
-:func:`stale_segments` finds them, the master's process being gone (a pid
-reused by another process has another start time).
+prefix holds the master's pid and 64 random bits, so names cannot be guessed
+from outside the process group; segments are created with owner-only
+permissions (0600).
+
+A run is alive while a process holds the lock on its ``<prefix>_live``
+segment (a :class:`Claim`), not while the pid in its name runs: a run in a
+container that shares ``/dev/shm`` with the host (``docker run --ipc=host``)
+names its segments with a pid of its own PID namespace, which means nothing
+here. The kernel lets go of the lock when the holder dies, however it dies, so
+a run killed whole (its resource trackers too) leaves segments that
+:func:`stale_segments` finds. An entry of ``/dev/shm`` that is not this user's
+regular file is never ours to remove, whatever its name.
 
 We map segments with :mod:`mmap` over ``_posixshmem`` (what
 :class:`multiprocessing.shared_memory.SharedMemory` uses underneath) instead of
@@ -18,20 +24,25 @@ the buffer are alive. Here a mapping is released when its last view dies.
 
 import _posixshmem
 import errno
+import fcntl
 import logging
 import math
 import mmap
 import os
 import re
 import secrets
+import stat
+import threading
+from contextlib import contextmanager
 from multiprocessing import resource_tracker
+from typing import NamedTuple
 
 import numpy as np
 
 from .buffers import round_up
 
-__all__ = ["new_prefix", "Segment", "GrowableSegment", "SegmentMirror", "unlink", "stale_segments",
-           "remove_stale_segments", "SEGMENT_DIRECTORY"]
+__all__ = ["new_prefix", "Claim", "Segment", "GrowableSegment", "SegmentMirror", "unlink",
+           "Sweep", "stale_segments", "remove_stale_segments", "SEGMENT_DIRECTORY"]
 
 log = logging.getLogger(__name__)
 
@@ -40,66 +51,227 @@ _ALIGN = 64
 
 #: where the system lists POSIX shared-memory segments (Linux); elsewhere nothing is swept
 SEGMENT_DIRECTORY = "/dev/shm"
-_NAME = re.compile(r"^synk_(\d+)_(?:(\d+)_)?[0-9a-f]{16}_")
+#: a segment's name: the run's prefix (a pid, an optional number, 64 random bits), then its kind
+_NAME = re.compile(r"^(synk_\d+_(?:\d+_)?[0-9a-f]{16})_")
+#: the kind of the segment whose lock says that a run is alive
+_LIVE = "live"
+#: how often a claim is made again when a sweep removed it before it was held
+_CLAIM_TRIES = 5
 
 
 def new_prefix():
-    """Return a fresh, unguessable name prefix for one runtime's segments: its master's pid and
-    start time, and 64 random bits."""
-    pid = os.getpid()
-    return f"synk_{pid}_{_started(pid) or 0}_{secrets.token_hex(8)}"
+    """Return a fresh, unguessable name prefix for one runtime's segments: its master's pid (to
+    tell a reader whose they are) and 64 random bits."""
+    return f"synk_{os.getpid()}_{secrets.token_hex(8)}"
 
 
-def _started(pid):
-    """When process ``pid`` started (clock ticks since boot, from /proc), or None if it does not run."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+# --- which run is alive --------------------------------------------------------------------------
 
+class Claim:
+    """A run's hold on its segment prefix: a lock on ``<prefix>_live``, kept for the run's life.
 
-def stale_segments(directory=SEGMENT_DIRECTORY):
-    """The names of the synkhronos segments whose master no longer runs (a run killed whole).
+    Make it before any other segment of ``prefix`` and :meth:`release` it
+    after the last: a sweep removes the segments of a prefix whose lock
+    nobody holds, or that has no lock segment. The lock is a shared
+    ``flock`` on an open file description, which the kernel drops when the
+    holder's process ends however it ends; children made by ``os.fork()``
+    close their copy (they would otherwise keep a killed master's run
+    looking alive), which leaves the master's lock held.
 
-    A segment is its master's while a process with the pid in its name runs
-    and started when the name says (a name without a start time: while the pid
-    runs). Nothing is listed where ``directory`` does not exist.
+    Parameters
+    ----------
+    prefix : str
+        The run's prefix (:func:`new_prefix`).
 
     Examples
     --------
-    >>> any(name.startswith(new_prefix()[:12]) for name in stale_segments())    # never our own
+    >>> claim = Claim(new_prefix())
+    >>> any(name.startswith(claim.prefix) for name in stale_segments().stale)
     False
+    >>> claim.release()
+    """
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.name = f"{prefix}_{_LIVE}"
+        self._lock = threading.Lock()
+        self._fd = None
+        if os.path.isdir(SEGMENT_DIRECTORY):
+            self._fd = _hold(os.path.join(SEGMENT_DIRECTORY, self.name))
+            _claims.add(self)
+            resource_tracker.register("/" + self.name, "shared_memory")
+
+    def release(self):
+        """Remove the lock segment, then let go of the lock (idempotent)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        _claims.discard(self)
+        try:
+            unlink(self.name, tracked=True)
+        finally:
+            os.close(fd)
+
+    def _forget_in_child(self):
+        os.close(self._fd)
+        self._fd = None
+
+
+#: the claims this process holds
+_claims = set()
+
+
+def _forget_claims_in_child():
+    for claim in list(_claims):
+        claim._forget_in_child()
+    _claims.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)
+
+
+def _hold(path):
+    """Create the file ``path`` and hold a shared lock on it; return its descriptor.
+
+    Between the creation and the lock a sweep may find the file unheld and
+    remove it; then it is made again.
+    """
+    for _ in range(_CLAIM_TRIES):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)      # waits while a sweep that found it unheld removes it
+            if _names(path, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise RuntimeError(f"could not hold the lock segment {path}: something removes it as soon "
+                       f"as it is made; check what else sweeps {os.path.dirname(path)}")
+
+
+def _names(path, fd):
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+@contextmanager
+def _unheld(directory, prefix):
+    """Within: whether no process holds the lock of run ``prefix`` (held here meanwhile, so that
+    a second sweep does not work on the same run)."""
+    try:
+        fd = os.open(os.path.join(directory, f"{prefix}_{_LIVE}"),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:         # made first, removed last: no live run lacks it or has another's
+        yield True
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            yield True
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+# --- finding and removing what runs that ended left -----------------------------------------------
+
+class Sweep(NamedTuple):
+    """What a sweep of the segment directory found."""
+
+    #: names of this user's segments of runs that ended (removed, by :func:`remove_stale_segments`)
+    stale: list
+    #: ``(name, why)`` of each entry named like a segment that is not this user's segment
+    skipped: list
+
+
+def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
+    """Find (and with ``remove``, unlink) the segments of this user's runs that ended.
+
+    A run has ended when nobody holds the lock of its ``<prefix>_live``
+    segment (see :class:`Claim`), or it has none. Only this user's regular
+    files are segments: a directory, a link (never followed), a fifo or
+    another user's file named like one is listed in :attr:`Sweep.skipped`
+    and left alone. Nothing is found where ``directory`` does not exist.
+
+    Returns
+    -------
+    Sweep
     """
     try:
         names = sorted(os.listdir(directory))
     except OSError:
-        return []
-    stale = []
+        return Sweep([], [])
+    runs, skipped = {}, []
     for name in names:
         found = _NAME.match(name)
         if found is None:
             continue
-        pid, start = int(found.group(1)), found.group(2)
-        running = _started(pid)
-        if running is None or (start is not None and int(start) and running != int(start)):
-            stale.append(name)
-    return stale
+        why = _not_ours(os.path.join(directory, name))
+        if why == "":
+            runs.setdefault(found.group(1), []).append(name)
+        elif why is not None:
+            skipped.append((name, why))
+    stale = []
+    for prefix, members in runs.items():
+        members.sort(key=lambda name: name == f"{prefix}_{_LIVE}")     # its lock segment last
+        with _unheld(directory, prefix) as ended:
+            if ended:
+                stale += _sweep_run(directory, members, remove, skipped)
+    return Sweep(stale, skipped)
 
 
 def remove_stale_segments(directory=SEGMENT_DIRECTORY):
-    """Unlink every segment :func:`stale_segments` lists; return the names removed.
+    """Unlink every segment :func:`stale_segments` finds; return the :class:`Sweep` (``stale``:
+    the names removed)."""
+    return stale_segments(directory, remove=True)
 
-    A segment another user owns, or one already gone, is left to its owner.
-    """
-    removed = []
-    for name in stale_segments(directory):
+
+def _not_ours(path):
+    """Why the entry at ``path`` is not this user's segment; "" if it is one; None if it is gone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    mode = st.st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                else "a fifo" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device")
+        return f"{kind}, not a segment"
+    if st.st_uid != os.geteuid():
+        return f"another user's (uid {st.st_uid})"
+    return ""
+
+
+def _sweep_run(directory, names, remove, skipped):
+    """The ``names`` of an ended run (unlinked, with ``remove``); add what resisted to ``skipped``."""
+    swept = []
+    for name in names:
         try:
-            if unlink(name):
-                removed.append(name)
-        except PermissionError:
+            if remove:
+                os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
             continue
-    return removed
+        except OSError as e:
+            skipped.append((name, f"could not be removed ({e.strerror})"))
+            continue
+        swept.append(name)
+    return swept
 
 
 def unlink(name, tracked=False):

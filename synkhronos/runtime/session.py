@@ -21,6 +21,7 @@ import threading
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
 from ..platform import jax_init
+from ..platform.internals import hold_faces
 from .state import Settings, State
 
 __all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",
@@ -61,6 +62,7 @@ def serialized(fn):
             _life.depth += 1
             try:
                 if outermost and _life.state is not None:
+                    hold_faces(other_threads_alive())
                     _life.state.registry.values_to_devices()
                 return fn(*args, **kwargs)
             except WorkerError as e:
@@ -72,7 +74,24 @@ def serialized(fn):
                 _life.depth -= 1
                 if outermost and _life.state is not None and _life.state.is_open:
                     _life.state.registry.values_to_user()
+                if outermost:
+                    hold_faces(False)
     return locked
+
+
+def other_threads_alive():
+    """True if a Python thread other than this one and synkhronos's own (named ``synk...``) runs.
+
+    Such a thread may read the master's shared variables at any moment (a
+    monitor calling ``get_value``, a plain PyTensor function): a command then
+    keeps every value a numpy face of a device array that nothing overwrites
+    (:func:`~synkhronos.platform.internals.hold_faces`), which costs donation.
+    """
+    if threading.active_count() == 1:
+        return False
+    me, dummy = threading.current_thread(), getattr(threading, "_DummyThread", ())
+    return any(t is not me and not t.name.startswith("synk") and not isinstance(t, dummy)
+               for t in threading.enumerate())
 
 
 def lock():
@@ -136,9 +155,7 @@ def begin(settings):
     """
     if _life.state is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
-    removed = remove_stale_segments()       # of runs killed whole, their trackers too
-    if removed:
-        log.info("removed %d shared-memory segments of runs that no longer run", len(removed))
+    _sweep_segments()
     _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
                               if k not in _user_environment})
     jax_init.configure_environment(os.environ, settings.platform, settings.threads)
@@ -156,6 +173,21 @@ def begin(settings):
     atexit.unregister(end)
     atexit.register(end)
     return state
+
+
+def _sweep_segments():
+    """Remove the segments of this user's runs killed whole (their trackers too); what is not
+    ours, or cannot be read, never stops a run."""
+    try:
+        sweep = remove_stale_segments()
+    except OSError as e:
+        log.warning("the shared memory of ended runs was not swept: %s", e)
+        return
+    if sweep.stale:
+        log.info("removed %d shared-memory segments of runs that no longer run", len(sweep.stale))
+    if sweep.skipped:
+        log.info("left %d entries named like synkhronos segments that are not this user's "
+                 "segments (python -m synkhronos.cleanup --dry-run lists them)", len(sweep.skipped))
 
 
 def end():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..comm import class_path
 from ..compile import rewrites
 from ..errors import SynkError
-from ..ipc.segments import new_prefix
+from ..ipc.segments import Claim, new_prefix
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..rank.context import RankContext
@@ -93,6 +93,8 @@ class State:
         self.platform = settings.platform
         self.comm_kind = settings.collectives.name
         self.prefix = new_prefix()
+        #: the lock that says this run is alive, held from before its first segment to after its last
+        self.claim = Claim(self.prefix)
         self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
         self._on_abort = on_abort
         self.is_open = False
@@ -207,6 +209,7 @@ class State:
         finally:
             reap(self.channel.procs.values())
             self._release_segments()
+            self.claim.release()
             self.registry.detach_values()
             self.is_open = False
             if self.nodes is not None:
@@ -238,12 +241,15 @@ class State:
     def abort(self):
         """Tear everything down after a fault (dead worker, stall, Ctrl-C)."""
         self._on_abort(self)
-        if self.channel is None:
-            return
-        for p in self.channel.procs.values():
-            if p.poll() is None:
-                p.kill()
-        self.stop(clean=False)
+        try:
+            if self.channel is None:
+                return
+            for p in self.channel.procs.values():
+                if p.poll() is None:
+                    p.kill()
+            self.stop(clean=False)
+        finally:
+            self.claim.release()
 
     def _release_segments(self):
         self.loops.release()
