@@ -160,3 +160,60 @@ def test_sigterm_to_a_worker_is_named(synk2):
     assert session.active() is None
     assert not [n for n in synk_segments() if n.startswith(rt.prefix)]
     synk.fork(N_PARALLEL)
+
+
+def _watch(var, plain, stop, seen, expected_steps):
+    """Read ``var`` every way another thread may until ``stop``; count what each read saw."""
+    while not stop.is_set():
+        for how in ("get_value", "borrow", "plain"):
+            try:
+                value = var.get_value() if how == "get_value" else \
+                    var.get_value(borrow=True) if how == "borrow" else plain()
+            except Exception as e:        # noqa: BLE001 - what a read raised is the finding
+                seen[f"{how} raised {type(e).__name__}: {str(e)[:80]}"] += 1
+                continue
+            if how == "plain":
+                # the mean of a completed step's values: a whole number of steps
+                ok = float(value) in expected_steps
+            else:
+                ok = type(value) is np.ndarray and float(value.flat[0]) in expected_steps and \
+                    bool((value == value.flat[0]).all())
+            seen[f"{how} {'ok' if ok else 'wrong'}"] += 1
+
+
+def test_another_thread_reading_a_shared_variable_sees_numpy_values_of_a_completed_step(synk2):
+    """A monitor thread reads a 2.4 MB ``w`` (whose updates would be donated) through ``get_value``,
+    ``get_value(borrow=True)`` and a plain PyTensor function (PyTensor's default mode) while the
+    main thread calls, steps a training function and all-reduces: every read is a numpy array of
+    whole steps, and nothing raises."""
+    import collections
+
+    from synkhronos.extensions import train, updates
+    w = pytensor.shared(np.zeros((600, 500)), name="w_watched")
+    x = pt.matrix("x")
+    count = synk.function([x], (x.sum(), "sum"), updates=[(w, w + 1.0)], name="counts")
+    plain = pytensor.function([], w.mean())
+    v = pytensor.shared(np.zeros(3), name="v_watched")
+    y = pt.vector("y")
+    step = train.make_train_function(((x @ v - y) ** 2).mean(), [v], x, y, updates.sgd,
+                                     learning_rate=0.01)
+    X, Y = synk.data(np.ones((8, 3))), synk.data(np.ones(8))
+    n_calls = 150
+    stop, seen = threading.Event(), collections.Counter()
+    watcher = threading.Thread(target=_watch, args=(w, plain, stop, seen, set(map(float, range(n_calls + 1)))))
+    watcher.start()
+    try:
+        for i in range(n_calls):
+            count(X)
+            if i % 10 == 0:
+                step(X, Y)
+                synk.all_reduce(w, op="avg")
+    finally:
+        stop.set()
+        watcher.join(timeout=60)
+    bad = {k: n for k, n in seen.items() if not k.endswith(" ok")}
+    assert not bad, bad
+    assert all(seen[f"{how} ok"] > 0 for how in ("get_value", "borrow", "plain")), seen
+    close(w.get_value(), np.full((600, 500), float(n_calls)))
+    for r in range(N_PARALLEL):
+        close(synk.get_value(r, w), np.full((600, 500), float(n_calls)))

@@ -29,7 +29,7 @@ from ..comm import Reservation
 from ..comm.reduction import Reduce
 from ..compile import randomness
 from ..errors import ShapeMismatch, WorkerError, is_whole
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..rank import collectives as kinds
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import Reservation
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..runtime.session import current, serialized
 from ..wire.collective import shapes_of
 from .collectives import (

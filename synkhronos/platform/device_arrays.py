@@ -5,12 +5,10 @@ copied once into private, 64-byte aligned host buffers that the CPU client
 adopts without another copy (on a GPU, ``device_put`` copies them over).
 """
 
-import ctypes
-
 import numpy as np
 
 from ..ipc.buffers import BufferPool
-from .internals import store, stored
+from .values import device_face, host_face, store, stored
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
            "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES"]
@@ -101,42 +99,3 @@ def adopt(private):
     """
     import jax
     return jax.device_put(private, jax.local_devices()[0])
-
-
-def host_face(value):
-    """``value`` as user code may hold it: a writeable numpy array over a CPU device array's memory.
-
-    A shared variable read by a plain PyTensor function (the default numba
-    mode, the C backend) must hold a numpy array. On CPU the device's memory is
-    the host's: the face is a view of the device array, made without a copy
-    once its computation has finished, and it keeps the device array alive. An
-    edit of the face in place is an edit of the device array.
-    :func:`device_face` gives the device array back. Anything else (a value on
-    an accelerator, a numpy array, a random generator) is returned as it is.
-
-    Examples
-    --------
-    >>> import jax.numpy as jnp
-    >>> face = host_face(jnp.arange(3.0))
-    >>> type(face).__name__, face.flags.writeable, device_face(face).tolist()
-    ('ndarray', True, [0.0, 1.0, 2.0])
-    """
-    import jax
-    if not isinstance(value, jax.Array) or value.nbytes == 0 or \
-            next(iter(value.devices())).platform != "cpu":
-        return value
-    value.block_until_ready()
-    memory = (ctypes.c_char * value.nbytes).from_address(value.unsafe_buffer_pointer())
-    memory.device_array = value
-    return np.ndarray(value.shape, value.dtype, buffer=memory)
-
-
-def device_face(value):
-    """The device array behind ``value``, a whole :func:`host_face`; any other value as it is."""
-    memory = value.base if type(value) is np.ndarray else None
-    device = getattr(memory, "device_array", None)
-    if device is None or value.shape != device.shape or value.dtype != device.dtype or \
-            not value.flags.c_contiguous or value.ctypes.data != ctypes.addressof(memory) or \
-            device.is_deleted():
-        return value
-    return device

@@ -1,10 +1,10 @@
 """The one place synkhronos reads PyTensor's and JAX's internals, for the versions it supports.
 
-Eleven things have no public API and are reached for here only:
+Twelve things have no public API and are reached for here only:
 
 - a shared variable's stored value, read and written as it is (a JAX array
   stays one): ``get_value``/``set_value`` copy, or filter the value to the
-  variable's type (:func:`stored`, :func:`store`);
+  variable's type (:func:`storage_cell`; :mod:`.values` reads and writes it);
 - a PyTensor function linked for JAX is one jitted function behind per-call
   bookkeeping; :func:`jit_parts` hands out its pieces so that a call can skip
   that bookkeeping (:func:`synkhronos.rank.jitted.jitted_call`);
@@ -27,6 +27,8 @@ Eleven things have no public API and are reached for here only:
 - what ``pytensor.function`` refuses in a graph before it rewrites it (missing
   or unused inputs, updates of another type, givens that do not fit), checked
   without the rewrites and the linking (:func:`check_function_graph`);
+- a CPU device array's memory, seen as a numpy array without a copy
+  (:func:`buffer_address`, used by :mod:`.values`);
 - whether a traced graph calls back into Python (a host callback, which can
   raise while the device computes), read from its jaxpr and every jaxpr
   nested in it (:func:`calls_host_code`).
@@ -45,11 +47,11 @@ import sys
 from typing import Any, Callable, NamedTuple
 
 __all__ = [
-    "stored", "store", "coordination_service", "READS_INTERNALS_OF", "supported_versions", "check_versions",
+    "coordination_service", "READS_INTERNALS_OF", "supported_versions", "check_versions",
     "jit_parts", "JitParts", "jax_backend_exists", "detach_inherited_jax", "detect_jax_cluster",
     "distributed_client", "service_served_elsewhere", "join_errors_raised", "unsampleable_in_jax",
     "cache_writes_from_every_process", "compile_once_per_host", "check_function_graph",
-    "calls_host_code",
+    "calls_host_code", "storage_cell", "buffer_address",
 ]
 
 #: the libraries whose internals are read here: their supported versions are synkhronos's own
@@ -469,22 +471,15 @@ def calls_host_code(traced: Any) -> bool:
     return False
 
 
-def stored(var: Any) -> Any:
-    """The value a shared variable holds, as it is (no copy; a JAX array stays one).
-
-    ``var.get_value(borrow=True)`` returns the same object, but only through
-    PyTensor's container; synkhronos reads it on every call and step.
-    """
-    return var.container.storage[0]
+def storage_cell(var: Any) -> list:
+    """The one-item list in which PyTensor keeps a shared variable's value (every compiled
+    function reading the variable reads that list)."""
+    return var.container.storage
 
 
-def store(var: Any, value: Any) -> None:
-    """Make ``value`` the shared variable's value as it is, with no filter to its type.
-
-    ``set_value`` would filter a JAX array to numpy (a host copy); the caller
-    gives a value of the variable's dtype and shape.
-    """
-    var.container.storage[0] = value
+def buffer_address(array: Any) -> int:
+    """The address of a CPU device array's memory (``unsafe_buffer_pointer``)."""
+    return array.unsafe_buffer_pointer()
 
 
 def coordination_service(address: str, n_processes: int, heartbeat_timeout: int) -> Any:

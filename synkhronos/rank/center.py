@@ -21,7 +21,7 @@ import numpy as np
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
 from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
-from ..platform.internals import stored
+from ..platform.values import stored
 
 __all__ = ["Center"]
 

@@ -19,11 +19,12 @@ from ..compile.randomness import is_generator
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
-from ..platform.internals import check_function_graph, jit_parts, store, stored
+from ..platform.internals import check_function_graph, jit_parts
 from ..platform.jax_init import platform
+from ..platform.values import faces_held, store, stored
 from ..tracing import trace
 from .graphs import needs_static_shapes, spec_graph
-from .jitted import abstract_value, jitted_call
+from .jitted import abstract_value, face_updates, jitted_call
 
 __all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "ROW_VARIANTS_KEPT"]
 
@@ -256,6 +257,8 @@ class CompiledFunction:
                 outputs = fn(*args)
                 if args:
                     wait_until_computed((outputs, [stored(s) for s in shareds]))
+                if faces_held():
+                    face_updates(update_cells)
             except Exception as e:
                 raise_deferred_interrupt(e)
                 raise

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..comm.reduction import Accumulator
 from ..platform.device_arrays import private_empty
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..tracing import trace
 from ..wire.batch import chunk
 from .rows import gather_rows

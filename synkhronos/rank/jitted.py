@@ -14,9 +14,10 @@ from pytensor.tensor.type import TensorType
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.device_arrays import wait_until_computed
 from ..platform.internals import calls_host_code, jit_parts
+from ..platform.values import device_face, faces_held, host_face
 
-__all__ = ["jitted_call", "abstract_value", "donating_variant", "worth_donating", "copy_values_held_elsewhere",
-           "DONATE_MIN_BYTES"]
+__all__ = ["jitted_call", "abstract_value", "face_updates", "donating_variant", "worth_donating",
+           "copy_values_held_elsewhere", "DONATE_MIN_BYTES"]
 
 
 def jitted_call(fn):
@@ -40,7 +41,10 @@ def jitted_call(fn):
     Given an :class:`~.undo.UndoLog` (``call(*args, undo=log)``), a call keeps
     the values its updates replace there first if the graph calls host code
     (it can fail while computing) or the log asks to keep everything; a
-    graph calling host code never donates.
+    graph calling host code never donates. While other threads may read the
+    shared variables (:func:`~synkhronos.platform.internals.hold_faces`), the
+    cells keep numpy faces: the graph reads their device arrays, donates
+    nothing and stores its updates as faces.
 
     Parameters
     ----------
@@ -56,7 +60,8 @@ def jitted_call(fn):
     if parts is None or fn.profile or not fn.maker.fgraph.outputs:
         return None
     jit, cells, updates, n_outputs = parts.jit, parts.cells, parts.updates, parts.n_outputs
-    arg_cells = cells[:parts.n_args]
+    n_args = parts.n_args
+    arg_cells = cells[:n_args]
     update_cells = [storage for _, storage in updates]
     donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
     #: the graph this function runs, and whether it calls host code: chosen at its first call
@@ -82,25 +87,34 @@ def jitted_call(fn):
     def call(*args, undo=None):
         for cell, arg in zip(arg_cells, args):
             cell[0] = arg
+        faces = faces_held()
         try:
             values = [cell[0] for cell in cells]
+            if faces:             # other threads read the variables: numpy faces stay in the cells
+                values[n_args:] = [device_face(v) for v in values[n_args:]]
             if not chosen:
                 choose(values)
             graph, host = chosen
             if undo is not None and (host or undo.keep_all):
                 undo.keep(update_cells)       # before the copy below: a kept value is not donated
             if graph is donating:
-                copy_values_held_elsewhere(values, donated)
+                if faces:         # a reader may hold the old value's face: never overwrite it
+                    graph = jit
+                else:
+                    copy_values_held_elsewhere(values, donated)
             outputs = graph(*values)
             del values
         except Exception as e:
             raise_deferred_interrupt(e)
-            return fn(*args)
+            outputs = fn(*args)       # raises again, with PyTensor's account of the failing node
+            if faces:
+                face_updates(update_cells)
+            return outputs
         finally:
             for cell in arg_cells:
                 cell[0] = None
         for i, storage in updates:
-            storage[0] = outputs[i]
+            storage[0] = host_face(outputs[i]) if faces else outputs[i]
         # JAX returns before the computation has run, and the arguments are views of shared memory
         # that the caller may rewrite as soon as the call returns (the next batch into the same
         # Data): wait for it. Without arguments nothing can change under the computation, and it
@@ -129,6 +143,12 @@ def jitted_call(fn):
     call.fn = fn
     call.compile_ahead = compile_ahead
     return call
+
+
+def face_updates(cells):
+    """Turn the device arrays PyTensor stored into ``cells`` into their host faces."""
+    for cell in cells:
+        cell[0] = host_face(cell[0])
 
 
 def abstract_value(value):

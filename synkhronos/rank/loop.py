@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ..platform.device_arrays import to_device
-from ..platform.internals import store, stored
+from ..platform.values import store, stored
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.collective import dtype_groups

@@ -48,7 +48,7 @@ import time
 import numpy as np
 
 from ..errors import is_whole
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..wire.batch import chunk
 
 __all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]

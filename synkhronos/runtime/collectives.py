@@ -13,7 +13,7 @@ import numpy as np
 from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..tracing import trace
 from ..wire.collective import kind_name, shapes_of
 from ..wire.control import Op, Words

@@ -14,8 +14,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..comm import Reservation
-from ..errors import SynkError
-from ..platform.internals import stored
+from ..errors import SynkError, WorkerError
+from ..platform.values import stored
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .part import Part
@@ -32,6 +32,7 @@ class Loops(Part):
         self._centers = {}    # loop id -> the master's handle on its center, until its loop takes it
         self._routes = {}     # loop id -> where its devices find its center (a segment, or a server)
         self._server = None   # node 0's server of its centers to the other nodes (several nodes)
+        self._server_died = None   # node 0: how its server ended while a loop used it
         self._next_loop = 0
 
     def new(self, grad, update, grad_shared, params, statistics, optimizer_state, inputs, batch_size,
@@ -99,12 +100,14 @@ class Loops(Part):
         if self._server is not None:
             self._server.stop()
             self._server = None
+        self._server_died = None
         self._loops, self._centers, self._routes = {}, {}, {}
 
     def _phase(self, spec, phase, first=0, last=0):
         state = self._state
         state.registry.ensure_shipped()
         channel, nodes = state.channel, state.nodes
+        self._check_server()
         if not spec.rule.asynchronous:
             state.context.comm.reserve(self._reservation(spec))
         elif spec.loop_id not in self._routes:      # before the workers attach to it
@@ -118,7 +121,7 @@ class Loops(Part):
             loop = self._loops.get(spec.loop_id)
             if loop is None:
                 loop = self._loops[spec.loop_id] = state.context.device_loop(
-                    spec, self._centers.pop(spec.loop_id, None), channel.check_during_collective)
+                    spec, self._centers.pop(spec.loop_id, None), self._after_step)
             return loop
 
         def local():
@@ -135,6 +138,7 @@ class Loops(Part):
             trace.begin("loop", f"train.run {phase}")
         try:
             own = channel.loop_phase(local, threaded)
+            self._check_server()
         finally:
             if trace.on:
                 trace.end(None, first=first, last=last)
@@ -146,7 +150,10 @@ class Loops(Part):
                 # node 0 serves the center until every node's devices took it
                 nodes.exchange(("train.run finish", spec.loop_id), None, tolerate_loss=True)
                 if self._server is not None:
-                    self._server.forget(spec.center)
+                    try:
+                        self._server.forget(spec.center)
+                    except OSError:      # it ended after its last use: the next loop starts another
+                        pass
             return None
         stats = np.zeros((state.n_local, len(own)))
         stats[state.local_master] = own
@@ -170,26 +177,30 @@ class Loops(Part):
 
         They live in node 0's shared memory. On several nodes node 0's server
         process (:class:`~synkhronos.runtime.centers.CenterServer`, started
-        with the first such loop) serves them too, and node 0's master tells
-        the other nodes where; their devices exchange with it.
+        with the first such loop, and again after one that ended) serves them
+        too, and node 0's master tells the other nodes where; their devices
+        exchange with it. A server that dies while a loop uses it ends the run
+        on every node (:meth:`_center_lost`).
         """
         from ..rank.center import Center
-        from ..rank.center_server import RemoteCenter
-        from .centers import CenterServer
+        from ..rank.center_server import RemoteCenter, rule_document
         state, nodes = self._state, self._state.nodes
         params = [state.registry.shared_by_uid(uid) for uid in spec.synced_uids]
         home = nodes is None or state.topology.node_rank == 0
         where = spec.center
+        if nodes is not None:
+            rule_document(spec.rule)     # a rule the server cannot apply: every node raises here
+            if self._watch_center not in nodes.watches:
+                nodes.watches.append(self._watch_center)
         if home:
             center = Center.of(spec.center, params, create=True, merge=spec.rule.merge,
                                check=state.channel.check_during_collective)
             center.start_claims_at(first * state.n_parallel)
             if nodes is not None:
                 try:
-                    if self._server is None:
-                        self._server = CenterServer(state.topology.coordinator.rsplit(":", 1)[0])
-                    where = self._server.serve(spec.center, [b.shape for b in center.blocks],
-                                               [b.dtype for b in center.blocks], spec.rule)
+                    where = self._running_server().serve(
+                        spec.center, [b.shape for b in center.blocks],
+                        [b.dtype for b in center.blocks], spec.rule)
                 except OSError as e:         # every node raises, before any device starts
                     center.close()
                     where = ("failed", str(e))
@@ -202,9 +213,63 @@ class Loops(Part):
                                         f"free port, or use a synchronous rule")
         if not home:
             center = RemoteCenter.of(where, params, check=self._check_node_zero,
-                                     on_silence=self._node_zero_silent)
+                                     on_silence=self._node_zero_silent,
+                                     on_gone=self._node_zero_center_gone)
         self._centers[spec.loop_id] = center
         self._routes[spec.loop_id] = where
+
+    def _running_server(self):
+        """Node 0's center server, started now if there is none or it ended."""
+        from .centers import CenterServer
+        if self._server is not None and not self._server.alive:
+            self._server.stop()
+            self._server = None
+        if self._server is None:
+            self._server = CenterServer(self._state.topology.coordinator.rsplit(":", 1)[0],
+                                        on_death=self._server_ended)
+        return self._server
+
+    def _server_ended(self, why):
+        """From the server's watcher thread: a server that ended while a loop used it ends the
+        run; node 0 tells the other nodes through the coordination service."""
+        from ..rank.center_server import GONE_KEY
+        if not self._routes:
+            return                       # no loop uses it: the next one starts another
+        self._server_died = why
+        try:
+            self._state.nodes.client.key_value_set(GONE_KEY, why, allow_overwrite=True)
+        except Exception:                # noqa: BLE001 - no service: the nodes' beats say the rest
+            pass
+
+    def _after_step(self):
+        """After every step of the master's device: its workers, and on node 0 its server."""
+        self._state.channel.check_during_collective()
+        self._check_server()
+
+    def _check_server(self):
+        if self._server_died is not None:
+            raise self._center_lost(self._server_died)
+
+    def _watch_center(self):
+        """While this node's master waits for the other nodes, during a loop across nodes: a center
+        server that node 0 said died."""
+        from ..rank.center_server import server_gone
+        if self._routes:
+            why = self._server_died or server_gone()
+            if why is not None:
+                raise self._center_lost(why)
+
+    def _node_zero_center_gone(self, why):
+        raise self._center_lost(why)
+
+    def _center_lost(self, why):
+        """The error of every node whose run lost node 0's center server (the runtime shut down)."""
+        nodes = self._state.nodes
+        nodes.on_fault()
+        return WorkerError(nodes.topology.ranks_of(0)[0], "died", "center server lost",
+                           f"{why} during an asynchronous train.run, which cannot go on without it; "
+                           f"this node's runtime was shut down, call synk.fork() on every node to "
+                           f"start again", node=0)
 
     def _check_node_zero(self):
         """While a device of another node waits for node 0's center: this node's runtime, the nodes."""

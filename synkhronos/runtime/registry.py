@@ -16,7 +16,7 @@ from pytensor.tensor.type import TensorType
 
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
-from ..platform.internals import store, stored
+from ..platform.values import store, stored
 from ..wire.control import ARGS, Op
 from .part import Part
 
@@ -93,13 +93,16 @@ class Registry(Part):
         """Take the master's shared values back as device arrays, before a synkhronos call.
 
         A host face becomes its device array again; a numpy value the user set
-        is copied to the device (every rank computes on device arrays).
+        is copied to the device (every rank computes on device arrays). While
+        faces are held (:func:`~synkhronos.platform.internals.hold_faces`: other
+        threads may read the variables), every value becomes, or stays, the
+        host face of its device array instead.
         """
         for var in self._tensors:
             value = stored(var)
             if isinstance(value, np.ndarray):
-                device = device_face(value)
-                store(var, device if device is not value else to_device(value.astype(var.type.dtype, copy=False)))
+                value = to_device(value.astype(var.type.dtype, copy=False))
+            store(var, value)
 
     def detach_values(self):
         """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""

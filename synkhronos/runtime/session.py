@@ -21,7 +21,7 @@ import threading
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
 from ..platform import jax_init
-from ..platform.internals import hold_faces
+from ..platform.values import hold_faces
 from .state import Settings, State
 
 __all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",

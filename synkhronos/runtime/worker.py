@@ -28,7 +28,7 @@ from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
 from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
 from ..platform.device_arrays import place_on_device
-from ..platform.internals import stored
+from ..platform.values import stored
 from ..rank.context import RankContext
 from ..tracing import trace
 from ..wire.collective import shapes_of

@@ -16,7 +16,7 @@ Every rank reports "prepared" before any rank executes, so a rank that fails to
 prepare makes the others skip the collective instead of waiting in it forever.
 """
 
-from ...platform.internals import stored
+from ...platform.values import stored
 from . import all_reduce, broadcast, gather, read_data
 
 __all__ = ["prepare_collective", "all_reduce", "broadcast", "gather", "read_data", "PREPARE"]

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...comm.reduction import Reduce
 from ...errors import ShapeMismatch
-from ...platform.internals import stored
+from ...platform.values import stored
 from ...wire.collective import Keep, Kind, dtype_groups
 from .keep import keep_on_device
 

@@ -5,7 +5,7 @@ Written as ``per variable its shape`` on the root.
 
 import numpy as np
 
-from ...platform.internals import stored
+from ...platform.values import stored
 from ...wire.collective import Kind, dtype_groups
 from .keep import keep_on_device
 

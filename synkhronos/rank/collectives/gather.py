@@ -4,7 +4,7 @@ Written as ``keep, nd_up, per variable its length on every rank (-1: 0-d)``;
 every rank trims the padding by the lengths it was told.
 """
 
-from ...platform.internals import stored
+from ...platform.values import stored
 from ...wire.collective import Keep, Kind, dtype_groups
 from .keep import keep_on_device
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from ...platform.internals import store
+from ...platform.values import store
 
 __all__ = ["keep_on_device"]
 

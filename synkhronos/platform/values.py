@@ -1,0 +1,100 @@
+"""A shared variable's value as synkhronos reads and writes it: a device array, or its host face.
+
+Every rank computes on device arrays. User code in the master must see numpy
+arrays: on CPU a :func:`host_face` is one, over the device array's own memory,
+made without a copy; :func:`device_face` gives the device array back.
+:func:`stored` and :func:`store` read and write a shared variable's value as it
+is (``get_value``/``set_value`` copy, or filter the value to the variable's
+type), reading a face as its device array, and storing faces while
+:func:`hold_faces` is on (other threads of the master may read the variables
+during a command).
+"""
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from .internals import buffer_address, storage_cell
+
+__all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held"]
+
+
+def stored(var: Any) -> Any:
+    """The value a shared variable holds, as it is (no copy; a JAX array stays one, and a
+    :func:`host_face` is read as its device array).
+
+    ``var.get_value(borrow=True)`` returns the same object, but only through
+    PyTensor's container; synkhronos reads it on every call and step.
+    """
+    value = storage_cell(var)[0]
+    return device_face(value) if type(value) is np.ndarray else value
+
+
+def store(var: Any, value: Any) -> None:
+    """Make ``value`` the shared variable's value as it is, with no filter to its type (as its
+    :func:`host_face` while :func:`faces_held`).
+
+    ``set_value`` would filter a JAX array to numpy (a host copy); the caller
+    gives a value of the variable's dtype and shape.
+    """
+    storage_cell(var)[0] = host_face(value) if _faces_held[0] else value
+
+
+#: whether this process's shared variables keep numpy faces through a command (see hold_faces)
+_faces_held = [False]
+
+
+def hold_faces(on: bool) -> None:
+    """Have :func:`store` (and a jitted call's updates) keep values as their :func:`host_face`.
+
+    While other threads of the master may read its shared variables, a
+    command must never leave a device array in them (a plain PyTensor
+    function cannot read one, and a donated one is deleted under its reader):
+    every value stays a numpy face of a device array that nothing overwrites.
+    """
+    _faces_held[0] = on
+
+
+def faces_held() -> bool:
+    """True while :func:`hold_faces` is on."""
+    return _faces_held[0]
+
+
+def host_face(value):
+    """``value`` as user code may hold it: a writeable numpy array over a CPU device array's memory.
+
+    A shared variable read by a plain PyTensor function (the default numba
+    mode, the C backend) must hold a numpy array. On CPU the device's memory is
+    the host's: the face is a view of the device array, made without a copy
+    once its computation has finished, and it keeps the device array alive. An
+    edit of the face in place is an edit of the device array.
+    :func:`device_face` gives the device array back. Anything else (a value on
+    an accelerator, a numpy array, a random generator) is returned as it is.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> face = host_face(jnp.arange(3.0))
+    >>> type(face).__name__, face.flags.writeable, device_face(face).tolist()
+    ('ndarray', True, [0.0, 1.0, 2.0])
+    """
+    import jax
+    if not isinstance(value, jax.Array) or value.nbytes == 0 or \
+            next(iter(value.devices())).platform != "cpu":
+        return value
+    value.block_until_ready()
+    memory = (ctypes.c_char * value.nbytes).from_address(buffer_address(value))
+    memory.device_array = value
+    return np.ndarray(value.shape, value.dtype, buffer=memory)
+
+
+def device_face(value):
+    """The device array behind ``value``, a whole :func:`host_face`; any other value as it is."""
+    memory = value.base if type(value) is np.ndarray else None
+    device = getattr(memory, "device_array", None)
+    if device is None or value.shape != device.shape or value.dtype != device.dtype or \
+            not value.flags.c_contiguous or value.ctypes.data != ctypes.addressof(memory) or \
+            device.is_deleted():
+        return value
+    return device
