@@ -384,7 +384,8 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
     i, x, rows = pt.lscalar("i"), pt.matrix("x"), pt.lvector("rows")
     for given in [{x: data_sh[i:i + 1][:, ::-1]},          # not a row slice
                   {x: data_sh[i * 2:i * 2 + 4:2]},         # a step
-                  {x: data_sh[pt.arange(i, i + 3)]}]:      # indices computed from a scalar
+                  {x: data_sh[pt.arange(i, i + 3)]},       # indices computed from a scalar
+                  {x: data_sh[i:i + 3].sum(0, keepdims=True)}]:    # rows picked, then summed
         with pytest.raises(TypeError, match="synk.data"):
             synk.function([i], x.sum(), givens=given)
     # indices that are a scattered input split like any input: each device takes its share
@@ -408,6 +409,85 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
     k = pt.lscalar("k")
     h = synk.function([], (x.sum(), "sum"), bcast_inputs=[k], givens={x: data_sh[k:]})
     close(h(25), X[25:].sum())
+
+
+def test_givens_read_every_refill_and_in_place_edit_of_the_shared_data(devices, rng):
+    """The tutorials' chunked loading: one buffer refilled and given again with borrow=True."""
+    buf = np.zeros((12, 3), "float32")
+    X_sh = pytensor.shared(buf, name="X_chunk", borrow=True)
+    i, x = pt.lscalar("i"), pt.fmatrix("x")
+    given = {x: X_sh[i * 4:(i + 1) * 4]}
+    outputs = [(x.sum(), "sum"), (x.mean(0), "avg"), (x * 2, "gather")]
+    f = synk.function([i], outputs, givens=given)
+    reference = pytensor.function([i], [o for o, _ in outputs], givens=given)
+    synk.distribute()
+
+    def agree(*indices):
+        for j in indices:
+            expected = reference(j)
+            for ours in (f(j), f.as_pytensor(j)):
+                for a, b in zip(ours, expected):
+                    close(a, b, rtol=1e-5, atol=1e-5)
+
+    for chunk in range(1, 4):                          # the same buffer, refilled
+        buf[...] = 10.0 * chunk + rng.normal(size=buf.shape)
+        X_sh.set_value(buf, borrow=True)
+        assert float(f(1)[0]) == pytest.approx(float(reference(1)[0]), rel=1e-5), chunk
+        agree(0, 1, 2)
+    X_sh.get_value(borrow=True)[4:8] *= -3             # an edit of the borrowed value, in place
+    agree(1)
+    buf[8:] = 7.0                                      # an edit through the caller's own array
+    agree(2, 1)
+    X_sh.set_value(rng.normal(size=(7, 3)).astype("float32"))    # a new value with fewer rows
+    agree(0, 1)
+
+
+def no_rows_case(name, rng):
+    """A function whose givens read a shared variable and a scalar but select no rows.
+
+    Returns ``(inputs, bcast_inputs, givens, outputs, calls)``: ``calls`` are argument lists in
+    the order ``inputs + bcast_inputs``.
+    """
+    X, T = rng.normal(size=(10, 3)), rng.normal(size=(5, 3))
+    X_sh = pytensor.shared(X, name=f"X_{name}")
+    base, table = pytensor.shared(T[0], name=f"base_{name}"), pytensor.shared(T, name=f"table_{name}")
+    i, x, s, z = pt.lscalar("i"), pt.matrix("x"), pt.vector("s"), pt.matrix("z")
+    window = X_sh[i * 3:(i + 1) * 3]
+    alone = [(s.sum(), "avg"), (s * 2, "avg")]
+    beside = [((x * s).sum(), "sum"), (x @ s, "gather"), ((x * s).mean(), "avg")]
+    indices = [0, 1, 3]                                # 3: the last window has one row
+    Z = rng.normal(size=(7, 3))
+    return {
+        "scaled-alone-scattered": ([i], [], {s: base * (i + 1)}, alone, [[j] for j in indices]),
+        "scaled-alone-bcast": ([], [i], {s: base * (i + 1)}, alone, [[j] for j in indices]),
+        "row-alone-scattered": ([i], [], {s: table[i]}, alone, [[j] for j in indices]),
+        "row-alone-bcast": ([], [i], {s: table[i]}, alone, [[j] for j in indices]),
+        "rows-difference-alone-bcast": ([], [i], {s: table[i + 1] - table[i]}, alone,
+                                        [[j] for j in indices]),
+        "scaled-beside-a-slice": ([i], [], {x: window, s: base * (i + 1)}, beside, [[j] for j in indices]),
+        "row-beside-a-slice-bcast": ([], [i], {x: window, s: table[i]}, beside, [[j] for j in indices]),
+        "row-of-the-sliced-data": ([i], [], {x: window, s: X_sh[i]}, beside, [[j] for j in indices]),
+        "beside-scattered-rows": ([i, z], [], {s: table[i]}, [((z * s).sum(), "sum"), (z @ s, "gather")],
+                                  [[j, Z[:5 + j]] for j in indices]),
+    }[name]
+
+
+@pytest.mark.parametrize("case", ["scaled-alone-scattered", "scaled-alone-bcast", "row-alone-scattered",
+                                  "row-alone-bcast", "rows-difference-alone-bcast", "scaled-beside-a-slice",
+                                  "row-beside-a-slice-bcast", "row-of-the-sliced-data",
+                                  "beside-scattered-rows"])
+def test_givens_that_select_no_rows_equal_pytensor_function(devices, rng, case):
+    inputs, bcast_inputs, givens, outputs, calls = no_rows_case(case, rng)
+    f = synk.function(inputs, outputs, bcast_inputs=bcast_inputs, givens=givens)
+    user = inputs + bcast_inputs
+    reference = pytensor.function(user, [o for o, _ in outputs], givens=givens)
+    synk.distribute()
+    for args in calls:
+        expected = reference(*args)
+        by_name = {v.name: a for v, a in zip(user, args)}
+        for ours in (f(*args), f(**by_name), f.as_pytensor(*args)):
+            for a, b in zip(ours, expected):
+                close(a, b, rtol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -131,8 +131,7 @@ class Function:
         (PyTensor's JAX backend computes some reductions wider).
         """
         if self._rows is not None:         # the rows the scalars select, as pytensor.function takes them
-            window = self._rows.rows(list(args))
-            args = tuple([base.get_value(borrow=True)[window] for base in self._rows.row_inputs] + list(args))
+            args = tuple(self._rows.reference_arguments(args))
         out = [np.asarray(o, dtype=dtype)
                for o, (_, dtype) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out
@@ -206,8 +205,7 @@ class Function:
         :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
         the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
         if self._rows is not None:
-            args, batch = self._rows.call_arguments(
-                args, kwargs, batch, self.name, lambda value, base: data(value, name=f"{self.name}:{base}"))
+            args, batch = self._rows.call_arguments(args, kwargs, batch, self.name)
             kwargs = {}
         since = trace.now() if trace.on else None
         state = current()
@@ -446,8 +444,11 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         computed from scalar inputs, ``{x: X_sh[i * bs:(i + 1) * bs]}``, is the
         Theano tutorials' idiom: every call splits those rows over the devices
         and equals ``pytensor.function`` over the same scalars (see
-        :mod:`synkhronos.api.givens`). A given that would select rows in another
-        way is refused with the recipe (``synk.data`` and ``batch=``).
+        :mod:`synkhronos.api.givens`); each call reads the rows from the
+        variable's value as it is then. A given that reads shared variables and
+        scalars but selects no rows (``{s: table[i]}``) is computed whole on
+        every device. A given that would select rows in another way is
+        refused with the recipe (``synk.data`` and ``batch=``).
     sliceable_shareds : list of SharedVariable, optional
         Shared variables holding per-device data that ``batch_s`` indexes.
     name : str, optional

@@ -11,12 +11,21 @@ A large share of Theano code feeds its data so::
 along the rows of a shared variable, or of an elementwise expression of one,
 such as a cast, whose bounds depend only on scalar inputs) becomes a scattered
 input of the shared variable's rows, and every call selects the rows
-``start:stop`` the scalars give, as ``batch=slice(start, stop)`` over a
-:class:`~synkhronos.Data` holding the variable's value would: the rows are
-split over the devices, and the result equals ``pytensor.function`` over the
-same scalars. The scalar inputs reach every device whole. The shared
-variable's value is copied into shared memory at the first call, and again
-whenever the variable was given a new value.
+``start:stop`` the scalars give: the rows are split over the devices, and the
+result equals ``pytensor.function`` over the same scalars. The scalar inputs
+reach every device whole. Each call copies the rows it selects, and only
+those, from the variable's value as it is at the call: a ``set_value`` (a
+refilled buffer given again included) or an edit of the borrowed value in
+place is what the next call reads.
+
+A given that reads shared variables and scalars but selects no rows
+(``{s: base * (i + 1)}``, ``{s: table[i]}``) is computed whole on every
+device, as ``pytensor.function`` computes it; a scalar input it reads reaches
+every device whole even when listed in ``inputs``. A given that picks rows
+of a shared variable by scalars in any other way (a step, indices computed
+from a scalar, a slice of a slice, a sum over a slice) is refused with
+:data:`RECIPE`: the number of rows would depend on a value, which no
+device's JAX function can compile.
 """
 
 from __future__ import annotations
@@ -29,11 +38,9 @@ import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.traversal import applys_between, graph_inputs
+from pytensor.graph.traversal import applys_between, graph_inputs, io_toposort
 from pytensor.tensor.elemwise import Elemwise
-from pytensor.tensor.subtensor import Subtensor
-
-from ..platform.internals import stored
+from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, indices_from_subtensor
 
 __all__ = ["RowsFromGivens", "RECIPE"]
 
@@ -90,42 +97,70 @@ def _rowwise_base(expression):
     return base
 
 
-def _reads_shared_through(value, scalars):
-    """True if given ``value`` indexes a shared variable by some of the function's ``scalars``."""
-    leaves = set(graph_inputs([value]))
-    return any(isinstance(v, SharedVariable) for v in leaves) and any(s in leaves for s in scalars)
+def _picks_rows(value, scalars):
+    """True if given ``value`` picks rows of shared data by ``scalars``.
+
+    ``x[i:i + 3]``, ``x[i::2]``, ``x[arange(i, i + 3)]`` pick rows (of ``x``
+    read from a shared variable, ``i`` one of the function's scalars),
+    whatever is done with them after: their number depends on a value, which
+    no device's JAX function can compile, so only the tutorials' row slice
+    can take them. An integer index (``x[i]``) picks one row and keeps none.
+    """
+    scalars = set(scalars)
+    leaves = list(graph_inputs([value]))
+    reads_shared = {v: isinstance(v, SharedVariable) for v in leaves}
+    reads_scalar = {v: v in scalars for v in leaves}
+    for node in io_toposort(leaves, [value]):
+        if isinstance(node.op, (Subtensor, AdvancedSubtensor)) and reads_shared[node.inputs[0]]:
+            first = indices_from_subtensor(node.inputs[1:], node.op.idx_list)[0]
+            parts = [first.start, first.stop, first.step] if isinstance(first, slice) else \
+                [first] if first.ndim > 0 else []
+            if any(p is not None and reads_scalar[p] for p in parts):
+                return True
+        for out in node.outputs:
+            reads_shared[out] = any(reads_shared[v] for v in node.inputs)
+            reads_scalar[out] = any(reads_scalar[v] for v in node.inputs)
+    return False
 
 
 class RowsFromGivens:
-    """The row slices of one function's ``givens``, and what a call of it selects.
+    """What one function's ``givens`` make of its inputs, and what a call of it selects.
 
     Built by :meth:`find`; ``inputs``, ``bcast_inputs`` and ``givens`` are the
-    function's after the rewrite (the row inputs scattered, the scalars
-    broadcast).
+    function's after the rewrite: the row slices' shared variables become
+    scattered inputs of their rows, and every scalar of ``inputs`` is
+    broadcast. A call names its inputs in the user's order
+    (:meth:`user_inputs`) and is turned into a call of the rewritten function
+    by :meth:`call_arguments`.
     """
 
     def __init__(self, slices, inputs, bcast_inputs, givens):
         self.slices = slices
-        self.scalars = list(inputs)              # what the user calls the function with, first
+        self._user = list(inputs) + list(bcast_inputs)
         bases = list(dict.fromkeys(s.base for s in slices))
         self.row_inputs = {b: pt.tensor(f"{b.name or 'data'}_rows", dtype=b.type.dtype,
                                         shape=(None,) + tuple(b.type.shape[1:])) for b in bases}
         replaced = [(s.key, clone_replace(s.expression, {s.base: self.row_inputs[s.base]}))
                     for s in slices]
-        self.inputs = list(self.row_inputs.values())
-        self.bcast_inputs = self.scalars + list(bcast_inputs)
+        scattered = [v for v in inputs if v.ndim > 0]           # none beside row slices (see find)
+        self.inputs = list(self.row_inputs.values()) + scattered
+        self.bcast_inputs = [v for v in inputs if v.ndim == 0] + list(bcast_inputs)
         self.givens = replaced + givens
+        #: per input of the rewritten function after the row inputs, its place in the user's order
+        self._order = [self._user.index(v) for v in scattered + self.bcast_inputs]
         bounds = [b for s in slices for b in (s.start, s.stop)]
         present = [b for b in bounds if b is not None]
         read = list(dict.fromkeys(v for v in graph_inputs(present) if not isinstance(v, Constant)))
         fn = pytensor.function(read, present, mode="FAST_COMPILE") if present else None
         #: the bounds' function, which user inputs it reads, and which bounds are given
-        self._bounds = (fn, [self.bcast_inputs.index(v) for v in read], [b is not None for b in bounds])
-        self._data = {}                            # base -> (Data, the value it was made from)
+        self._bounds = (fn, [self._user.index(v) for v in read], [b is not None for b in bounds])
 
     @classmethod
     def find(cls, inputs, bcast_inputs, givens, name):
-        """The rewrite of a function whose ``givens`` slice shared data by scalar inputs, or None.
+        """The rewrite of a function whose ``givens`` read shared data by scalar inputs, or None.
+
+        None when the givens neither slice rows nor read a scalar of
+        ``inputs`` (the function is recorded as it is).
 
         Raises
         ------
@@ -139,7 +174,7 @@ class RowsFromGivens:
             found = _row_slice(key, value)
             if found is not None and _bounds_read_only(found, scalars):
                 slices.append(found)
-            elif _reads_shared_through(value, scalars):
+            elif _picks_rows(value, scalars):
                 raise TypeError(
                     f"{name}: givens replaces {key} by {value}, which selects rows of a shared "
                     f"variable in a way synkhronos cannot split over the devices (it splits "
@@ -148,7 +183,9 @@ class RowsFromGivens:
             else:
                 rest.append((key, value))
         if not slices:
-            return None
+            read = set(graph_inputs([value for _, value in rest]))
+            whole = any(v.ndim == 0 and v in read for v in inputs)
+            return cls([], inputs, bcast_inputs, rest) if whole else None
         rows = [v for v in inputs if v.ndim > 0]
         if rows:
             raise TypeError(
@@ -159,7 +196,7 @@ class RowsFromGivens:
 
     def user_inputs(self):
         """The inputs a call of the function takes, in the user's order."""
-        return self.bcast_inputs
+        return self._user
 
     def user_arguments(self, args, kwargs, name):
         """The arguments of a call, one per :meth:`user_inputs` (given by position or by name)."""
@@ -176,17 +213,29 @@ class RowsFromGivens:
             raise TypeError(f"{name} is missing inputs {missing}")
         return values
 
-    def call_arguments(self, args, kwargs, batch, name, make_data):
-        """A call in the idiom as a call of the rewritten function: ``(arguments, batch)``.
+    def call_arguments(self, args, kwargs, batch, name):
+        """A call as a call of the rewritten function: ``(arguments, batch)``.
 
-        ``make_data(value, shared)`` makes the Data of a shared variable's value.
+        With row slices, the arguments start with the rows the call's scalars
+        select, read from each shared variable's value now (numpy arrays,
+        which the call stages through shared memory), and ``batch`` is None.
         """
+        values = self.user_arguments(args, kwargs, name)
+        if not self.slices:
+            return self._ordered(values), batch
         if batch is not None:
             raise TypeError(f"{name} takes its rows from its givens' slices; batch= does not "
                             f"apply (the scalars of the call select the rows)")
-        values = self.user_arguments(args, kwargs, name)
-        window = self.rows(values)
-        return self.data(make_data) + values, window
+        return self.selected_rows(self.rows(values)) + self._ordered(values), None
+
+    def reference_arguments(self, args):
+        """The arguments of the single-process function for a call with positional ``args``."""
+        values = list(args)
+        rows = self.selected_rows(self.rows(values)) if self.slices else []
+        return rows + self._ordered(values)
+
+    def _ordered(self, values):
+        return [values[i] for i in self._order]
 
     def rows(self, arguments):
         """``slice(start, stop)`` of the rows a call with ``arguments`` selects (checked).
@@ -196,6 +245,9 @@ class RowsFromGivens:
         arguments : list
             One value per :meth:`user_inputs`.
         """
+        if not self.slices:
+            raise TypeError("the function's givens select no rows (they are computed whole on "
+                            "every device)")
         fn, reads, present = self._bounds
         values = iter(fn(*[np.asarray(getattr(arguments[i], "data", arguments[i])) for i in reads])
                       if fn is not None else [])
@@ -217,16 +269,13 @@ class RowsFromGivens:
                              f"of {first[0].base}); give a range with at least one row")
         return slice(first[1], first[2])
 
-    def data(self, make_data):
-        """One :class:`~synkhronos.Data` per row input, holding its shared variable's current value."""
-        out = []
-        for base in self.row_inputs:
-            value = stored(base)
-            held = self._data.get(base)
-            if held is None or held[1] is not value:
-                held = self._data[base] = (make_data(base.get_value(borrow=True), base), value)
-            out.append(held[0])
-        return out
+    def selected_rows(self, window):
+        """Rows ``window`` of each row input's shared variable, from its value as it is now.
+
+        Read at every call, never kept: a new value, a refilled buffer given
+        again, and an edit of the borrowed value in place are all seen.
+        """
+        return [base.get_value(borrow=True)[window] for base in self.row_inputs]
 
 
 def _bounds_read_only(found, scalars):
