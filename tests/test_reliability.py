@@ -17,7 +17,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import HoldingShmComm, InsideCall, close, marker_path, wait_for_marker
+from helpers import HoldingShmComm, InsideCall, close, marker_path, run_script, wait_for_marker
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
@@ -382,3 +382,91 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
         os.killpg(other.pid, signal.SIGKILL)
         other.wait()
         subprocess.run([sys.executable, "-m", "synkhronos.cleanup"], cwd=ROOT, timeout=60)
+
+
+CTRL_C_WHILE_BUILDING = """
+    import os, random, signal, sys, threading, time
+    import numpy as np, pytensor, pytensor.tensor as pt
+    import synkhronos as synk
+    from synkhronos.runtime import session
+    random.seed(int(sys.argv[1]))
+    synk.fork(2)
+    shut, wrong = 0, []
+    for trial in range(int(sys.argv[2])):
+        if session.active() is None:
+            synk.fork(2)
+        timer = threading.Timer(random.uniform(0, 0.2), lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            x = pt.matrix("x")
+            for k in range(3):
+                w = pytensor.shared(np.zeros(2), name=f"w{trial}_{k}")
+                g = synk.function([x], (x.sum() * (k + 1), "sum"), updates=[(w, w + x.sum(0))])
+                synk.distribute()
+                g(np.ones((4, 2)))
+            time.sleep(0.25)
+        except KeyboardInterrupt as interrupt:
+            if session.active() is None:
+                shut += 1
+                assert "call synk.fork() again" in str(getattr(interrupt, "__notes__", "")), interrupt
+                try:
+                    synk.function([pt.matrix("x")], pt.matrix("x").sum())
+                except RuntimeError as e:
+                    assert "Ctrl-C" in str(e) and "synk.fork() again" in str(e), e
+                continue
+        timer.join()
+        if session.active() is None:
+            continue
+        x = pt.matrix("x")
+        f = synk.function([x], (x.sum(), "sum"))
+        if float(f(np.ones((4, 2)))) != 8.0:
+            wrong.append(trial)
+    synk.close()
+    print("RESULT", shut, wrong)
+"""
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_at_any_moment_of_building_shipping_and_calling_leaves_the_runtime_right_or_shut_down():
+    """Thirty Ctrl-Cs at random moments while functions are recorded, shipped and called: after
+    each, the runtime computes a fresh function right, or it was shut down and says so (on the
+    interrupt, and at the next call), and fork() starts again."""
+    out = run_script(CTRL_C_WHILE_BUILDING, timeout=380, args=("7", "30"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [t for t in out.stdout.splitlines() if t.startswith("RESULT")][-1]
+    shut, wrong = line.split(" ", 2)[1:]
+    assert wrong == "[]", out.stdout
+    assert int(shut) > 0, out.stdout          # some interrupts did land inside synkhronos
+
+
+CTRL_C_IN_A_GC_CALLBACK = """
+    import gc, os, signal, threading, time
+    from synkhronos.runtime import interrupts
+    interrupts.install()
+
+    def slow(phase, info):           # a collection's callback that takes a while, as JAX's can
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.002:
+            pass
+    gc.callbacks.append(slow)
+    for attempt in range(5):
+        start = time.time()
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            while time.time() - start < 10:
+                junk = [[i] for i in range(300)]
+                gc.collect(0)
+        except KeyboardInterrupt:
+            print("DELIVERED", round(time.time() - start, 2), flush=True)
+        else:
+            print("LOST", flush=True)
+"""
+
+
+def test_a_ctrl_c_landing_in_a_garbage_collection_callback_reaches_the_user():
+    """Python swallows an exception raised in a gc callback ("Exception ignored in"); synkhronos's
+    SIGINT handler delivers the signal again once the callback has returned."""
+    out = run_script(CTRL_C_IN_A_GC_CALLBACK, timeout=120)
+    lines = [t for t in out.stdout.splitlines() if t.startswith(("DELIVERED", "LOST"))]
+    assert len(lines) == 5 and all(t.startswith("DELIVERED") for t in lines), out.stdout + out.stderr[-2000:]
+    assert max(float(t.split()[1]) for t in lines) < 5.0, lines

@@ -22,6 +22,8 @@ from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
 from ..platform import jax_init
 from ..platform.values import hold_faces
+from . import interrupts
+from .interrupts import shut_down_after
 from .state import Settings, State
 
 __all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized", "lock",
@@ -39,6 +41,8 @@ class _Lifecycle:
     def __init__(self):
         self.state = None
         self.closed_once = False
+        #: why the last runtime was shut down by a fault the user caused (Ctrl-C), for the next call
+        self.shut_down_because = None
         self.forked_from = None      # in a child made by os.fork() of a master: the master's pid
         #: one thread at a time talks to the workers (re-entrant: a collective may stage a Data)
         self.lock = threading.RLock()
@@ -53,30 +57,51 @@ def serialized(fn):
     """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
 
     Two threads calling functions at once would otherwise write their commands
-    into the same control block and read each other's results.
+    into the same control block and read each other's results. A Ctrl-C inside
+    ``fn`` shuts the runtime down (:func:`~.interrupts.shut_down_after`).
     """
     @functools.wraps(fn)
     def locked(*args, **kwargs):
         with _life.lock:
-            outermost = _life.depth == 0
-            _life.depth += 1
+            if _life.depth:
+                return _run_nested(fn, args, kwargs)
             try:
-                if outermost and _life.state is not None:
-                    hold_faces(other_threads_alive())
-                    _life.state.registry.values_to_devices()
-                return fn(*args, **kwargs)
-            except WorkerError as e:
-                if not outermost or verbose():
-                    raise
-                # the report names what the user needs; synkhronos's own frames are left out
-                raise e.with_traceback(None) from None
-            finally:
-                _life.depth -= 1
-                if outermost and _life.state is not None and _life.state.is_open:
-                    _life.state.registry.values_to_user()
-                if outermost:
-                    hold_faces(False)
+                return _run_outermost(fn, args, kwargs)
+            except KeyboardInterrupt as interrupt:
+                note = shut_down_after(interrupt, f"synk.{fn.__name__}", _life.state)
+                if note is not None:
+                    _life.shut_down_because = note
+                raise
     return locked
+
+
+def _run_nested(fn, args, kwargs):
+    _life.depth += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _life.depth -= 1
+
+
+def _run_outermost(fn, args, kwargs):
+    """``fn`` as the outermost synkhronos operation: the master's values go to the devices first
+    and back to the user after (as faces that other threads may read while they are away)."""
+    _life.depth += 1
+    try:
+        if _life.state is not None:
+            hold_faces(other_threads_alive())
+            _life.state.registry.values_to_devices()
+        return fn(*args, **kwargs)
+    except WorkerError as e:
+        if verbose():
+            raise
+        # the report names what the user needs; synkhronos's own frames are left out
+        raise e.with_traceback(None) from None
+    finally:
+        _life.depth -= 1
+        if _life.state is not None and _life.state.is_open:
+            _life.state.registry.values_to_user()
+        hold_faces(False)
 
 
 def other_threads_alive():
@@ -107,6 +132,8 @@ def current():
             raise RuntimeError(f"this process was made by os.fork() from synkhronos's master (pid "
                                f"{_life.forked_from}); the runtime belongs to that process and cannot "
                                f"be used here: call synkhronos from the master")
+        if _life.shut_down_because:
+            raise RuntimeError(_life.shut_down_because)
         if _life.closed_once:
             raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
         raise RuntimeError("synkhronos is not running; call synk.fork() first")
@@ -156,6 +183,7 @@ def begin(settings):
     if _life.state is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
     _sweep_segments()
+    _life.shut_down_because = None
     _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
                               if k not in _user_environment})
     jax_init.configure_environment(os.environ, settings.platform, settings.threads)
@@ -172,6 +200,7 @@ def begin(settings):
     # shutdown barrier waits for them.
     atexit.unregister(end)
     atexit.register(end)
+    interrupts.install()
     return state
 
 
@@ -210,6 +239,7 @@ def end():
                                 exc_info=True)
             state.stop()
             _restore_environment()
+        interrupts.uninstall()
     finally:
         if locked:
             _life.lock.release()
