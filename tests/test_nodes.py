@@ -460,4 +460,60 @@ def test_a_center_node_zero_cannot_serve_is_named_on_every_node_before_anything_
         seen = json.load(open(tmp_path / f"node{node}.json"))
         assert seen["node"] == 0 and "could not serve the center" in seen["error"], seen
         assert "made to fail by the test" in seen["error"], seen
+        assert "has a merge of its own" in seen["own_merge"], seen
         assert seen["after"] < 0.1, seen            # the runtime trains on after the refusal
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
+    """While both nodes train under Downpour, a process that is not part of the run sends node 0's
+    center server junk, wrong tokens, malformed requests (a pickle among them) and frames of
+    128 MiB: the server drops each before parsing it, unpickles nothing, stays small and serves
+    on, and the run ends with the model it would have learned anyway."""
+    procs = start_nodes(os.path.join(SCRIPTS, "center_attacked.py"), [tmp_path], 2, 1, tmp_path)
+    assert wait_all(procs, tmp_path, 240) == [0, 0], read_logs(tmp_path)
+    nodes = [json.load(open(tmp_path / f"node{node}.json")) for node in range(2)]
+    stranger = json.load(open(tmp_path / "stranger.json"))
+    assert nodes[0]["stranger_code"] == 0, read_logs(tmp_path)
+    for node, seen in enumerate(nodes):
+        assert seen["error"] is None, (node, seen)
+        np.testing.assert_allclose(seen["w"], [[1.0, 2.0, 3.0]] * 2, atol=1e-6,
+                                   err_msg=f"node {node}")
+    assert nodes[0]["server_alive"] and stranger["alive"], stranger
+    for probe in ("hello", "wrong_password", "wrong_token", "wrong_token_old_format",
+                  "big_wrong_token"):
+        assert stranger[probe] is None, (probe, stranger)        # a stranger gets no answer
+    for probe, reply in stranger["malformed"].items():           # ours, malformed: refused
+        assert reply is None or reply[0] == "!error", (probe, reply)
+    assert not stranger["unpickled"], stranger
+    assert stranger["big_right_token"] is None, stranger
+    assert stranger["raw_endless"].startswith("closed"), stranger
+    assert stranger["hwm_after"] - stranger["hwm_before"] < 32 << 20, stranger
+    assert stranger["values"] is not None and stranger["values"][0] != "!error", stranger
+    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_a_killed_center_server_is_named_on_every_node_within_ten_seconds(tmp_path, per_node):
+    """Node 0 SIGKILLs its center server mid-run: node 0 notices, tells the other node through the
+    coordination service, and both raise naming the server within 10 s; nothing is left."""
+    procs = start_nodes(os.path.join(SCRIPTS, "center_killed.py"), [tmp_path], 2, per_node, tmp_path)
+    assert wait_all(procs, tmp_path, 120) == [0, 0], read_logs(tmp_path)
+    killed_at = float(open(tmp_path / "killed_at.txt").read())
+    for node in range(2):
+        seen = json.load(open(tmp_path / f"node{node}.json"))
+        assert seen["error"] is not None, (node, seen)
+        assert "center server" in seen["error"] and "died" in seen["error"], (node, seen)
+        if node == 0 or per_node == 1:     # else a worker of node 1 may be the first to find out
+            assert (seen["node"], seen["how"]) == (0, "died"), (node, seen)
+        assert seen["at"] - killed_at < 10, (node, seen["at"] - killed_at)
+        assert seen["closed"] is True, (node, seen)
+    pids = [p for node in range(2) for p in json.load(open(tmp_path / f"pids{node}.json"))]
+    deadline = time.time() + 15          # a coordination service outlives its killed master a while
+    while time.time() < deadline and [p for p in pids if _alive(p)]:
+        time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
+    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"

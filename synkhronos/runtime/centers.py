@@ -3,76 +3,108 @@
 The process is :mod:`synkhronos.rank.center_server` (``python -m
 synkhronos.rank.center_server HOST``); this side starts it with the first
 asynchronous loop of a runtime that spans nodes, opens and closes each loop's
-center on it, and stops it with the runtime.
+center on it through its standard input, watches it, and stops it with the
+runtime.
 """
 
-import pickle
+import json
 import subprocess
 import sys
+import threading
 
-import numpy as np
-
-from ..rank.center_server import SCHEME, RemoteCenter
-from .processes import package_env, reap
+from ..rank.center_server import SCHEME, open_command
+from .processes import describe_exit, package_env, reap
 
 __all__ = ["CenterServer"]
 
 
 class CenterServer:
-    """The server process of this runtime's centers, bound to ``host``.
+    """The server process of this runtime's centers, serving them at ``host``.
 
     Parameters
     ----------
     host : str
         The address the server binds (the one the other nodes reach node 0
-        at); the port is the system's choice.
+        at); each center's port is the system's choice.
+    on_death : callable, optional
+        Called with a sentence naming the server when it ends without being
+        stopped (from a thread of its own).
 
     Raises
     ------
     OSError
-        The server could not start or bind ``host``.
+        The server could not start.
     """
 
-    def __init__(self, host):
+    def __init__(self, host, on_death=None):
+        self.host, self.on_death = host, on_death
         self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.rank.center_server", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=package_env(), text=True)
-        line = self.proc.stdout.readline().split()
-        if len(line) != 2:
+        self._token = self.proc.stdout.readline().strip()
+        if not self._token:
             self.stop()
-            raise OSError(f"the center's server could not bind {host} (exit code "
-                          f"{self.proc.returncode})")
-        port, token = line
-        #: ``tcp://host:port#token``: what a center's address starts with
-        self.endpoint = f"{SCHEME}{host}:{port}#{token}"
+            raise OSError(f"the center's server for {host} did not start "
+                          f"({describe_exit(self.proc.returncode)})")
+        self._stopping = False
+        self._watcher = threading.Thread(target=self._watch, name="synk-center-server", daemon=True)
+        self._watcher.start()
 
     def serve(self, name, shapes, dtypes, rule):
         """Serve the center in segment ``name`` (blocks ``shapes``, ``dtypes``) under ``rule``'s
-        merge; returns its address for the other nodes' devices."""
-        address = f"{self.endpoint}#{name}"
-        self._ask(address, b"open", [pickle.dumps(([tuple(s) for s in shapes],
-                                                   [np.dtype(d).str for d in dtypes], rule))])
-        return address
+        merge; returns its address for the other nodes' devices.
+
+        Raises
+        ------
+        ValueError
+            ``rule`` has a merge of its own (:func:`~synkhronos.rank.center_server.open_command`).
+        OSError
+            The server could not serve it (its port, or the server is gone).
+        """
+        reply = self._ask(open_command(name, shapes, dtypes, rule))
+        return f"{SCHEME}{self.host}:{reply['port']}#{self._token}#{name}"
 
     def forget(self, name):
         """Stop serving the center in segment ``name`` (every node is done with its loop)."""
-        self._ask(f"{self.endpoint}#{name}", b"close")
+        self._ask(json.dumps({"op": "close", "center": name}))
 
-    @staticmethod
-    def _ask(address, op, frames=()):
-        control = RemoteCenter(address, [], [])
+    def _ask(self, line):
+        """Send one command line; its reply (raises OSError for the server's error or its end)."""
         try:
-            control.request(op, frames)
-        finally:
-            control.close()
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        except OSError as e:
+            raise OSError(f"node 0's center server is gone ({e})") from None
+        if not reply:
+            raise OSError(f"node 0's center server is gone ({describe_exit(self.proc.poll())})")
+        reply = json.loads(reply)
+        if "error" in reply:
+            raise OSError(f"node 0's center server refused: {reply['error']}")
+        return reply
+
+    def _watch(self):
+        code = self.proc.wait()
+        if not self._stopping and self.on_death is not None:
+            self.on_death(f"node 0's center server (pid {self.proc.pid}) died "
+                          f"({describe_exit(code)})")
+
+    @property
+    def alive(self):
+        """Whether the server process still runs."""
+        return self.proc.poll() is None
 
     def stop(self):
         """End the server process (it ends when its standard input closes)."""
+        self._stopping = True
         try:
             self.proc.stdin.close()
         except OSError:
             pass
         reap([self.proc])
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5)
 
     @property
     def pid(self):

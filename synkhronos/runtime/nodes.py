@@ -65,6 +65,8 @@ class NodeLink:
         self._heard = {}              # node -> (its last beat, when it changed)
         #: the nodes found lost (their masters gone or stopped)
         self.lost = set()
+        #: more checks between the slices of a wait, added by parts of the runtime (each raises)
+        self.watches = []
         self._stop_beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, name="synk-node-beat", daemon=True)
         self._beater.start()
@@ -137,6 +139,8 @@ class NodeLink:
             if found is not None:
                 return found
             self.check()
+            for watch in self.watches:
+                watch()
             silent = self.silent_nodes()
             if tolerate_loss and node in silent:
                 self.lost.add(node)

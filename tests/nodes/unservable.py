@@ -1,6 +1,7 @@
-"""Run on two nodes (``... unservable.py OUT``): node 0's center server cannot start (its start is
-made to fail with the OSError of a host it cannot bind). Both nodes' asynchronous ``train.run``
-must raise before any device runs, and a synchronous run must then work; each node writes what
+"""Run on two nodes (``... unservable.py OUT``): first a rule with a merge of its own, which node
+0's center server cannot apply; then node 0's center server cannot start (its start is made to
+fail with the OSError of a host it cannot bind). Both nodes' asynchronous ``train.run`` must raise
+before any device runs, each time, and a synchronous run must then work; each node writes what
 it saw to OUT/node<R>.json."""
 
 import json
@@ -20,11 +21,16 @@ synk.fork()
 node = synk.node_rank()
 
 
-def cannot_bind(self, host):
+def cannot_bind(self, host, on_death=None):
     raise OSError(f"the center's server could not bind {host} (made to fail by the test)")
 
 
-centers.CenterServer.__init__ = cannot_bind
+class OwnMerge(sync.Downpour):
+    def merge(self, center, pushed):
+        center += 2 * pushed
+        return center
+
+
 x, y = pt.matrix("x"), pt.vector("y")
 w = pytensor.shared(np.zeros(3), name="w")
 step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd, learning_rate=0.1)
@@ -32,6 +38,12 @@ synk.distribute()
 X = np.random.default_rng(0).normal(size=(40, 3))
 Y = X @ np.array([1.0, 2.0, 3.0])
 seen = {}
+try:
+    train.run(step, X, Y, 10, steps=4, sync=OwnMerge())
+    seen["own_merge"] = None
+except ValueError as e:
+    seen["own_merge"] = str(e)
+centers.CenterServer.__init__ = cannot_bind
 try:
     train.run(step, X, Y, 10, steps=4, sync=sync.Downpour())
     seen["error"] = None
