@@ -60,6 +60,7 @@ class Terminated(SystemExit):
 
 #: commands whose updates a rank keeps the replaced values of when the master asks (KEEP_UNDO)
 _UPDATING = (int(Op.CALL), int(Op.STEP))
+_UNDO = int(Op.UNDO)
 
 
 class Worker:
@@ -119,7 +120,7 @@ class Worker:
             waiting = trace.now() if trace.on else None
             go.wait(self.check_master, spin=self.spin, slice_=0.5)
             opcode = int(self.ctl.header[ControlBlock.OPCODE])
-            if opcode != Op.UNDO:         # the last command succeeded everywhere: let its values go
+            if opcode != _UNDO:           # the last command succeeded everywhere: let its values go
                 self.context.undo.begin(opcode in _UPDATING and bool(self.ctl.header[ControlBlock.KEEP_UNDO]))
             if trace.on:
                 trace.begin("command", op_name(opcode), waiting)
