@@ -1,6 +1,7 @@
 """Shapes: rows are free, graphs that need static shapes get them per device, declarations hold."""
 
 import json
+import warnings
 
 import numpy as np
 import pytensor
@@ -196,3 +197,47 @@ def test_an_error_that_has_nothing_to_do_with_rows_gets_no_rows_hint(synk2):
     hint = _rows_hint_of(mismatched, X, np.ones(5))
     assert hint is None or "rows" not in hint, hint
     close(mismatched(X, np.ones(16)), X.sum() + 2 * 20.0)         # each device adds the weight's sum
+
+
+def _first_half_sum(name, **kwargs):
+    """A function whose graph JAX traces only with concrete shapes (a slice with symbolic bounds):
+    each device builds it per argument shape."""
+    x = pt.matrix("x")
+    return synk.function([x], (x[:, :x.shape[1] // 2].sum(), "sum"), name=name, **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_a_function_meeting_many_shapes_compiles_each_once_and_says_so(synk2):
+    """Twenty sequence lengths in shuffled order, three epochs (the LSTM tutorial's minibatches,
+    each padded to its own longest sequence): each length is built once per device, the results
+    equal PyTensor's, and one SynkWarning names the cost and the cure."""
+    f = _first_half_sum("lengths")
+    lengths, rng = list(range(5, 25)), np.random.default_rng(0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            rng.shuffle(lengths)
+            for n in lengths:
+                X = rng.normal(size=(6, n))
+                close(f(X), X[:, :n // 2].sum())
+    assert f.compiled.by_rows
+    built = f.compiled._row_variant.cache_info()
+    assert built.misses == len(lengths) and built.hits == 2 * len(lengths), built
+    many = [w for w in seen if issubclass(w.category, synk.SynkWarning)
+            and "different argument shapes" in str(w.message)]
+    assert len(many) == 1, [str(w.message) for w in seen]
+    assert "bucket" in str(many[0].message) and "shapes_kept" in str(many[0].message)
+
+
+def test_shapes_kept_bounds_the_graphs_a_device_keeps(synk2):
+    f = _first_half_sum("few_kept", shapes_kept=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (4, 5, 6, 4):
+            X = np.ones((4, n))
+            close(f(X), 4 * (n // 2))
+    built = f.compiled._row_variant.cache_info()
+    assert built.maxsize == 2 and built.currsize == 2 and built.misses == 4, built
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="shapes_kept must be a whole number"):
+            _first_half_sum("bad_kept", shapes_kept=bad)

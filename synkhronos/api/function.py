@@ -28,6 +28,7 @@ from ..runtime.session import State, current, serialized
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
+from ..wire.spec import SHAPES_KEPT
 from .batch import check_num_slices, parse_batch, parse_batch_s
 from .data import Data, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
@@ -423,7 +424,8 @@ class Function:
 def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
              bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
              givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
-             name: str | None = None, local_updates: bool = False, **kwargs: Any) -> Function:
+             name: str | None = None, local_updates: bool = False, shapes_kept: int = SHAPES_KEPT,
+             **kwargs: Any) -> Function:
     """Build a data-parallel function over every device of the runtime.
 
     Parameters
@@ -455,6 +457,11 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     local_updates : bool
         Updates computed from the scattered rows are meant to stay per device
         (no :class:`~synkhronos.LocalUpdatesWarning`; see the notes).
+    shapes_kept : int
+        Graphs built for concrete argument shapes (a graph JAX traces only with
+        concrete shapes is built per shape) that each device keeps, the most
+        recently used. XLA compiles each argument shape once either way; a
+        function called with many shapes warns once (:class:`~synkhronos.SynkWarning`).
     **kwargs
         Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
 
@@ -487,8 +494,11 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     (25.0, 2)
     """
     state = current()
+    if isinstance(shapes_kept, bool) or not isinstance(shapes_kept, (int, np.integer)) or shapes_kept < 1:
+        raise ValueError(f"shapes_kept must be a whole number of at least 1, got {shapes_kept!r}")
     spec, bare, rows = record(state.registry.next_function_id(), inputs, outputs, bcast_inputs,
                               updates, givens, sliceable_shareds, name, local_updates, kwargs)
+    spec.shapes_kept = int(shapes_kept)
     set_precision(State.float_x())       # the same rule every rank applies
     state.registry.own_streams(spec.shared_variables())
     compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here

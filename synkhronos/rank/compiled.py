@@ -17,6 +17,7 @@ from pytensor.graph.replace import clone_replace
 
 from ..compile.randomness import is_generator
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
+from ..errors import SynkWarning
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import check_function_graph, jit_parts
@@ -26,7 +27,7 @@ from ..tracing import trace
 from .graphs import needs_static_shapes, spec_graph
 from .jitted import abstract_value, face_updates, jitted_call
 
-__all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "ROW_VARIANTS_KEPT"]
+__all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "MANY_SHAPES"]
 
 
 class GatherBuffer:
@@ -57,8 +58,8 @@ class GatherBuffer:
         return self._owner[:nbytes].view(dtype).reshape(shape)
 
 
-#: graphs a function keeps compiled for the row counts it is called with (see CompiledFunction)
-ROW_VARIANTS_KEPT = 8
+#: a function that has compiled this many argument shapes says so once (see CompiledFunction)
+MANY_SHAPES = 16
 
 
 def generator_cells(fn):
@@ -110,7 +111,8 @@ class CompiledFunction:
     traces. A call with other shapes then builds the graph on free rows: if it
     runs, it serves every later shape (``by_rows`` False); if it fails, each new
     shape gets a graph of its own (``by_rows`` True; the last
-    ``ROW_VARIANTS_KEPT`` are kept). Whenever both fail (a first call's graph
+    ``spec.shapes_kept`` are kept). Either way XLA compiles each argument shape
+    once; a function that has met :data:`MANY_SHAPES` shapes warns once. Whenever both fail (a first call's graph
     for its shapes is retried on free rows), the free-rows failure, JAX's
     account with the graph's line, is the call's error. Every graph run
     continues the function's random streams (:meth:`_invoke`).
@@ -131,7 +133,8 @@ class CompiledFunction:
     check : bool
         Raise at once what PyTensor refuses in the graph before rewriting it,
         where nothing is built yet (the master checks; the workers get checked
-        graphs).
+        graphs). The master also says when the function has met many shapes
+        (every rank meets as many: one warning is enough).
     """
 
     def __init__(self, spec, reference=False, on_finding=None, check=False):
@@ -146,7 +149,9 @@ class CompiledFunction:
             list(range(n_all, n_all + len(self.sliced_inputs)))
         self._run_no_updates = None
         #: (shapes, updates applied) -> runner of the graph rebuilt on them, the most recent kept
-        self._row_variant = functools.lru_cache(maxsize=ROW_VARIANTS_KEPT)(self._rebuilt_runner)
+        self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(self._rebuilt_runner)
+        #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
+        self._shapes_met = set() if check and self._row_args else None
         #: the PyTensor function on free rows (updates applied), or None while not built
         self.function = None
         #: True: compiled per row count; False: on free rows; None: not known yet (see the class notes)
@@ -299,11 +304,26 @@ class CompiledFunction:
     def _call(self, args, updates, undo=None):
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
         shapes = tuple(args[i].shape for i in self._row_args)
+        if self._shapes_met is not None:
+            self._count_shape(shapes)
         if self.by_rows is None and not self._shapes_first:
             return self._first_call(shapes, args, updates, undo)
         if self.by_rows or shapes in self._shapes_first:
             return self._invoke(self._for_shapes(shapes, updates), args, undo)
         return self._free_or_by_rows(args, updates, undo)
+
+    def _count_shape(self, shapes):
+        """Warn once when this function has met MANY_SHAPES argument shapes: each compiles anew."""
+        met = self._shapes_met
+        met.add(shapes)
+        if len(met) >= MANY_SHAPES:
+            self._shapes_met = None
+            warnings.warn(
+                f"{self.spec.name} has been called with {MANY_SHAPES} different argument shapes, and "
+                f"each device compiles every new shape (XLA, and PyTensor too for a graph that needs "
+                f"concrete shapes); pad varying lengths to a few bucket lengths (user guide, "
+                f"'Varying shapes'); each device keeps {self.spec.shapes_kept} shapes compiled "
+                f"(synk.function(shapes_kept=...))", SynkWarning, stacklevel=2)
 
     def _first_call(self, shapes, args, updates, undo):
         """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure

@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.traversal import ancestors
 
-__all__ = ["FunctionSpec", "shared_variables", "JAX_MODE"]
+__all__ = ["FunctionSpec", "shared_variables", "JAX_MODE", "SHAPES_KEPT"]
 
 #: the PyTensor mode of the single-process reference (and the default a user's mode replaces)
 JAX_MODE = "JAX"
+#: graphs a function keeps compiled per argument shape on each device, by default
+#: (``synk.function(shapes_kept=...)``): enough for every bucket length of a padded sequence model
+SHAPES_KEPT = 256
 
 
 def shared_variables(graph_vars):
@@ -40,6 +43,8 @@ class FunctionSpec:
     #: whether the graph traces only on concrete shapes (True: every rank compiles it per row count),
     #: or on free rows (False), as an earlier run found; None when not known (every rank finds out)
     by_rows: bool | None = None
+    #: graphs built for concrete shapes that each device keeps, the most recently used
+    shapes_kept: int = SHAPES_KEPT
 
     @property
     def all_inputs(self):
