@@ -4,6 +4,7 @@ import builtins
 import functools
 import linecache
 import os
+import re
 import sys
 import traceback
 
@@ -33,6 +34,33 @@ def exception_name(e):
     """The name of ``e``'s type: bare for builtins (``"ValueError"``), else ``"module.Qualname"``."""
     module = type(e).__module__
     return type(e).__qualname__ if module == "builtins" else f"{module}.{type(e).__qualname__}"
+
+
+#: how XLA reports an exception raised in a host callback: the callback's whole traceback, as text
+_CALLBACK_FAILED = re.compile(r"(?:Cpu|Gpu)?Callback error calling callback|pure_callback failed")
+_LAST_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")
+
+
+def what_raised(e):
+    """``(type name, message)`` of ``e``; for an exception a host callback raised while the device
+    computed (which XLA reports as its own error holding the callback's traceback as text), the
+    callback's exception.
+
+    Examples
+    --------
+    >>> what_raised(ValueError("bad rows"))
+    ('ValueError', 'bad rows')
+    >>> what_raised(RuntimeError("INTERNAL: CpuCallback error calling callback: Traceback (most "
+    ...                          "recent call last):\\n  File ...\\nValueError: bad rows"))
+    ('ValueError', 'bad rows')
+    """
+    text = str(e)
+    if _CALLBACK_FAILED.search(text):
+        for line in reversed(text.replace("\\n", "\n").splitlines()):
+            found = _LAST_EXCEPTION_LINE.match(line.strip())
+            if found and (found.group(2) is not None or found.group(1).endswith(("Error", "Exception"))):
+                return found.group(1), found.group(2) or ""
+    return exception_name(e), text
 
 
 class SynkError(RuntimeError):
@@ -142,7 +170,7 @@ class WorkerError(SynkError):
     @classmethod
     def from_exception(cls, rank, e):
         """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
-        return cls.raised(rank, exception_name(e), str(e), "".join(traceback.format_exception(e)),
+        return cls.raised(rank, *what_raised(e), "".join(traceback.format_exception(e)),
                           where=graph_line(e))
 
     def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None, where=None):

@@ -65,6 +65,12 @@ def _host_identity(name, host_fn, doc):
     return op
 
 
+def _sleep_a_while(values):
+    time.sleep(3.0)
+    return np.asarray(values)
+
+
+SlowOnHost = _host_identity("SlowOnHost", _sleep_a_while, "Identity that sleeps 3 s on the host.")
 RaiseIfNegative = _host_identity("RaiseIfNegative", _check_rows,
                                  "Identity that raises ValueError when its input holds a negative value.")
 WarnRows = _host_identity("WarnRows", _warn_rows,

@@ -200,7 +200,9 @@ def test_another_thread_reading_a_shared_variable_sees_numpy_values_of_a_complet
     X, Y = synk.data(np.ones((8, 3))), synk.data(np.ones(8))
     n_calls = 150
     stop, seen = threading.Event(), collections.Counter()
-    watcher = threading.Thread(target=_watch, args=(w, plain, stop, seen, set(map(float, range(n_calls + 1)))))
+    # named as synkhronos names its own threads: it is still the user's
+    watcher = threading.Thread(target=_watch, args=(w, plain, stop, seen, set(map(float, range(n_calls + 1)))),
+                               name="synk-monitor")
     watcher.start()
     try:
         for i in range(n_calls):

@@ -231,3 +231,44 @@ def test_a_donating_call_failing_on_one_rank_keeps_every_rank_as_it_was(synk2, r
     close(g(np.ones((4, 3))), 12.0)
     for r in range(2):
         close(synk.get_value(r, w), before[r] + 6.0)
+
+
+def test_an_error_a_host_callback_raises_reads_as_the_callbacks_own(synk2):
+    """XLA reports an exception raised in a host callback as its own error holding the callback's
+    traceback; the WorkerError is the callback's exception, type and message, from the first call
+    on, whichever rank raised it."""
+    x = pt.matrix("x")
+    for failing_rank in (1, 0):
+        g = synk.function([x], (RaiseIfNegative()(x).sum(), "sum"), name=f"raises_first_{failing_rank}")
+        data = np.ones((4, 2))
+        data[2 * failing_rank, 0] = -1.0
+        for _ in range(2):              # the first call (which also builds the graph) and a later one
+            with pytest.raises(synk.WorkerError) as info:
+                g(data)
+            err = info.value
+            assert isinstance(err, ValueError) and err.exc_type == "ValueError", repr(err)
+            assert err.rank == failing_rank and err.message == "RaiseIfNegative saw a negative value"
+            assert len(str(err).splitlines()) <= 4, str(err)
+        close(g(np.ones((4, 2))), 8.0)
+
+
+def test_a_shared_variable_given_another_shape_on_one_rank_makes_calls_careful_again(synk2):
+    """Calls of one shape have run everywhere (their 2.4 MB update donates); then one rank's weight
+    takes another shape, and that rank's next call fails: the other rank puts its update back."""
+    m = pytensor.shared(np.full(300_000, 2.0), name="m_reshaped_elsewhere")
+    w = pytensor.shared(np.ones((3, 2)), name="w_reshaped_elsewhere")
+    x = pt.matrix("x")
+    f = synk.function([x], ((x @ w).sum(), "sum"), updates=[(m, m + 1.0)], local_updates=True)
+    for _ in range(2):
+        close(f(np.ones((4, 3))), 24.0)
+    synk.set_value(1, w, np.ones((5, 2)))
+    before = [synk.get_value(r, m) for r in range(2)]
+    with pytest.raises(synk.WorkerError) as info:
+        f(np.ones((4, 3)))
+    assert info.value.rank == 1
+    for r in range(2):
+        np.testing.assert_array_equal(synk.get_value(r, m), before[r])
+    synk.set_value(1, w, np.ones((3, 2)))
+    close(f(np.ones((4, 3))), 24.0)
+    for r in range(2):
+        close(synk.get_value(r, m), before[r] + 1.0)

@@ -470,3 +470,52 @@ def test_a_ctrl_c_landing_in_a_garbage_collection_callback_reaches_the_user():
     lines = [t for t in out.stdout.splitlines() if t.startswith(("DELIVERED", "LOST"))]
     assert len(lines) == 5 and all(t.startswith("DELIVERED") for t in lines), out.stdout + out.stderr[-2000:]
     assert max(float(t.split()[1]) for t in lines) < 5.0, lines
+
+
+CTRL_C_IN_A_CALL_AND_IN_CLOSE = """
+    import os, signal, sys, threading, time
+    import numpy as np, pytensor.tensor as pt
+    import synkhronos as synk
+    from helpers import SlowOnHost
+
+    def interrupt_in(seconds):
+        threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+    synk.fork(2)
+    x = pt.matrix("x")
+    slow = synk.function([x], (SlowOnHost()(x).sum(), "sum"))
+    interrupt_in(0.5)
+    try:
+        slow(np.ones((4, 2)))
+    except KeyboardInterrupt as e:
+        print("NOTE", " ".join(getattr(e, "__notes__", [])))
+    try:
+        slow(np.ones((4, 2)))
+    except RuntimeError as e:
+        print("NEXT", e)
+    for delay in (0.02, 0.06, 0.1):
+        synk.fork(2)
+        f = synk.function([x], (x.sum(), "sum"))
+        f(np.ones((4, 2)))
+        interrupt_in(delay)
+        try:
+            synk.close()
+            time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        synk.close()
+    synk.fork(2)
+    f = synk.function([x], (x.sum(), "sum"))
+    print("AGAIN", float(f(np.ones((4, 2)))))
+    synk.close()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_inside_a_call_is_named_and_ctrl_c_during_close_leaves_fork_working():
+    out = run_script(CTRL_C_IN_A_CALL_AND_IN_CLOSE, timeout=220)
+    lines = {t.split(" ", 1)[0]: t for t in out.stdout.splitlines() if t.split(" ", 1)[0] in
+             ("NOTE", "NEXT", "AGAIN")}
+    assert "Ctrl-C inside synk." in lines.get("NOTE", ""), out.stdout + out.stderr[-3000:]
+    assert "Ctrl-C" in lines.get("NEXT", "") and "synk.fork() again" in lines["NEXT"], lines
+    assert lines.get("AGAIN") == "AGAIN 8.0", out.stdout + out.stderr[-3000:]

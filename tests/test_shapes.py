@@ -197,6 +197,10 @@ def test_an_error_that_has_nothing_to_do_with_rows_gets_no_rows_hint(synk2):
     hint = _rows_hint_of(mismatched, X, np.ones(5))
     assert hint is None or "rows" not in hint, hint
     close(mismatched(X, np.ones(16)), X.sum() + 2 * 20.0)         # each device adds the weight's sum
+    W2 = pytensor.shared(np.ones((5, 2)), name="W_5_2")
+    sliced = synk.function([x], ((x @ W2).sum(0) + pt.zeros(20)[:2], "sum"), name="zeros_sliced")
+    hint = _rows_hint_of(sliced, np.ones((20, 7)))                 # 7 columns against 5: no rows at all
+    assert hint is None or "rows" not in hint, hint
 
 
 def _first_half_sum(name, **kwargs):

@@ -59,8 +59,16 @@ def _static_shapes_hint(error, rows, spec):
             "row count; declare the input's other axes in its type (pt.tensor(shape=(None, 28, 28)))")
 
 
+def _conversion_hint(error, rows, spec):
+    if "No JAX conversion for the given" not in error.message:
+        return None
+    return ("every process finds an op's JAX conversion by importing the module that registers it "
+            "(@jax_funcify.register): define the op and its conversion in a module every process "
+            "can import, not in the script run as __main__")
+
+
 #: the hints in the order they are tried: each returns its text, or None when it does not apply
-HINTS = [_static_shapes_hint, _rows_hint]
+HINTS = [_static_shapes_hint, _conversion_hint, _rows_hint]
 
 
 def add_hint(error, rows: CallRows, spec=None):
@@ -81,8 +89,9 @@ def batch_size_written(spec, total):
 
     A reshape or ``specify_shape`` counts when what it shapes depends on the
     scattered inputs; ``alloc`` (``zeros``, ``ones``, ``broadcast_to``),
-    ``empty`` and a random draw's ``size`` count as they are (they make the
-    rows the others meet).
+    ``empty`` and a random draw's ``size`` count when they broadcast what
+    depends on the scattered inputs, or what they make meets it (through
+    elementwise operations only: a slice of it makes other rows).
     """
     from pytensor.graph.traversal import ancestors, apply_ancestors
     from pytensor.tensor.basic import Alloc, AllocEmpty
@@ -90,23 +99,56 @@ def batch_size_written(spec, total):
     from pytensor.tensor.shape import Reshape, SpecifyShape
 
     row_inputs = set(spec.inputs) | {target for target, _ in spec.givens}
-    for node in apply_ancestors(spec.graph_vars()):
+    nodes = list(apply_ancestors(spec.graph_vars()))
+    from_rows = _computed_from(row_inputs, nodes)
+    for node in nodes:
         op = node.op
         if isinstance(op, (Reshape, SpecifyShape)):
             shapes, what = node.inputs[1:], ("the reshape" if isinstance(op, Reshape) else "specify_shape")
             if not any(v in row_inputs for v in ancestors([node.inputs[0]])):
                 continue
-        elif isinstance(op, Alloc):
-            shapes, what = node.inputs[1:], "the alloc (zeros, ones, broadcast_to)"
-        elif isinstance(op, AllocEmpty):
-            shapes, what = node.inputs, "the empty array"
-        elif isinstance(op, RandomVariable):
-            shapes, what = [op.size_param(node)], "the random draw's size"
+        elif isinstance(op, (Alloc, AllocEmpty, RandomVariable)):
+            shapes, what = (node.inputs[1:], "the alloc (zeros, ones, broadcast_to)") if isinstance(op, Alloc) \
+                else (node.inputs, "the empty array") if isinstance(op, AllocEmpty) \
+                else ([op.size_param(node)], "the random draw's size")
+            if not (node.inputs[0] in from_rows and isinstance(op, Alloc)) and \
+                    not _meets(node.outputs[-1], from_rows, nodes):
+                continue
         else:
             continue
         if any(total in _constants_of(shape) for shape in shapes):
             return what
     return None
+
+
+def _computed_from(sources, nodes):
+    """The variables of ``nodes`` computed from any of ``sources``."""
+    from pytensor.graph.traversal import toposort
+    found = set(sources)
+    for node in toposort([o for n in nodes for o in n.outputs]):
+        if any(i in found for i in node.inputs):
+            found.update(node.outputs)
+    return found
+
+
+def _meets(var, from_rows, nodes):
+    """True if ``var``, through elementwise operations and dimshuffles only, enters an operation beside
+    a variable computed from the rows."""
+    from pytensor.tensor.elemwise import DimShuffle, Elemwise
+    clients = {}
+    for node in nodes:
+        for i in node.inputs:
+            clients.setdefault(i, []).append(node)
+    frontier, seen = [var], set()
+    while frontier:
+        v = frontier.pop()
+        for node in clients.get(v, ()):
+            if any(i in from_rows for i in node.inputs if i is not v):
+                return True
+            if isinstance(node.op, (Elemwise, DimShuffle)) and node not in seen:
+                seen.add(node)
+                frontier.extend(node.outputs)
+    return False
 
 
 def _constants_of(shape, depth=4):

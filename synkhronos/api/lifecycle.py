@@ -122,6 +122,9 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     n_parallel = int(n_parallel)
     if n_parallel < 1:
         raise ValueError(f"n_parallel must be >= 1, got {n_parallel}")
+    if platform == "gpu" and n_parallel > (gpus := jax_init.count_devices("gpu")):
+        raise ValueError(f"fork({n_parallel}) on the GPU needs {n_parallel} GPUs and this node has "
+                         f"{gpus}: synkhronos runs one process per GPU; fork({gpus or 1}) or fewer")
     if not 0 <= master_rank < n_parallel:
         raise ValueError(f"master_rank must be in [0, {n_parallel}), got {master_rank}")
     if not stall_timeout or stall_timeout <= 0:

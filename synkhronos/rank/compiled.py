@@ -8,7 +8,6 @@ compiled per argument shape instead (:func:`~.graphs.rebuild_on`).
 import contextlib
 import functools
 import math
-import threading
 import warnings
 
 import numpy as np
@@ -22,6 +21,7 @@ from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import check_function_graph, jit_parts
 from ..platform.jax_init import platform
+from ..platform.threads import start_thread
 from ..platform.values import faces_held, store, stored
 from ..tracing import trace
 from .graphs import needs_static_shapes, spec_graph
@@ -90,9 +90,7 @@ def compile_ahead(runner):
     def run():
         with contextlib.suppress(Exception):
             compile_()
-    thread = threading.Thread(target=run, name="synkhronos-compile-ahead")
-    thread.start()
-    return thread
+    return start_thread(run, "synkhronos-compile-ahead", daemon=False)
 
 
 class CompiledFunction:

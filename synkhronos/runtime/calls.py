@@ -9,7 +9,8 @@ may ride in the same command (:class:`synkhronos.api.step.Step`).
 A call that raises anywhere leaves every rank's shared variables as they were
 (:mod:`synkhronos.rank.undo`): until a call's argument shapes have run once on
 every rank, every rank keeps what its updates replace, and a failure has every
-rank put it back.
+rank put it back. Anything that may change a shared variable's shape on some
+rank (:meth:`Calls.forget_shapes`) makes every call careful again.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class Calls(Part):
                 self._undo()          # another node failed: this one's call did not happen either
                 raise
         return (rows, columns) if plan.subset else (None, [])
+
+    def forget_shapes(self):
+        """Count no call's shapes as run everywhere: a shared variable may have another shape on
+        some rank (a scatter, a broadcast, a value set on one rank or by the user)."""
+        self._ran_everywhere.clear()
 
     def _undo(self):
         """Put back, on every rank of this node, what the failed command's updates replaced."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+from ..platform.threads import start_thread
 from ..rank.center_server import SCHEME, open_command
 from .processes import describe_exit, package_env, reap
 
@@ -47,8 +48,7 @@ class CenterServer:
             raise OSError(f"the center's server for {host} did not start "
                           f"({describe_exit(self.proc.returncode)})")
         self._stopping = False
-        self._watcher = threading.Thread(target=self._watch, name="synk-center-server", daemon=True)
-        self._watcher.start()
+        self._watcher = start_thread(self._watch, "synk-center-server")
 
     def serve(self, name, shapes, dtypes, rule):
         """Serve the center in segment ``name`` (blocks ``shapes``, ``dtypes``) under ``rule``'s

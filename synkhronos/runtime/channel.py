@@ -10,7 +10,6 @@ and that the stall timeout has not passed; either fault calls ``on_fault``
 import logging
 import pickle
 import queue
-import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +20,7 @@ from ..errors import SynkError, WorkerError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
 from ..platform.cpu_tuning import on_cores
+from ..platform.threads import start_thread
 from ..wire.control import ControlBlock, Decision, Op, Status, op_name
 from .processes import describe_exit
 from .reports import RankReports
@@ -343,8 +343,7 @@ class Channel:
 
         def target():
             future.set_result(self._run_local(local))
-        thread = threading.Thread(target=target, name="synk-loop", daemon=True)
-        thread.start()
+        thread = start_thread(target, "synk-loop")
         try:
             while not future.done():
                 thread.join(0.02)
@@ -421,7 +420,7 @@ class _Runner:
 
     def __init__(self, name):
         self._jobs = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
+        start_thread(self._serve, name)
 
     def _serve(self):
         while True:

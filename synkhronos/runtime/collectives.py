@@ -15,7 +15,7 @@ from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
 from ..platform.values import stored
 from ..tracing import trace
-from ..wire.collective import kind_name, shapes_of
+from ..wire.collective import Kind, kind_name, shapes_of
 from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
 from .part import Part
@@ -45,6 +45,8 @@ class Collectives(Part):
                 trace.mark("prepare")
             return execute
         kind = kind_name(int(ctl.args[0]))
+        if int(ctl.args[0]) != Kind.ALL_REDUCE:       # the others may give values of new shapes
+            state.calls.forget_shapes()
         if since is not None:
             trace.begin("collective", kind, since)
         try:
@@ -107,6 +109,7 @@ class Collectives(Part):
         """
         state = self._state
         state.registry.ensure_shipped()
+        state.calls.forget_shapes()
         t = state.topology
         if t.node_of(rank) != t.node_rank:
             return

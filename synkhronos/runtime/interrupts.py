@@ -11,18 +11,23 @@ arrives. Two places would lose it or do harm:
 - the middle of a synkhronos operation (a function being recorded and
   shipped, a call, a collective): master and workers could be left out of
   step. :func:`shut_down_after` ends the runtime there, with a message that
-  says so, so that it is either as it was or gone, never wrong.
+  says so, so that it is either as it was or gone, never wrong;
+- the middle of ``close()``, which would leave the process unable to start
+  again: :func:`deferred` holds the interrupt until it has finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import signal
 import threading
 import weakref
 from typing import Any, Callable
 
-__all__ = ["install", "uninstall", "shut_down_after", "REDELIVER_SECONDS"]
+from ..platform.threads import start_thread
+
+__all__ = ["install", "uninstall", "shut_down_after", "deferred", "REDELIVER_SECONDS"]
 
 #: how long after a deferred SIGINT it is delivered again
 REDELIVER_SECONDS = 0.02
@@ -55,8 +60,7 @@ def _on_sigint(signum, frame):
     if _inside_swallowing_code(frame):
         timer = threading.Timer(REDELIVER_SECONDS, _redeliver)
         timer.daemon = True
-        timer.name = "synk-sigint"
-        timer.start()
+        start_thread(None, "synk-sigint", thread=timer)
         return
     signal.default_int_handler(signum, frame)
 
@@ -81,16 +85,34 @@ def uninstall() -> None:
     _installed.clear()
 
 
+@contextlib.contextmanager
+def deferred():
+    """Hold SIGINT while the block runs (main thread only), then raise the KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
 def shut_down_after(interrupt: KeyboardInterrupt, what: str, state: Any) -> str | None:
     """End ``state``'s runtime after ``interrupt`` landed inside the operation ``what``.
 
     The interrupt goes on to the user with a note saying the runtime was shut
-    down and how to start again; the note is returned (None if the runtime
-    was no longer open: the fault that raised it shut it down already).
+    down and how to start again (the fault handling of a wait that the
+    interrupt ended may have shut it down already); the note is returned, or
+    None if there was no runtime.
     """
-    if state is None or not state.is_open:
+    if state is None:
         return None
-    state.abort()
+    if state.is_open:
+        state.abort()
     note = (f"synkhronos: the runtime was shut down (Ctrl-C inside {what}, where master and "
             f"workers could have been left out of step); call synk.fork() again")
     interrupt.add_note(note)

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import NodesDiverged, StallError, WorkerError
 from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
+from ..platform.threads import start_thread
 
 __all__ = ["NodeLink", "joined_over_nodes", "rows_of_every_node"]
 
@@ -68,8 +69,7 @@ class NodeLink:
         #: more checks between the slices of a wait, added by parts of the runtime (each raises)
         self.watches = []
         self._stop_beating = threading.Event()
-        self._beater = threading.Thread(target=self._beat, name="synk-node-beat", daemon=True)
-        self._beater.start()
+        self._beater = start_thread(self._beat, "synk-node-beat")
 
     def _beat(self):
         count = 0

@@ -100,8 +100,9 @@ class Registry(Part):
         """
         for var in self._tensors:
             value = stored(var)
-            if isinstance(value, np.ndarray):
+            if isinstance(value, np.ndarray):      # set by the user: maybe of another shape
                 value = to_device(value.astype(var.type.dtype, copy=False))
+                self._state.calls.forget_shapes()
             store(var, value)
 
     def detach_values(self):
@@ -148,6 +149,7 @@ class Registry(Part):
         """
         state = self._state
         state.check_open()
+        state.calls.forget_shapes()
         specs = [self.specs[fid] for fid in self._unshipped]
         new_shared, values = {}, {}
         for spec in specs:

@@ -21,6 +21,7 @@ import threading
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
 from ..platform import jax_init
+from ..platform.threads import is_own
 from ..platform.values import hold_faces
 from . import interrupts
 from .interrupts import shut_down_after
@@ -65,10 +66,11 @@ def serialized(fn):
         with _life.lock:
             if _life.depth:
                 return _run_nested(fn, args, kwargs)
+            state = _life.state           # (a fault that the interrupt caused forgets it)
             try:
                 return _run_outermost(fn, args, kwargs)
             except KeyboardInterrupt as interrupt:
-                note = shut_down_after(interrupt, f"synk.{fn.__name__}", _life.state)
+                note = shut_down_after(interrupt, f"synk.{fn.__name__}", state)
                 if note is not None:
                     _life.shut_down_because = note
                 raise
@@ -105,7 +107,7 @@ def _run_outermost(fn, args, kwargs):
 
 
 def other_threads_alive():
-    """True if a Python thread other than this one and synkhronos's own (named ``synk...``) runs.
+    """True if a Python thread other than this one and synkhronos's own runs.
 
     Such a thread may read the master's shared variables at any moment (a
     monitor calling ``get_value``, a plain PyTensor function): a command then
@@ -115,7 +117,7 @@ def other_threads_alive():
     if threading.active_count() == 1:
         return False
     me, dummy = threading.current_thread(), getattr(threading, "_DummyThread", ())
-    return any(t is not me and not t.name.startswith("synk") and not isinstance(t, dummy)
+    return any(t is not me and not is_own(t) and not isinstance(t, dummy)
                for t in threading.enumerate())
 
 
@@ -224,8 +226,16 @@ def end():
 
     A command that another thread is running is let finish first (for up to
     ``CLOSE_WAIT`` seconds; after that the workers are stopped anyway and that
-    command raises).
+    command raises). A Ctrl-C meanwhile is raised once everything is stopped.
     """
+    try:
+        with interrupts.deferred():
+            _stop_and_restore()
+    finally:
+        interrupts.uninstall()
+
+
+def _stop_and_restore():
     locked = _life.lock.acquire(timeout=CLOSE_WAIT)
     try:
         state, _life.state = _life.state, None
@@ -239,7 +249,6 @@ def end():
                                 exc_info=True)
             state.stop()
             _restore_environment()
-        interrupts.uninstall()
     finally:
         if locked:
             _life.lock.release()

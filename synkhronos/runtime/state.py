@@ -25,6 +25,7 @@ from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..rank.context import RankContext
 from ..wire.topology import Topology
+from . import interrupts
 from .calls import Calls
 from .channel import Channel
 from .collectives import Collectives
@@ -239,17 +240,19 @@ class State:
             self.nodes.leave()
 
     def abort(self):
-        """Tear everything down after a fault (dead worker, stall, Ctrl-C)."""
+        """Tear everything down after a fault (dead worker, stall, Ctrl-C); another Ctrl-C meanwhile
+        is raised once everything is down (the process could not start again otherwise)."""
         self._on_abort(self)
-        try:
-            if self.channel is None:
-                return
-            for p in self.channel.procs.values():
-                if p.poll() is None:
-                    p.kill()
-            self.stop(clean=False)
-        finally:
-            self.claim.release()
+        with interrupts.deferred():
+            try:
+                if self.channel is None:
+                    return
+                for p in self.channel.procs.values():
+                    if p.poll() is None:
+                        p.kill()
+                self.stop(clean=False)
+            finally:
+                self.claim.release()
 
     def _release_segments(self):
         self.loops.release()

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..comm import comm_class
 from ..compile import randomness, rewrites, shipping
-from ..errors import exception_name, graph_line
+from ..errors import graph_line, what_raised
 from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
 from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
@@ -154,7 +154,7 @@ class Worker:
 
     def report_error(self, e):
         tb = traceback.format_exc()
-        nbytes = write_pickle(self.result, (exception_name(e), str(e), tb, graph_line(e)))
+        nbytes = write_pickle(self.result, (*what_raised(e), tb, graph_line(e)))
         self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
 
     def write_arrays(self, arrays):
@@ -343,6 +343,8 @@ def main():
     # a warning shows once per place here, and then through the master's filters (see the Channel)
     warnings.simplefilter("default")
     warnings.showwarning = worker.record_warning
+    # JAX logs the traceback of every host callback that raises; the master reports it already
+    logging.getLogger("jax._src.callback").setLevel(logging.CRITICAL)
     if os.getppid() != worker.master_pid:
         return 3
     profiler = cProfile.Profile() if cfg["profile"] else None
