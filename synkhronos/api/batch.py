@@ -9,6 +9,7 @@ import operator
 import numpy as np
 
 from ..wire.batch import Batch
+from .split_axes import time_major_example
 
 __all__ = ["parse_batch", "parse_batch_s", "batch_from_spec", "check_num_slices"]
 
@@ -69,7 +70,7 @@ def batch_from_spec(batch, length):
                     f"got {type(batch).__name__}")
 
 
-def parse_batch(batch, datas, names):
+def parse_batch(batch, datas, names, axes=None):
     """Validate ``batch`` against the scattered inputs' Data; return (Batch, offsets).
 
     Parameters
@@ -79,6 +80,8 @@ def parse_batch(batch, datas, names):
         The scattered inputs.
     names : list of str
         Their names, for messages.
+    axes : list of int, optional
+        The axis each input's rows lie along (default: axis 0 of every one).
 
     Returns
     -------
@@ -86,12 +89,11 @@ def parse_batch(batch, datas, names):
         The batch and, per input, the row number that its row 0 stands for
         (non-zero only for ``minibatch=True`` Data).
     """
-    lengths = [len(d) for d in datas]
+    axes = [0] * len(datas) if axes is None else axes
+    lengths = [d.shape[axis] if d.ndim else 1 for d, axis in zip(datas, axes)]
     if batch is None:
         if len(set(lengths)) > 1:
-            listing = ", ".join(f"{n}: {L}" for n, L in zip(names, lengths))
-            raise ValueError(f"scattered inputs have different lengths ({listing}); "
-                             f"make them equal or pass batch= to choose rows")
+            raise ValueError(_lengths_differ(datas, names, axes, lengths))
         total = lengths[0] if lengths else 0
         return Batch(total=total, start=0, stop=total), [0] * len(datas)
     spec = batch_from_spec(batch, min(lengths) if lengths else 0)
@@ -99,15 +101,32 @@ def parse_batch(batch, datas, names):
     offsets = []
     # a range is checked by its stop even when empty: slice(5, 5) of 3 rows is out of range
     high = spec.stop - 1 if spec.is_range else high
-    for d, name, length in zip(datas, names, lengths):
+    for d, name, length, axis in zip(datas, names, lengths, axes):
         offset = low if d.minibatch else 0
         if high - offset >= length:
             where = f"{high}" + (f" (row {high - offset} of minibatch Data starting at {offset})"
                                   if d.minibatch else "")
+            along = f" along axis {axis}" if axis else ""
             raise IndexError(f"batch index {where} is out of range for input {name!r} "
-                             f"with {length} rows")
+                             f"with {length} rows{along}")
         offsets.append(offset)
     return spec, offsets
+
+
+def _lengths_differ(datas, names, axes, lengths):
+    """What a call says when its scattered inputs have different numbers of rows."""
+    listing = ", ".join(f"{n}: {L} along axis {a}" for n, L, a in zip(names, lengths, axes))
+    text = (f"scattered inputs have different lengths along their row axes ({listing}); make them "
+            f"equal or pass batch= to choose rows")
+    if any(axes):
+        return text
+    # time-major inputs (time, samples) whose samples match the other inputs' rows
+    others = set(lengths)
+    time_major = [n for d, n, L in zip(datas, names, lengths)
+                  if d.ndim >= 2 and d.shape[1] in others - {L}] or names[:1]
+    return (f"{text}. Rows are axis 0 unless declared: for inputs whose examples lie along another "
+            f"axis (time-major sequences, (time, samples)) declare it, synk.function(..., "
+            f"{time_major_example(time_major)}), or synk.data(value, split_axis=1)")
 
 
 def _is_per_rank(batch_s, n_ranks):

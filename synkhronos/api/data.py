@@ -17,6 +17,7 @@ import numpy as np
 
 from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
+from .split_axes import check_data_axis
 
 __all__ = ["Data", "data", "condition_value", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]
@@ -62,9 +63,10 @@ class Data:
     master's view (``d[3:5] = x``); ``d.data`` is that numpy view.
     """
 
-    def __init__(self, state, dtype, ndim, minibatch=False, name=None, sharded=False):
+    def __init__(self, state, dtype, ndim, minibatch=False, name=None, sharded=False, split_axis=None):
         self._dtype = np.dtype(dtype)
         dtype_code(self._dtype)  # rejects unsupported dtypes early
+        self._split_axis = check_data_axis(split_axis, int(ndim))
         state.check_open()
         self._state = state
         self.id, self._segment = state.data.new_segment()
@@ -89,6 +91,11 @@ class Data:
     def ndim(self) -> int:
         """The number of dimensions (fixed at creation)."""
         return self._ndim
+
+    @property
+    def split_axis(self) -> int | None:
+        """The axis a call splits this Data along as a scattered input (None: the function's, else 0)."""
+        return self._split_axis
 
     @property
     def shape(self) -> tuple | None:
@@ -248,7 +255,8 @@ def staging_data(state, key, value):
 
 def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None = None,
          shape: tuple[int, ...] | None = None, minibatch: bool = False, force_cast: bool = False,
-         oversize: float = 1, name: str | None = None, sharded: bool = False) -> Data:
+         oversize: float = 1, name: str | None = None, sharded: bool = False,
+         split_axis: int | None = None) -> Data:
     """Make a :class:`Data` in shared memory visible to every process.
 
     Parameters
@@ -274,6 +282,11 @@ def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None
         into the shard, splits them over this node's devices only, and reduces
         the outputs over every device of every node. On one node it changes
         nothing.
+    split_axis : int, optional
+        The axis that holds one entry per example, which a call splits over
+        the devices and ``batch=`` selects along, for a function that declares
+        none for the input (see ``split_axes`` of :func:`synkhronos.function`):
+        1 for time-major sequences (time, samples). Default: axis 0.
 
     Returns
     -------
@@ -288,6 +301,9 @@ def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None
     >>> y_dat = synk.data(var=y, shape=(100,))                  # allocated, to be filled
     >>> y_dat.shape, y_dat.dtype == y.dtype
     ((100,), True)
+    >>> seqs = synk.data(np.zeros((50, 8), "float32"), split_axis=1)    # (time, samples)
+    >>> seqs.split_axis
+    1
     """
     state = current()
     _check_oversize(oversize)
@@ -302,7 +318,7 @@ def data(value: Any = None, var: Any = None, dtype: Any = None, ndim: int | None
     if dtype is None or ndim is None:
         raise TypeError("data() needs var=, value=, or dtype= with ndim= or shape= to know its "
                         "dtype and ndim")
-    d = Data(state, dtype, ndim, minibatch=minibatch, name=name, sharded=sharded)
+    d = Data(state, dtype, ndim, minibatch=minibatch, name=name, sharded=sharded, split_axis=split_axis)
     if value is not None:
         d.set_value(value, force_cast=force_cast, oversize=oversize)
     elif shape is not None:

@@ -19,7 +19,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 
-from ..comm.reduction import reduce_ranks
+from ..comm.reduction import reduce_outputs
 from ..errors import WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import set_precision
@@ -34,6 +34,7 @@ from .data import Data, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
 from .recording import compile_on_master, record
 from .shapes import check_argument_shape
+from .split_axes import RowAxes
 
 __all__ = ["function", "Function"]
 
@@ -68,9 +69,9 @@ def _node_local(datas, names):
     return bool(sharded) and all(sharded)
 
 
-def _input_ref(d, offset=0):
-    """Where a call reads the Data ``d`` (its rows from ``offset`` on)."""
-    return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape)
+def _input_ref(d, offset=0, axis=0):
+    """Where a call reads the Data ``d`` (its rows from ``offset`` on, along ``axis``)."""
+    return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape, axis)
 
 
 class Function:
@@ -95,8 +96,10 @@ class Function:
         self._input_names = [var.name if var.name else f"input {i}"
                              for i, var in enumerate(spec.all_inputs)]
         self._n_inputs = len(spec.all_inputs)
-        # per output: its mode and declared dtype (the reduction of every call looks them up)
-        self._reductions = [(mode, np.dtype(var.type.dtype)) for var, mode in spec.outputs]
+        self._axes = RowAxes(spec, self._input_names, scans_checked=rows is None)
+        # per output: its mode, declared dtype and gather axis (the reduction of every call looks them up)
+        self._reductions = [(mode, np.dtype(var.type.dtype), spec.gather_axis(i))
+                            for i, (var, mode) in enumerate(spec.outputs)]
         #: per plan key (see _plan_key), a box its first call fills with the validated plan
         self._kept_plan = functools.lru_cache(maxsize=_PLANS_KEPT)(lambda key: [])
 
@@ -134,7 +137,7 @@ class Function:
         if self._rows is not None:         # the rows the scalars select, as pytensor.function takes them
             args = tuple(self._rows.reference_arguments(args))
         out = [np.asarray(o, dtype=dtype)
-               for o, (_, dtype) in zip(self._run_reference(args), self._reductions)]
+               for o, (_, dtype, _) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out
 
     as_theano = as_pytensor
@@ -162,13 +165,16 @@ class Function:
         checked as a call checks its arguments; numpy values are copied into
         shared memory as a call copies them. Returns one
         :class:`~synkhronos.wire.plan.InputRef` per value (what a
-        device-driven loop reads its rows from).
+        device-driven loop reads its rows from). A device-driven loop gathers
+        rows along axis 0: a value split along another axis is refused.
         """
         self._state.check_open()
         n = len(self.spec.inputs)
         if len(values) != n:
             raise TypeError(f"{self.name} takes {n} scattered inputs, got {len(values)} values")
-        return [_input_ref(self._as_data(i, value)) for i, value in enumerate(values)]
+        datas = [self._as_data(i, value) for i, value in enumerate(values)]
+        self._axes.check_loop(datas)
+        return [_input_ref(d) for d in datas]
 
     # --- calling ---------------------------------------------------------------------------
     @serialized
@@ -222,7 +228,8 @@ class Function:
         elif not plan.batch.is_range:
             # the kept plan of an earlier call with as many indices: only the indices are new
             n_scat = len(self.spec.inputs)
-            plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat])[0])
+            plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat],
+                                               [ref.axis for ref in plan.scattered])[0])
         state.registry.ensure_shipped()
         if not state.registry.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
@@ -290,7 +297,8 @@ class Function:
         datas = [self._as_data(i, v) for i, v in enumerate(self._collect_args(args, kwargs))]
         n_scat = len(spec.inputs)
         names = self._input_names[:n_scat]
-        batch_plan, offsets = parse_batch(batch, datas[:n_scat], names)
+        axes = self._axes.of_call(datas[:n_scat])
+        batch_plan, offsets = parse_batch(batch, datas[:n_scat], names, axes)
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
@@ -306,7 +314,7 @@ class Function:
                              f"give at least one row per device")
 
         return CallPlan(spec.fid, num_slices, batch_plan, subset,
-                        [_input_ref(d, o) for d, o in zip(datas[:n_scat], offsets)],
+                        [_input_ref(d, o, a) for d, o, a in zip(datas[:n_scat], offsets, axes)],
                         [_input_ref(d) for d in datas[n_scat:]], sliced, local=local)
 
     def _plan_batch_s(self, batch_s, batch_plan):
@@ -378,13 +386,13 @@ class Function:
             if scattered and value.ndim == 0:
                 raise TypeError(f"scattered input {name!r} is 0-d and cannot be split by rows; "
                                 f"make it a bcast_input")
-            check_argument_shape(var, name, value.shape, scattered)
+            check_argument_shape(var, name, value.shape, self._axes.of(i, value) if scattered else None)
             return value
         arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}",
                               force_cast=self._downcast,
                               cast_hint="build the function with synk.function(..., "
                                         "allow_input_downcast=True)")
-        check_argument_shape(var, name, arr.shape, scattered)
+        check_argument_shape(var, name, arr.shape, self._axes.of(i) if scattered else None)
         scratch = self._scratch.get(i)
         if scratch is None:
             scratch = self._scratch[i] = Data(self._state, var.type.dtype, var.type.ndim,
@@ -393,31 +401,8 @@ class Function:
         return scratch
 
     def _reduce(self, plan, rows, columns):
-        """Reduce each selected output across ranks (see :meth:`State.run_call`).
-
-        Ranks that computed no rows are left out. Mode None takes the master's
-        result, or the lowest computing rank's if the master had no rows. Each
-        output has the dtype of its symbolic variable.
-        """
-        if not columns:
-            return []
-        everyone = 0 not in rows
-        ranks = None if everyone else [rank for rank, n in enumerate(rows) if n]
-        own = self._state.master_rank if rows[self._state.master_rank] else ranks[0]
-        weights = rows if everyone else [rows[rank] for rank in ranks]
-        reduced = []
-        for column, i in zip(columns, plan.subset):
-            mode, dtype = self._reductions[i]
-            if mode is None:
-                value = column[own]
-            else:
-                if not everyone:
-                    column = column[ranks] if isinstance(column, np.ndarray) else \
-                        [column[r] for r in ranks]
-                value = reduce_ranks(mode, column, weights)
-            # JAX may compute some reductions wider than the graph declares; return the declared dtype.
-            reduced.append(np.asarray(value, dtype=dtype))
-        return reduced
+        """Reduce each selected output across ranks (see :func:`~synkhronos.comm.reduction.reduce_outputs`)."""
+        return reduce_outputs(columns, plan.subset, rows, self._state.master_rank, self._reductions)
 
 
 @serialized
@@ -425,17 +410,17 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
              bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
              givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
              name: str | None = None, local_updates: bool = False, shapes_kept: int = SHAPES_KEPT,
-             **kwargs: Any) -> Function:
+             split_axes: dict | None = None, **kwargs: Any) -> Function:
     """Build a data-parallel function over every device of the runtime.
 
     Parameters
     ----------
     inputs : list of Variable
-        Scattered inputs: split along axis 0 across devices.
+        Scattered inputs: split along axis 0 (or their ``split_axes``) across devices.
     outputs : Variable, (Variable, mode), or a list of those
         Modes: ``"avg"`` (default, weighted by rows), ``"sum"``, ``"prod"``,
-        ``"min"``, ``"max"``, ``"gather"`` (concatenate in rank order), ``None``
-        (the master's own result).
+        ``"min"``, ``"max"``, ``"gather"`` (concatenate in rank order, along
+        axis 0 or the output's ``split_axes``), ``None`` (the master's own result).
     bcast_inputs : list of Variable, optional
         Inputs given whole to every device.
     updates : list of (shared, value[, mode]) or dict
@@ -462,6 +447,11 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         concrete shapes is built per shape) that each device keeps, the most
         recently used. XLA compiles each argument shape once either way; a
         function called with many shapes warns once (:class:`~synkhronos.SynkWarning`).
+    split_axes : dict, optional
+        ``{variable: axis}``: the axis holding one entry per example of scattered
+        inputs (time-major sequences: ``{x: 1, mask: 1}``), which ``batch=``,
+        the split and ``"avg"``'s weights follow, or that a ``"gather"`` output
+        is concatenated along (see :mod:`synkhronos.api.split_axes`).
     **kwargs
         Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
 
@@ -492,12 +482,16 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     >>> loss, err = f(x_dat, y_dat, batch=np.arange(4), num_slices=2)
     >>> float(loss), int(err)
     (25.0, 2)
+    >>> seqs = pt.matrix("seqs")                                  # (time, samples)
+    >>> synk.function([seqs], (seqs.sum(0), "gather"), split_axes={seqs: 1})(np.arange(6.0).reshape(2, 3)).tolist()
+    [3.0, 5.0, 7.0]
     """
     state = current()
     if isinstance(shapes_kept, bool) or not isinstance(shapes_kept, (int, np.integer)) or shapes_kept < 1:
         raise ValueError(f"shapes_kept must be a whole number of at least 1, got {shapes_kept!r}")
     spec, bare, rows = record(state.registry.next_function_id(), inputs, outputs, bcast_inputs,
-                              updates, givens, sliceable_shareds, name, local_updates, kwargs)
+                              updates, givens, sliceable_shareds, name, local_updates, kwargs,
+                              split_axes=split_axes)
     spec.shapes_kept = int(shapes_kept)
     set_precision(State.float_x())       # the same rule every rank applies
     state.registry.own_streams(spec.shared_variables())

@@ -27,25 +27,31 @@ from ..platform import compile_cache
 from ..platform.internals import unsampleable_in_jax
 from ..rank.compiled import CompiledFunction
 from ..wire.spec import FunctionSpec
-from .givens import RowsFromGivens
+from .givens import RECIPE, RowsFromGivens
 from .shapes import declared_rows, shape_text
+from .split_axes import declared_axes
 
 __all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE", "TRACES_ON_FREE_ROWS"]
 
 
 def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, name,
-           local_updates, kwargs):
+           local_updates, kwargs, split_axes=None):
     """The checked spec of a function, whether its one output comes back bare, and its givens' rows.
 
     Returns ``(spec, bare, rows)``; see :func:`synkhronos.function` for the arguments.
     """
     _check_mode(kwargs)
     inputs = _check_inputs(inputs, "inputs")
-    _check_free_rows(inputs)
     bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
+    pairs, bare = _normalize_outputs(outputs)
+    input_axes, gather_axes = declared_axes(split_axes, inputs, bcast_inputs, pairs)
+    _check_free_rows(inputs, input_axes)
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
     scattered_rows = list(inputs)
+    if rows is not None and split_axes:
+        raise TypeError("split_axes does not combine with givens that select rows of shared "
+                        "variables (those rows are axis 0); " + RECIPE)
     if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
         scattered_rows = rows.inputs + [s.key for s in rows.slices]
         inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
@@ -54,7 +60,6 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
         if id(var) in seen:
             raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
         seen.add(id(var))
-    pairs, bare = _normalize_outputs(outputs)
     triples, generators = _normalize_updates(updates)
     if not local_updates:
         _warn_if_updates_are_local(triples, scattered_rows, name or "synk.function")
@@ -62,6 +67,8 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
     sliceable = list(sliceable_shareds or [])
     spec = FunctionSpec(fid, "", inputs, bcast_inputs, pairs, triples, givens, sliceable, kwargs)
     spec.name = name or f"synk_function_{spec.fid}"
+    if rows is None:
+        spec.input_axes, spec.gather_axes = input_axes, gather_axes
     spec.generator_updates = generators + randomness.generator_updates(
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)
@@ -175,18 +182,19 @@ def _check_inputs(inputs, what):
     return inputs
 
 
-def _check_free_rows(inputs):
-    """Refuse scattered inputs declared with a static row count.
+def _check_free_rows(inputs, axes):
+    """Refuse scattered inputs declared with a static row count (along their split ``axes``).
 
     Each device computes its own share of a call's rows, and a graph built
     for a fixed row count may hold that count anywhere (a reshape, a
     divisor): it cannot be split correctly. Graphs on free rows that need
     concrete shapes are compiled per row count instead (see CompiledFunction).
     """
-    for var in inputs:
-        rows = declared_rows(var)
+    for var, axis in zip(inputs, axes):
+        axis = axis or 0
+        rows = declared_rows(var, axis)
         if rows is not None:
-            free = shape_text((None,) + tuple(var.type.shape[1:]))
+            free = shape_text(var.type.shape[:axis] + (None,) + tuple(var.type.shape[axis + 1:]))
             raise TypeError(
                 f"scattered input {var} is declared with a static row count, shape "
                 f"{shape_text(var.type.shape)}, but each device computes its own share of a call's rows, and a "

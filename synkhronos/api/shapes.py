@@ -20,37 +20,47 @@ def shape_text(shape):
         ("," if len(shape) == 1 else "") + ")"
 
 
-def declared_rows(var):
-    """The static row count of ``var`` (``pt.tensor(shape=(8, 3))``: 8), or None.
+def declared_rows(var, axis=0):
+    """The static row count of ``var`` along its row ``axis`` (``pt.tensor(shape=(8, 3))``: 8), or None.
 
     Examples
     --------
     >>> import pytensor.tensor as pt
     >>> declared_rows(pt.tensor("x", shape=(8, 3))), declared_rows(pt.matrix("y"))
     (8, None)
+    >>> declared_rows(pt.tensor("x", shape=(8, None)), axis=1)
     """
-    return var.type.shape[0] if var.type.ndim else None
+    return var.type.shape[axis] if var.type.ndim else None
 
 
-def contradicts(declared, shape, from_axis=0):
-    """True if ``shape`` differs from ``declared`` on a fixed axis (from ``from_axis`` on) or in length.
+def contradicts(declared, shape, free_axis=None):
+    """True if ``shape`` differs from ``declared`` on a fixed axis (but ``free_axis``) or in length.
 
     Examples
     --------
-    >>> contradicts((None, 3), (5, 3)), contradicts((None, 3), (5, 4)), contradicts((2, 3), (5, 3), 1)
+    >>> contradicts((None, 3), (5, 3)), contradicts((None, 3), (5, 4)), contradicts((2, 3), (5, 3), 0)
     (False, True, False)
+    >>> contradicts((2, 3), (2, 7), 1), contradicts((2, 3), (5, 7), 1)
+    (False, True)
     """
     return len(declared) != len(shape) or \
-        any(d is not None and d != n for d, n in zip(declared[from_axis:], shape[from_axis:]))
+        any(d is not None and d != n for a, (d, n) in enumerate(zip(declared, shape)) if a != free_axis)
 
 
-def check_argument_shape(var, name, shape, scattered):
+def check_argument_shape(var, name, shape, row_axis=None):
     """Raise TypeError if argument ``shape`` contradicts the static shape input ``var`` declares.
 
-    A scattered input's rows are free (``synk.function`` refuses a static row
-    count there): the argument may hold more rows than a call uses.
+    A scattered input's rows (along its ``row_axis``; None for an input given
+    whole) are free: the argument may hold more rows than a call uses. A
+    static length declared along them is refused (the split axis a Data
+    declares is known only at the call).
     """
-    if contradicts(var.type.shape, tuple(shape), 1 if scattered else 0):
+    if row_axis is not None and declared_rows(var, row_axis) is not None:
+        raise TypeError(f"input {name!r} is split along axis {row_axis}, but it is declared with "
+                        f"static shape {shape_text(var.type.shape)} there, and each device computes "
+                        f"its own share of the rows; declare that axis free (None) in its "
+                        f"pt.tensor(..., shape=...)")
+    if contradicts(var.type.shape, tuple(shape), row_axis):
         raise TypeError(f"input {name!r} is declared with shape {shape_text(var.type.shape)} but "
                         f"the argument has shape {tuple(shape)}; give an argument of that shape or "
                         f"declare the axis free (None) in its pt.tensor(..., shape=...)")

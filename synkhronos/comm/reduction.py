@@ -9,7 +9,7 @@ import enum
 import numpy as np
 
 __all__ = ["Reduce", "GATHER", "OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode", "check_update_mode",
-           "Accumulator", "reduce_ranks"]
+           "Accumulator", "reduce_ranks", "reduce_outputs"]
 
 
 class Reduce(enum.StrEnum):
@@ -84,12 +84,14 @@ class Accumulator:
     """Accumulates one value over the slices a rank computes.
 
     Works on device arrays (jax) or numpy alike: only ``+``, ``*`` and the
-    ``xp`` module's minimum/maximum/concatenate are used.
+    ``xp`` module's minimum/maximum/concatenate are used. ``"gather"``
+    concatenates along ``axis``.
     """
 
-    def __init__(self, mode, xp):
+    def __init__(self, mode, xp, axis=0):
         self.mode = mode
         self.xp = xp
+        self.axis = axis
         self.value = None
         self.parts = []
         self.rows = 0
@@ -116,7 +118,7 @@ class Accumulator:
 
     def result(self):
         if self.mode == GATHER:
-            return self.parts[0] if len(self.parts) == 1 else self.xp.concatenate(self.parts, axis=0)
+            return self.parts[0] if len(self.parts) == 1 else self.xp.concatenate(self.parts, axis=self.axis)
         if self.mode == "avg":
             return self.value / self.rows
         return self.value
@@ -126,8 +128,9 @@ class Accumulator:
 COMBINE = {Reduce.SUM: np.add, Reduce.PROD: np.multiply, Reduce.MIN: np.minimum, Reduce.MAX: np.maximum}
 
 
-def reduce_ranks(mode, values, rows):
-    """Reduce per-rank results in rank order; ``rows`` (a list of int) weights ``"avg"``.
+def reduce_ranks(mode, values, rows, axis=0):
+    """Reduce per-rank results in rank order; ``rows`` (a list of int) weights ``"avg"``;
+    ``"gather"`` concatenates along ``axis``.
 
     ``values`` holds only the ranks that computed something (mode None is
     resolved by the caller, which knows which rank is the master): a list of
@@ -135,7 +138,7 @@ def reduce_ranks(mode, values, rows):
     (reduced in one ufunc call).
     """
     if mode == GATHER:
-        return np.concatenate(values, axis=0)
+        return np.concatenate(values, axis=axis)
     if isinstance(values, np.ndarray):
         if mode == "avg":
             return np.dot(values, rows) / sum(rows)
@@ -149,3 +152,33 @@ def reduce_ranks(mode, values, rows):
     for v in values[1:]:
         out = combine(out, v)
     return np.asarray(out)
+
+
+def reduce_outputs(columns, subset, rows, master_rank, reductions):
+    """Reduce each selected output of a call across ranks.
+
+    ``columns[j]`` holds every rank's result of output ``subset[j]``,
+    ``rows[r]`` the rows rank ``r`` computed, ``reductions[i]`` output ``i``'s
+    (mode, declared dtype, gather axis). Ranks that computed no rows are left
+    out. Mode None takes the master's result, or the lowest computing rank's
+    if the master had no rows. Each output has the dtype of its symbolic
+    variable.
+    """
+    if not columns:
+        return []
+    everyone = 0 not in rows
+    ranks = None if everyone else [rank for rank, n in enumerate(rows) if n]
+    own = master_rank if rows[master_rank] else ranks[0]
+    weights = rows if everyone else [rows[rank] for rank in ranks]
+    reduced = []
+    for column, i in zip(columns, subset):
+        mode, dtype, axis = reductions[i]
+        if mode is None:
+            value = column[own]
+        else:
+            if not everyone:
+                column = column[ranks] if isinstance(column, np.ndarray) else [column[r] for r in ranks]
+            value = reduce_ranks(mode, column, weights, axis)
+        # JAX may compute some reductions wider than the graph declares; return the declared dtype.
+        reduced.append(np.asarray(value, dtype=dtype))
+    return reduced

@@ -99,7 +99,8 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     givens = kwargs.pop("givens", None)
     if givens:
         return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens)
-    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=inputs)
+    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=inputs,
+                         split_axes={inputs[0]: 0})     # the rows its weight counts
 
     def train_minibatch(*data, batch=None, num_slices=1):
         if len(data) != len(inputs):

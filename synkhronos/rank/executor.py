@@ -15,22 +15,37 @@ from ..tracing import trace
 from ..wire.batch import chunk
 from .rows import gather_rows
 
-__all__ = ["Share", "share_of", "run_share", "run_update", "rows_of"]
+__all__ = ["Share", "share_of", "run_share", "run_update", "rows_of", "along"]
 
 
-def rows_of(view, batch, a, b, offset, into=private_empty):
-    """Rows at batch positions [a, b) of a numpy or device array: a view for ranges.
+def along(axis, rows):
+    """The index that selects ``rows`` (a slice) along ``axis`` of an array.
+
+    Examples
+    --------
+    >>> along(0, slice(2, 5)), along(2, slice(2, 5))
+    (slice(2, 5, None), (slice(None, None, None), slice(None, None, None), slice(2, 5, None)))
+    """
+    return rows if axis == 0 else (slice(None),) * axis + (rows,)
+
+
+def rows_of(view, batch, a, b, offset, into=private_empty, axis=0):
+    """Rows at batch positions [a, b) of a numpy or device array, along ``axis``: a view for ranges.
 
     Explicit indices of a host array are gathered straight into
     ``into(shape, dtype)``, a 64-byte aligned buffer, which the CPU device
     adopts as it is; numpy's own fancy indexing result would be copied once
-    more on its way to the device.
+    more on its way to the device. A range along another axis than 0 is a
+    strided view, which JAX copies once as it takes it.
     """
     if batch.is_range:
-        return view[batch.start + a - offset:batch.start + b - offset]
+        return view[along(axis, slice(batch.start + a - offset, batch.start + b - offset))]
     indices = batch.indices[a:b] - offset if offset else batch.indices[a:b]
     if not isinstance(view, np.ndarray):
         return view[indices]
+    if axis:
+        shape = view.shape[:axis] + indices.shape + view.shape[axis + 1:]
+        return np.take(view, indices, axis=axis, mode="clip", out=into(shape, view.dtype))
     return gather_rows(view, indices, into(indices.shape + view.shape[1:], view.dtype))
 
 
@@ -41,8 +56,8 @@ class Share:
     ``rows`` is what the rank's results are weighted by (its row count, or 1 for
     a function with no scattered inputs; 0 if it computes nothing). ``cuts``
     is set when the share is one range of rows and nothing else is sliced:
-    per scattered input ``(InputRef, start, stop)`` in its Data's own rows, so
-    a call needs nothing but the views.
+    per scattered input ``(InputRef, index)``, the index of its rows in its
+    Data's view (along the input's axis), so a call needs nothing but the views.
     """
 
     lo: int
@@ -74,7 +89,8 @@ def _share(plan, rank, n_ranks):
     rows = 0 if hi == lo else (hi - lo) if counts_rows else 1
     n_slices = min(n_slices, max(hi - lo, 1))    # at most a slice per row
     one_range = plan.batch.is_range and sliced is None and min(n_slices, hi - lo) == 1
-    cuts = tuple((ref, plan.batch.start + lo - ref.offset, plan.batch.start + hi - ref.offset)
+    cuts = tuple((ref, along(ref.axis, slice(plan.batch.start + lo - ref.offset,
+                                             plan.batch.start + hi - ref.offset)))
                  for ref in plan.scattered) if one_range else None
     return Share(lo, hi, n_slices, rows, counts_rows, cuts)
 
@@ -104,7 +120,7 @@ def run_share(context, plan):
     if share.cuts is not None:
         # the common call (a range of rows, one slice): views in, nothing to decide or accumulate;
         # this path is shorter per process than the general one below
-        values = compiled.run([view_of(ref)[a:b] for ref, a, b in share.cuts]
+        values = compiled.run([view_of(ref)[rows] for ref, rows in share.cuts]
                               + [view_of(ref) for ref in plan.bcast], context.undo)
         if trace.on:
             trace.mark("compute")
@@ -119,7 +135,7 @@ def run_share(context, plan):
               if b > a]
 
     def args_for(a, b):
-        args = [rows_of(v, plan.batch, a, b, ref.offset, compiled.gather_buffers[j])
+        args = [rows_of(v, plan.batch, a, b, ref.offset, compiled.gather_buffers[j], ref.axis)
                 for j, (v, ref) in enumerate(zip(scattered, plan.scattered))]
         args += bcast
         args += [rows_of(v, sliced, a - lo, b - lo, 0) for v in sliceables]
@@ -136,7 +152,7 @@ def run_share(context, plan):
         values = traced(compiled.run(args_for(lo, hi), context.undo))
         return share.rows, [values[i] for i in plan.subset]
     import jax.numpy as jnp
-    outs = [Accumulator(compiled.output_modes[i], jnp) for i in plan.subset]
+    outs = [Accumulator(compiled.output_modes[i], jnp, spec.gather_axis(i)) for i in plan.subset]
     upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
     for a, b in pieces:
         n = (b - a) if share.counts_rows else 1

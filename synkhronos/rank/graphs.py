@@ -71,13 +71,37 @@ def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
     replaced by an input of that static shape and the graphs are rebuilt on
     it (:func:`rebuild_on`); the givens are applied in that rebuild
     (PyTensor's own substitution would not carry the new static shapes on),
-    so none are left to give.
+    so none are left to give. A node that refuses an axis of length 1 (a
+    scan whose inner graph was built on a free axis refuses a broadcastable
+    outer one) is rebuilt with such axes left free.
     """
     outputs = [v for v, _ in spec.outputs]
     updates = [(s, v) for s, v, _ in spec.updates]
     generators = list(spec.generator_updates)
     if shapes is None:
         return inputs, outputs, updates, generators, givens
+    try:
+        return _rebuilt(inputs, givens, row_inputs, shapes, outputs, updates, generators)
+    except TypeError:
+        loose = [_ones_free(v.type.shape, shape) for v, shape in zip(row_inputs, shapes)]
+        if loose == [tuple(shape) for shape in shapes]:
+            raise
+        return _rebuilt(inputs, givens, row_inputs, loose, outputs, updates, generators)
+
+
+def _ones_free(declared, shape):
+    """``shape``, but free (None) where it has a length of 1 that ``declared`` leaves free.
+
+    Examples
+    --------
+    >>> _ones_free((None, 3), (1, 3)), _ones_free((None, None), (4, 1)), _ones_free((1, None), (1, 5))
+    ((None, 3), (4, None), (1, 5))
+    """
+    return tuple(None if n == 1 and d is None else n for d, n in zip(declared, shape))
+
+
+def _rebuilt(inputs, givens, row_inputs, shapes, outputs, updates, generators):
+    """:func:`spec_graph`'s graphs rebuilt on ``row_inputs`` of static ``shapes``."""
     replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
     given = rebuild_on([v for _, v in givens], replace)
     substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}

@@ -20,13 +20,25 @@ __all__ = ["InputRef", "CallPlan", "put_batch", "get_batch", "result_record", "P
 
 @dataclass
 class InputRef:
-    """Where one input's rows live: a Data segment generation, shape and row offset."""
+    """Where one input's rows live: a Data segment generation, shape and row offset, and the
+    ``axis`` its rows lie along (1 for time-major sequences, see :mod:`synkhronos.api.split_axes`)."""
 
     data_id: int
     gen: int
     code: int
     offset: int
     shape: tuple
+    axis: int = 0
+
+    def row_free_shape(self):
+        """The shape without the rows' axis: what fixes the shapes of a call's arguments but the rows.
+
+        Examples
+        --------
+        >>> InputRef(4, 0, 1, 0, (30, 5, 2)).row_free_shape(), InputRef(4, 0, 1, 0, (30, 5, 2), 1).row_free_shape()
+        ((5, 2), (30, 2))
+        """
+        return self.shape[:self.axis] + self.shape[self.axis + 1:]
 
 
 def _digest(indices):
@@ -104,7 +116,7 @@ class CallPlan:
         if key is None:
             key = self._shape_key = (
                 self.fid, self.num_slices, self.batch.total, self.local,
-                tuple(tuple(ref.shape[1:]) for ref in self.scattered),
+                tuple((ref.axis, ref.row_free_shape()) for ref in self.scattered),
                 tuple(tuple(ref.shape) for ref in self.bcast), tuple(b.total for b in self.sliced))
         return key
 
@@ -164,7 +176,7 @@ class CallPlan:
         _batch_words(words, self.batch)
         words += [len(self.scattered), len(self.bcast)]
         for ref in self.scattered + self.bcast:
-            words += [ref.data_id, ref.gen, ref.code, ref.offset, len(ref.shape), *ref.shape]
+            words += [ref.data_id, ref.gen, ref.code, ref.offset, ref.axis, len(ref.shape), *ref.shape]
         words.append(len(self.sliced))
         for b in self.sliced:
             _batch_words(words, b)
@@ -181,8 +193,8 @@ class CallPlan:
         n_scat, n_bcast = w.get(), w.get()
         refs = []
         for _ in range(n_scat + n_bcast):
-            data_id, gen, code, offset = (w.get() for _ in range(4))
-            refs.append(InputRef(data_id, gen, code, offset, tuple(w.get_list())))
+            data_id, gen, code, offset, axis = (w.get() for _ in range(5))
+            refs.append(InputRef(data_id, gen, code, offset, tuple(w.get_list()), axis))
         sliced = [get_batch(w, index_lookup, index_gen) for _ in range(w.get())]
         return cls(fid, k, batch, subset, refs[:n_scat], refs[n_scat:], sliced, index_gen,
                    bool(w.get()))

@@ -45,6 +45,18 @@ class FunctionSpec:
     by_rows: bool | None = None
     #: graphs built for concrete shapes that each device keeps, the most recently used
     shapes_kept: int = SHAPES_KEPT
+    #: per scattered input, the axis its rows lie along as declared (``split_axes``), None if undeclared
+    input_axes: list = field(default_factory=list)
+    #: per output, the axis a ``"gather"`` concatenates the ranks' and the slices' results along
+    gather_axes: list = field(default_factory=list)
+
+    def input_axis(self, i):
+        """The axis scattered input ``i`` is declared split along, or None (a Data's own, else 0)."""
+        return self.input_axes[i] if self.input_axes else None
+
+    def gather_axis(self, i):
+        """The axis output ``i`` is gathered along (0 unless ``split_axes`` names the output)."""
+        return self.gather_axes[i] if self.gather_axes else 0
 
     @property
     def all_inputs(self):
