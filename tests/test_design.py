@@ -177,7 +177,8 @@ FORKS_ITS_OWN = "synkhronos"
 NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "synkhronos.api.data",
                    "synkhronos.api.function", "synkhronos.api.step", "synkhronos.api.checkpoint",
                    "synkhronos.extensions.updates", "synkhronos.extensions.train",
-                   "synkhronos.platform.device_arrays"]
+                   "synkhronos.platform.device_arrays", "synkhronos.platform.values",
+                   "synkhronos.platform.internals"]
 
 
 @pytest.mark.parametrize("module", [name for name, _ in _modules() if not name.endswith("worker")
