@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "demos"))
 import mnist  # noqa: E402
 import tutorial_logreg  # noqa: E402
+import tutorial_lstm  # noqa: E402
 from helpers import close  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
@@ -176,3 +177,30 @@ def test_api_reference_is_current():
     import gen_api_docs
     with open(os.path.join(ROOT, "docs", "api.md")) as fh:
         assert fh.read() == gen_api_docs.render(), "docs/api.md is stale: run `make docs`"
+
+
+@pytest.mark.timeout(600)
+def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_each_length_once():
+    """lstm.py on 2 devices (time-major, split along the samples) gives the single-process costs
+    batch by batch. Padded to each minibatch's own longest sequence, an epoch whose lengths were
+    all met before takes at most 3x the epoch padded to one length (the scan's gradient needs
+    concrete shapes: every length is built once per device, and kept)."""
+    import pytensor
+    synk.close()
+    floatx, pytensor.config.floatX = pytensor.config.floatX, "float64"
+    options = dict(epochs=3, n=480, batch_size=16, vocab=100, dim=8, maxlen=24, log=lambda line: None)
+    try:
+        single = tutorial_lstm.train("single", **options)
+        unpadded = tutorial_lstm.train("synk", devices=2, **options)
+        padded = tutorial_lstm.train("synk", devices=2, pad_to_maxlen=True, **options)
+    finally:
+        pytensor.config.floatX = floatx
+    for (_, _, costs), (_, _, want) in zip(unpadded, single):
+        close(costs, want, rtol=1e-9)
+    lengths = tutorial_lstm.lengths_by_epoch(**options)
+    met = set(lengths[0])
+    for epoch in range(1, 3):
+        if set(lengths[epoch]) <= met:
+            assert unpadded[epoch][1] <= 3 * padded[epoch][1], (unpadded, padded)
+        met |= set(lengths[epoch])
+    assert set(lengths[1]) <= set(lengths[0]) or set(lengths[2]) <= met, lengths   # something measured
