@@ -552,3 +552,29 @@ def test_a_program_without_arguments_is_compiled_before_its_first_call(synk2, rn
         assert e["ts"] + e["dur"] <= first_call, (e, first_call)
     graphs = [e["name"] for e in programs if e["args"]["program"] == "jit(jax_funcified_fgraph)"]
     assert sorted(graphs) == [COMPILED, LOADED]                             # one compile for the host
+
+
+def test_an_updated_variable_shaped_like_the_calls_rows_warns_once(synk2):
+    """The RBM tutorial's persistent chain (one row per example) becomes one chain per device: a
+    LocalUpdatesWarning names it once; local_updates=True means one each is meant."""
+    import warnings
+    x = pt.matrix("x")
+    chain = pytensor.shared(np.zeros((8, 3)), name="persistent_chain")
+    total = pytensor.shared(np.zeros(3), name="not_batch_shaped")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(chain, chain * 0.5 + 1), (total, total + 1)],
+                      name="pcd")
+    X = synk.data(np.ones((8, 3)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            f(X)
+            f(np.ones((8, 3)))
+        f(X, batch=6)                      # other rows than the chain's: nothing to say
+    said = [str(w.message) for w in seen if issubclass(w.category, synk.LocalUpdatesWarning)]
+    assert len(said) == 1 and "persistent_chain" in said[0] and "(8)" in said[0], said
+    assert "not_batch_shaped" not in said[0]
+    chain2 = pytensor.shared(np.zeros((8, 3)), name="one_each")
+    g = synk.function([x], (x.sum(), "sum"), updates=[(chain2, chain2 + 1)], local_updates=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", synk.LocalUpdatesWarning)
+        g(X)

@@ -11,7 +11,7 @@ import numpy as np
 from ..wire.batch import Batch
 from .split_axes import time_major_example
 
-__all__ = ["parse_batch", "parse_batch_s", "batch_from_spec", "check_num_slices"]
+__all__ = ["parse_batch", "parse_batch_s", "batch_from_spec", "check_num_slices", "node_local"]
 
 
 def check_num_slices(num_slices):
@@ -177,3 +177,13 @@ def parse_batch_s(batch_s, lengths, names):
                                  f"shared {name!r} with {length} rows on rank {rank}")
         batches.append(b)
     return batches
+
+
+def node_local(datas, names):
+    """Whether a call's scattered inputs are every node's own shard (all of them, or none)."""
+    sharded = [d.sharded for d in datas]
+    if any(sharded) and not all(sharded):
+        mixed = ", ".join(f"{n} ({'sharded' if s else 'a full copy'})" for n, s in zip(names, sharded))
+        raise ValueError(f"the scattered inputs mix node shards and full copies: {mixed}; make "
+                         f"every one synk.data(..., sharded=True) or none")
+    return bool(sharded) and all(sharded)

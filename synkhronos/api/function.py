@@ -29,7 +29,8 @@ from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
-from .batch import check_num_slices, parse_batch, parse_batch_s
+from .batch import check_num_slices, node_local, parse_batch, parse_batch_s
+from .batch_shaped import BatchShapedState
 from .data import Data, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
 from .recording import compile_on_master, record
@@ -59,16 +60,6 @@ _PLANS_KEPT = 16
 _INDICES = object()
 
 
-def _node_local(datas, names):
-    """Whether a call's scattered inputs are every node's own shard (all of them, or none)."""
-    sharded = [d.sharded for d in datas]
-    if any(sharded) and not all(sharded):
-        mixed = ", ".join(f"{n} ({'sharded' if s else 'a full copy'})" for n, s in zip(names, sharded))
-        raise ValueError(f"the scattered inputs mix node shards and full copies: {mixed}; make "
-                         f"every one synk.data(..., sharded=True) or none")
-    return bool(sharded) and all(sharded)
-
-
 def _input_ref(d, offset=0, axis=0):
     """Where a call reads the Data ``d`` (its rows from ``offset`` on, along ``axis``)."""
     return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape, axis)
@@ -81,8 +72,9 @@ class Function:
     arguments; see :meth:`__call__`.
     """
 
-    def __init__(self, state, spec, bare, compiled, rows=None):
+    def __init__(self, state, spec, bare, compiled, rows=None, local_updates=False):
         self._state = state
+        self._batch_shaped = BatchShapedState(spec, local_updates)
         #: the tutorials' givens idiom: the row slices a call's scalars select (see .givens)
         self._rows = rows
         self.spec = spec
@@ -302,7 +294,7 @@ class Function:
         if n_scat and batch_plan.total == 0:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
-        local = _node_local(datas[:n_scat], names)
+        local = node_local(datas[:n_scat], names)
         sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
         split = self._state.topology.n_local if local else self._state.n_parallel
         rows = ([b.total for b in sliced] if sliced else
@@ -312,6 +304,8 @@ class Function:
             raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
                              f"device: {rows}): it would skip its updates and its state would drift; "
                              f"give at least one row per device")
+        if n_scat:
+            self._batch_shaped.check(batch_plan.total, rows)
 
         return CallPlan(spec.fid, num_slices, batch_plan, subset,
                         [_input_ref(d, o, a) for d, o, a in zip(datas[:n_scat], offsets, axes)],
@@ -497,4 +491,4 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     state.registry.own_streams(spec.shared_variables())
     compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here
     state.registry.register_function(spec, compiled)
-    return Function(state, spec, bare, compiled, rows)
+    return Function(state, spec, bare, compiled, rows, local_updates)

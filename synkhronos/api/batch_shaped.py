@@ -1,0 +1,47 @@
+"""Updated shared variables shaped like a call's rows: each device keeps one of its own, said once.
+
+The RBM tutorial's persistent chain holds one row per example. Updated by a
+call split over the devices, it becomes one chain of the whole batch per
+device (and its update reads no scattered rows, so the
+:class:`~synkhronos.LocalUpdatesWarning` of :mod:`.recording` does not fire).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from ..errors import LocalUpdatesWarning
+from ..platform.values import stored
+
+__all__ = ["BatchShapedState"]
+
+
+class BatchShapedState:
+    """The updated shared variables of one function not yet said to be shaped like its rows.
+
+    Nothing is said with ``local_updates`` (one each is meant), nor of a
+    sliceable shared variable (per-device data by design).
+    """
+
+    def __init__(self, spec, local_updates: bool):
+        self._name = spec.name
+        self._updates = [s for s, _, _ in spec.updates]
+        self._unsaid = set() if local_updates else {
+            id(s) for s in self._updates if all(s is not t for t in spec.sliceable_shareds)}
+
+    def check(self, total: int, rows: list) -> None:
+        """Warn once per variable whose first dimension is ``total``, a call's rows split as ``rows``."""
+        if not self._unsaid or len(rows) < 2:
+            return
+        for s in self._updates:
+            shape = np.shape(stored(s))
+            if id(s) in self._unsaid and shape and shape[0] == total:
+                self._unsaid.discard(id(s))
+                warnings.warn(
+                    f"{self._name} updates {s}, whose first dimension ({total}) is the call's rows: "
+                    f"each device keeps a {s} of its own ({len(rows)} of them), computed from its own "
+                    f"{min(rows)} to {max(rows)} rows; if it holds one row per example (a persistent "
+                    f"chain), size it to a device's share, or pass local_updates=True to "
+                    f"synk.function if one each is meant", LocalUpdatesWarning, stacklevel=5)
