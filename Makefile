@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py
 		echo "creating $(VENV) with $$PYBIN"; rm -rf $(VENV); "$$PYBIN" -m venv $(VENV) || exit 1; \
 	fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo,pymc]"
 	@touch $(STAMP)
 
 venv: $(STAMP)

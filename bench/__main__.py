@@ -82,10 +82,12 @@ def main(argv=None):
     nodes = nodes_bench.measure(batches, steps, 3 if args.quick else 7)
     from bench import compile_time
     compile_times = compile_time.measure(1 if args.quick else 3, python())
+    from bench import pymc_bench
+    nuts = pymc_bench.measure(1 if args.quick else 3, args.quick)
 
     report.write(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                  loops.section(loop_results) + checkpoint_bench.section(saving)
-                 + timeline_bench.section(recording) + nodes_bench.section(nodes))
+                 + timeline_bench.section(recording) + nodes_bench.section(nodes) + pymc_bench.section(nuts))
     report.plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     nodes_bench.plot_accuracy(nodes, os.path.join(HERE, "nodes_accuracy.png"))

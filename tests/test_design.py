@@ -179,11 +179,17 @@ NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "sy
                    "synkhronos.extensions.updates", "synkhronos.extensions.train",
                    "synkhronos.platform.device_arrays", "synkhronos.platform.values",
                    "synkhronos.platform.internals"]
+#: modules of an optional extra: their examples run where the extra is installed
+NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc"}
+NEEDS_A_RUNTIME += [m for m, extra in NEEDS_AN_EXTRA.items() if importlib.util.find_spec(extra)]
 
 
 @pytest.mark.parametrize("module", [name for name, _ in _modules() if not name.endswith("worker")
                                     and name not in [FORKS_ITS_OWN, *NEEDS_A_RUNTIME]])
 def test_docstring_examples_run(module):
+    for package, extra in NEEDS_AN_EXTRA.items():
+        if module.startswith(package):
+            pytest.importorskip(extra)
     failures, _ = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert failures == 0
 

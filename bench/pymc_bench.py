@@ -1,0 +1,154 @@
+"""PyMC's NUTS on a 200k-row logistic regression: 2 devices against PyMC alone on the same cores.
+
+Every variant runs in a fresh process, in turn, once per round (the model of
+``demos/pymc_logreg.py``, the same seed):
+
+- PyMC alone, one chain, as ``pm.sample(cores=1)`` runs it (its BLAS on one thread);
+- PyMC alone, one chain, its BLAS on every core (``pm.sample(cores=1, blas_cores=<all>)``);
+- PyMC's own parallelism on the same cores: one chain per core (``chains=cores=<all>``);
+- synkhronos, 2 devices: ``pm.sample(step=synkhronos.extensions.pymc.NUTS(), cores=1)``.
+
+The goal compares synkhronos with the faster of the two single-chain PyMC runs of each round.
+
+    python -m bench.pymc_bench [--quick]     # measure and write the section into RESULTS.md
+"""
+
+import argparse
+import os
+import re
+import sys
+
+import numpy as np
+
+from bench.common import HERE, emit, per_round_ratios, python, run_json, spread
+
+ROWS, FEATURES = 200_000, 10
+VARIANTS = ("pymc", "pymc_blas", "pymc_chains", "synk")
+TITLE = "## 10. PyMC: NUTS on a 200k-row logistic regression"
+
+
+def run_variant(variant, draws, tune):
+    """One variant in this process; emits {eval_ms, draws_per_s, steps_per_s, chains}."""
+    from demos.pymc_logreg import make_model, sample, time_per_call
+    model = make_model(ROWS, FEATURES)
+    cores = os.cpu_count()
+    if variant == "synk":
+        import synkhronos as synk
+        from synkhronos.extensions import pymc as synk_pymc
+        synk.fork(2)
+        try:
+            density = synk_pymc.logp_dlogp_function(model)
+            point = model.initial_point()
+            eval_s = time_per_call(lambda: density(point), calls=30)
+            with model:
+                step = synk_pymc.NUTS()
+            _, nuts = sample(model, step, draws, tune)
+        finally:
+            synk.close()
+        return dict(nuts, eval_ms=1e3 * eval_s, chains=1)
+    import pymc as pm
+    from threadpoolctl import threadpool_limits
+    combined = model.logp_dlogp_function(ravel_inputs=True)
+    q = np.concatenate([np.ravel(v) for v in model.initial_point().values()])
+    chains = cores if variant == "pymc_chains" else 1
+    blas = cores if variant == "pymc_blas" else 1         # pm.sample's default: cores // chains
+    with threadpool_limits(blas):
+        eval_s = time_per_call(lambda: combined._pytensor_function(q), calls=30)
+    with model:
+        step = pm.NUTS()
+    _, nuts = sample(model, step, draws, tune, chains=chains, cores=chains, blas_cores=blas * chains)
+    return dict(nuts, eval_ms=1e3 * eval_s, chains=chains)
+
+
+def measure(rounds=3, quick=False):
+    """Every variant once per round, in turn; per variant the median, and per-round ratios to PyMC alone."""
+    draws = tune = 50 if quick else 100
+    runs = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for v in VARIANTS:
+            runs[v].append(run_json([python(), "-m", "bench.pymc_bench", "--variant", v, "--draws", str(draws),
+                                     "--tune", str(tune)], timeout=1800))
+    out = dict(rounds=rounds, draws=draws, tune=tune, cores=os.cpu_count(), runs=runs)
+    for key in ("draws_per_s", "steps_per_s", "eval_ms"):
+        out[key] = {v: _median([r.get(key) for r in runs[v]]) for v in VARIANTS}
+    alone = [_best(a.get("draws_per_s"), b.get("draws_per_s")) for a, b in zip(runs["pymc"], runs["pymc_blas"])]
+    out["ratios"] = {v: per_round_ratios([r.get("draws_per_s") for r in runs[v]], alone) for v in VARIANTS}
+    return out
+
+
+def _best(*values):
+    """The largest of the numbers among ``values`` (None if there is none)."""
+    numbers = [v for v in values if isinstance(v, float)]
+    return max(numbers) if numbers else None
+
+
+def _median(values):
+    values = [v for v in values if isinstance(v, float)]
+    return float(np.median(values)) if values else None
+
+
+def _figure(value, fmt="{:.2f}"):
+    return "n/a" if value is None else fmt.format(value)
+
+
+def section(r):
+    """Section 10 of RESULTS.md."""
+    d, s, e = r["draws_per_s"], r["steps_per_s"], r["eval_ms"]
+    ratio = _median(r["ratios"]["synk"])
+    chains = _median(r["ratios"]["pymc_chains"])
+    met = "met" if ratio is not None and ratio >= 1.5 else "not met"
+    errors = sorted({str(x.get("error"))[:80] for runs in r["runs"].values() for x in runs if "error" in x})
+    return [TITLE, "",
+            f"{ROWS:,} rows, an intercept and {FEATURES} slopes (`demos/pymc_logreg.py`); {r['tune']} tuning "
+            f"and {r['draws']} draws per chain, every one counted.", "",
+            "| variant | NUTS draws/s | leapfrog steps/s | one logp + gradient (ms) | draws/s over PyMC alone "
+            "(the faster single chain) | spread over rounds | goal ≥ 1.5× |",
+            "|---|---|---|---|---|---|---|",
+            f"| PyMC alone, 1 chain (`pm.sample(cores=1)`: BLAS on 1 thread) | {_figure(d['pymc'])} | "
+            f"{_figure(s['pymc'])} | {_figure(e['pymc'], '{:.1f}')} | {_figure(_median(r['ratios']['pymc']))}× | "
+            f"{spread(r['ratios']['pymc'], unit='×')} | — |",
+            f"| PyMC alone, 1 chain, BLAS on {r['cores']} cores | {_figure(d['pymc_blas'])} | "
+            f"{_figure(s['pymc_blas'])} | {_figure(e['pymc_blas'], '{:.1f}')} | "
+            f"{_figure(_median(r['ratios']['pymc_blas']))}× | {spread(r['ratios']['pymc_blas'], unit='×')} | — |",
+            f"| PyMC, {r['cores']} chains on {r['cores']} cores (all chains' draws) | {_figure(d['pymc_chains'])} | "
+            f"{_figure(s['pymc_chains'])} | {_figure(e['pymc_chains'], '{:.1f}')} | {_figure(chains)}× | "
+            f"{spread(r['ratios']['pymc_chains'], unit='×')} | — |",
+            f"| synkhronos, 2 devices, 1 chain | {_figure(d['synk'])} | {_figure(s['synk'])} | "
+            f"{_figure(e['synk'], '{:.1f}')} | {_figure(ratio)}× | {spread(r['ratios']['synk'], unit='×')} | "
+            f"{met} |", "",
+            f"{r['rounds']} rounds, each variant a fresh process in turn; draws per second over the sampling "
+            "alone (`sampling_time`; compiling excluded), tuning draws included. PyMC alone's value and "
+            "gradient is its own combined function (`model.logp_dlogp_function`); synkhronos's is "
+            "`logp_dlogp_function` (each device its half of the rows, the priors once on the master).", ""] + (
+        [f"Errors: {'; '.join(errors)}", ""] if errors else [])
+
+
+def write_section(lines):
+    """Put ``lines`` into bench/RESULTS.md in place of the section with the same title (or at the end)."""
+    path = os.path.join(HERE, "RESULTS.md")
+    text = open(path).read() if os.path.exists(path) else ""
+    block = "\n".join(lines) + "\n"
+    pattern = re.compile(re.escape(TITLE) + r".*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--draws", type=int, default=100)
+    p.add_argument("--tune", type=int, default=100)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.variant:
+        emit(run_variant(args.variant, args.draws, args.tune))
+        return
+    lines = section(measure(1 if args.quick else args.rounds, args.quick))
+    write_section(lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

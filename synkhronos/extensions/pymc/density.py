@@ -1,0 +1,128 @@
+"""A PyMC model's log-density and its gradient as one data-parallel function.
+
+Each device computes the log-likelihood of its own rows and its gradient
+(reduced with ``"sum"``); the priors, their Jacobian terms and the potentials
+that read no rows are taken from the master alone (mode ``None``), so they are
+counted once, exactly as PyMC counts them, whatever the device count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pymc.blocking import DictToArrayBijection
+from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
+from pymc.model import modelcontext
+from pymc.pytensorf import join_nonshared_inputs
+from pytensor.graph.rewriting.basic import in2out
+from pytensor.graph.rewriting.utils import rewrite_graph
+
+from ...api.data import data
+from ...api.function import function
+from .terms import SplitModel, split_model
+
+__all__ = ["LogpDlogp", "logp_dlogp_function"]
+
+
+def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True) -> LogpDlogp:
+    """The model's joint log-density and its gradient, the likelihood split over the devices.
+
+    Parameters
+    ----------
+    model : pymc.Model, optional
+        The model (default: the one of the enclosing ``with`` block).
+    grad_vars : list of value variables, optional
+        The variables of the gradient (default: ``model.continuous_value_vars``,
+        as ``model.compile_dlogp()``).
+    jacobian : bool
+        Whether the log-density holds the Jacobian terms of the transformed
+        variables (as ``model.logp(jacobian=...)``; ``pm.find_MAP`` leaves them out).
+
+    Returns
+    -------
+    LogpDlogp
+        ``f(point) -> (logp, dlogp)``: ``point`` a dict as ``model.initial_point()``
+        gives, ``logp`` a float, ``dlogp`` in the order of ``grad_vars``.
+
+    Raises
+    ------
+    UnsplittableModel
+        For a model whose likelihood does not split by rows (see :mod:`.terms`).
+
+    Notes
+    -----
+    The data are copied into shared memory (``synk.data``) when the function
+    is built; after ``pm.set_data`` build it again.
+    """
+    model = modelcontext(model)
+    grad_vars = list(model.continuous_value_vars if grad_vars is None else grad_vars)
+    return LogpDlogp(model, split_model(model, jacobian), grad_vars)
+
+
+class LogpDlogp:
+    """``f(point) -> (logp, dlogp)`` on every device; made by :func:`logp_dlogp_function`.
+
+    ``f.raveled(q)`` takes the gradient's variables raveled and joined in one
+    vector (the order of ``grad_vars``), as PyMC's samplers hold them; the
+    other value variables then keep the values of ``f.set_extra_values``.
+    """
+
+    def __init__(self, model, split: SplitModel, grad_vars):
+        self.model = model
+        self.grad_vars = grad_vars
+        self.extra_vars = [v for v in model.value_vars if v not in grad_vars]
+        point = model.initial_point()
+        self.dtype = np.result_type(*[point[v.name].dtype for v in grad_vars]) if grad_vars else np.float64
+        outputs, self._joined = self._graph(split, point, model.check_bounds)
+        self.fn = function(split.row_inputs, list(zip(outputs, ["sum", "sum", None, None])),
+                           bcast_inputs=[self._joined, *self.extra_vars],
+                           name=f"pymc_logp_dlogp_{model.name or 'model'}", on_unused_input="ignore")
+        self._rows = [data(value, var=var) for var, value in zip(split.row_inputs, split.row_values)]
+        q = DictToArrayBijection.map({v.name: point[v.name] for v in grad_vars})
+        self._point_map_info = q.point_map_info
+        self._q = data(q.data.astype(self._joined.type.dtype))
+        self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
+
+    def _graph(self, split, point, check_bounds):
+        """The four outputs (rows' logp and gradient, once-terms' logp and gradient) on a joined input."""
+        outputs = []
+        for terms in (split.row_terms, split.once_terms):
+            total = pt.add(*[pt.sum(t) for t in terms]) if terms else pt.constant(0.0, dtype="float64")
+            grads = pytensor.grad(total, self.grad_vars, disconnected_inputs="ignore") if self.grad_vars else []
+            joined = pt.join(0, *[g.ravel() for g in grads]) if grads else pt.zeros(0)
+            outputs += [total, joined]
+        outputs = [outputs[0], outputs[1], outputs[2], outputs[3]]
+        outputs, joined_input = join_nonshared_inputs(point, outputs, self.grad_vars)
+        rewrite = local_check_parameter_to_ninf_switch if check_bounds else local_remove_check_parameter
+        outputs = rewrite_graph(outputs, custom_rewrite=in2out(rewrite), clone=False)
+        return [pt.cast(o, "float64") for o in outputs], joined_input
+
+    def set_extra_values(self, point: dict) -> None:
+        """Values of the value variables outside the gradient (those other step methods sample)."""
+        for d, var in zip(self._extras, self.extra_vars):
+            if var.name in point:
+                d[...] = point[var.name]
+
+    def extra_value(self, name: str) -> np.ndarray:
+        """The value the variable ``name`` (outside the gradient) holds."""
+        return np.array(self._extras[[v.name for v in self.extra_vars].index(name)].data)
+
+    def raveled(self, q: np.ndarray) -> tuple[float, np.ndarray]:
+        """``(logp, dlogp)`` at ``q``, the gradient's variables raveled and joined."""
+        self._q[:] = q
+        lik, dlik, prior, dprior = self.fn(*self._rows, self._q, *self._extras)
+        return float(lik + prior), (dlik + dprior).astype(self.dtype, copy=False)
+
+    def __call__(self, point: dict) -> tuple[float, np.ndarray]:
+        """``(logp, dlogp)`` at ``point`` (a dict as ``model.initial_point()`` gives)."""
+        self.set_extra_values(point)
+        q = DictToArrayBijection.map({v.name: np.asarray(point[v.name]) for v in self.grad_vars})
+        return self.raveled(q.data)
+
+    @property
+    def point_map_info(self) -> tuple:
+        """Names, shapes, sizes and dtypes of the raveled vector's pieces (PyMC's ``RaveledVars``)."""
+        return self._point_map_info

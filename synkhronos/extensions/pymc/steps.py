@@ -1,0 +1,171 @@
+"""PyMC's NUTS and MAP on the data-parallel log-density of :mod:`.density`.
+
+:class:`NUTS` is PyMC's own sampler given that function in place of the one it
+compiles; :func:`find_MAP` runs the optimizer ``pm.find_MAP`` runs on it and
+returns what ``pm.find_MAP`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+import pymc as pm
+from pymc.blocking import DictToArrayBijection, RaveledVars
+from pymc.initial_point import make_initial_point_fns_per_chain
+from pymc.model import modelcontext
+from pymc.util import get_random_generator, get_value_vars_from_user_vars
+from pymc.vartypes import discrete_types
+
+from .density import LogpDlogp, logp_dlogp_function
+
+__all__ = ["NUTS", "find_MAP"]
+
+#: why a sampler's chains cannot run in processes of their own
+_ONE_PROCESS = ("the devices of synkhronos are driven from this process, so chains run one after "
+                "another here, each on every device: pass cores=1 to pm.sample")
+
+
+class _SamplerFunction:
+    """The face of PyMC's ``ValueGradFunction`` that its samplers call: a raveled vector in,
+    ``(logp, dlogp)`` out; the values outside the gradient through ``_extra_vars_shared``."""
+
+    _raveled_inputs = True
+    trust_input = True
+
+    def __init__(self, density: LogpDlogp):
+        self._density = density
+        self.dtype = density.dtype
+        self._pid = os.getpid()
+        self._extra_vars_shared = {v.name: _ExtraValue(density, v.name) for v in density.extra_vars}
+
+    def _pytensor_function(self, q):
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"a synkhronos NUTS step was called in a process PyMC started: {_ONE_PROCESS}")
+        return self._density.raveled(q)
+
+
+class _ExtraValue:
+    """Takes ``set_value`` as the shared variable of a value outside the gradient would."""
+
+    def __init__(self, density, name):
+        self._density, self._name = density, name
+
+    def set_value(self, value, borrow=False):
+        self._density.set_extra_values({self._name: value})
+
+    def get_value(self, borrow=False):
+        return self._density.extra_value(self._name)
+
+
+class NUTS(pm.NUTS):
+    """PyMC's No-U-Turn sampler on the model's log-density with the likelihood split over the devices.
+
+    Takes what ``pm.NUTS`` takes, the model first. Give it to
+    ``pm.sample(step=..., cores=1)``: the chains run one after another in this
+    process, each on every device, and ``pm.sample`` returns PyMC's own
+    ``InferenceData``.
+
+    Parameters
+    ----------
+    model : pymc.Model, optional
+        The model (default: the one of the enclosing ``with`` block).
+    vars : list, optional
+        The variables to sample (default: every continuous one); others may be
+        sampled by other step methods beside it.
+    **kwargs
+        As ``pm.NUTS`` (``target_accept``, ``max_treedepth``, ...).
+    """
+
+    def __init__(self, model: Any = None, *, vars: Any = None, **kwargs: Any):
+        model = modelcontext(model)
+        grad_vars = (model.continuous_value_vars if vars is None
+                     else get_value_vars_from_user_vars(vars, model))
+        self.density = logp_dlogp_function(model, grad_vars=grad_vars)
+        super().__init__(vars=vars, model=model, logp_dlogp_func=_SamplerFunction(self.density), **kwargs)
+
+    def __reduce__(self):
+        raise pickle.PicklingError(f"a synkhronos NUTS step is not pickled: {_ONE_PROCESS}")
+
+
+def find_MAP(model: Any = None, *, method: str = "L-BFGS-B", vars: Any = None, initvals: dict | None = None,
+             jitter: bool = False, jitter_max_retries: int = 10, random_seed: Any = None,
+             progressbar: bool = False, return_inferencedata: bool = False,
+             idata_kwargs: dict | None = None, **optimizer_kwargs: Any) -> Any:
+    """The maximum a posteriori point, as ``pm.find_MAP`` finds it, on every device.
+
+    The optimizer is the one ``pm.find_MAP`` drives (``better_optimize.minimize``
+    over scipy's methods), on ``-logp`` without the Jacobian terms and its
+    gradient, both from :func:`~.density.logp_dlogp_function`.
+
+    Parameters
+    ----------
+    model : pymc.Model, optional
+    method : str
+        A gradient-based ``scipy.optimize.minimize`` method (default ``"L-BFGS-B"``).
+    vars : list, optional
+        Continuous variables to optimize (default: all); the others keep their initial values.
+    initvals, jitter, jitter_max_retries, random_seed, progressbar : optional
+        As ``pm.find_MAP``.
+    return_inferencedata : bool
+        As ``pm.find_MAP``: an ``InferenceData`` if True, else a dict of every
+        unobserved variable's value (transformed ones included unless
+        ``idata_kwargs={"include_transformed": False}``).
+    idata_kwargs : dict, optional
+    **optimizer_kwargs
+        Passed to the optimizer (``maxiter``, ``tol``, ...).
+    """
+    from better_optimize import minimize
+    model = modelcontext(model)
+    grad_vars = _map_vars(model, vars)
+    rng = get_random_generator(random_seed)
+    jittered = {model.values_to_rvs[v] for v in grad_vars} if jitter else set()
+    [initial] = make_initial_point_fns_per_chain(model=model, overrides=initvals, jitter_rvs=jittered, chains=1)
+    start = initial(int(rng.integers(2**30)))
+    density = logp_dlogp_function(model, grad_vars=grad_vars, jacobian=False)
+    density.set_extra_values(start)
+
+    def loss(x):
+        logp, dlogp = density.raveled(np.asarray(x, dtype=density.dtype))
+        return -logp, -dlogp
+
+    def ravel(point):
+        return DictToArrayBijection.map({v.name: point[v.name] for v in grad_vars})
+
+    for _ in range(jitter_max_retries if jitter else 0):
+        if np.isfinite(loss(ravel(start).data)[0]):
+            break
+        start = initial(int(rng.integers(2**30)))
+    x0 = ravel(start)
+    result = minimize(f=loss, x0=x0.data, method=method, progressbar=progressbar, **optimizer_kwargs)
+    return _as_pymc_returns(model, start, result, x0, method, return_inferencedata, idata_kwargs or {})
+
+
+def _map_vars(model, vars):
+    """The value variables to optimize, in the model's order; discrete ones are refused."""
+    selected = set(model.continuous_value_vars if vars is None else get_value_vars_from_user_vars(vars, model))
+    grad_vars = [v for v in model.value_vars if v in selected]
+    discrete = [v.name for v in grad_vars if v.dtype in discrete_types]
+    if discrete:
+        raise ValueError(f"find_MAP here follows gradients and cannot optimize the discrete variables "
+                         f"{discrete}; leave them out of vars= or use pm.find_MAP")
+    if not grad_vars:
+        raise ValueError("the model has no unobserved continuous variables to optimize")
+    return grad_vars
+
+
+def _as_pymc_returns(model, start, result, x0, method, return_inferencedata, idata_kwargs):
+    """What ``pm.find_MAP`` returns for ``result``, built by PyMC's own code."""
+    from pymc.tuning.starting import _map_to_inference_data, _MAPFit
+    x_star = RaveledVars(np.asarray(result.x), x0.point_map_info)
+    point = DictToArrayBijection.rmap(x_star, start)
+    unobserved = model.unobserved_value_vars
+    fn = model.compile_fn(unobserved, inputs=model.value_vars, point_fn=False, on_unused_input="ignore",
+                          mode="FAST_COMPILE")
+    values = dict(zip([var.name for var in unobserved], fn(**point)))
+    fit = _MAPFit(model, point, values, fn, result, x_star, None, method)
+    if return_inferencedata:
+        return _map_to_inference_data(fit, idata_kwargs)
+    return fit.as_point(idata_kwargs.get("include_transformed", True))

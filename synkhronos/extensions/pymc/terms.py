@@ -1,0 +1,269 @@
+"""A PyMC model's log-density, split into terms over rows and terms counted once.
+
+The log-likelihood of the observed variables is a sum over the rows of their
+data. :func:`split_model` rebuilds it on symbolic row inputs (one per array
+that holds rows) so that each device computes it on its own rows, and keeps
+the priors, their Jacobian terms and the potentials that read no rows apart,
+to be counted once. What does not split by rows is refused here, before any
+device runs, by :class:`UnsplittableModel` naming the variable and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+from pytensor.compile.sharedvalue import SharedVariable
+from pytensor.graph.basic import Constant
+from pytensor.graph.replace import clone_replace
+from pytensor.graph.traversal import ancestors, graph_inputs
+from pytensor.tensor.random.type import RandomType
+from pytensor.tensor.shape import Shape, Shape_i
+
+__all__ = ["UnsplittableModel", "SplitModel", "split_model", "CHECKED_ROWS"]
+
+#: rows of each half that the row check evaluates (see _check_rows_are_independent)
+CHECKED_ROWS = 3
+
+
+class UnsplittableModel(ValueError):
+    """A model whose likelihood does not split over the devices by rows (the message says why)."""
+
+
+@dataclass
+class SplitModel:
+    """A model's log-density as terms over rows and terms counted once.
+
+    Attributes
+    ----------
+    row_inputs : list of TensorVariable
+        Symbolic stand-ins for the arrays that hold rows (first axis: the rows).
+    row_values : list of numpy.ndarray
+        Their values, all rows, in the same order.
+    row_terms : list of TensorVariable
+        The observed variables' elementwise log-likelihoods over ``row_inputs``.
+    once_terms : list of TensorVariable
+        The priors with their Jacobian terms, and the potentials that read no rows.
+    n_rows : int
+        The rows of the data.
+    """
+
+    row_inputs: list
+    row_values: list
+    row_terms: list
+    once_terms: list
+    n_rows: int
+
+
+def split_model(model: Any, jacobian: bool = True) -> SplitModel:
+    """Split ``model``'s log-density into terms over rows and terms counted once.
+
+    ``jacobian``: whether the priors of transformed variables hold their
+    Jacobian terms (as ``model.logp(jacobian=...)``).
+
+    Raises
+    ------
+    UnsplittableModel
+        Naming the variable: a model without observed variables, an observed
+        variable without a row axis or with another row count than the others,
+        a potential that reads the rows, a prior that reads them, or a
+        likelihood whose rows depend on one another.
+
+    Examples
+    --------
+    >>> import pymc as pm
+    >>> with pm.Model() as model:
+    ...     mu = pm.Normal("mu")
+    ...     obs = pm.Normal("obs", mu, 1.0, observed=np.arange(6.0))
+    >>> split = split_model(model)
+    >>> split.n_rows, [v.shape for v in split.row_values], len(split.once_terms)
+    (6, [(6,)], 1)
+    """
+    observed = list(model.observed_RVs)
+    if not observed:
+        raise UnsplittableModel("the model has no observed variables: there are no rows to split over "
+                                "the devices; use PyMC's own functions for it")
+    n_rows = _row_count(model, observed)
+    row_terms = model.logp(vars=observed, jacobian=True, sum=False)
+    for rv, term in zip(observed, row_terms):
+        if term.ndim == 0:
+            raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood is "
+                                    f"one number over all its rows (a multivariate distribution over the "
+                                    f"rows?), which cannot be split over the devices")
+    row_data = _row_data(row_terms, n_rows)
+    if not row_data:
+        names = ", ".join(rv.name for rv in observed)
+        raise UnsplittableModel(f"the likelihood of {names} reads no array of {n_rows} rows: nothing to "
+                                f"split over the devices")
+    once_terms = _once_terms(model, row_data, jacobian)
+    row_inputs = [_row_input(var, i) for i, var in enumerate(row_data)]
+    local_rows = row_inputs[0].shape[0]
+    replace = dict(zip(row_data, row_inputs))
+    replace.update(_row_counts(model, row_terms, n_rows, local_rows, set(row_data)))
+    rebuilt = clone_replace(row_terms, replace=replace, rebuild_strict=False)
+    split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows)
+    _check_rows_are_independent(model, observed, split)
+    return split
+
+
+# --- rows ------------------------------------------------------------------------------------------
+
+def _value_of(var):
+    """The numpy value of a constant or shared variable."""
+    if isinstance(var, Constant):
+        return np.asarray(var.data)
+    return np.asarray(var.get_value(borrow=True))
+
+
+def _row_count(model, observed):
+    """The rows of the observed data (every observed variable must have as many)."""
+    counts = {}
+    for rv in observed:
+        value = model.rvs_to_values[rv]
+        shape = value.data.shape if isinstance(value, Constant) else tuple(value.shape.eval(mode="FAST_COMPILE"))
+        if len(shape) == 0:
+            raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis (its data is a "
+                                    f"scalar): its log-likelihood cannot be split over the devices")
+        counts[rv.name] = int(shape[0])
+    if len(set(counts.values())) > 1:
+        raise UnsplittableModel(f"the observed variables have different row counts {counts}: the rows "
+                                f"are split over the devices one way for all of them")
+    return next(iter(counts.values()))
+
+
+def _is_data(var):
+    """Whether ``var`` is a constant or shared array (not a random generator)."""
+    if isinstance(var, SharedVariable):
+        return not isinstance(var.type, RandomType)
+    return isinstance(var, Constant) and getattr(var.type, "ndim", 0) > 0
+
+
+def _row_data(row_terms, n_rows):
+    """The constant and shared arrays the likelihood reads whose first axis has ``n_rows``."""
+    found = []
+    for var in graph_inputs(row_terms):
+        if _is_data(var) and var.type.ndim > 0 and _value_of(var).shape[0] == n_rows:
+            found.append(var)
+    return found
+
+
+def _row_input(var, i):
+    """A symbolic input of ``var``'s type with any number of rows."""
+    name = var.name or f"rows_{i}"
+    return pt.tensor(dtype=var.type.dtype, shape=(None, *var.type.shape[1:]), name=name)
+
+
+def _row_counts(model, row_terms, n_rows, local_rows, row_data):
+    """Replacements of the row count where the likelihood holds it: a size vector, a dim length."""
+    dim_lengths = {id(v) for v in model.dim_lengths.values()}
+    replace = {}
+    for var in graph_inputs(row_terms):
+        if var in row_data or not hasattr(var.type, "dtype") or "int" not in var.type.dtype:
+            continue
+        if isinstance(var, Constant) and var.type.ndim == 1 and var.data.size and var.data[0] == n_rows:
+            rest = pt.as_tensor(var.data[1:].astype(var.type.dtype))
+            replace[var] = pt.concatenate([pt.cast(local_rows, var.type.dtype)[None], rest])
+        elif id(var) in dim_lengths and var.type.ndim == 0 and int(_value_of(var)) == n_rows:
+            replace[var] = pt.cast(local_rows, var.type.dtype)
+    return replace
+
+
+# --- terms counted once ------------------------------------------------------------------------------
+
+def _once_terms(model, row_data, jacobian):
+    """The priors (Jacobians included) and the potentials that read no rows."""
+    free = list(model.free_RVs)
+    terms = model.logp(vars=free, jacobian=jacobian, sum=False) if free else []
+    names = [rv.name for rv in free]
+    for potential in model.potentials:
+        if _reads_rows(potential, row_data):
+            raise UnsplittableModel(f"potential {potential.name!r} reads the observed rows: a potential is "
+                                    f"counted once, not split over the devices; write it as an observed "
+                                    f"variable (pm.CustomDist with observed=) so that it splits by rows")
+        terms += model.logp(vars=[potential], sum=False)
+        names.append(potential.name)
+    return [_without_data_shapes(term, name, row_data) for term, name in zip(terms, names)]
+
+
+def _reads_rows(term, row_data):
+    """The arrays of rows that ``term`` reads: the likelihood's own, or a constant equal to one."""
+    return [var for var in graph_inputs([term]) if _is_row_data(var, row_data)]
+
+
+def _is_row_data(var, row_data):
+    if var in row_data:
+        return True
+    if not isinstance(var, Constant) or getattr(var.type, "ndim", 0) == 0:
+        return False
+    return any(isinstance(d, Constant) and d.type == var.type and np.array_equal(d.data, var.data)
+               for d in row_data)
+
+
+def _without_data_shapes(term, name, row_data):
+    """``term`` with the shapes it reads of row arrays made constant; refused if it reads their values."""
+    used = set(_reads_rows(term, row_data))
+    if not used:
+        return term
+    replace = {}
+    for node in _apply_nodes(term):
+        for var in set(node.inputs) & used:
+            if not isinstance(node.op, Shape | Shape_i):
+                raise UnsplittableModel(f"{name!r} reads the values of {var.name or 'an array'} of the "
+                                        f"observed rows, and so does the likelihood: data shared between "
+                                        f"observed and prior terms cannot be split over the devices; give "
+                                        f"the prior its own copy of what it needs")
+            replace[node.outputs[0]] = pt.as_tensor(np.asarray(node.outputs[0].eval(mode="FAST_COMPILE")))
+    return clone_replace(term, replace=replace)
+
+
+def _apply_nodes(term):
+    return [var.owner for var in ancestors([term]) if var.owner is not None]
+
+
+# --- the row check -----------------------------------------------------------------------------------
+
+def _check_rows_are_independent(model, observed, split):
+    """Each row's log-likelihood must depend on that row alone: computed on the first rows, and on
+    the halves of them, the terms must agree (a mean over the rows, a shape fixed to the row count or
+    a variable with one value per row would not)."""
+    n = min(CHECKED_ROWS, split.n_rows // 2)
+    if n == 0:
+        return
+    point = model.initial_point()
+    value_vars = list(model.value_vars)
+    fn = pytensor.function([*split.row_inputs, *value_vars], split.row_terms, mode="FAST_COMPILE",
+                           on_unused_input="ignore")
+    args = [point[v.name] for v in value_vars]
+    rows = {part: [value[part] for value in split.row_values]
+            for part in (slice(0, 2 * n), slice(0, n), slice(n, 2 * n))}
+    results = {}
+    for part, values in rows.items():
+        try:
+            results[part] = fn(*values, *args)
+        except Exception as err:        # what PyTensor raises on shapes varies by op
+            raise UnsplittableModel(_unsplit_shapes(model, observed, split.n_rows, err)) from None
+    whole, first, second = (results[p] for p in rows)
+    for rv, w, a, b in zip(observed, whole, first, second):
+        if np.ndim(w) == 0 or np.shape(w)[0] != 2 * n:
+            raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood "
+                                    f"is one number over all its rows, which cannot be split over the devices")
+        if not np.allclose(np.concatenate([a, b]), w, rtol=1e-9, atol=0, equal_nan=True):
+            raise UnsplittableModel(f"the log-likelihood of {rv.name!r} is not a sum over rows: a row's "
+                                    f"term changes with the other rows (a mean or a sum over the data in "
+                                    f"the model?); such a likelihood cannot be split over the devices")
+
+
+def _unsplit_shapes(model, observed, n_rows, err):
+    """Why the likelihood failed on a share of the rows, naming what holds the row count."""
+    names = ", ".join(repr(rv.name) for rv in observed)
+    point = model.initial_point()
+    per_row = [v.name for v in model.value_vars if np.ndim(point[v.name]) and np.shape(point[v.name])[0] == n_rows]
+    if per_row:
+        return (f"free variable {per_row[0]!r} has one value per row ({n_rows}): the likelihood of {names} "
+                f"cannot be split over the devices by rows while a parameter has a row axis")
+    reason = str(err).strip().rstrip(".")
+    return (f"the log-likelihood of {names} cannot be computed on a share of the rows ({reason}): a size or "
+            f"shape fixed to the row count ({n_rows}) does not split; give sizes as data.shape[0]")

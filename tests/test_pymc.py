@@ -1,0 +1,260 @@
+"""synkhronos.extensions.pymc: a PyMC model's log-density with the likelihood split over the devices.
+
+Every value is compared with PyMC's own compiled functions (``compile_logp``/``compile_dlogp``),
+sampler and ``pm.find_MAP`` on the same model. Skipped without the ``pymc`` extra.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+from conftest import synk_segments, worker_children
+
+pm = pytest.importorskip("pymc")
+az = pytest.importorskip("arviz")
+
+import synkhronos as synk  # noqa: E402
+from synkhronos.extensions import pymc as spm  # noqa: E402
+from synkhronos.runtime import session  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+N_ROWS = 103          # splits unevenly over 2 and 3 devices
+
+
+def logistic_regression(n=N_ROWS, seed=0):
+    """Covariates and labels as numpy constants in the graph, an intercept and three slopes."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3))
+    y = (rng.uniform(size=n) < 1 / (1 + np.exp(-(x @ [1.0, -0.5, 0.25] + 0.3)))).astype("int64")
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 2)
+        b = pm.Normal("b", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=a + x @ b, observed=y)
+    return model
+
+
+def hierarchical(n=N_ROWS, seed=1):
+    """Group intercepts read through an index array, with pm.Data and dims (a dim of the rows)."""
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, 4, size=n)
+    y = rng.normal(size=n) + 0.5 * groups
+    with pm.Model(coords={"obs": np.arange(n), "group": np.arange(4)}) as model:
+        g = pm.Data("g", groups, dims="obs")
+        mu = pm.Normal("mu", 0, 2)
+        tau = pm.HalfNormal("tau", 1)
+        offset = pm.Normal("offset", 0, 1, dims="group")
+        sigma = pm.Exponential("sigma", 1)
+        pm.Normal("y", mu + tau * offset[g], sigma, observed=y, dims="obs")
+    return model
+
+
+def bounded(n=N_ROWS, seed=2):
+    """Transformed variables (interval, log) with Jacobian terms, and a potential that reads no rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n)
+    y = 0.3 + 0.6 * x + rng.normal(size=n) * 0.5
+    with pm.Model() as model:
+        p = pm.Beta("p", 2, 2)
+        lo = pm.Uniform("lo", -1, 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        pm.Potential("shrink", -(p - 0.5) ** 2)
+        pm.Normal("y", lo + p * x, sigma, observed=y)
+    return model
+
+
+MODELS = {"logistic": logistic_regression, "hierarchical": hierarchical, "bounded": bounded}
+
+
+def random_points(model, k=3, seed=3):
+    rng = np.random.default_rng(seed)
+    start = model.initial_point()
+    return [{name: value + 0.3 * rng.normal(size=np.shape(value)) for name, value in start.items()}
+            for _ in range(k)]
+
+
+@functools.cache
+def pymc_reference(name):
+    """A model of MODELS and PyMC's own compiled logp and dlogp of it (compiled once for every test)."""
+    model = MODELS[name]()
+    return model, model.compile_logp(), model.compile_dlogp()
+
+
+def assert_equals_pymc(f, name):
+    model, logp, dlogp = pymc_reference(name)
+    for point in random_points(model):
+        value, grad = f(point)
+        np.testing.assert_allclose(value, logp(point), rtol=1e-9, atol=0)
+        np.testing.assert_allclose(grad, dlogp(point), rtol=1e-9, atol=1e-12)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+def devices(request):
+    if session.active() is not None:
+        synk.close()
+    synk.fork(request.param)
+    yield request.param
+    synk.close()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logp_and_dlogp_equal_pymc_on_every_device_count(devices, name):
+    model, _, _ = pymc_reference(name)
+    f = spm.logp_dlogp_function(model)
+    assert_equals_pymc(f, name)
+    # the likelihood really is split: each device's share of the rows is its own
+    assert f.fn.spec.inputs and len(f.fn.spec.bcast_inputs) >= 1
+
+
+def test_without_jacobian_equals_pymc(synk2):
+    model, _, _ = pymc_reference("bounded")
+    f = spm.logp_dlogp_function(model, jacobian=False)
+    logp = model.compile_logp(jacobian=False)
+    dlogp = model.compile_dlogp(jacobian=False)
+    for point in random_points(model):
+        value, grad = f(point)
+        np.testing.assert_allclose(value, logp(point), rtol=1e-9)
+        np.testing.assert_allclose(grad, dlogp(point), rtol=1e-9, atol=1e-12)
+
+
+def test_outside_the_support_is_minus_infinity_as_in_pymc(synk2):
+    with pm.Model() as scale:
+        s = pm.Normal("s", 1, 1)
+        pm.Normal("y", 0, s, observed=np.ones(6))      # s < 0 is outside the likelihood's support
+    g = spm.logp_dlogp_function(scale)
+    assert g({"s": np.array(-1.0)})[0] == scale.compile_logp()({"s": np.array(-1.0)}) == -np.inf
+
+
+def posterior_summary(idata, names):
+    """Per scalar: mean, sd, and their Monte Carlo standard errors (from ArviZ's bulk ESS)."""
+    out = {}
+    for name in names:
+        draws = idata.posterior[name].values          # (chain, draw, ...)
+        ess = np.atleast_1d(az.ess(idata, var_names=[name])[name].values)
+        flat = draws.reshape(-1, *draws.shape[2:])
+        mean, sd = np.atleast_1d(flat.mean(0)), np.atleast_1d(flat.std(0))
+        out[name] = (mean, sd, sd / np.sqrt(ess), sd / np.sqrt(2 * ess))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_nuts_posterior_agrees_with_pymc_nuts_within_monte_carlo_error(synk2):
+    model = logistic_regression(n=300)
+    kwargs = dict(draws=400, tune=300, chains=2, cores=1, progressbar=False, compute_convergence_checks=False)
+    with model:
+        ours = pm.sample(step=spm.NUTS(), random_seed=11, **kwargs)
+        theirs = pm.sample(step=pm.NUTS(), random_seed=12, **kwargs)
+    assert type(ours) is type(theirs) and set(ours.posterior.data_vars) == set(theirs.posterior.data_vars)
+    a, b = posterior_summary(ours, ["a", "b"]), posterior_summary(theirs, ["a", "b"])
+    for name in ["a", "b"]:
+        mean1, sd1, se_mean1, se_sd1 = a[name]
+        mean2, sd2, se_mean2, se_sd2 = b[name]
+        assert np.all(np.abs(mean1 - mean2) <= 4 * np.hypot(se_mean1, se_mean2)), (name, mean1, mean2)
+        assert np.all(np.abs(sd1 - sd2) <= 4 * np.hypot(se_sd1, se_sd2)), (name, sd1, sd2)
+
+
+def test_nuts_beside_another_step_method(synk2):
+    """NUTS on some variables, Metropolis on the rest: the values outside the gradient follow the chain."""
+    model = hierarchical(n=40)
+    with model:
+        step = spm.NUTS(vars=[model["mu"], model["offset"], model["sigma"]])
+        point = model.initial_point()
+        point["tau_log__"] = np.array(0.4)
+        step._logp_dlogp_func._extra_vars_shared["tau_log__"].set_value(point["tau_log__"])
+        q = np.concatenate([np.ravel(point[v.name]) for v in step.density.grad_vars])
+        value, grad = step._logp_dlogp_func._pytensor_function(q)
+        np.testing.assert_allclose(value, model.compile_logp()(point), rtol=1e-9)
+        idata = pm.sample(draws=20, tune=20, chains=1, cores=1, step=[step, pm.Metropolis([model["tau"]])],
+                          random_seed=5, progressbar=False, compute_convergence_checks=False)
+    assert idata.posterior["tau"].shape == (1, 20)
+
+
+def test_chains_in_processes_of_their_own_are_refused_and_the_runtime_stays_usable(synk2):
+    """pm.sample(cores=2): a forked chain process refuses to compute (the devices are driven from
+    this process); where PyMC pickles the step instead, it falls back to sampling in this process."""
+    model, _, _ = pymc_reference("logistic")
+    f = spm.logp_dlogp_function(model)
+    kwargs = dict(draws=5, tune=5, chains=2, cores=2, random_seed=1, progressbar=False,
+                  compute_convergence_checks=False)
+    with model, pytest.raises(Exception, match="pass cores=1 to pm.sample"):
+        pm.sample(step=spm.NUTS(), mp_ctx="fork", **kwargs)
+    assert_equals_pymc(f, "logistic")
+    with model:
+        idata = pm.sample(step=spm.NUTS(), mp_ctx="forkserver", **kwargs)
+    assert idata.posterior["b"].shape == (2, 5, 3)
+
+
+@pytest.mark.parametrize("name", ["logistic", "bounded"])
+def test_find_map_equals_pymc_find_map(synk2, name):
+    model, _, _ = pymc_reference(name)
+    ours = spm.find_MAP(model=model)
+    with pytest.warns(FutureWarning):
+        theirs = pm.find_MAP(model=model, progressbar=False)
+    assert set(ours) == set(theirs)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-8)
+    idata = spm.find_MAP(model=model, return_inferencedata=True)
+    reference = pm.find_MAP(model=model, return_inferencedata=True, jitter=False, progressbar=False)
+    assert set(idata.children) == set(reference.children)
+
+
+def _refused(build, match):
+    with pm.Model() as model:
+        build()
+    with pytest.raises(spm.UnsplittableModel, match=match):
+        spm.logp_dlogp_function(model)
+
+
+def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2):
+    rng = np.random.default_rng(0)
+    y = rng.normal(size=20)
+
+    def potential_over_rows():
+        mu = pm.Normal("mu")
+        pm.Potential("all_rows", -((y - mu) ** 2).sum())
+        pm.Normal("obs", mu, 1, observed=y)
+    _refused(potential_over_rows, "potential 'all_rows' reads the observed rows")
+
+    def no_row_axis():
+        mu = pm.Normal("mu")
+        pm.MvNormal("joint", mu * np.ones(20), np.eye(20), observed=y)
+    _refused(no_row_axis, "observed variable 'joint' has no row axis")
+
+    def scalar_observation():
+        mu = pm.Normal("mu")
+        pm.Normal("one", mu, 1, observed=1.5)
+    _refused(scalar_observation, "observed variable 'one' has no row axis")
+
+    def data_in_a_prior():
+        data = pm.Data("shared_y", y)
+        mu = pm.Normal("mu", data.mean(), 1)
+        pm.Normal("obs", mu, 1, observed=data)
+    _refused(data_in_a_prior, "'mu' reads the values of shared_y")
+
+    def mean_over_rows():
+        data = pm.Data("x", y)
+        mu = pm.Normal("mu")
+        pm.Normal("centered", mu + data - data.mean(), 1, observed=y)
+    _refused(mean_over_rows, "log-likelihood of 'centered' is not a sum over rows")
+
+    def one_parameter_per_row():
+        z = pm.Normal("z", shape=20)
+        pm.Normal("obs", z, 1, observed=y)
+    _refused(one_parameter_per_row, "free variable 'z' has one value per row")
+
+    def no_observed():
+        pm.Normal("mu")
+    _refused(no_observed, "no observed variables")
+    # refused before anything ran: the runtime still computes
+    assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0]), "bounded")
+
+
+def test_nothing_left_behind(synk2):
+    model, _, _ = pymc_reference("bounded")
+    f = spm.logp_dlogp_function(model)
+    f(model.initial_point())
+    workers = worker_children()
+    del f
+    synk.close()
+    assert not [n for n in synk_segments() if n.startswith(synk2.prefix)]
+    assert not set(workers) & set(worker_children())
