@@ -2,7 +2,8 @@
 
 Importing synkhronos changes nothing outside it (no JAX import, no environment
 variable, no PyTensor setting); ``fork()`` prepares the process and ``close()``
-puts it back.
+puts it back. Neither moves ``numpy.random``'s or ``random``'s global state: a
+script seeded at its top draws the same numbers with synkhronos as without.
 
 Examples
 --------

@@ -178,7 +178,7 @@ class Function:
         Parameters
         ----------
         *args : Data or numpy arrays
-            One per input (scattered inputs first, then ``bcast_inputs``), or by
+            One per input (those of ``inputs``, then ``bcast_inputs``), or by
             input name as keywords.
         batch : int, slice, or sequence of int, optional
             Rows of the scattered inputs to use: ``n`` means ``[0, n)``.
@@ -416,7 +416,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         ``"min"``, ``"max"``, ``"gather"`` (concatenate in rank order, along
         axis 0 or the output's ``split_axes``), ``None`` (the master's own result).
     bcast_inputs : list of Variable, optional
-        Inputs given whole to every device.
+        Inputs given whole to every device (as is every 0-d input of ``inputs``).
     updates : list of (shared, value[, mode]) or dict
         Applied locally on every device; the mode matters with ``num_slices > 1``.
     givens : dict or list of (Variable, Variable), optional

@@ -20,12 +20,13 @@ place is what the next call reads.
 
 A given that reads shared variables and scalars but selects no rows
 (``{s: base * (i + 1)}``, ``{s: table[i]}``) is computed whole on every
-device, as ``pytensor.function`` computes it; a scalar input it reads reaches
-every device whole even when listed in ``inputs``. A given that picks rows
-of a shared variable by scalars in any other way (a step, indices computed
-from a scalar, a slice of a slice, a sum over a slice) is refused with
-:data:`RECIPE`: the number of rows would depend on a value, which no
-device's JAX function can compile.
+device, as ``pytensor.function`` computes it. A 0-d input listed in
+``inputs`` (a scalar of the bounds, a learning rate) reaches every device
+whole, with givens or without, and a call still takes it in its place. A
+given that picks rows of a shared variable by scalars in any other way (a
+step, indices computed from a scalar, a slice of a slice, a sum over a
+slice) is refused with :data:`RECIPE`: the number of rows would depend on a
+value, which no device's JAX function can compile.
 """
 
 from __future__ import annotations
@@ -124,12 +125,13 @@ def _picks_rows(value, scalars):
 
 
 class RowsFromGivens:
-    """What one function's ``givens`` make of its inputs, and what a call of it selects.
+    """What one function's ``givens`` and 0-d inputs make of its inputs, and what a call selects.
 
     Built by :meth:`find`; ``inputs``, ``bcast_inputs`` and ``givens`` are the
     function's after the rewrite: the row slices' shared variables become
-    scattered inputs of their rows, and every scalar of ``inputs`` is
-    broadcast. A call names its inputs in the user's order
+    scattered inputs of their rows, and every 0-d input of ``inputs`` is
+    broadcast (the one rule for scalar inputs, with givens or without: a
+    0-d value has no rows to split). A call names its inputs in the user's order
     (:meth:`user_inputs`) and is turned into a call of the rewritten function
     by :meth:`call_arguments`.
     """
@@ -157,10 +159,8 @@ class RowsFromGivens:
 
     @classmethod
     def find(cls, inputs, bcast_inputs, givens, name):
-        """The rewrite of a function whose ``givens`` read shared data by scalar inputs, or None.
-
-        None when the givens neither slice rows nor read a scalar of
-        ``inputs`` (the function is recorded as it is).
+        """The rewrite of a function whose ``givens`` read shared data by scalar inputs, or
+        whose ``inputs`` hold a 0-d input; else None (the function is recorded as it is).
 
         Raises
         ------
@@ -182,9 +182,8 @@ class RowsFromGivens:
                     f"start and stop computed from scalar inputs); {RECIPE}")
             else:
                 rest.append((key, value))
-        if not slices:
-            read = set(graph_inputs([value for _, value in rest]))
-            whole = any(v.ndim == 0 and v in read for v in inputs)
+        if not slices:       # a 0-d input has no rows to split: every device gets it whole
+            whole = any(v.ndim == 0 for v in inputs)
             return cls([], inputs, bcast_inputs, rest) if whole else None
         rows = [v for v in inputs if v.ndim > 0]
         if rows:
@@ -193,6 +192,12 @@ class RowsFromGivens:
                 f"scatters the inputs {[str(v) for v in rows]}: a call's rows come one way or the "
                 f"other; make those bcast_inputs, or {RECIPE}")
         return cls(slices, inputs, bcast_inputs, rest)
+
+    def scattered_axes(self, axes):
+        """The split axis of each scattered input after the rewrite, from ``axes``, one per ``inputs``
+        given to :meth:`find` (the row slices' inputs split along axis 0: None)."""
+        declared = dict(zip(map(id, self._user), axes))
+        return [None] * len(self.row_inputs) + [declared[id(v)] for v in self.inputs[len(self.row_inputs):]]
 
     def user_inputs(self):
         """The inputs a call of the function takes, in the user's order."""

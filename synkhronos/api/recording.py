@@ -49,7 +49,7 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
     scattered_rows = list(inputs)
-    if rows is not None and split_axes:
+    if rows is not None and rows.slices and split_axes:
         raise TypeError("split_axes does not combine with givens that select rows of shared "
                         "variables (those rows are axis 0); " + RECIPE)
     if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
@@ -67,8 +67,8 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
     sliceable = list(sliceable_shareds or [])
     spec = FunctionSpec(fid, "", inputs, bcast_inputs, pairs, triples, givens, sliceable, kwargs)
     spec.name = name or f"synk_function_{spec.fid}"
-    if rows is None:
-        spec.input_axes, spec.gather_axes = input_axes, gather_axes
+    spec.input_axes = input_axes if rows is None else rows.scattered_axes(input_axes)
+    spec.gather_axes = gather_axes
     spec.generator_updates = generators + randomness.generator_updates(
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)

@@ -12,11 +12,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import pytensor
 import pytensor.tensor as pt
-from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Constant
-from pytensor.graph.traversal import graph_inputs
 from pytensor_ml.params import NonTrainableParameter
 
 from ..api import collectives
@@ -30,6 +26,9 @@ from ..runtime.session import current, serialized
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .run_checkpoints import RunCheckpoints, next_multiple
+from .single_process import make_single_process_train_function, make_train_function_theano
+from .step_graph import build_step_graph, call_values, givens_scalars
+from .step_graph import input_list as _input_list
 from .sync import AllReduce, Rule
 
 __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
@@ -37,8 +36,10 @@ __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "ma
 
 
 def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
-                        *args: Any, **kwargs: Any) -> TrainStep:
-    """Build ``train_minibatch(*data, batch=None, num_slices=1)`` for all devices.
+                        *args: Any, givens: dict | None = None,
+                        state_updates: Sequence[tuple] | dict | None = None,
+                        consider_constant: Sequence[Any] | None = None, **kwargs: Any) -> TrainStep:
+    """Build ``train_minibatch(*data, *scalars, batch=None, num_slices=1)`` for all devices.
 
     One step is: every device computes its local gradient into the flat vector,
     ``all_reduce(grad_shared, "avg")`` in one collective, then the same update
@@ -65,18 +66,37 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     update_rule : callable
         A rule of :mod:`synkhronos.extensions.updates`, e.g. ``updates.adam``.
     *args, **kwargs
-        Passed to ``update_rule`` (learning rate etc.), except ``givens``.
+        Passed to ``update_rule`` (learning rate etc.). A 0-d symbolic input
+        among them (``learning_rate=lr``, ``lr = pt.scalar("lr")``) is a scalar
+        input of the step, as one the loss reads (see the notes).
     givens : dict, optional
         The Theano tutorials' idiom: ``{x: X_sh[i * bs:(i + 1) * bs], y: ...}``
         with ``i`` a scalar input (see :mod:`synkhronos.api.givens`). The step
         then takes the scalars instead of data: ``train_minibatch(i)``.
+    state_updates : list of (SharedVariable, expr) or (SharedVariable, expr, mode), or dict
+        Applied with every step (a counter, the RBM's persistent chain), from
+        the values before it, on every device (from rows, each its own).
+        ``mode`` combines ``num_slices`` slices (default None: the last one's).
+    consider_constant : list of Variable, optional
+        Variables of the loss's graph the gradient treats as constants, as
+        ``pytensor.grad(..., consider_constant=...)``.
 
     Returns
     -------
-    callable
-        ``train_minibatch(*data, batch=None, num_slices=1)``: one :class:`~synkhronos.Data`
-        or numpy array per input of ``x``, then per target of ``y`` (with
-        ``givens``: one value per scalar of the slices' bounds, in the order they appear).
+    TrainStep
+        ``train_minibatch(*data, *scalars, batch=None, num_slices=1)``: one
+        :class:`~synkhronos.Data` or numpy array per input of ``x``, then per
+        target of ``y`` (with ``givens``: one value per scalar of the slices'
+        bounds, in the order they appear), then one value per scalar input
+        (``step.scalars``). Any input may be given by its variable's name:
+        ``train_minibatch(i, corruption=0.1, lr=0.05)``.
+
+    Notes
+    -----
+    The step's scalar inputs are the 0-d symbolic inputs its loss, rule and
+    state updates read besides its data (the SdA tutorial's corruption level
+    and learning rate), in the order it computes with them (``step.inputs``),
+    whole on every device (:mod:`.step_graph`). :func:`run` takes no step with them.
 
     Examples
     --------
@@ -96,50 +116,43 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     True
     """
     inputs = _input_list(x, "x") + _input_list(y, "y")
-    givens = kwargs.pop("givens", None)
     if givens:
-        return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens)
-    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=inputs,
-                         split_axes={inputs[0]: 0})     # the rows its weight counts
+        return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, dict(givens),
+                                         state_updates, consider_constant)
+    graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs, state_updates,
+                             consider_constant)
+    step = _WeightedStep(graph, inputs[0], inputs=inputs, split_axes={inputs[0]: 0})  # the rows its weight counts
+    takes = inputs + graph.scalars
 
-    def train_minibatch(*data, batch=None, num_slices=1):
-        if len(data) != len(inputs):
+    def train_minibatch(*values, batch=None, num_slices=1, **named):
+        if len(values) < len(inputs) and not named:
             raise TypeError(f"the step takes {len(inputs)} data (one per input of x, then of y: "
-                            f"{[str(v) for v in inputs]}), got {len(data)}")
+                            f"{[str(v) for v in inputs]}), got {len(values)}")
+        values = call_values(values, named, takes) if named or graph.scalars else values
+        data = values[:len(inputs)]
         rows = len(data[0]) if batch is None else batch_from_spec(batch, len(data[0])).total
         if getattr(data[0], "sharded", False):     # each node's batch of its own shard: all of them
             rows = rows_of_every_node(current().nodes, rows)
-        return step(rows, *data, batch=batch, num_slices=num_slices)
+        return step(rows, *values, batch=batch, num_slices=num_slices)
 
-    return step.expose(train_minibatch, inputs, runs_on_devices=True)      # what run() takes
+    return step.expose(train_minibatch, takes, runs_on_devices=True)      # what run() takes
 
 
-def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens):
+def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens, state_updates,
+                              consider_constant):
     """:func:`make_train_function` in the tutorials' idiom: the step takes the slices' scalars."""
-    givens = dict(givens)
-    scalars = list(dict.fromkeys(
-        v for value in givens.values() for v in graph_inputs([value])
-        if not isinstance(v, (Constant, SharedVariable)) and v.ndim == 0))
-    step = _WeightedStep(loss, params, inputs[0], update_rule, args, kwargs, inputs=scalars,
-                         givens=givens)
+    bounds = givens_scalars(givens)
+    graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs + list(givens) + bounds,
+                             state_updates, consider_constant)
+    takes = bounds + graph.scalars
+    step = _WeightedStep(graph, inputs[0], inputs=bounds, givens=givens)
 
-    def train_minibatch(*values, num_slices=1):
+    def train_minibatch(*values, num_slices=1, **named):
+        values = call_values(values, named, takes)
         window = step.f_grad.given_rows(*values, 0)
         return step(window.stop - window.start, *values, num_slices=num_slices)
 
-    return step.expose(train_minibatch, scalars)
-
-
-def _input_list(value, name):
-    """``x`` or ``y`` of :func:`make_train_function` as a list of variables (None: none)."""
-    if value is None:
-        if name == "x":
-            raise TypeError("make_train_function needs at least one input x (a variable or a list)")
-        return []
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    if name == "x" and not values:
-        raise TypeError("make_train_function needs at least one input x (a variable or a list)")
-    return values
+    return step.expose(train_minibatch, takes)
 
 
 class _WeightedStep:
@@ -149,17 +162,17 @@ class _WeightedStep:
     batch_rows``; the average over devices is then the full-batch gradient.
     """
 
-    def __init__(self, loss, params, x, update_rule, args, kwargs, inputs=(), **function_kwargs):
-        grad_updates, param_updates, self.grad_shared = update_rule(loss, params, *args, **kwargs)
-        self.params = list(params)
-        (target, flat_grad), = grad_updates
+    def __init__(self, graph, x, inputs=(), **function_kwargs):
+        self.graph, self.grad_shared, self.params = graph, graph.grad_shared, graph.params
+        (target, flat_grad), = graph.grad_updates
         dtype = self.grad_shared.type.dtype
         batch_rows = pt.scalar("batch_rows", dtype=dtype)
         weight = pt.cast(x.shape[0], dtype) * current().n_parallel / batch_rows
-        self.f_grad = function(list(inputs), (loss, "avg"), bcast_inputs=[batch_rows],
-                               updates=[(target, flat_grad * weight, "sum")], name="train_grad",
-                               **function_kwargs)
-        self.f_upd = function([], updates=param_updates, name="train_update")
+        # the step's scalars follow its data, whole on every device (0-d inputs are broadcast)
+        self.f_grad = function(list(inputs) + graph.scalars, (graph.loss, "avg"), bcast_inputs=[batch_rows],
+                               updates=[(target, flat_grad * weight, "sum")] + graph.side_updates,
+                               name="train_grad", **function_kwargs)
+        self.f_upd = function([], updates=graph.param_updates, name="train_update")
         self.step = Step(self.f_grad, self.grad_shared, self.f_upd, op="avg")
         # the batch's rows travel in a Data the step writes: every call then has the same
         # arguments, so the call's plan is validated once and reused
@@ -185,14 +198,20 @@ class TrainStep:
         The model's statistics the step writes back (batch norm's running mean and variance).
     optimizer_state : list of SharedVariable
         The optimizer's state (moments, step counters, training clocks).
+    extra_state : list of SharedVariable
+        What the step's ``state_updates`` write.
     state_variables : list of SharedVariable
-        The parameters, statistics and optimizer's state: what a checkpoint of this training holds.
+        The parameters, statistics, optimizer's state and extra state: what a
+        checkpoint of this training holds.
     grad_shared : SharedVariable
         The flat vector the gradients (and statistics) travel in.
     functions : (Function, Function)
         The gradient function and the update function.
     inputs : list of Variable
-        The scattered inputs, in call order (x's, then y's).
+        What a call takes, in order: x's, then y's (or the scalars of the
+        givens' bounds), then the scalar inputs.
+    scalars : list of Variable
+        The scalar inputs (hyperparameters such as a learning rate), whole on every device.
     runs_on_devices : bool
         Whether :func:`run` takes it (its data in shared memory).
     """
@@ -204,8 +223,10 @@ class TrainStep:
         written = [s for s, _, _ in step.f_upd.spec.updates if all(s is not p for p in step.params)]
         self.statistics = [s for s in written if isinstance(s, NonTrainableParameter)]
         self.optimizer_state = [s for s in written if not isinstance(s, NonTrainableParameter)]
-        self.state_variables = self.params + self.statistics + self.optimizer_state
+        self.extra_state = step.graph.state
+        self.state_variables = self.params + self.statistics + self.optimizer_state + self.extra_state
         self.inputs, self.runs_on_devices = inputs, runs_on_devices
+        self.scalars = step.graph.scalars
 
     def __call__(self, *data, **kwargs):
         return self._call(*data, **kwargs)
@@ -237,8 +258,13 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
     >>> train(batch_s=[rng.permutation(32)[:8], rng.permutation(32)[:8]])
     array(1.)
     """
-    step = _WeightedStep(loss, params, x, update_rule, args, kwargs,
-                         givens=[(x, x_shared), (y, y_shared)], sliceable_shareds=[x_shared, y_shared])
+    graph = build_step_graph(loss, params, update_rule, args, kwargs, [x, y])
+    if graph.scalars:
+        raise TypeError(f"make_device_train_function's step takes no inputs, but the loss or the "
+                        f"rule reads the scalar inputs {[str(v) for v in graph.scalars]}; make them "
+                        f"shared variables (pytensor.shared)")
+    step = _WeightedStep(graph, x, givens=[(x, x_shared), (y, y_shared)],
+                         sliceable_shareds=[x_shared, y_shared])
 
     def train_minibatch(batch_s=None, num_slices=1):
         lengths = collectives.get_lengths([x_shared, y_shared])
@@ -413,6 +439,10 @@ def _check_run_arguments(train_fn, sync, check_every, on_check):
     if not isinstance(train_fn, TrainStep) or not train_fn.runs_on_devices:
         raise TypeError("run() takes the step function make_train_function returns (data in shared "
                         f"memory), got {train_fn!r}")
+    if train_fn.scalars:
+        raise TypeError(f"run() gives every step its data only, but this step takes the scalar inputs "
+                        f"{[str(v) for v in train_fn.scalars]}; make each a shared variable "
+                        f"(pytensor.shared) and set_value it between runs")
     if not isinstance(sync, Rule):
         raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
                         f"EASGD(...), ...), got {sync!r}")
@@ -467,31 +497,3 @@ def _total_steps(steps, epochs, per_epoch):
     if not is_whole(value, at_least=1):
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
     return int(steps) if steps is not None else int(epochs) * per_epoch
-
-
-def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
-                                       update_rule: Callable, *args: Any, **kwargs: Any) -> Callable:
-    """The same step in one process (plain PyTensor), for comparisons.
-
-    ``x`` and ``y`` as in :func:`make_train_function`. Returns
-    ``train_minibatch(*values)`` on numpy arrays (one per input, then per target).
-    """
-    grad_updates, param_updates, _ = update_rule(loss, params, *args, **kwargs)
-    f_grad = pytensor.function(_input_list(x, "x") + _input_list(y, "y"), loss, updates=grad_updates,
-                               mode="JAX")
-    f_upd = pytensor.function([], [], updates=param_updates, mode="JAX")
-
-    def train_minibatch(*values):
-        batch_loss = f_grad(*values)
-        f_upd()
-        return batch_loss
-
-    return train_minibatch
-
-
-def make_train_function_theano(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
-                               *args: Any, **kwargs: Any) -> Callable:
-    """The original's name of :func:`make_single_process_train_function` (deprecated)."""
-    warnings.warn("make_train_function_theano is make_single_process_train_function now",
-                  DeprecationWarning, stacklevel=2)
-    return make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs)

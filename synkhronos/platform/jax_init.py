@@ -17,20 +17,60 @@ import importlib.metadata
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
+
+import numpy as np
 
 from . import compile_cache, compile_spans, cpu_blas, cpu_tuning, internals
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
-           "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache"]
+           "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache",
+           "import_jax", "global_random_states_kept"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
 _GPU_PLUGINS = ("jax-cuda13-plugin", "jax-cuda12-plugin", "jax-rocm7-plugin", "jax-rocm60-plugin")
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def global_random_states_kept():
+    """Give ``numpy.random``'s and ``random``'s global states back as they were when the block began.
+
+    Examples
+    --------
+    >>> position, python_state = np.random.get_state()[2], random.getstate()
+    >>> with global_random_states_kept():
+    ...     _ = np.random.rand(10), random.random()
+    >>> np.random.get_state()[2] == position, random.getstate() == python_state
+    (True, True)
+    """
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+def import_jax():
+    """The ``jax`` module, imported without moving the global random states.
+
+    Importing JAX draws from numpy's global generator (its Kubernetes cluster
+    module draws retry delays when it is defined), and a script that seeds
+    numpy and then calls ``fork()`` would draw other numbers than without
+    synkhronos. Every import of JAX in this module goes through here, and
+    the master's first one is in :func:`initialize_process` (``fork()``).
+    """
+    if "jax" in sys.modules:
+        return sys.modules["jax"]
+    with global_random_states_kept():
+        import jax
+    return jax
 
 
 def backend_exists():
@@ -103,13 +143,13 @@ def configure_environment(env, platform, threads):
 
 def platform():
     """The JAX platform this process computes on ("cpu", "gpu", ...)."""
-    import jax
+    jax = import_jax()
     return jax.default_backend()
 
 
 def set_precision(float_x):
     """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
-    import jax
+    jax = import_jax()
     import pytensor
     import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
     pytensor.config.floatX = float_x
@@ -121,7 +161,7 @@ _changed_config: dict = {}
 
 
 def _configure_jax(name, value):
-    import jax
+    jax = import_jax()
     _changed_config.setdefault(name, jax.config.values[name])
     jax.config.update(name, value)
 
@@ -173,7 +213,7 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     kept in JAX's persistent cache at ``compile_cache_dir`` (None: not kept;
     :func:`use_compile_cache`).
     """
-    import jax
+    jax = import_jax()
     if platform == "cpu":
         cpu_tuning.keep_freed_memory_for_reuse()
         # numpy's BLAS gets the process's own share of the cores even when XLA's pool spans them
@@ -240,7 +280,7 @@ def shutdown_process():
     defaults (see :func:`synkhronos.platform.cpu_tuning.restore_allocator_defaults`)."""
     if "jax" not in sys.modules:
         return
-    import jax
+    jax = import_jax()
     try:
         jax.distributed.shutdown()
     finally:
