@@ -132,12 +132,15 @@ def jitted_call(fn):
             return None
         import jax
         values = [cell[0] for cell in cells]
+        faces = faces_held()           # as the first call will most likely find it (see call)
+        if faces:
+            values[n_args:] = [device_face(v) for v in values[n_args:]]
         avals = jax.tree_util.tree_map(abstract_value, values)
 
         def compile_():
             if not chosen:
                 choose(values)
-            chosen[0].lower(*avals).compile()
+            (jit if faces else chosen[0]).lower(*avals).compile()
         return compile_
 
     call.fn = fn

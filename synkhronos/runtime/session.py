@@ -63,47 +63,34 @@ def serialized(fn):
     """
     @functools.wraps(fn)
     def locked(*args, **kwargs):
+        # one frame between the caller and ``fn``: the warnings' stacklevels and the reports'
+        # tracebacks count on it
         with _life.lock:
-            if _life.depth:
-                return _run_nested(fn, args, kwargs)
-            state = _life.state           # (a fault that the interrupt caused forgets it)
+            outermost, state = _life.depth == 0, _life.state
+            _life.depth += 1
             try:
-                return _run_outermost(fn, args, kwargs)
+                if outermost and state is not None:
+                    hold_faces(other_threads_alive())
+                    state.registry.values_to_devices()
+                return fn(*args, **kwargs)
+            except WorkerError as e:
+                if not outermost or verbose():
+                    raise
+                # the report names what the user needs; synkhronos's own frames are left out
+                raise e.with_traceback(None) from None
             except KeyboardInterrupt as interrupt:
-                note = shut_down_after(interrupt, f"synk.{fn.__name__}", state)
+                # (a fault that the interrupt caused forgets the state: the one seen at the start)
+                note = shut_down_after(interrupt, f"synk.{fn.__name__}", state) if outermost else None
                 if note is not None:
                     _life.shut_down_because = note
                 raise
+            finally:
+                _life.depth -= 1
+                if outermost:
+                    if _life.state is not None and _life.state.is_open:
+                        _life.state.registry.values_to_user()
+                    hold_faces(False)
     return locked
-
-
-def _run_nested(fn, args, kwargs):
-    _life.depth += 1
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _life.depth -= 1
-
-
-def _run_outermost(fn, args, kwargs):
-    """``fn`` as the outermost synkhronos operation: the master's values go to the devices first
-    and back to the user after (as faces that other threads may read while they are away)."""
-    _life.depth += 1
-    try:
-        if _life.state is not None:
-            hold_faces(other_threads_alive())
-            _life.state.registry.values_to_devices()
-        return fn(*args, **kwargs)
-    except WorkerError as e:
-        if verbose():
-            raise
-        # the report names what the user needs; synkhronos's own frames are left out
-        raise e.with_traceback(None) from None
-    finally:
-        _life.depth -= 1
-        if _life.state is not None and _life.state.is_open:
-            _life.state.registry.values_to_user()
-        hold_faces(False)
 
 
 def other_threads_alive():
