@@ -79,13 +79,7 @@ def backend_exists():
 
 
 def has_gpu_plugin():
-    for name in _GPU_PLUGINS:
-        try:
-            importlib.metadata.version(name)
-            return True
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return False
+    return bool(_installed_gpu_plugins())
 
 
 def _count_in_subprocess(platform):
@@ -117,6 +111,36 @@ def count_devices(platform=None):
     return _count_in_subprocess(platform)
 
 
+def jax_platforms(platform):
+    """The value of JAX's ``jax_platforms`` for computing on ``platform`` ("cpu" or "gpu").
+
+    JAX expands "gpu" to every GPU platform it knows (CUDA, ROCm, oneAPI) and
+    fails on those whose plugin is missing, so the installed plugin's platform
+    is named; the CPU comes second, for host callbacks (``jax.pure_callback``
+    runs on a CPU device).
+
+    Examples
+    --------
+    >>> jax_platforms("cpu"), jax_platforms("gpu") in ("cuda,cpu", "rocm,cpu")
+    ('cpu', True)
+    """
+    if platform != "gpu":
+        return platform
+    rocm = any(name.startswith("jax-rocm") for name in _installed_gpu_plugins())
+    return ("rocm" if rocm else "cuda") + ",cpu"
+
+
+def _installed_gpu_plugins():
+    found = []
+    for name in _GPU_PLUGINS:
+        try:
+            importlib.metadata.version(name)
+            found.append(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
 def configure_environment(env, platform, threads):
     """Set the variables that must be in place before JAX/BLAS start in a process.
 
@@ -124,7 +148,7 @@ def configure_environment(env, platform, threads):
     thread pool and BLAS). Processes sharing cores otherwise oversubscribe them,
     and each one's default pools slow the others' steps several-fold.
     """
-    env["JAX_PLATFORMS"] = platform
+    env["JAX_PLATFORMS"] = jax_platforms(platform)
     flags = env.get("XLA_FLAGS", "").split()
     if platform == "cpu":
         ours = ["--xla_force_host_platform_device_count=1"]
@@ -221,7 +245,7 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
         # each other's steps down badly
         share = max(1, (os.cpu_count() or 1) // (n_local or n_ranks))
         cpu_blas.limit_blas_threads(min(threads, share) if threads else share)
-    _configure_jax("jax_platforms", platform)
+    _configure_jax("jax_platforms", jax_platforms(platform))
     set_precision(float_x)
     # A dead worker must become an exception in the master, not a process abort.
     _configure_jax("jax_enable_recoverability", True)
