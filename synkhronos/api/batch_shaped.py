@@ -21,13 +21,17 @@ __all__ = ["BatchShapedState"]
 class BatchShapedState:
     """The updated shared variables of one function not yet said to be shaped like its rows.
 
-    Nothing is said with ``local_updates`` (one each is meant), nor of a
-    sliceable shared variable (per-device data by design).
+    Nothing is said with ``local_updates`` (one each is meant), of a sliceable
+    shared variable (per-device data by design), or of an update computed from
+    the scattered rows (see :class:`~synkhronos.LocalUpdatesWarning`).
     """
 
     def __init__(self, spec, local_updates: bool):
+        from pytensor.graph.traversal import ancestors
         self._name = spec.name
-        self._updates = [s for s, _, _ in spec.updates]
+        rows = set(spec.inputs)
+        # an update computed from the rows is LocalUpdatesWarning's (or a step's own gradient)
+        self._updates = [s for s, value, _ in spec.updates if not rows.intersection(ancestors([value]))]
         self._unsaid = set() if local_updates else {
             id(s) for s in self._updates if all(s is not t for t in spec.sliceable_shareds)}
 

@@ -93,19 +93,31 @@ def serialized(fn):
     return locked
 
 
+#: the modules whose threads never read a user's shared variables (progress bars, a notebook
+#: kernel's own threads): they keep nothing from donating
+LIBRARY_THREADS = ("tqdm.", "IPython.", "ipykernel.", "jupyter_client.", "zmq.", "debugpy.")
+
+
 def other_threads_alive():
-    """True if a Python thread other than this one and synkhronos's own runs.
+    """True if a Python thread other than this one, synkhronos's own and the libraries' of
+    :data:`LIBRARY_THREADS` runs.
 
     Such a thread may read the master's shared variables at any moment (a
     monitor calling ``get_value``, a plain PyTensor function): a command then
     keeps every value a numpy face of a device array that nothing overwrites
-    (:func:`~synkhronos.platform.internals.hold_faces`), which costs donation.
+    (:func:`~synkhronos.platform.values.hold_faces`), which costs donation.
     """
     if threading.active_count() == 1:
         return False
     me, dummy = threading.current_thread(), getattr(threading, "_DummyThread", ())
-    return any(t is not me and not is_own(t) and not isinstance(t, dummy)
+    return any(t is not me and not is_own(t) and not isinstance(t, dummy) and not _a_librarys(t)
                for t in threading.enumerate())
+
+
+def _a_librarys(thread):
+    target = getattr(thread, "_target", None)
+    module = getattr(target, "__module__", None) or type(thread).__module__
+    return module.startswith(LIBRARY_THREADS)
 
 
 def lock():
