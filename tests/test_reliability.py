@@ -465,11 +465,12 @@ CTRL_C_IN_A_GC_CALLBACK = """
 
 def test_a_ctrl_c_landing_in_a_garbage_collection_callback_reaches_the_user():
     """Python swallows an exception raised in a gc callback ("Exception ignored in"); synkhronos's
-    SIGINT handler delivers the signal again once the callback has returned."""
+    SIGINT handler raises it at the next line of the code the collection interrupted, however much
+    of the time the callbacks take (here nearly all of it)."""
     out = run_script(CTRL_C_IN_A_GC_CALLBACK, timeout=120)
     lines = [t for t in out.stdout.splitlines() if t.startswith(("DELIVERED", "LOST"))]
     assert len(lines) == 5 and all(t.startswith("DELIVERED") for t in lines), out.stdout + out.stderr[-2000:]
-    assert max(float(t.split()[1]) for t in lines) < 5.0, lines
+    assert max(float(t.split()[1]) for t in lines) < 2.0, lines      # signalled at 0.2 s
 
 
 CTRL_C_IN_A_CALL_AND_IN_CLOSE = """

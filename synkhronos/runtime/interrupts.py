@@ -7,7 +7,10 @@ arrives. Two places would lose it or do harm:
   collection) or a ``__del__``: Python prints "Exception ignored in ..." and
   swallows it, and the user's loop runs on. :func:`install` puts a SIGINT
   handler in front of Python's own that, inside such code, lets it finish
-  and delivers the signal again a moment later, once it has returned;
+  and raises the ``KeyboardInterrupt`` at the next line of the frame that
+  code interrupted (a ``sys.monitoring`` line event on that frame's code,
+  armed only until it fires), or, where no such frame or monitoring tool is
+  free, delivers the signal again a moment later;
 - the middle of a synkhronos operation (a function being recorded and
   shipped, a call, a collective): master and workers could be left out of
   step. :func:`shut_down_after` ends the runtime there, with a message that
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import signal
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -29,8 +33,10 @@ from ..platform.threads import start_thread
 
 __all__ = ["install", "uninstall", "shut_down_after", "deferred", "REDELIVER_SECONDS"]
 
-#: how long after a deferred SIGINT it is delivered again
-REDELIVER_SECONDS = 0.02
+#: how long after a deferred SIGINT it is delivered again if no line of its caller has raised it
+REDELIVER_SECONDS = 0.25
+#: the same where no line event can raise it
+RETRY_SECONDS = 0.02
 
 _installed: list[Callable[..., Any]] = []      # the handler put in place, while it is
 
@@ -43,26 +49,95 @@ def _swallowing_codes():
     return codes
 
 
-def _inside_swallowing_code(frame):
+def _outside_swallowing_code(frame):
+    """``(inside, caller)``: whether ``frame`` runs inside swallowing code, and the frame that code
+    interrupted (the first frame outside it, or None)."""
     codes = _swallowing_codes()
+    inside, caller = False, None
     while frame is not None:
         if frame.f_code in codes or frame.f_code.co_name == "__del__":
-            return True
+            inside, caller = True, frame.f_back
         frame = frame.f_back
-    return False
+    return inside, caller
+
+
+class _Pending:
+    """A SIGINT held back from swallowing code, raised at the next line of the code it interrupted.
+
+    ``sys.monitoring`` line events are switched on for that one code object
+    while the interrupt is pending, and off again once it has been raised.
+    """
+
+    def __init__(self):
+        self.codes = set()
+        self.tool = None
+
+    def arm(self, code):
+        if self.tool is None:
+            self.tool = _claim_monitoring_tool(self._on_line)
+        if self.tool is None:
+            return False
+        self.codes.add(code)
+        sys.monitoring.set_local_events(self.tool, code, sys.monitoring.events.LINE)
+        return True
+
+    @property
+    def armed(self):
+        return bool(self.codes)
+
+    def disarm(self):
+        for code in self.codes:
+            if code is not None:
+                sys.monitoring.set_local_events(self.tool, code, 0)
+        self.codes.clear()
+
+    def _on_line(self, code, line):
+        if self.codes and threading.current_thread() is threading.main_thread():
+            inside, _ = _outside_swallowing_code(sys._getframe(1))
+            if not inside:
+                self.disarm()
+                raise KeyboardInterrupt
+
+    def release(self):
+        """Give the monitoring tool back (at :func:`uninstall`)."""
+        if self.tool is not None:
+            self.disarm()
+            sys.monitoring.register_callback(self.tool, sys.monitoring.events.LINE, None)
+            sys.monitoring.free_tool_id(self.tool)
+            self.tool = None
+
+
+def _claim_monitoring_tool(on_line):
+    """A free ``sys.monitoring`` tool id with ``on_line`` as its line callback, or None."""
+    for tool in (4, 3):          # ids no debugger, coverage tool, profiler or optimizer claims
+        if sys.monitoring.get_tool(tool) is None:
+            sys.monitoring.use_tool_id(tool, "synkhronos-sigint")
+            sys.monitoring.register_callback(tool, sys.monitoring.events.LINE, on_line)
+            return tool
+    return None
+
+
+_pending = _Pending()
 
 
 def _redeliver():
-    signal.raise_signal(signal.SIGINT)
+    if _pending.armed:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _on_sigint(signum, frame):
-    if _inside_swallowing_code(frame):
-        timer = threading.Timer(REDELIVER_SECONDS, _redeliver)
-        timer.daemon = True
-        start_thread(None, "synk-sigint", thread=timer)
-        return
-    signal.default_int_handler(signum, frame)
+    inside, caller = _outside_swallowing_code(frame)
+    if not inside:
+        _pending.disarm()
+        signal.default_int_handler(signum, frame)
+    delay = REDELIVER_SECONDS
+    if caller is None or not _pending.arm(caller.f_code):
+        _pending.codes.add(None)        # armed for the timer alone
+        delay = RETRY_SECONDS
+    # also the fallback for a caller that never reaches its next line (a long call into C)
+    timer = threading.Timer(delay, _redeliver)
+    timer.daemon = True
+    start_thread(None, "synk-sigint", thread=timer)
 
 
 def install() -> None:
@@ -83,6 +158,7 @@ def uninstall() -> None:
     if signal.getsignal(signal.SIGINT) is _installed[0]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     _installed.clear()
+    _pending.release()
 
 
 @contextlib.contextmanager
