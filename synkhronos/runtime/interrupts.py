@@ -7,10 +7,10 @@ arrives. Two places would lose it or do harm:
   collection) or a ``__del__``: Python prints "Exception ignored in ..." and
   swallows it, and the user's loop runs on. :func:`install` puts a SIGINT
   handler in front of Python's own that, inside such code, lets it finish
-  and raises the ``KeyboardInterrupt`` at the next line of the frame that
-  code interrupted (a ``sys.monitoring`` line event on that frame's code,
-  armed only until it fires), or, where no such frame or monitoring tool is
-  free, delivers the signal again a moment later;
+  and raises the ``KeyboardInterrupt`` at the next line run by the frame
+  that code interrupted or a frame below it (``sys.monitoring`` line events
+  on their code, armed only until one fires), or, where no such frame or
+  monitoring tool is free, delivers the signal again a moment later;
 - the middle of a synkhronos operation (a function being recorded and
   shipped, a call, a collective): master and workers could be left out of
   step. :func:`shut_down_after` ends the runtime there, with a message that
@@ -34,7 +34,7 @@ from ..platform.threads import start_thread
 __all__ = ["install", "uninstall", "shut_down_after", "deferred", "REDELIVER_SECONDS"]
 
 #: how long after a deferred SIGINT it is delivered again if no line of its caller has raised it
-REDELIVER_SECONDS = 0.25
+REDELIVER_SECONDS = 0.1
 #: the same where no line event can raise it
 RETRY_SECONDS = 0.02
 
@@ -50,35 +50,68 @@ def _swallowing_codes():
 
 
 def _outside_swallowing_code(frame):
-    """``(inside, caller)``: whether ``frame`` runs inside swallowing code, and the frame that code
-    interrupted (the first frame outside it, or None)."""
+    """``(inside, caller)``: whether ``frame`` runs inside code that an interrupt must not stop, and
+    the frame that code interrupted (the first frame outside it, or None).
+
+    That code is a garbage-collection callback or a ``__del__`` (which swallow
+    the exception), and an import of one of JAX's modules (an interrupted
+    import of JAX's MLIR dialects cannot be done again: every later compile
+    fails with "Dialect namespace ... is already registered").
+    """
     codes = _swallowing_codes()
-    inside, caller = False, None
+    inside, caller, importing = False, None, None
     while frame is not None:
-        if frame.f_code in codes or frame.f_code.co_name == "__del__":
-            inside, caller = True, frame.f_back
+        code = frame.f_code
+        if code in codes or code.co_name == "__del__" or (
+                code.co_name == "<module>" and code.co_filename.startswith(_JAX_DIRECTORIES)):
+            inside, caller, importing = True, frame.f_back, None
+        elif inside and code.co_filename.startswith("<frozen importlib"):
+            importing = importing or frame
+        elif importing is not None:
+            caller, importing = frame, None
         frame = frame.f_back
     return inside, caller
+
+
+def _jax_directories():
+    """The directories of the installed ``jax`` and ``jaxlib`` packages (without importing them)."""
+    import importlib.util
+    import os
+    found = []
+    for name in ("jax", "jaxlib"):
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            found.append(os.path.join(location, ""))
+    return tuple(found)
+
+
+_JAX_DIRECTORIES = _jax_directories()
 
 
 class _Pending:
     """A SIGINT held back from swallowing code, raised at the next line of the code it interrupted.
 
-    ``sys.monitoring`` line events are switched on for that one code object
-    while the interrupt is pending, and off again once it has been raised.
+    ``sys.monitoring`` line events are switched on for the code objects of the
+    interrupted frame and the frames below it while the interrupt is pending,
+    and off again once it has been raised.
     """
 
     def __init__(self):
         self.codes = set()
         self.tool = None
 
-    def arm(self, code):
+    def arm(self, caller):
+        """Raise at the next line run by ``caller`` or any frame below it (``caller`` may end
+        without running another line); False if no monitoring tool id is free."""
         if self.tool is None:
             self.tool = _claim_monitoring_tool(self._on_line)
         if self.tool is None:
             return False
-        self.codes.add(code)
-        sys.monitoring.set_local_events(self.tool, code, sys.monitoring.events.LINE)
+        while caller is not None:
+            if caller.f_code not in self.codes:
+                self.codes.add(caller.f_code)
+                sys.monitoring.set_local_events(self.tool, caller.f_code, sys.monitoring.events.LINE)
+            caller = caller.f_back
         return True
 
     @property
@@ -131,7 +164,7 @@ def _on_sigint(signum, frame):
         _pending.disarm()
         signal.default_int_handler(signum, frame)
     delay = REDELIVER_SECONDS
-    if caller is None or not _pending.arm(caller.f_code):
+    if caller is None or not _pending.arm(caller):
         _pending.codes.add(None)        # armed for the timer alone
         delay = RETRY_SECONDS
     # also the fallback for a caller that never reaches its next line (a long call into C)

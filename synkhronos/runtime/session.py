@@ -189,19 +189,20 @@ def begin(settings):
                               if k not in _user_environment})
     jax_init.configure_environment(os.environ, settings.platform, settings.threads)
     state = _life.state = State(settings, on_abort=_forget)
+    interrupts.install()            # before JAX is first imported (a Ctrl-C waits for its imports)
     try:
         state.start()
     except BaseException:
         state.abort()
         _life.state = None
         _restore_environment()
+        interrupts.uninstall()
         raise
     # atexit runs handlers last-in first-out: registering now (after JAX registered its own
     # clean-up, which shuts the distributed runtime down) stops our workers before JAX's
     # shutdown barrier waits for them.
     atexit.unregister(end)
     atexit.register(end)
-    interrupts.install()
     return state
 
 
