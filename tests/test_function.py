@@ -154,6 +154,25 @@ def test_more_plans_than_the_cache_holds(synk2, rng):
         close(f(x_dat, batch=n), X[:n].sum())
 
 
+def test_repeated_numpy_calls_reuse_their_plan_and_compute_each_calls_values(synk2, rng):
+    """numpy arguments of a repeated shape skip validation (their plan is kept), and are staged
+    anew at every call: other values, shapes that come back after another, a Python scalar for a
+    0-d input, a value that needs a cast (the full path) and a buffer edited in place between
+    calls are each computed as numpy computes them."""
+    x, s = pt.matrix("x"), pt.scalar("s")
+    f = synk.function([x], [(x.sum() * s, "sum")], bcast_inputs=[s], name="numpy_plans")
+    buffer = rng.normal(size=(6, 2))
+    for shape in [(6, 2), (6, 2), (4, 2), (6, 2), (9, 2), (4, 2)]:
+        X, scale = rng.normal(size=shape), float(rng.uniform(1, 2))
+        close(f(X, scale), X.sum() * scale)
+        close(f(X.astype("float32"), np.float64(scale)), X.astype("float32").sum() * scale, rtol=1e-6)
+        buffer *= -1.5                                   # the same array object, new values
+        close(f(buffer, 2.0), buffer.sum() * 2.0)
+    with pytest.raises(TypeError, match="ndim"):         # still validated where the key differs
+        f(np.ones(3), 1.0)
+    close(f(np.ones((6, 2)), 1.0), 12.0)
+
+
 @pytest.mark.parametrize("num_slices", [1, 3, 4])
 def test_num_slices_on_outputs(model, num_slices, rng):
     f, _, B = model

@@ -124,6 +124,10 @@ def _picks_rows(value, scalars):
     return False
 
 
+#: the sets of scalar values whose slice bounds a function keeps
+BOUNDS_KEPT = 65536
+
+
 class RowsFromGivens:
     """What one function's ``givens`` and 0-d inputs make of its inputs, and what a call selects.
 
@@ -156,6 +160,8 @@ class RowsFromGivens:
         fn = pytensor.function(read, present, mode="FAST_COMPILE") if present else None
         #: the bounds' function, which user inputs it reads, and which bounds are given
         self._bounds = (fn, [self._user.index(v) for v in read], [b is not None for b in bounds])
+        #: the bounds computed for the scalar values seen (they depend on nothing else)
+        self._bounds_of = {}
 
     @classmethod
     def find(cls, inputs, bcast_inputs, givens, name):
@@ -253,10 +259,7 @@ class RowsFromGivens:
         if not self.slices:
             raise TypeError("the function's givens select no rows (they are computed whole on "
                             "every device)")
-        fn, reads, present = self._bounds
-        values = iter(fn(*[np.asarray(getattr(arguments[i], "data", arguments[i])) for i in reads])
-                      if fn is not None else [])
-        bounds = [int(next(values)) if p else None for p in present]
+        bounds = self._bounds_for(arguments)
         ranges = []
         for s, start, stop in zip(self.slices, bounds[0::2], bounds[1::2]):
             n = len(s.base.get_value(borrow=True))
@@ -273,6 +276,20 @@ class RowsFromGivens:
             raise ValueError(f"the givens select no rows ({first[0].key}: rows {first[1]}:{first[2]} "
                              f"of {first[0].base}); give a range with at least one row")
         return slice(first[1], first[2])
+
+    def _bounds_for(self, arguments):
+        """The slices' bounds (None where a slice gives none) for the scalars in ``arguments``,
+        computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
+        fn, reads, present = self._bounds
+        scalars = [np.asarray(getattr(arguments[i], "data", arguments[i])) for i in reads]
+        key = tuple((a.dtype.str, a.item()) if a.ndim == 0 else None for a in scalars)
+        bounds = self._bounds_of.get(key) if None not in key else None
+        if bounds is None:
+            values = iter(fn(*scalars) if fn is not None else [])
+            bounds = [int(next(values)) if p else None for p in present]
+            if None not in key and len(self._bounds_of) < BOUNDS_KEPT:
+                self._bounds_of[key] = bounds
+        return bounds
 
     def selected_rows(self, window):
         """Rows ``window`` of each row input's shared variable, from its value as it is now.

@@ -8,6 +8,7 @@ adopts without another copy (on a GPU, ``device_put`` copies them over).
 import numpy as np
 
 from ..ipc.buffers import BufferPool
+from .internals import device_put_bare
 from .values import device_face, host_face, store, stored
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
@@ -98,4 +99,6 @@ def adopt(private):
     On CPU the device array is a view of ``private`` and keeps it alive.
     """
     import jax
-    return jax.device_put(private, jax.local_devices()[0])
+    device = jax.local_devices()[0]
+    adopted = device_put_bare(private, device)
+    return adopted if adopted is not None else jax.device_put(private, device)

@@ -80,13 +80,31 @@ def host_face(value):
     ('ndarray', True, [0.0, 1.0, 2.0])
     """
     import jax
-    if not isinstance(value, jax.Array) or value.nbytes == 0 or \
-            next(iter(value.devices())).platform != "cpu":
+    if not isinstance(value, jax.Array):
+        return value
+    if jax.local_devices()[0].platform != "cpu" and next(iter(value.devices())).platform != "cpu":
+        return value
+    nbytes = value.nbytes
+    if nbytes == 0:
         return value
     value.block_until_ready()
-    memory = (ctypes.c_char * value.nbytes).from_address(buffer_address(value))
+    memory = _bytes_type(nbytes).from_address(buffer_address(value))
     memory.device_array = value
     return np.ndarray(value.shape, value.dtype, buffer=memory)
+
+
+def _bytes_type(nbytes):
+    """The ctypes array type of ``nbytes`` bytes (made once per size: making one costs more than
+    the face)."""
+    made = _BYTES_TYPES.get(nbytes)
+    if made is None:
+        if len(_BYTES_TYPES) > 4096:
+            _BYTES_TYPES.clear()
+        made = _BYTES_TYPES[nbytes] = ctypes.c_char * nbytes
+    return made
+
+
+_BYTES_TYPES: dict = {}
 
 
 def device_face(value):

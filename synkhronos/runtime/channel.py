@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 #: a command of a kind whose last one took this long runs on this rank's cores (see Channel)
-BIND_MIN_SECONDS = 1e-3
+BIND_MIN_SECONDS = 10e-3
 
 
 class Channel:
@@ -103,9 +103,10 @@ class Channel:
         """``run(*args)``, on this rank's cores if the last command of ``kind`` took
         :data:`BIND_MIN_SECONDS` or more.
 
-        Binding the thread and giving its cores back are two system calls of a
-        few microseconds together: nothing next to a step's computation, a good
-        part of a tiny call. So only commands that proved long run bound.
+        Binding the thread and giving its cores back are two system calls, and
+        the move of a running thread onto its core costs more than the calls:
+        nothing next to a large step's computation, a good part of a small
+        model's step. So only commands that proved long run bound.
         """
         start = time.perf_counter()
         try:
