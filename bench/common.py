@@ -4,6 +4,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import time
@@ -112,6 +113,17 @@ def run_json(cmd, env=None, timeout=900):
     if out.returncode != 0 or not lines:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(lines[-1])
+
+
+def write_section(title, lines):
+    """Put ``lines`` into bench/RESULTS.md in place of the section headed ``title`` (or at the end)."""
+    path = os.path.join(HERE, "RESULTS.md")
+    text = open(path).read() if os.path.exists(path) else ""
+    block = "\n".join(lines) + "\n"
+    pattern = re.compile(re.escape(title) + r".*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as fh:
+        fh.write(text)
 
 
 def emit(result):

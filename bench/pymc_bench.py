@@ -15,12 +15,11 @@ The goal compares synkhronos with the faster of the two single-chain PyMC runs o
 
 import argparse
 import os
-import re
 import sys
 
 import numpy as np
 
-from bench.common import HERE, emit, per_round_ratios, python, run_json, spread
+from bench.common import emit, per_round_ratios, python, run_json, spread, write_section
 
 ROWS, FEATURES = 200_000, 10
 VARIANTS = ("pymc", "pymc_blas", "pymc_chains", "synk")
@@ -145,17 +144,6 @@ def _per_step(r):
             "the functions alone.")
 
 
-def write_section(lines):
-    """Put ``lines`` into bench/RESULTS.md in place of the section with the same title (or at the end)."""
-    path = os.path.join(HERE, "RESULTS.md")
-    text = open(path).read() if os.path.exists(path) else ""
-    block = "\n".join(lines) + "\n"
-    pattern = re.compile(re.escape(TITLE) + r".*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=VARIANTS)
@@ -168,7 +156,7 @@ def main(argv=None):
         emit(run_variant(args.variant, args.draws, args.tune))
         return
     lines = section(measure(1 if args.quick else args.rounds, args.quick))
-    write_section(lines)
+    write_section(TITLE, lines)
     print("\n".join(lines))
 
 
