@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 
 from bench import report
-from bench.common import HERE, ROOT, python, run_json
+from bench.common import HERE, ROOT, cpu_model, python, run_json
 
 TORCH_VENV = os.path.join(ROOT, ".venv-torch")
 
@@ -42,18 +42,6 @@ def machine():
     return (f"{cpu_model()}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.machine()}, Python "
             f"{platform.python_version()}, numpy {np.__version__}, jax {jax.__version__}, pytensor "
             f"{pytensor.__version__}")
-
-
-def cpu_model():
-    """The CPU's model name (from /proc/cpuinfo), or the architecture."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None):

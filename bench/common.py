@@ -4,6 +4,7 @@ import contextlib
 import json
 import mmap
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -113,6 +114,18 @@ def run_json(cmd, env=None, timeout=900):
     if out.returncode != 0 or not lines:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or ["failed"]}
     return json.loads(lines[-1])
+
+
+def cpu_model():
+    """The CPU's model name (from /proc/cpuinfo), or the architecture."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_section(title, lines):

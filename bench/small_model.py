@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from bench.common import emit, per_round_ratios, python, run_json, spread, write_section
+from bench.common import cpu_model, emit, per_round_ratios, python, run_json, spread, write_section
 
 VARIANTS = ("numba", "c", "synk", "synk_run")
 TITLE = "## 11. A small model's step: the SdA tutorial's finetuning, batch 20"
@@ -116,7 +116,7 @@ def measure(rounds=3, seconds=3.0):
         for v in VARIANTS:
             runs[v].append(run_json([python(), "-m", "bench.small_model", "--variant", v,
                                      "--seconds", str(seconds)], timeout=900))
-    out = dict(rounds=rounds, runs=runs)
+    out = dict(rounds=rounds, runs=runs, cpu=cpu_model())
     out["step_ms"] = {v: _median([r.get("step_ms") for r in runs[v]]) for v in VARIANTS}
     plain = [_least(a.get("step_ms"), b.get("step_ms")) for a, b in zip(runs["numba"], runs["c"])]
     out["ratios"] = {v: per_round_ratios([r.get("step_ms") for r in runs[v]], plain) for v in VARIANTS}
@@ -156,8 +156,8 @@ def section(r):
             "| variant | one step (ms) | over the faster plain PyTensor step | spread over rounds | "
             "goal ≤ 3× |",
             "|---|---|---|---|---|"] + rows + ["",
-            f"{r['rounds']} rounds, each variant a fresh process in turn, stepping through the minibatches for "
-            "a few seconds after a warm-up epoch. What a master-driven step of this size spends beyond the "
+            f"{r['rounds']} rounds on {r.get('cpu', 'this machine')}, each variant a fresh process in turn, "
+            "stepping through the minibatches for a few seconds after a warm-up epoch. What a master-driven step of this size spends beyond the "
             "compute is per-command cost: the master plans and posts the command, both devices compute "
             "their 10 rows, exchange the 18k-value gradient through shared memory, update, and report back.",
             ""] + ([f"Errors: {'; '.join(errors)}", ""] if errors else [])
