@@ -158,8 +158,9 @@ def section(r):
             "|---|---|---|---|---|"] + rows + ["",
             f"{r['rounds']} rounds on {r.get('cpu', 'this machine')}, each variant a fresh process in turn, "
             "stepping through the minibatches for a few seconds after a warm-up epoch. What a "
-            "master-driven step of this size spends beyond the compute is per-command cost: the master plans and posts the command, both devices compute "
-            "their 10 rows, exchange the 18k-value gradient through shared memory, update, and report back.",
+            "master-driven step of this size spends beyond the compute is per-command cost: the master "
+            "plans and posts the command, both devices compute their 10 rows, exchange the 18k-value "
+            "gradient through shared memory, update, and report back.",
             ""] + ([f"Errors: {'; '.join(errors)}", ""] if errors else [])
 
 
