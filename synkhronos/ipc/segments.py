@@ -119,7 +119,7 @@ class Claim:
 
 
 #: the claims this process holds
-_claims = set()
+_claims: set[Claim] = set()
 
 
 def _forget_claims_in_child():

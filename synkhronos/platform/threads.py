@@ -25,7 +25,7 @@ def start_thread(target: Callable[..., Any], name: str, daemon: bool = True,
     """
     if thread is None:
         thread = threading.Thread(target=target, name=name, daemon=daemon)
-    thread._synkhronos_own = True
+    thread._synkhronos_own = True  # type: ignore[attr-defined]
     thread.start()
     return thread
 
