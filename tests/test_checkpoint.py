@@ -295,6 +295,41 @@ def test_damaged_files_paths_and_arguments_are_named(synk2, tmp_path):
     assert session.active() is not None
 
 
+def test_the_checksum_is_xxh3_and_files_checksummed_with_blake2b_still_read(synk2, tmp_path):
+    """Files name their checksum (XXH3-128, at memory speed); a file without the name was written
+    with blake2b and still restores, and a changed byte in it is still caught; a 0-d value keeps
+    its shape."""
+    import hashlib
+
+    import xxhash
+    from safetensors.numpy import save_file
+    f, w, v = small_function(seed=4)
+    count = pytensor.shared(np.int64(7), name="count")
+    synk.function([], updates=[(count, count + 1)], name="ck_count")
+    synk.distribute()
+    path = str(tmp_path / "new.safetensors")
+    checkpoint.save(path, [w, count], step=1)
+    meta, _, tensors = checkpoint.read(path)
+    assert meta["checksum"] == "xxh3_128" and tensors["1/count"].shape == ()
+    assert meta["checksums"]["0/w"] == xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tensors["0/w"]).tobytes())
+    old = {k: a.copy() for k, a in tensors.items()}
+    old_meta = dict(meta, checksums={k: hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+                                     for k, a in old.items()})
+    del old_meta["checksum"]
+    old_path = str(tmp_path / "old.safetensors")
+    save_file(old, old_path, metadata={"synkhronos": json.dumps(old_meta), "extra": "null"})
+    w_saved = w.get_value()
+    w.set_value(np.zeros((3, 4)))
+    assert checkpoint.restore(old_path, [w, count])["step"] == 1
+    np.testing.assert_array_equal(synk.get_value(1, w), w_saved)
+    assert int(synk.get_value(1, count)) == 7
+    raw = bytearray(open(old_path, "rb").read())
+    raw[-3] ^= 0xFF
+    open(old_path, "wb").write(bytes(raw))
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        checkpoint.read(old_path)
+
+
 def test_resuming_past_the_end_says_so(synk2, rng, tmp_path):
     from test_extensions import mlp
     x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)

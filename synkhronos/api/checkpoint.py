@@ -124,24 +124,26 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     except TypeError as e:
         raise TypeError(f"extra must be JSON-serializable ({e}); give plain numbers, strings, "
                         f"lists and dicts") from None
-    local = [[np.asarray(v) for v in state.collectives.local_values(rank, variables)]     # by local rank
-             for rank in range(state.n_local)]
-    values_of, replicated = _values_on_every_rank(state, local, len(variables))
-    tensors, layout = {}, []
+    # views of the values where they come without a copy: nothing changes them before the file
+    # is written (the runtime's lock is held)
+    local = [state.collectives.local_values(rank, variables, copy=False) for rank in range(state.n_local)]
+    values_of, replicated, digests = _values_on_every_rank(state, local, len(variables))
+    tensors, checksums, layout = {}, {}, []
     for i, var in enumerate(variables):
         key = _key(i, var)
         if replicated[i]:
-            tensors[key] = np.array(local[state.local_master][i])
+            tensors[key] = _contiguous(local[state.local_master][i])
+            checksums[key] = digests[state.local_master][i][2]
         else:
             for rank, value in enumerate(values_of(i)):
-                tensors[f"{key}@{rank}"] = np.array(value)
+                tensors[f"{key}@{rank}"] = _contiguous(value)
         layout.append(dict(key=key, name=var.name, per_rank=not replicated[i]))
     for name, value in (arrays or {}).items():
         tensors[f"{ARRAY_PREFIX}{name}"] = np.array(value)
     #: a digest of every tensor's bytes: a file whose data changed is refused when read
-    checksums = {key: _checksum(value) for key, value in tensors.items()}
+    checksums = {key: checksums.get(key) or _checksum(value) for key, value in tensors.items()}
     meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout,
-                checksums=checksums)
+                checksum=CHECKSUM, checksums=checksums)
     if state.topology.node_rank == 0:             # one writer: node 0's master
         try:
             _write_atomically(path, tensors, {_META_KEY: json.dumps(meta), "extra": extra_text})
@@ -152,32 +154,30 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
 
 
 def _values_on_every_rank(state, local, n_vars):
-    """``(values_of, replicated)``: variable ``i``'s value on every global rank, and whether every
-    rank holds the same. On several nodes the masters compare digests first and send each other
-    only the values that differ between ranks."""
+    """``(values_of, replicated, digests)``: variable ``i``'s value on every global rank, whether
+    every rank holds the same, and this node's ranks' digests of their values (:func:`_digest`).
+    The ranks compare digests, and on several nodes the masters send each other only the values
+    that differ between ranks."""
+    digests = [[_digest(v) for v in values] for values in local]
     if state.nodes is None:
-        by_rank = local
-        differ = [i for i in range(n_vars) if not _same_everywhere([values[i] for values in local])]
+        by_rank, every = local, digests
     else:
-        digests = joined_over_nodes(state.nodes, "checkpoint: digests",
-                                          [[_digest(v) for v in values] for values in local])
-        differ = [i for i in range(n_vars) if len({d[i] for d in digests}) > 1]
+        every = joined_over_nodes(state.nodes, "checkpoint: digests", digests)
+    differ = [i for i in range(n_vars) if len({d[i] for d in every}) > 1]
+    if state.nodes is not None:
         by_rank = joined_over_nodes(state.nodes, "checkpoint: values",
-                                          [{i: values[i] for i in differ} for values in local])
+                                    [{i: values[i] for i in differ} for values in local])
 
     def values_of(i):
         return [values[i] for values in by_rank]
-    return values_of, [i not in differ for i in range(n_vars)]
-
-
-def _same_everywhere(values):
-    return all(v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values)
+    return values_of, [i not in differ for i in range(n_vars)], digests
 
 
 def _digest(value):
-    import hashlib
-    value = np.ascontiguousarray(value)
-    return (value.shape, str(value.dtype), hashlib.sha1(value.view(np.uint8).ravel()).hexdigest())
+    """``(shape, dtype, checksum)`` of an array: equal for equal values (a 128-bit hash of the
+    bytes), what the ranks compare and what the file keeps."""
+    value = np.asarray(value)
+    return value.shape, str(value.dtype), _checksum(value)
 
 
 def _tell_nodes(state, outcome):
@@ -189,9 +189,25 @@ def _tell_nodes(state, outcome):
         raise RuntimeError(f"node 0 could not write the checkpoint ({outcomes[0]})")
 
 
-def _checksum(value):
-    import hashlib
-    return hashlib.blake2b(np.ascontiguousarray(value).view(np.uint8), digest_size=16).hexdigest()
+def _checksum(value, algorithm=None):
+    """The hex digest of an array's bytes: xxHash's XXH3-128, which hashes at memory speed (a
+    checksum against damage, not a cryptographic seal); ``"blake2b"`` for files written before."""
+    data = _contiguous(value).reshape(-1).view(np.uint8)
+    if algorithm == "blake2b":
+        import hashlib
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+    import xxhash
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _contiguous(value):
+    """``value`` as a C-contiguous array, copied only if it is not one (a 0-d array stays 0-d)."""
+    value = np.asarray(value)
+    return value if value.flags.c_contiguous else np.ascontiguousarray(value)
+
+
+#: the checksum a checkpoint's metadata names (files without the name were written with blake2b)
+CHECKSUM = "xxh3_128"
 
 
 def _write_atomically(path, tensors, metadata):
@@ -242,8 +258,9 @@ def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
     except Exception as e:
         raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated: "
                          f"{type(e).__name__}: {e})") from None
+    algorithm = meta.get("checksum", "blake2b")
     for key, expected in (checksums or {}).items():
-        if key not in tensors or _checksum(tensors[key]) != expected:
+        if key not in tensors or _checksum(tensors[key], algorithm) != expected:
             name = next((entry["name"] for entry in layout if key.split("@")[0] == entry["key"]), key)
             raise ValueError(f"{path}: the data of {name!r} ({key}) do not match their checksum; "
                              f"the file was changed or damaged after it was written")

@@ -378,9 +378,12 @@ class Channel:
         seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
         return read_pickle(seg, int(self.ctl.status[rank, ControlBlock.RESULT_NBYTES]))
 
-    def read_result_arrays(self, rank):
+    def read_result_arrays(self, rank, copy=True):
+        """The arrays ``rank`` packed into its result segment (``copy=False``: views of the
+        segment, valid until that rank's next result)."""
         seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
-        return [np.array(a) for a in unpack_arrays(seg.mm)]
+        arrays = unpack_arrays(seg.mm)
+        return [np.array(a) for a in arrays] if copy else arrays
 
     # --- end --------------------------------------------------------------------------------
     def stop_workers(self):

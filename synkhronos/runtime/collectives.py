@@ -13,7 +13,7 @@ import numpy as np
 from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
-from ..platform.values import stored
+from ..platform.values import host_face, stored
 from ..tracing import trace
 from ..wire.collective import Kind, kind_name, shapes_of
 from ..wire.control import Op, Words
@@ -92,15 +92,22 @@ class Collectives(Part):
             values = state.nodes.exchange(("get_value", int(rank)), values)[owner]
         return values
 
-    def local_values(self, rank, vars_):
-        """The values of ``vars_`` on this node's local ``rank`` (no other node takes part)."""
+    def local_values(self, rank, vars_, copy=True):
+        """The values of ``vars_`` on this node's local ``rank`` (no other node takes part).
+
+        ``copy=False``: views where they come without a copy (the master's own
+        values on a CPU device; a worker's, in its result segment), valid until
+        the next command that changes them or that rank's next result.
+        """
         state = self._state
         if rank == state.local_master:
+            if not copy:
+                return [np.asarray(host_face(stored(v))) for v in vars_]
             return [np.array(v.get_value()) for v in vars_]
         state.registry.ensure_shipped()
         state.channel.send_pickled(state.registry.uids_of(vars_))
         state.channel.command(Op.GET_SHARED, ranks=[rank])
-        return state.channel.read_result_arrays(rank)
+        return state.channel.read_result_arrays(rank, copy=copy)
 
     def set_values(self, rank, vars_, arrays):
         """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).
