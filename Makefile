@@ -1,12 +1,13 @@
 # make demo  - set up .venv (Python >= 3.12 found automatically) and run the main demo
 # make test  - set up .venv and run the test suite
-# make bench - set up .venv and run the benchmarks
+# make bench - set up .venv and run the benchmarks (bench/RESULTS.md)
+# make bench-quick - the headline ratios in a few minutes, beside their goals
 # make lint  - set up .venv and check the code (ruff, mypy)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test demo bench docs clean lint
+.PHONY: all venv test test-all demo bench bench-quick docs clean lint
 
 all: test
 
@@ -33,6 +34,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+bench-quick: $(STAMP)
+	$(PY) -m bench.quick
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -37,5 +37,8 @@ def pytensor_graph(sizes=SIZES):
         h = pt.maximum(h @ params[i] + params[i + 1], 0)
     logits = h @ params[-2] + params[-1]
     logp = logits - pt.logsumexp(logits, axis=1, keepdims=True)
-    loss = -pt.mean(pt.take_along_axis(logp, y[:, None], axis=1))
+    # the target's log-probability picked by a one-hot mask: take_along_axis builds an int64 index
+    # (arange over the rows), which JAX in 32 bits truncates with a warning at every trace
+    picked = pt.switch(pt.eq(y[:, None], pt.arange(sizes[-1], dtype="int32")), logp, 0)
+    loss = -pt.mean(pt.sum(picked, axis=1))
     return x, y, loss, params
