@@ -409,6 +409,15 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
     k = pt.lscalar("k")
     h = synk.function([], (x.sum(), "sum"), bcast_inputs=[k], givens={x: data_sh[k:]})
     close(h(25), X[25:].sum())
+    # bounds read from a shared variable: refused when built, naming it (JAX cannot compile them)
+    offset = pytensor.shared(np.int64(2), name="offset")
+    with pytest.raises(TypeError, match=r"shared variables \['offset'\]: pass them as scalar inputs"):
+        synk.function([], (x.sum(), "sum"), givens={x: data_sh[offset:offset + 4]})
+    # an index that is not a number is named as the input that selects the rows
+    for wrong in (None, "1", np.array(["a"])):
+        with pytest.raises(TypeError, match="input 'i' selects the rows of the givens' slices"):
+            f(wrong)
+    close(f(np.int16(3)), X[3:7].sum())
 
 
 def test_givens_read_every_refill_and_in_place_edit_of_the_shared_data(devices, rng):

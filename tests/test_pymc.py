@@ -196,6 +196,23 @@ def test_find_map_equals_pymc_find_map(synk2, name):
     idata = spm.find_MAP(model=model, return_inferencedata=True)
     reference = pm.find_MAP(model=model, return_inferencedata=True, jitter=False, progressbar=False)
     assert set(idata.children) == set(reference.children)
+    # pm.find_MAP's signature: the method first, the model by keyword
+    by_position = spm.find_MAP("BFGS", model=model, use_grad=True, jitter=None)
+    for key in theirs:
+        np.testing.assert_allclose(by_position[key], theirs[key], rtol=1e-3, atol=1e-6)   # BFGS, not L-BFGS-B
+
+
+def test_find_map_refuses_what_it_cannot_do_over_the_devices(synk2):
+    model, _, _ = pymc_reference("logistic")
+    for options, match in [(dict(compute_hessian=True), "computes no Hessian .*compute_hessian=True"),
+                           (dict(use_hess=True), "computes no Hessian"),
+                           (dict(use_grad=False), "use_grad=False"),
+                           (dict(backend="numba"), "leave backend out"),
+                           (dict(compile_kwargs={}), "leave compile_kwargs out")]:
+        with pytest.raises(ValueError, match=match):
+            spm.find_MAP(model=model, **options)
+    with pytest.raises(TypeError, match="give the model as model="):
+        spm.find_MAP(model)
 
 
 def _refused(build, match):
@@ -245,6 +262,12 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
     def no_observed():
         pm.Normal("mu")
     _refused(no_observed, "no observed variables")
+
+    def missing_values():             # PyMC imputes them: a free variable per missing row
+        mu = pm.Normal("mu")
+        pm.Normal("gaps", mu, 1, observed=np.where(np.arange(20) % 7 == 3, np.nan, y))
+    with pytest.warns(Warning):      # PyMC's ImputationWarning
+        _refused(missing_values, r"'gaps' has missing values .* imputes as a free variable 'gaps_unobserved'")
     # refused before anything ran: the runtime still computes
     assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0]), "bounded")
 

@@ -165,6 +165,13 @@ def test_misuse_is_refused_before_any_worker_runs(runtime, rng):
     # declared axis 0: the user means to cut the sequences, each device scanning its own time steps
     cut = synk.function([x, mask], (h[-1], "gather"), split_axes={x: 0, mask: 0}, name="cut")
     close(cut(Xs, Ms), np.concatenate([cut.as_pytensor(Xs[a:b], Ms[a:b]) for a, b in [(0, 5), (5, 11)]]))
+    # a 'gather' output that keeps the split axis second, undeclared: its shares do not join along
+    # axis 0, and the message names split_axes (on the workers too, when they join slices)
+    keeps = synk.function([x, mask], (x * 2, "gather"), split_axes={x: 1, mask: 1}, name="keeps")
+    with pytest.raises(ValueError, match=r"do not join along axis 0.*split_axes=\{x: 1, output: 1\}"):
+        keeps(X, M)
+    with pytest.raises(ValueError, match=r"do not join along axis 0.*split_axes"):
+        keeps(X, M, num_slices=3)
     # the runtime is usable after every refusal
     for got, want in zip(f(X, M, Y), reference(f, X, M, Y)):
         close(got, want)

@@ -12,7 +12,6 @@ the results.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence, Union
 
 import numpy as np
@@ -33,6 +32,7 @@ from .batch import check_num_slices, node_local, parse_batch, parse_batch_s
 from .batch_shaped import BatchShapedState
 from .data import Data, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
+from .kept_plans import KeptPlans
 from .recording import compile_on_master, record
 from .shapes import check_argument_shape
 from .split_axes import RowAxes
@@ -54,21 +54,6 @@ Updates = Union[Sequence[tuple], dict]
 # ------------------------------------------------------------------------------------------------
 
 _MISSING = object()
-#: validated plans a Function keeps for repeated calls (see Function._plan_key)
-_PLANS_KEPT = 16
-#: marks a plan key of explicit indices, and a numpy argument's shape in one (see Function._plan_key)
-_INDICES, _STAGED = object(), object()
-
-
-def _as_own_dtype(value, dtype_ndim):
-    """``value`` as a numpy array if it already has the input's dtype and ndim (a Python scalar
-    for a 0-d input of its kind included), else None."""
-    dtype, ndim = dtype_ndim
-    if type(value) is not np.ndarray:
-        if type(value) not in (int, float) or ndim:
-            return None
-        value = np.asarray(value)
-    return value if value.dtype == dtype and value.ndim == ndim else None
 
 
 def _input_ref(d, offset=0, axis=0):
@@ -99,13 +84,12 @@ class Function:
         self._input_names = [var.name if var.name else f"input {i}"
                              for i, var in enumerate(spec.all_inputs)]
         self._n_inputs = len(spec.all_inputs)
-        self._input_types = [(np.dtype(var.type.dtype), var.type.ndim) for var in spec.all_inputs]
         self._axes = RowAxes(spec, self._input_names, scans_checked=rows is None)
         # per output: its mode, declared dtype and gather axis (the reduction of every call looks them up)
         self._reductions = [(mode, np.dtype(var.type.dtype), spec.gather_axis(i))
                             for i, (var, mode) in enumerate(spec.outputs)]
-        #: per plan key (see _plan_key), a box its first call fills with the validated plan
-        self._kept_plan = functools.lru_cache(maxsize=_PLANS_KEPT)(lambda key: [])
+        #: the validated plans of repeated calls
+        self._kept = KeptPlans(state, spec, self._scratch)
 
     @property
     def name(self) -> str:
@@ -223,12 +207,7 @@ class Function:
         if state is not self._state:
             raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
                                f"build it again after fork()")
-        key, staged = self._plan_key(args, kwargs, batch, batch_s, num_slices, output_subset)
-        kept = self._kept_plan(key) if key is not None else []
-        plan = kept[0] if kept else None
-        if plan is not None and staged and not self._restage(plan, staged):
-            del kept[:]           # its staging Data were given other shapes since: plan anew
-            plan = None
+        kept, plan = self._kept.find(args, kwargs, batch, batch_s, num_slices, output_subset)
         if plan is None:
             plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
             kept.append(plan)
@@ -267,55 +246,6 @@ class Function:
         n = self._state.n_parallel
         total = plan.batch.total
         return CallRows(tuple(hi - lo for lo, hi in (chunk(0, total, n, r) for r in range(n))), total)
-
-    def _plan_key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
-        """``(key, staged)``: what makes a validated plan reusable (None for calls validated every
-        time), and the numpy arguments the call stages, as ``(input index, array)`` pairs.
-
-        A training loop repeats one call shape: the same Data (same segment
-        generation and shape, so the same rows are valid), or numpy arguments of
-        the same shapes and of their inputs' own dtypes (staged into the same
-        Data, see :meth:`_restage`), a fixed ``batch`` size and ``num_slices``.
-        Such a call reuses its plan and skips its validation. A ``batch`` of
-        explicit indices (a numpy array) into Data that are not ``minibatch``
-        reuses the plan of the last call with as many indices, and only the new
-        indices are validated. ``batch_s`` (rows checked against every rank),
-        keywords and numpy arguments that need a cast always take the full path.
-        """
-        refused = None, ()
-        if kwargs or batch_s is not None or output_subset is not None or self.spec.sliceable_shareds:
-            return refused
-        indexed = type(batch) is np.ndarray
-        if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
-                or len(args) != self._n_inputs:
-            return refused
-        key = [(_INDICES, batch.shape) if indexed else batch, num_slices]
-        staged = []
-        for i, d in enumerate(args):
-            if type(d) is not Data:
-                value = _as_own_dtype(d, self._input_types[i])
-                if value is None or indexed:
-                    return refused
-                staged.append((i, value))
-                key.append((_STAGED, value.shape))
-                continue
-            if not d.belongs_to(self._state) or d.shape is None or \
-                    (indexed and d.minibatch):    # a minibatch Data's offset follows the indices
-                return refused
-            key.append((d.id, d.gen, d.shape, d.minibatch))
-        return tuple(key), staged
-
-    def _restage(self, plan, staged):
-        """Write the numpy arguments ``staged`` into the staging Data ``plan`` reads; False if
-        one of those Data has another shape or segment now (the plan no longer fits)."""
-        refs = plan.scattered + plan.bcast
-        for i, value in staged:
-            scratch, ref = self._scratch.get(i), refs[i]
-            if scratch is None or scratch.id != ref.data_id or scratch.gen != ref.gen or \
-                    scratch.shape != value.shape:
-                return False
-            scratch.data[...] = value
-        return True
 
     def _plan(self, args, kwargs, batch, batch_s, num_slices, output_subset):
         spec = self.spec

@@ -178,14 +178,20 @@ class RowsFromGivens:
         slices, rest = [], []
         for key, value in givens:
             found = _row_slice(key, value)
+            # a 0-d shared variable in the bounds is a value too: the number of rows would follow it
+            shared_scalars = [v for v in graph_inputs([value])
+                              if isinstance(v, SharedVariable) and v.ndim == 0]
             if found is not None and _bounds_read_only(found, scalars):
                 slices.append(found)
-            elif _picks_rows(value, scalars):
+            elif _picks_rows(value, scalars + shared_scalars):
+                read = [str(v) for v in shared_scalars if _picks_rows(value, [v])]
+                hint = (f" (it reads the bounds from the shared variables {read}: pass them as "
+                        f"scalar inputs of the function instead)") if read else ""
                 raise TypeError(
                     f"{name}: givens replaces {key} by {value}, which selects rows of a shared "
                     f"variable in a way synkhronos cannot split over the devices (it splits "
                     f"shared[start:stop] and casts or other elementwise functions of it, with "
-                    f"start and stop computed from scalar inputs); {RECIPE}")
+                    f"start and stop computed from scalar inputs){hint}; {RECIPE}")
             else:
                 rest.append((key, value))
         if not slices:       # a 0-d input has no rows to split: every device gets it whole
@@ -282,6 +288,10 @@ class RowsFromGivens:
         computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
         fn, reads, present = self._bounds
         scalars = [np.asarray(getattr(arguments[i], "data", arguments[i])) for i in reads]
+        for i, value in zip(reads, scalars):
+            if value.dtype.kind not in "biuf":
+                raise TypeError(f"input {self._user[i].name or i!r} selects the rows of the givens' "
+                                f"slices and takes a number, got {arguments[i]!r}")
         key = tuple((a.dtype.str, a.item()) if a.ndim == 0 else None for a in scalars)
         bounds = self._bounds_of.get(key) if None not in key else None
         if bounds is None:

@@ -147,7 +147,7 @@ def _warn_if_updates_are_local(triples, scattered, name):
     rows = set(scattered)
     local = [s for s, value, _ in triples if rows.intersection(ancestors([value]))]
     if local:
-        names = ", ".join(str(s) for s in local[:4]) + (" ..." if len(local) > 4 else "")
+        names = ", ".join(_update_names(local[:4], triples)) + (" ..." if len(local) > 4 else "")
         warnings.warn(
             f"{name}: the updates of {names} are computed from each device's own rows, so every "
             f"device steps on its own gradient and the copies drift apart (one model per device). "
@@ -155,6 +155,24 @@ def _warn_if_updates_are_local(triples, scattered, name):
             f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
             f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
             f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=5)
+
+
+def _update_names(targets, triples):
+    """The names of update ``targets``, each with its place in the updates where a name repeats
+    (the tutorials name every layer's weights ``W``).
+
+    Examples
+    --------
+    >>> import pytensor
+    >>> W1, W2 = pytensor.shared(0.0, name="W"), pytensor.shared(0.0, name="W")
+    >>> b = pytensor.shared(0.0, name="b")
+    >>> triples = [(W1, None, None), (b, None, None), (W2, None, None)]
+    >>> _update_names([W1, W2, b], triples)
+    ['W (update 1)', 'W (update 3)', 'b']
+    """
+    names = [str(s) for s, _, _ in triples]
+    place = {id(s): i for i, (s, _, _) in enumerate(triples)}
+    return [f"{s} (update {place[id(s)] + 1})" if names.count(str(s)) > 1 else str(s) for s in targets]
 
 
 def _check_jax_can_sample(spec):

@@ -118,10 +118,28 @@ class Accumulator:
 
     def result(self):
         if self.mode == GATHER:
-            return self.parts[0] if len(self.parts) == 1 else self.xp.concatenate(self.parts, axis=self.axis)
+            return self.parts[0] if len(self.parts) == 1 else concatenated(self.parts, self.axis, self.xp)
         if self.mode == "avg":
             return self.value / self.rows
         return self.value
+
+
+def concatenated(parts, axis, xp=np):
+    """``parts`` (each device's or slice's share of a "gather" output) concatenated along ``axis``.
+
+    Shares that differ on another axis than ``axis`` were split along another
+    axis than the output's rows (time-major inputs whose output keeps the
+    time axis first): the message names ``split_axes``.
+    """
+    shapes = [tuple(p.shape) for p in parts]
+    others = {s[:axis] + s[axis + 1:] for s in shapes}
+    if len(others) > 1 or any(len(s) <= axis for s in shapes):
+        raise ValueError(
+            f"a 'gather' output's shares have the shapes {shapes}, which do not join along axis "
+            f"{axis}: its rows lie along another axis (an output of inputs split along axis 1 may "
+            f"keep the split axis second); name it in split_axes with the axis its rows lie along, "
+            f"e.g. synk.function(..., split_axes={{x: 1, output: 1}})")
+    return xp.concatenate(parts, axis=axis)
 
 
 #: the numpy ufunc of each elementwise reduction
@@ -138,7 +156,7 @@ def reduce_ranks(mode, values, rows, axis=0):
     (reduced in one ufunc call).
     """
     if mode == GATHER:
-        return np.concatenate(values, axis=axis)
+        return concatenated(values, axis, np)
     if isinstance(values, np.ndarray):
         if mode == "avg":
             return np.dot(values, rows) / sum(rows)

@@ -93,7 +93,8 @@ class _Pending:
 
     ``sys.monitoring`` line events are switched on for the code objects of the
     interrupted frame and the frames below it while the interrupt is pending,
-    and off again once it has been raised.
+    under a tool id claimed for that time only (a debugger or profiler may
+    claim it again as soon as the interrupt has been raised).
     """
 
     def __init__(self):
@@ -119,9 +120,14 @@ class _Pending:
         return bool(self.codes)
 
     def disarm(self):
-        for code in self.codes:
-            if code is not None:
-                sys.monitoring.set_local_events(self.tool, code, 0)
+        """Switch the line events off and give the tool id back."""
+        tool, self.tool = self.tool, None
+        if tool is not None:
+            for code in self.codes:
+                if code is not None:
+                    sys.monitoring.set_local_events(tool, code, 0)
+            sys.monitoring.register_callback(tool, sys.monitoring.events.LINE, None)
+            sys.monitoring.free_tool_id(tool)
         self.codes.clear()
 
     def _on_line(self, code, line):
@@ -132,17 +138,14 @@ class _Pending:
                 raise KeyboardInterrupt
 
     def release(self):
-        """Give the monitoring tool back (at :func:`uninstall`)."""
-        if self.tool is not None:
-            self.disarm()
-            sys.monitoring.register_callback(self.tool, sys.monitoring.events.LINE, None)
-            sys.monitoring.free_tool_id(self.tool)
-            self.tool = None
+        """Forget a pending interrupt (at :func:`uninstall`)."""
+        self.disarm()
 
 
 def _claim_monitoring_tool(on_line):
     """A free ``sys.monitoring`` tool id with ``on_line`` as its line callback, or None."""
-    for tool in (4, 3):          # ids no debugger, coverage tool, profiler or optimizer claims
+    # the ids no tool claims by convention first, then the profiler's and the optimizer's
+    for tool in (4, 3, 2, 5):
         if sys.monitoring.get_tool(tool) is None:
             sys.monitoring.use_tool_id(tool, "synkhronos-sigint")
             sys.monitoring.register_callback(tool, sys.monitoring.events.LINE, on_line)

@@ -90,33 +90,47 @@ class NUTS(pm.NUTS):
         raise pickle.PicklingError(f"a synkhronos NUTS step is not pickled: {_ONE_PROCESS}")
 
 
-def find_MAP(model: Any = None, *, method: str = "L-BFGS-B", vars: Any = None, initvals: dict | None = None,
-             jitter: bool = False, jitter_max_retries: int = 10, random_seed: Any = None,
-             progressbar: bool = False, return_inferencedata: bool = False,
-             idata_kwargs: dict | None = None, **optimizer_kwargs: Any) -> Any:
+def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | None = None,
+             use_hess: bool | None = None, use_hessp: bool | None = None, initvals: dict | None = None,
+             jitter: bool | None = None, jitter_max_retries: int = 10, random_seed: Any = None,
+             progressbar: Any = False, compute_hessian: bool = False, return_inferencedata: bool = False,
+             idata_kwargs: dict | None = None, model: Any = None, backend: str | None = None,
+             compile_kwargs: dict | None = None, **optimizer_kwargs: Any) -> Any:
     """The maximum a posteriori point, as ``pm.find_MAP`` finds it, on every device.
 
-    The optimizer is the one ``pm.find_MAP`` drives (``better_optimize.minimize``
-    over scipy's methods), on ``-logp`` without the Jacobian terms and its
-    gradient, both from :func:`~.density.logp_dlogp_function`.
+    Takes ``pm.find_MAP``'s arguments. The optimizer is the one
+    ``pm.find_MAP`` drives (``better_optimize.minimize`` over scipy's methods),
+    on ``-logp`` without the Jacobian terms and its gradient, both from
+    :func:`~.density.logp_dlogp_function`.
 
     Parameters
     ----------
-    model : pymc.Model, optional
     method : str
         A gradient-based ``scipy.optimize.minimize`` method (default ``"L-BFGS-B"``).
     vars : list, optional
         Continuous variables to optimize (default: all); the others keep their initial values.
+    use_grad : bool, optional
+        True or None: the optimizer follows the gradient (False is refused).
+    use_hess, use_hessp, compute_hessian : optional
+        Refused when set: no Hessian is computed over the devices; ``pm.find_MAP(...,
+        compute_hessian=True, initvals=<the point found>)`` gives one at the point.
     initvals, jitter, jitter_max_retries, random_seed, progressbar : optional
-        As ``pm.find_MAP``.
+        As ``pm.find_MAP`` (``jitter=None`` is False).
     return_inferencedata : bool
         As ``pm.find_MAP``: an ``InferenceData`` if True, else a dict of every
         unobserved variable's value (transformed ones included unless
         ``idata_kwargs={"include_transformed": False}``).
     idata_kwargs : dict, optional
+    model : pymc.Model, optional
+    backend, compile_kwargs : optional
+        Refused when set: the density is compiled for the devices (JAX on each).
     **optimizer_kwargs
         Passed to the optimizer (``maxiter``, ``tol``, ...).
     """
+    _refuse_unsupported_map_options(use_grad=use_grad, use_hess=use_hess, use_hessp=use_hessp,
+                                    compute_hessian=compute_hessian, backend=backend,
+                                    compile_kwargs=compile_kwargs, method=method)
+    jitter = bool(jitter)
     from better_optimize import minimize
     model = modelcontext(model)
     grad_vars = _map_vars(model, vars)
@@ -141,6 +155,27 @@ def find_MAP(model: Any = None, *, method: str = "L-BFGS-B", vars: Any = None, i
     x0 = ravel(start)
     result = minimize(f=loss, x0=x0.data, method=method, progressbar=progressbar, **optimizer_kwargs)
     return _as_pymc_returns(model, start, result, x0, method, return_inferencedata, idata_kwargs or {})
+
+
+def _refuse_unsupported_map_options(use_grad, use_hess, use_hessp, compute_hessian, backend, compile_kwargs,
+                                    method):
+    """Refuse, naming the way, what ``pm.find_MAP`` takes that this one cannot do over the devices."""
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a scipy.optimize.minimize method name, got {method!r}; give "
+                        f"the model as model=")
+    if use_grad is False:
+        raise ValueError("find_MAP here follows the gradient (use_grad=False is not supported); use "
+                         "pm.find_MAP for a gradient-free method")
+    asked = [name for name, value in (("use_hess", use_hess), ("use_hessp", use_hessp),
+                                      ("compute_hessian", compute_hessian)) if value]
+    if asked:
+        raise ValueError(f"find_MAP here computes no Hessian ({', '.join(asked)}); for one at the point "
+                         f"found, call pm.find_MAP(compute_hessian=True, initvals=<that point>)")
+    given = [name for name, value in (("backend", backend), ("compile_kwargs", compile_kwargs))
+             if value is not None]
+    if given:
+        raise ValueError(f"find_MAP here compiles the density for the devices itself; leave "
+                         f"{', '.join(given)} out")
 
 
 def _map_vars(model, vars):

@@ -86,6 +86,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
     if not observed:
         raise UnsplittableModel("the model has no observed variables: there are no rows to split over "
                                 "the devices; use PyMC's own functions for it")
+    _refuse_imputed(model, observed)
     n_rows = _row_count(model, observed)
     row_terms = model.logp(vars=observed, jacobian=True, sum=False)
     for rv, term in zip(observed, row_terms):
@@ -110,6 +111,21 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
 
 
 # --- rows ------------------------------------------------------------------------------------------
+
+def _refuse_imputed(model, observed):
+    """Refuse PyMC's automatic imputation: an observed variable with missing values becomes
+    ``<name>_observed`` beside a free ``<name>_unobserved`` holding one value per missing row."""
+    for rv in observed:
+        name = rv.name or ""
+        if name.endswith("_observed") and f"{name[:-len('_observed')]}_unobserved" in model.named_vars:
+            base = name[:-len("_observed")]
+            raise UnsplittableModel(
+                f"observed variable {base!r} has missing values (NaN or masked), which PyMC imputes as "
+                f"a free variable {base + '_unobserved'!r} with one value per missing row: the rows "
+                f"cannot be split over the devices while a parameter belongs to some of them; leave "
+                f"the rows with missing values out of the observed data (and the matching rows of "
+                f"the other data), or fill them in before building the model")
+
 
 def _value_of(var):
     """The numpy value of a constant or shared variable."""

@@ -1,0 +1,111 @@
+"""The validated plans of a function's repeated calls: a loop's call is validated once.
+
+A training loop repeats one call shape: the same Data (same segment
+generation and shape, so the same rows are valid), or numpy arguments of the
+same shapes and of their inputs' own dtypes (staged into the same Data), a
+fixed ``batch`` size and ``num_slices``. Such a call reuses its plan and skips
+its validation. A ``batch`` of explicit indices (a numpy array) into Data that
+are not ``minibatch`` reuses the plan of the last call with as many indices,
+and only the new indices are validated (by the caller). ``batch_s`` (rows
+checked against every rank), keywords and numpy arguments that need a cast
+always take the full path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .data import Data
+
+__all__ = ["KeptPlans", "PLANS_KEPT"]
+
+#: validated plans a function keeps for repeated calls
+PLANS_KEPT = 16
+#: marks a plan key of explicit indices, and a numpy argument's shape in one
+_INDICES, _STAGED = object(), object()
+
+
+class KeptPlans:
+    """The plans one function keeps, by what makes a plan reusable (see the module notes).
+
+    ``scratch`` is the function's staging Data by input index (filled by its
+    full path): a kept plan of numpy arguments reads them, and
+    :meth:`find` writes a repeated call's values into them.
+    """
+
+    def __init__(self, state, spec, scratch):
+        self._state, self._spec, self._scratch = state, spec, scratch
+        self._n_inputs = len(spec.all_inputs)
+        self._input_types = [(np.dtype(var.type.dtype), var.type.ndim) for var in spec.all_inputs]
+        #: per key, a box the first call with it fills with its validated plan
+        self._boxes = functools.lru_cache(maxsize=PLANS_KEPT)(lambda key: [])
+
+    def find(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+        """``(box, plan)``: the kept plan of such a call (its numpy arguments staged), or None,
+        and the box (a list) to put the call's validated plan in."""
+        key, staged = self._key(args, kwargs, batch, batch_s, num_slices, output_subset)
+        if key is None:
+            return [], None
+        box = self._boxes(key)
+        plan = box[0] if box else None
+        if plan is not None and staged and not self._restage(plan, staged):
+            del box[:]           # its staging Data were given other shapes since: plan anew
+            plan = None
+        return box, plan
+
+    def _key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+        """``(key, staged)``: what makes a validated plan reusable (None for calls validated every
+        time), and the numpy arguments the call stages, as ``(input index, array)`` pairs."""
+        refused = None, ()
+        if kwargs or batch_s is not None or output_subset is not None or self._spec.sliceable_shareds:
+            return refused
+        indexed = type(batch) is np.ndarray
+        if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
+                or len(args) != self._n_inputs:
+            return refused
+        key = [(_INDICES, batch.shape) if indexed else batch, num_slices]
+        staged = []
+        for i, d in enumerate(args):
+            if type(d) is not Data:
+                value = _as_own_dtype(d, self._input_types[i])
+                if value is None or indexed:
+                    return refused
+                staged.append((i, value))
+                key.append((_STAGED, value.shape))
+                continue
+            if not d.belongs_to(self._state) or d.shape is None or \
+                    (indexed and d.minibatch):    # a minibatch Data's offset follows the indices
+                return refused
+            key.append((d.id, d.gen, d.shape, d.minibatch))
+        return tuple(key), staged
+
+    def _restage(self, plan, staged):
+        """Write the numpy arguments ``staged`` into the staging Data ``plan`` reads; False if
+        one of those Data has another shape or segment now (the plan no longer fits)."""
+        refs = plan.scattered + plan.bcast
+        for i, value in staged:
+            scratch, ref = self._scratch.get(i), refs[i]
+            if scratch is None or scratch.id != ref.data_id or scratch.gen != ref.gen or \
+                    scratch.shape != value.shape:
+                return False
+            scratch.data[...] = value
+        return True
+
+
+def _as_own_dtype(value, dtype_ndim):
+    """``value`` as a numpy array if it already has the input's dtype and ndim (a Python scalar
+    for a 0-d input of its kind included), else None.
+
+    Examples
+    --------
+    >>> _as_own_dtype(3, (np.dtype("int64"), 0)), _as_own_dtype(3, (np.dtype("int32"), 0))
+    (array(3), None)
+    """
+    dtype, ndim = dtype_ndim
+    if type(value) is not np.ndarray:
+        if type(value) not in (int, float) or ndim:
+            return None
+        value = np.asarray(value)
+    return value if value.dtype == dtype and value.ndim == ndim else None
