@@ -1,5 +1,6 @@
 # make demo  - set up .venv (Python >= 3.12 found automatically) and run the main demo
-# make test  - set up .venv and run the test suite
+# make test  - set up .venv and run the fast tier of the tests (a few minutes)
+# make test-all - every test (what CI runs), with the 25 slowest
 # make bench - set up .venv and run the benchmarks (bench/RESULTS.md)
 # make bench-quick - the headline ratios in a few minutes, beside their goals
 # make lint  - set up .venv and check the code (ruff, mypy)
@@ -23,7 +24,11 @@ $(STAMP): pyproject.toml setup.py
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not serial" --durations=25 tests
+	$(PY) -m pytest -q -m serial --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

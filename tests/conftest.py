@@ -21,6 +21,22 @@ def synk_segments():
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("synk_"))
 
 
+def segments_left_behind(before):
+    """Segments that appeared since ``before`` and whose run has ended (the pid in the name is
+    gone): what a test's runs left behind, whatever other runs on the machine hold meanwhile."""
+    return {name for name in set(synk_segments()) - set(before) if not _alive(int(name.split("_")[1]))}
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def child_pids(pid=None):
     """PIDs of live (non-zombie excluded? no: all) children of ``pid`` (default: this process)."""
     pid = pid or os.getpid()

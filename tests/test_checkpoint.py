@@ -12,7 +12,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from conftest import N_PARALLEL, synk_segments
+from conftest import N_PARALLEL, segments_left_behind, synk_segments
 from helpers import run_script
 
 import synkhronos as synk
@@ -106,6 +106,7 @@ def test_restore_misuse_is_refused(synk2, tmp_path):
     assert synk.checkpoint.restore(path, [w, v])["step"] is None      # still usable
 
 
+@pytest.mark.slow
 def test_per_device_values_need_the_same_device_count(tmp_path):
     synk.close()
     try:
@@ -147,6 +148,7 @@ for step in range(1, 10**6):
 """
 
 
+@pytest.mark.slow
 def test_a_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
     """20 writers of 32 MB checkpoints, each SIGKILLed at a random point: the file is always whole."""
     path = str(tmp_path / "c.safetensors")
@@ -199,6 +201,7 @@ def _records(path):
         return [json.loads(line) for line in fh]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_with_the_same_losses(tmp_path):
     before = set(synk_segments())
     whole, killed = tmp_path / "whole.jsonl", tmp_path / "killed.jsonl"
@@ -218,11 +221,12 @@ def test_a_killed_run_resumes_with_the_same_losses(tmp_path):
     for a, b in zip(resumed[-1][1:], expected[-1][1:]):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
     deadline = time.time() + 10                              # the killed run left nothing behind
-    while set(synk_segments()) - before and time.time() < deadline:
+    while segments_left_behind(before) and time.time() < deadline:
         time.sleep(0.1)
-    assert not set(synk_segments()) - before
+    assert not segments_left_behind(before)
 
 
+@pytest.mark.slow
 def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
     from test_extensions import mlp
     x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
@@ -243,6 +247,7 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
     assert session.active() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [sync.Downpour(every=1), sync.EASGD(0.5, every=1, asynchronous=True),
                                   sync.RateLimited(every_n_batches=1, max_rate=1.0)], ids=repr)
 def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rng, tmp_path, rule):

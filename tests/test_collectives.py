@@ -31,6 +31,7 @@ def held(comm_kind, synk2, rng):
     return (a, b, c), values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op,combine", [("sum", np.add), ("max", np.maximum), ("min", np.minimum),
                                         ("prod", np.multiply)])
 def test_all_reduce_several_vars_and_dtypes(held, op, combine):
@@ -167,6 +168,7 @@ def reduce_path(comm_kind, path):
         paths.fixed = None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [PIPELINED, PUBLISHED], ids=lambda p: Path(p).name.lower())
 @pytest.mark.parametrize("op,combine", [("sum", np.add), ("max", np.maximum), ("prod", np.multiply),
                                         ("avg", lambda a, b: (a + b) / a.dtype.type(2))])
@@ -360,6 +362,7 @@ BATCH_S = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BATCH_S))
 @pytest.mark.parametrize("num_slices", [1, 3])
 def test_batch_s_forms(sliced, name, num_slices):
@@ -428,6 +431,7 @@ def test_copy_large_copies_in_pieces_and_falls_back_for_strided_arrays(monkeypat
         np.testing.assert_array_equal(dst, source)
 
 
+@pytest.mark.slow
 def test_collectives_of_values_larger_than_a_copy_piece_are_exact(comm_kind, synk2, rng):
     """36 MB values: broadcast, all_gather and a private-result all-reduce copy them in pieces."""
     n = 9_000_001                                                   # 36 MB of float32

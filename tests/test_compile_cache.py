@@ -95,6 +95,7 @@ def compiled(done):
     return sum(d[COMPILED] for d in done.values())
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_host_compile_each_program_once_between_them(cold):
     cache, _, done = cold
     assert sorted(done) == [0, 1]
@@ -102,6 +103,7 @@ def test_the_ranks_of_a_host_compile_each_program_once_between_them(cold):
     assert sum(d[LOADED] for d in done.values()) > 0, done    # a rank loaded what the other compiled
 
 
+@pytest.mark.slow
 def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path):
     cache, first, done_cold = cold
     assert sorted(done_cold) == [0, 1]
@@ -116,6 +118,7 @@ def test_a_second_run_loads_every_program_that_the_first_compiled(cold, tmp_path
     assert entries(again) == kept             # and nothing new was written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["xla_flag", "devices", "float32"])
 def test_a_changed_flag_device_count_or_float_x_compiles_anew(cold, tmp_path, change):
     cache = copy_of(cold, tmp_path)
@@ -131,6 +134,7 @@ def test_a_changed_flag_device_count_or_float_x_compiles_anew(cold, tmp_path, ch
     assert len(entries(cache)) == len(entries(cold[0])) + compiled(done)
 
 
+@pytest.mark.slow
 def test_a_corrupt_entry_is_compiled_again_with_a_warning(cold, tmp_path):
     cache = copy_of(cold, tmp_path)
     for root, _, names in os.walk(cache):
@@ -144,6 +148,7 @@ def test_a_corrupt_entry_is_compiled_again_with_a_warning(cold, tmp_path):
     assert "persistent compilation cache" in stderr, stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_compile_cache_false_keeps_nothing_even_where_jax_is_told_to(tmp_path):
     told = tmp_path / "jax_cache"
     told.mkdir()
@@ -163,6 +168,7 @@ def test_by_default_the_cache_is_jax_s_directory_when_set_else_the_user_s_cache(
     assert out.stdout.strip() == os.path.join(home, "synkhronos", "jax", compile_cache.host_fingerprint())
 
 
+@pytest.mark.slow
 def test_two_runs_at_once_share_one_cache(tmp_path):
     cache = tmp_path / "cache"
     started = [run(tmp_path, cache, f"at_once_{i}", background=True) for i in range(2)]
@@ -229,6 +235,7 @@ def builds_of_two_runs(tmp_path, graph):
     return builds, gaps
 
 
+@pytest.mark.slow
 def test_a_graph_found_to_trace_only_on_concrete_shapes_is_built_per_shape_at_once_next_time(tmp_path):
     builds, gaps = builds_of_two_runs(tmp_path, "resnet")
     assert (0, "any rows") in builds[0]        # the second row count tried free rows, and found out
@@ -237,6 +244,7 @@ def test_a_graph_found_to_trace_only_on_concrete_shapes_is_built_per_shape_at_on
     assert max(gaps) < 1e-12                   # and each run computes what one process does
 
 
+@pytest.mark.slow
 def test_a_graph_found_to_trace_on_free_rows_is_built_so_at_once_next_time(tmp_path):
     builds, gaps = builds_of_two_runs(tmp_path, "layer")
     assert builds[0] == [(0, "((2, 3), (2, 2))"), (0, "any rows"), (1, "((3, 3), (3, 2))"), (1, "any rows")]
@@ -270,6 +278,7 @@ synk.close()
 """
 
 
+@pytest.mark.slow
 def test_the_product_timing_is_measured_once_per_host_and_kept(tmp_path):
     decided = []
     for _ in range(2):
@@ -321,6 +330,7 @@ print("RESULT " + json.dumps(dict(gaps=gaps, in_b=in_b, in_a=in_a, before=before
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("first_again", ["gone", "recreate"])
 def test_a_second_fork_keeps_its_compiles_and_locks_in_its_own_cache(tmp_path, first_again):

@@ -87,6 +87,7 @@ FORKED_CHILD = """
 """
 
 
+@pytest.mark.slow
 def test_a_child_made_by_os_fork_leaves_the_runtime_alone():
     """A forked helper exits normally; the parent's workers, segments and JAX runtime carry on."""
     out = run_script(FORKED_CHILD)
@@ -97,6 +98,7 @@ def test_a_child_made_by_os_fork_leaves_the_runtime_alone():
     assert lines[-2] == "24.0" and lines[-1] == "LEFT []", out.stdout
 
 
+@pytest.mark.slow
 def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hanging(tmp_path):
     out = run_script("""
         import os, sys, threading, time, warnings
@@ -128,6 +130,7 @@ def test_a_child_forked_while_another_thread_is_in_a_call_raises_instead_of_hang
     assert out.stdout.split("\n")[:2] == ["CHILD True", "STATUS 0"], out.stdout
 
 
+@pytest.mark.slow
 def test_fork_in_a_thread_that_ends():
     """Workers started from a thread outlive it (no parent-death signal tied to that thread)."""
     out = run_script("""
@@ -181,6 +184,7 @@ def _watch(var, plain, stop, seen, expected_steps):
             seen[f"{how} {'ok' if ok else 'wrong'}"] += 1
 
 
+@pytest.mark.slow
 def test_another_thread_reading_a_shared_variable_sees_numpy_values_of_a_completed_step(synk2):
     """A monitor thread reads a 2.4 MB ``w`` (whose updates would be donated) through ``get_value``,
     ``get_value(borrow=True)`` and a plain PyTensor function (PyTensor's default mode) while the

@@ -19,6 +19,7 @@ from helpers import close  # noqa: E402
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.slow
 def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
     runs = {v: mnist.run(v, "mlp", epochs=8, batch=128, lr=0.05, progress=False,
                          plot=str(tmp_path / f"{v}.png") if v == "cpu" else None)
@@ -35,6 +36,7 @@ def test_three_variants_train_the_digits_mlp(synk2, tmp_path):
     assert (tmp_path / "cpu.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_the_batch_norm_model_reaches_the_single_process_accuracy(synk2):
     """Batch norm's running statistics follow the global batches: prediction, which normalizes
     by them, is as good as the single process's."""
@@ -44,6 +46,7 @@ def test_the_batch_norm_model_reaches_the_single_process_accuracy(synk2):
     assert abs(runs["cpu"]["test_acc"] - runs["single"]["test_acc"]) <= 0.01, runs
 
 
+@pytest.mark.slow
 def test_the_ported_theano_tutorial_prints_the_single_process_numbers_epoch_by_epoch(tmp_path):
     """The givens/index logistic regression: synkhronos on 2 devices and plain PyTensor agree."""
     synk.close()
@@ -57,6 +60,7 @@ def test_the_ported_theano_tutorial_prints_the_single_process_numbers_epoch_by_e
     assert len(printed["synk"]) == 5 and "test error of the pickled model" in printed["synk"][-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule,epochs", [("allreduce", 8), ("downpour", 20)])
 def test_the_device_loop_trains_the_digits_mlp(synk2, rule, epochs):
     """--loop device: the devices run the steps, the master validates every epoch."""
@@ -68,6 +72,7 @@ def test_the_device_loop_trains_the_digits_mlp(synk2, rule, epochs):
         close(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", ["master", "device"])
 def test_the_demo_resumes_from_its_checkpoint_exactly(synk2, tmp_path, loop):
     """--checkpoint-dir D --resume: 2 epochs, then resumed to 4, ends where 4 straight epochs do."""
@@ -91,6 +96,7 @@ def test_the_demo_writes_a_timeline(synk2, tmp_path):
     assert {"train_grad", "train_update", "evaluate_val"} <= {e["name"] for e in events}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [50, 128])
 def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
     """Free rows: an uneven last split and num_slices=4 validation; the same curve as one process."""
@@ -101,6 +107,7 @@ def test_the_cnn_trains_at_any_batch_size_exactly_as_one_process(synk2, batch):
     assert runs["cpu"]["test_acc"] == runs["single"]["test_acc"]
 
 
+@pytest.mark.slow
 def test_the_demo_prints_only_its_own_lines(tmp_path):
     """What `make demo` runs: no line from XLA, Gloo or the workers (tqdm's bars aside)."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", "mnist.py"), "--variant", "cpu",
@@ -117,6 +124,7 @@ def test_the_demo_prints_only_its_own_lines(tmp_path):
     assert stderr == [], stderr
 
 
+@pytest.mark.slow
 def test_the_jax_runtime_collectives_print_nothing():
     """Gloo announces its connections on stdout; a script sees only its own lines."""
     from helpers import run_script
@@ -152,6 +160,7 @@ def test_idx_and_npz_loaders(tmp_path, rng):
     assert d["y_test"].dtype == np.int64 and len(d["x_test"]) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["mnist.py", "demo_quickstart.py", "demo_1.py", "resnet_synthetic.py",
                                     "tutorial_logreg.py"])
 def test_demo_scripts_have_help(script):
@@ -161,6 +170,7 @@ def test_demo_scripts_have_help(script):
     assert out.returncode == 0 and "usage" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["demo_1.py"], ["demo_2.py"], ["demo_3.py"], ["demo_4.py"], ["demo_5.py"],
                                   ["resnet_synthetic.py", "--epochs", "1", "--train-size", "128"]],
                          ids=lambda a: a[0])
@@ -179,6 +189,7 @@ def test_api_reference_is_current():
         assert fh.read() == gen_api_docs.render(), "docs/api.md is stale: run `make docs`"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_each_length_once():
     """lstm.py on 2 devices (time-major, split along the samples) gives the single-process costs
@@ -188,7 +199,7 @@ def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_e
     import pytensor
     synk.close()
     floatx, pytensor.config.floatX = pytensor.config.floatX, "float64"
-    options = dict(epochs=3, n=480, batch_size=16, vocab=100, dim=8, maxlen=24, log=lambda line: None)
+    options = dict(epochs=3, n=320, batch_size=16, vocab=100, dim=8, maxlen=14, log=lambda line: None)
     try:
         single = tutorial_lstm.train("single", **options)
         unpadded = tutorial_lstm.train("synk", devices=2, **options)

@@ -138,6 +138,7 @@ def test_importing_synkhronos_changes_nothing_outside_it():
     assert out.stdout.split("\n")[0] == "False True True []", out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_close_gives_the_process_back_what_fork_changed():
     out = run_script("""
         import os, jax, numpy as np, synkhronos as synk

@@ -29,6 +29,7 @@ def runtime(request):
     synk.close()
 
 
+@pytest.mark.slow
 def test_every_collective_equals_numpy(runtime):
     n = runtime.n_parallel
     w = pytensor.shared(np.zeros((2, 3)), name="w_counts")
@@ -61,6 +62,7 @@ def test_every_collective_equals_numpy(runtime):
         close(synk.get_value(r, w), whole)
 
 
+@pytest.mark.slow
 def test_training_and_every_sync_rule(runtime, rng):
     if runtime.comm_kind == "jax":
         pytest.skip("the loop's collectives on the JAX runtime: test_loops")
@@ -102,6 +104,7 @@ def test_training_and_every_sync_rule(runtime, rng):
                 close(a, b.get_value(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_diloco_takes_its_outer_steps_exactly(runtime, rng):
     if runtime.comm_kind == "jax":
         pytest.skip("the loop's collectives on the JAX runtime: test_loops")

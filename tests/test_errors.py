@@ -55,6 +55,7 @@ CALL_MISUSE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CALL_MISUSE, ids=[c[0] for c in CALL_MISUSE])
 def test_call_misuse(fx, case, synk2):
     f, xd, bd, X = fx

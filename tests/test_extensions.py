@@ -60,6 +60,7 @@ def reference_params(seed, make_rule, X_np, Y_np, steps):
     return [p.get_value() for p in params]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,rule,kwargs,make_rule", RULES, ids=[r[0] for r in RULES])
 def test_rule_matches_pytensor_ml_on_the_full_batch(synk2, rng, name, rule, kwargs, make_rule):
     X, y, loss, params, _ = mlp(7)
@@ -88,6 +89,7 @@ def test_adam_with_many_parameters_has_one_step_counter(synk2):
     assert len(counters) == 1, [s.name for s in targets]
 
 
+@pytest.mark.slow
 def test_from_optim_chain_with_clipping(synk2, rng):
     X, y, loss, params, _ = mlp(11)
     X_np, Y_np = data(rng, n=10)
@@ -103,6 +105,7 @@ def test_from_optim_chain_with_clipping(synk2, rng):
         close(got, ref, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_make_train_function_is_exact_on_uneven_batches(synk2, rng):
     X, y, loss, params, _ = mlp(5)
     X_np, Y_np = data(rng, n=40)
@@ -195,6 +198,7 @@ def test_a_step_refuses_an_update_with_inputs(synk2):
         Step(f, w, g)
 
 
+@pytest.mark.slow
 def test_with_pools_over_every_core_a_step_is_three_commands_and_exact(rng, tmp_path):
     """``threads_per_device`` = every core: steps stay three commands (see State.fuses_steps),
     with the same parameters as one process."""

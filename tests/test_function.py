@@ -35,6 +35,7 @@ def check_all_but_none(out, ref):
         close(got, want)
 
 
+@pytest.mark.slow
 def test_every_output_mode_on_an_uneven_split(model):
     f, X, B = model
     out = f(synk.data(X), synk.data(B))
@@ -173,6 +174,7 @@ def test_repeated_numpy_calls_reuse_their_plan_and_compute_each_calls_values(syn
     close(f(np.ones((6, 2)), 1.0), 12.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_slices", [1, 3, 4])
 def test_num_slices_on_outputs(model, num_slices, rng):
     f, _, B = model

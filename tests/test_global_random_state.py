@@ -41,6 +41,7 @@ def _states(kind):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_import_fork_function_call_close_leave_the_global_random_states_alone():
     plain, synk = _states("plain"), _states("synk")

@@ -30,6 +30,7 @@ def test_second_fork_raises(synk2):
         synk.fork(2)
 
 
+@pytest.mark.slow
 def test_close_leaves_nothing_and_fork_works_again(synk2, rng):
     prefix = synk2.prefix
     workers = list(synk2.worker_pids.values())
@@ -76,6 +77,7 @@ def test_counting_devices_creates_no_context():
     assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_function_before_fork_and_exit_cleanup():
     out = run_script("""
         import os, numpy as np, pytensor.tensor as pt, synkhronos as synk
@@ -96,6 +98,7 @@ def test_function_before_fork_and_exit_cleanup():
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
+@pytest.mark.slow
 def test_bad_fork_arguments():
     out = run_script("""
         import synkhronos as synk
@@ -124,6 +127,7 @@ def test_bad_fork_arguments():
     assert lines[6] == "15.0 [3.0, 4.0, 5.0]"
 
 
+@pytest.mark.slow
 def test_profile_workers_writes_one_file_per_worker(tmp_path):
     out = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import numpy as np, pytensor.tensor as pt, synkhronos as synk

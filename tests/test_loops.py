@@ -107,6 +107,7 @@ def test_allreduce_equals_master_loop_and_one_process(synk2, rng):
             np.testing.assert_allclose(a, c, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_allreduce_on_the_jax_runtime_collective(rng):
     """The collective GPUs use, on CPU: the same parameters as the master-driven loop."""
     synk.close()
@@ -128,6 +129,7 @@ def test_allreduce_on_the_jax_runtime_collective(rng):
         synk.close()
 
 
+@pytest.mark.slow
 def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
     x_np, y_np = digits_like(rng)
     X, y, loss, params, init = mlp(seed=7)
@@ -152,6 +154,7 @@ def local_reference(seed, x_np, y_np, rank, steps, lr):
     return [p.get_value() for p in params]
 
 
+@pytest.mark.slow
 def test_easgd_with_no_pull_leaves_the_devices_independent(synk2, rng):
     x_np, y_np = digits_like(rng)
     X, y, loss, params, init = mlp(seed=8)
@@ -319,6 +322,7 @@ def digits():
     return step, evaluate, params, init, stores
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule,epochs", ACCURACY_RULES, ids=[repr(r) for r, _ in ACCURACY_RULES])
 def test_every_rule_trains_the_digits_mlp(digits, rule, epochs):
     step, evaluate, params, init, d = digits
@@ -356,6 +360,8 @@ def samples_per_s(wide, rule, steps=120):
     return history[-1]          # the second half: compiled, warm
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 def test_asynchronous_rules_outpace_allreduce_with_a_straggler(wide):
     # compiled before anything is timed: every rank meets every row count, also those only an
     # asynchronous rule's claims give it (the last, smaller step's parts)
@@ -380,6 +386,7 @@ def test_asynchronous_rules_outpace_allreduce_with_a_straggler(wide):
     assert min(ratios.values()) >= 1.3, ratios
 
 
+@pytest.mark.slow
 def test_rate_limited_keeps_its_sync_fraction(wide):
     # what syncing every step costs on this machine, then a cap well below it: the rule must skip
     free = samples_per_s(wide, SlowRateLimited(every_n_batches=1, max_rate=1.0), steps=100)
@@ -394,6 +401,7 @@ def test_rate_limited_keeps_its_sync_fraction(wide):
 # Faults, misuse, the History
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("announcing", [AnnouncingAllReduce, AnnouncingDownpour])
 def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
     if session.active() is None:
@@ -426,6 +434,7 @@ def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing", [FailingAllReduce, FailingDownpour])
 def test_a_device_raising_mid_run_ends_it_with_its_error(rng, failing):
     """Peers may be waiting for it mid-step: the runtime is shut down, the error names the rank."""
@@ -462,6 +471,7 @@ MISUSE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs,error,message", MISUSE, ids=[str(m[0]) for m in MISUSE])
 def test_misuse_is_refused_and_the_runtime_stays_usable(model, rng, kwargs, error, message):
     step, params, init = model

@@ -17,7 +17,7 @@ from helpers import close
 import synkhronos as synk
 from synkhronos.api.data import STAGING_KEEP_BYTES
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -59,6 +59,7 @@ print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], flush
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _private_shm_works(), reason="needs root and unshare -m for a private /dev/shm")
 def test_a_full_dev_shm_raises_memory_error_and_leaves_nothing_half_made():
     """100 MB into a 64 MB /dev/shm (Docker's default): MemoryError, not SIGBUS; still usable."""
@@ -72,6 +73,7 @@ def _fds(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.slow
 def test_data_is_freed_with_its_last_reference(synk2, rng):
     rt = synk2
     x = pt.matrix("x")

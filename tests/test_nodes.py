@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import synk_segments
+from conftest import segments_left_behind, synk_segments
 
 from synkhronos.platform.cluster import find_node
 from synkhronos.runtime.processes import free_port
@@ -19,6 +19,7 @@ from synkhronos.runtime.processes import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = os.path.join(HERE, "nodes")
+pytestmark = pytest.mark.nodes
 
 
 def _namespaces_work():
@@ -93,6 +94,7 @@ def run_same_results(tmp_path, n_nodes, per_node, private_shm=True):
     return [dict(np.load(out / f"node{node}.npz")) for node in range(n_nodes)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("per_node,private_shm", [
     pytest.param(1, True, marks=needs_namespaces),   # the cross-node step alone
@@ -150,6 +152,7 @@ def test_multi_node_timeline_tracks_name_their_node_and_rank(tmp_path):
     assert {e["pid"] for e in events if e.get("ph") == "X"} <= set(names)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_taken_coordinator_port_is_named_and_fork_works_after(tmp_path):
     """Node 0 cannot serve the coordination service on a port in use: fork() raises naming the
@@ -171,13 +174,13 @@ def test_a_taken_coordinator_port_is_named_and_fork_works_after(tmp_path):
         "    del os.environ[var]\n"
         "print('AGAIN', synk.fork(2))\n"
         "synk.close()\n")
-    before = set(os.listdir("/dev/shm"))
+    before = set(synk_segments())
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert run.returncode == 0, run.stderr[-2000:]
     assert "RAISED True" in run.stdout and "is the port in use" in run.stdout, run.stdout
     assert "AGAIN 2" in run.stdout, run.stdout
-    assert set(os.listdir("/dev/shm")) <= before
+    assert not segments_left_behind(before)
 
 
 def test_slurm_is_detected_through_jax(monkeypatch):
@@ -205,6 +208,8 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("doing,per_node,victim", [("call", 1, 1), ("all_reduce", 1, 1),
@@ -231,6 +236,8 @@ def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing,
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stalled_node_is_named_on_the_other_and_leaves_nothing_when_it_wakes(tmp_path):
     """Node 1's master stops (SIGSTOP); node 0 names it within 10 s, then wakes it (SIGCONT).
@@ -265,6 +272,7 @@ def _segments_with(prefixes):
     return [n for n in os.listdir("/dev/shm") if n.startswith(tuple(prefixes))]
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(300)
 def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):
@@ -301,6 +309,8 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
         assert data and "data" in data, got
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("present", [0, 1])
 def test_a_node_whose_peer_never_starts_raises_in_time_and_leaves_nothing(tmp_path, present):
@@ -313,7 +323,7 @@ def test_a_node_whose_peer_never_starts_raises_in_time_and_leaves_nothing(tmp_pa
     got = __import__("json").load(open(tmp_path / f"node{present}.json"))
     assert got["type"] == "SynkError" and f"node {1 - present} did not join" in got["error"], got
     assert got["seconds"] < 3 + 8, got           # JAX's client gives up 5 s after its deadline
-    assert not set(synk_segments()) - before
+    assert not segments_left_behind(before)
     assert not processes_running("synkhronos/platform/coordination.py")
 
 
@@ -363,6 +373,7 @@ def _centers_after(name, starts, exchanges):
     return outcomes
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("per_node", [1, 2])
@@ -392,6 +403,8 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("victim", [1, 0])
@@ -418,6 +431,8 @@ def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_ze
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None,
                     reason="needs a core for each of two nodes, and taskset to pin them")
@@ -432,6 +447,7 @@ def test_node_zero_outpaces_allreduce_under_downpour_when_node_one_straggles(tmp
     assert rates["Downpour"] >= 1.3 * rates["AllReduce"], rates
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(200)
 def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps_and_rows(tmp_path):
@@ -451,6 +467,7 @@ def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(120)
 def test_a_center_node_zero_cannot_serve_is_named_on_every_node_before_anything_runs(tmp_path):
@@ -464,6 +481,7 @@ def test_a_center_node_zero_cannot_serve_is_named_on_every_node_before_anything_
         assert seen["after"] < 0.1, seen            # the runtime trains on after the refusal
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(300)
 def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
@@ -494,6 +512,8 @@ def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
+@pytest.mark.serial
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("per_node", [1, 2])

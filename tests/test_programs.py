@@ -82,6 +82,7 @@ def reference_run(seed, batches, rule=lambda: optim.sgd(0.1)):
     return [np.array(v.get_value()) for v in params + stats]
 
 
+@pytest.mark.slow
 def test_batch_norm_statistics_equal_pytensor_mls_step_over_the_global_batch(devices, rng):
     """After every step every device holds pytensor-ml's statistics for the whole global batch
     (its step from the same values). The forward pass normalizes each device's rows by their own
@@ -108,6 +109,7 @@ def test_batch_norm_statistics_equal_pytensor_mls_step_over_the_global_batch(dev
             close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_the_variance_is_that_of_the_whole_batch_not_the_mean_of_the_devices(rng):
     """With the devices' batch means far apart, averaging the devices' variances would miss the
     spread between them; the carried second moment does not."""
@@ -133,6 +135,7 @@ def schedule():
     return optim.sgd(optim.cosine_schedule(0.1, 10))          # the rate reads a training clock
 
 
+@pytest.mark.slow
 def test_clocks_advance_once_per_step_and_schedules_move(devices, rng):
     if devices.n_parallel != 1:
         pytest.skip("one device: the whole run is pytensor-ml's (batch norm's forward pass too)")
@@ -155,6 +158,7 @@ def test_a_rule_that_leaves_a_parameter_unwritten_is_refused(synk2):
         updates.from_optim(lambda grads, ps: {ps[0]: ps[0] - grads[0]}, loss, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", [sync.AllReduce(), sync.Average(every=2), sync.EASGD(0.5, every=2),
                                   sync.EASGD(0.5, every=2, asynchronous=True), sync.Downpour(every=2),
                                   sync.RateLimited(every_n_batches=2, max_rate=1.0)], ids=repr)
@@ -170,6 +174,7 @@ def test_every_rule_leaves_every_device_the_same_moved_statistics(synk2, rng, ru
         assert np.abs(final[0] - start).max() > 1e-3, s.name
 
 
+@pytest.mark.slow
 def test_allreduce_loop_equals_the_master_driven_steps_statistics_included(synk2, rng):
     bx, by = digits(rng, 50)
     x, y, loss, params, stats, _ = bn_model(16)
@@ -187,6 +192,7 @@ def test_allreduce_loop_equals_the_master_driven_steps_statistics_included(synk2
         close(ours.get_value(), theirs.get_value(), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_synk_function_threads_write_backs_and_clocks_as_pytensor_ml_does(devices):
     """A literal port (the rule's updates in one synk.function) on one device is pytensor-ml's step."""
     if devices.n_parallel != 1:
@@ -270,6 +276,7 @@ def autoencoder(seed):
     return x, cost, [W, b, b_prime]
 
 
+@pytest.mark.slow
 def test_an_unsupervised_model_trains_with_the_helper_and_the_loop(devices):
     X = np.random.default_rng(5).uniform(size=(39, 6))
     x, cost, params = autoencoder(1)
@@ -342,6 +349,7 @@ def tutorial_model(X, Y, batch_size):
                 train_set_x=train_set_x)
 
 
+@pytest.mark.slow
 def test_the_tutorials_givens_idiom_equals_pytensor_function(devices, rng):
     X, Y = rng.normal(size=(95, 5)), rng.integers(0, 3, size=95)
     m = tutorial_model(X, Y, 20)                      # the last batch has 15 rows
@@ -420,6 +428,7 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
     close(f(np.int16(3)), X[3:7].sum())
 
 
+@pytest.mark.slow
 def test_givens_read_every_refill_and_in_place_edit_of_the_shared_data(devices, rng):
     """The tutorials' chunked loading: one buffer refilled and given again with borrow=True."""
     buf = np.zeros((12, 3), "float32")
@@ -481,6 +490,7 @@ def no_rows_case(name, rng):
     }[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["scaled-alone-scattered", "scaled-alone-bcast", "row-alone-scattered",
                                   "row-alone-bcast", "rows-difference-alone-bcast", "scaled-beside-a-slice",
                                   "row-beside-a-slice-bcast", "row-of-the-sliced-data",
@@ -515,6 +525,7 @@ def lasagne_mlp(seed, dropout):
     return x4, y, loss, collect_trainable_params(loss)
 
 
+@pytest.mark.slow
 def test_lasagnes_flattened_input_trains_compiled_per_row_count(synk2, rng):
     X, Y = rng.uniform(size=(21, 1, 4, 4)), rng.integers(0, 3, size=21)
     x4, y, loss, params = lasagne_mlp(1, dropout=False)

@@ -80,6 +80,7 @@ specs = st.one_of(
 
 
 # under CI the same examples run every time; elsewhere hypothesis explores new ones
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, derandomize=bool(os.environ.get("CI")),
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(0, 12), dtype=st.sampled_from(["float32", "float64", "int32"]), spec=specs,
@@ -119,6 +120,7 @@ def _measure(rt):
                 segments=len([n for n in synk_segments() if n.startswith(rt.prefix)]))
 
 
+@pytest.mark.slow
 def test_soak_memory_descriptors_and_segments_stay_flat(synk2):
     """Thousands of calls with random specs, reallocations and collectives.
 

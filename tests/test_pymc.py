@@ -97,6 +97,7 @@ def devices(request):
     synk.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_logp_and_dlogp_equal_pymc_on_every_device_count(devices, name):
     model, _, _ = pymc_reference(name)
@@ -106,6 +107,7 @@ def test_logp_and_dlogp_equal_pymc_on_every_device_count(devices, name):
     assert f.fn.spec.inputs and len(f.fn.spec.bcast_inputs) >= 1
 
 
+@pytest.mark.slow
 def test_without_jacobian_equals_pymc(synk2):
     model, _, _ = pymc_reference("bounded")
     f = spm.logp_dlogp_function(model, jacobian=False)
@@ -137,6 +139,7 @@ def posterior_summary(idata, names):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_nuts_posterior_agrees_with_pymc_nuts_within_monte_carlo_error(synk2):
     model = logistic_regression(n=300)
@@ -153,6 +156,7 @@ def test_nuts_posterior_agrees_with_pymc_nuts_within_monte_carlo_error(synk2):
         assert np.all(np.abs(sd1 - sd2) <= 4 * np.hypot(se_sd1, se_sd2)), (name, sd1, sd2)
 
 
+@pytest.mark.slow
 def test_nuts_beside_another_step_method(synk2):
     """NUTS on some variables, Metropolis on the rest: the values outside the gradient follow the chain."""
     model = hierarchical(n=40)
@@ -169,6 +173,7 @@ def test_nuts_beside_another_step_method(synk2):
     assert idata.posterior["tau"].shape == (1, 20)
 
 
+@pytest.mark.slow
 def test_chains_in_processes_of_their_own_are_refused_and_the_runtime_stays_usable(synk2):
     """pm.sample(cores=2): a forked chain process refuses to compute (the devices are driven from
     this process); where PyMC pickles the step instead, it falls back to sampling in this process."""
@@ -184,6 +189,7 @@ def test_chains_in_processes_of_their_own_are_refused_and_the_runtime_stays_usab
     assert idata.posterior["b"].shape == (2, 5, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["logistic", "bounded"])
 def test_find_map_equals_pymc_find_map(synk2, name):
     model, _, _ = pymc_reference(name)
@@ -222,6 +228,7 @@ def _refused(build, match):
         spm.logp_dlogp_function(model)
 
 
+@pytest.mark.slow
 def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2):
     rng = np.random.default_rng(0)
     y = rng.normal(size=20)
@@ -272,6 +279,7 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
     assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0]), "bounded")
 
 
+@pytest.mark.slow
 def test_nothing_left_behind(synk2):
     model, _, _ = pymc_reference("bounded")
     f = spm.logp_dlogp_function(model)

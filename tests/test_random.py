@@ -30,6 +30,7 @@ def single_process_draws(generator, shapes):
     return [f(np.zeros(shape)) for shape in shapes]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["RandomStream", "shared generator"])
 def test_each_device_draws_its_own_stream_and_every_call_draws_anew(synk2, api):
     x = pt.matrix("x")
@@ -51,6 +52,7 @@ def test_each_device_draws_its_own_stream_and_every_call_draws_anew(synk2, api):
         close(second, np.concatenate([master[1], worker[1]]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph", ["traces on free rows", "needs concrete shapes"])
 def test_the_stream_goes_on_when_the_row_count_changes(synk2, graph):
     """A function runs a graph per row count (and one on free rows, one deferring its updates for

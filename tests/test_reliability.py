@@ -23,7 +23,7 @@ import synkhronos as synk
 from synkhronos.extensions import train, updates
 from synkhronos.runtime import session
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,6 +71,7 @@ def _usable_again(**fork_options):
     close(synk.function([x], (x.sum(), "sum"))(np.arange(4.0)), 6.0)
 
 
+@pytest.mark.slow
 def test_worker_killed_while_idle_becomes_worker_error(synk2):
     rt = synk2
     prefix, pids = rt.prefix, list(rt.worker_pids.values())
@@ -96,6 +97,7 @@ def test_worker_killed_inside_a_call_becomes_worker_error(synk2, tmp_path):
     _usable_again()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["collective", "ring"])
 def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkeypatch, where):
     """A rank reports it is inside an all-reduce (``ring``: while its peer streams chunks to it
@@ -122,6 +124,7 @@ def test_worker_killed_inside_a_collective_becomes_worker_error(tmp_path, monkey
     _usable_again()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["gradient", "collective"])
 def test_worker_killed_inside_a_training_step_becomes_worker_error(tmp_path, monkeypatch, where):
     """A master-driven step is one command (gradient, all-reduce, update): a worker killed while it
@@ -165,6 +168,7 @@ def test_worker_failing_to_prepare_a_collective_keeps_runtime_usable(synk2):
     close(synk.get_value(1, v), 6.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["collective", "call"])
 def test_stall_names_the_ranks(what):
     if session.active() is not None:
@@ -237,6 +241,7 @@ def _assert_workers_and_segments_gone(prefix, pids, within=10):
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
+@pytest.mark.slow
 def test_master_killed_workers_exit_and_memory_is_freed(tmp_path):
     proc = _script(MASTER, tmp_path)
     prefix, pids = _read_ready(proc)
@@ -245,6 +250,7 @@ def test_master_killed_workers_exit_and_memory_is_freed(tmp_path):
     _assert_workers_and_segments_gone(prefix, pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["idle", "in a call"])
 def test_sigterm_ends_the_script_and_frees_everything(when, tmp_path):
     """JAX's runtime catches SIGTERM for itself; synkhronos gives it back to the script."""
@@ -271,6 +277,7 @@ def _wait_inside_a_loop_call(directory, pid):
     wait_for_marker(directory, pid)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_long_call(tmp_path):
     proc = _script(MASTER, tmp_path)
     prefix, pids = _read_ready(proc)
@@ -327,6 +334,7 @@ def test_listens_on_loopback_only_and_segments_are_private(synk2):
         assert mode == 0o600, (name, oct(mode))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_path):
     """kill -9 of the whole process group (master, workers, resource trackers) leaves the run's
@@ -426,6 +434,7 @@ CTRL_C_WHILE_BUILDING = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ctrl_c_at_any_moment_of_building_shipping_and_calling_leaves_the_runtime_right_or_shut_down():
     """Thirty Ctrl-Cs at random moments while functions are recorded, shipped and called: after
@@ -469,6 +478,7 @@ CTRL_C_IN_A_GC_CALLBACK = """
 """
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_landing_in_a_garbage_collection_callback_reaches_the_user():
     """Python swallows an exception raised in a gc callback ("Exception ignored in"); synkhronos's
     SIGINT handler raises it at the next line of the code the collection interrupted, however much
@@ -520,6 +530,7 @@ CTRL_C_IN_A_CALL_AND_IN_CLOSE = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ctrl_c_inside_a_call_is_named_and_ctrl_c_during_close_leaves_fork_working():
     out = run_script(CTRL_C_IN_A_CALL_AND_IN_CLOSE, timeout=220)

@@ -148,6 +148,7 @@ def test_blas_dot_python_implementation_and_gradient(rng, ta, tb):
     close(gb, grad_b.T if tb else grad_b)
 
 
+@pytest.mark.slow
 def test_a_float32_run_prints_no_float64_truncation_warning(tmp_path):
     """PyTensor accumulates float32 sums in float64; without JAX's 64-bit mode the compiled graph
     reduces in float32 instead of asking JAX for float64 (which it truncates, warning)."""

@@ -27,6 +27,7 @@ def devices(device_count):
     yield forked(device_count)
 
 
+@pytest.mark.slow
 def test_an_update_function_of_a_scalar_input_equals_pytensor_function(devices):
     lr = pt.scalar("lr")
     w = pytensor.shared(np.arange(3.0), name="w_scalar_step")
@@ -42,6 +43,7 @@ def test_an_update_function_of_a_scalar_input_equals_pytensor_function(devices):
         close(synk.get_value(rank, w), expected, rtol=1e-15)
 
 
+@pytest.mark.slow
 def test_scalar_inputs_keep_their_place_among_scattered_inputs(devices, rng):
     x, scale, y = pt.matrix("x"), pt.scalar("scale"), pt.vector("y")
     w = pytensor.shared(rng.normal(size=3), name="w_scale")
@@ -102,6 +104,7 @@ def denoising_autoencoder(X, batch_size, seed=3):
                 givens={x: train_set_x[window]})
 
 
+@pytest.mark.slow
 def test_the_sda_pretraining_step_takes_corruption_and_learning_rate(devices, rng):
     X = rng.uniform(0.05, 0.95, size=(50, 6))
     m = denoising_autoencoder(X, 15)                 # the last of 4 batches has 5 rows
@@ -122,6 +125,7 @@ def test_the_sda_pretraining_step_takes_corruption_and_learning_rate(devices, rn
             close(synk.get_value(rank, ours), theirs.get_value(), rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.slow
 def test_the_data_step_takes_a_scalar_learning_rate(synk2, rng):
     x, y, lr = pt.matrix("x"), pt.vector("y"), pt.scalar("lr")
     w = pytensor.shared(np.zeros(3), name="w_lr")

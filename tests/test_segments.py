@@ -21,6 +21,8 @@ from synkhronos.runtime import session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM = "/dev/shm"
+#: every run's fork() sweeps the segments of ended runs: these tests own /dev/shm while they run
+pytestmark = pytest.mark.serial
 
 #: a run that makes a function and a Data, says it is ready, and uses them only when told to
 LIVE_RUN = """
@@ -83,6 +85,7 @@ def _wait_for(path, proc, within=90):
         raise AssertionError(f"the run did not get ready: {proc.communicate()[1][-3000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("namespace", ["own PID namespace", "names a dead pid"])
 def test_a_live_run_of_another_pid_namespace_keeps_its_segments(tmp_path, namespace):
@@ -172,6 +175,7 @@ def _our_stale_segment(prefix):
     return name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_entries_named_like_a_dead_runs_segments_that_are_not_ours_are_skipped(tmp_path):
     """A directory, a symbolic link, a fifo and another user's file named like segments of a run
@@ -233,6 +237,7 @@ FORKING_RUN = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_children_made_by_os_fork_neither_end_nor_keep_the_runs_lock(tmp_path):
     """A child of the master made by ``os.fork()`` shares none of the run's lock: its exit leaves

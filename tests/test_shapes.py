@@ -47,6 +47,7 @@ def cnn_classifier(rng):
     return x, y, loss, logits, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_slices", [1, 2])
 def test_a_graph_that_needs_static_shapes_is_compiled_per_shape_and_exact(synk2, rng, num_slices):
     x, y, loss, logits, _ = cnn_classifier(rng)
@@ -60,6 +61,7 @@ def test_a_graph_that_needs_static_shapes_is_compiled_per_shape_and_exact(synk2,
     assert f.compiled.by_rows          # found at the new shapes: the graph on free rows cannot trace
 
 
+@pytest.mark.slow
 def test_a_graph_is_built_for_its_first_calls_shapes_on_every_rank_and_nothing_else(synk2, rng, tmp_path):
     """A graph that builds on free rows but only traces on concrete ones (a ResNet's gradient) is built
     once per rank, for the rows of its first call there: no rank builds it on free rows for nothing."""
@@ -103,6 +105,7 @@ def test_a_graph_that_traces_on_free_rows_is_built_so_at_its_second_row_count(sy
         assert [shapes for pid, shapes in builds if pid == rank] == ["((3, 3),)", "any rows"], builds
 
 
+@pytest.mark.slow
 def test_training_a_cnn_on_an_uneven_split_takes_the_full_batch_step(synk2, rng):
     from synkhronos.extensions import train, updates
     x, y, loss, _, params = cnn_classifier(rng)
@@ -210,6 +213,7 @@ def _first_half_sum(name, **kwargs):
     return synk.function([x], (x[:, :x.shape[1] // 2].sum(), "sum"), name=name, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_function_meeting_many_shapes_compiles_each_once_and_says_so(synk2):
     """Twenty sequence lengths in shuffled order, three epochs (the LSTM tutorial's minibatches,

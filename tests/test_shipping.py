@@ -16,6 +16,7 @@ from synkhronos.extensions import updates
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 def test_a_thousand_chained_operations_ship_and_compute_exactly(synk2, rng):
     x = pt.matrix("x")
     h = x
@@ -27,6 +28,7 @@ def test_a_thousand_chained_operations_ship_and_compute_exactly(synk2, rng):
         close(got, want)
 
 
+@pytest.mark.slow
 def test_an_80_layer_mlp_with_its_gradient_trains_exactly(synk2, rng):
     x = pt.matrix("x")
     params, h = [], x
@@ -87,6 +89,7 @@ def test_a_function_that_cannot_be_pickled_fails_alone_and_stays_unregistered(sy
     close(later(np.arange(8.0).reshape(4, 2)), 7.0)
 
 
+@pytest.mark.slow
 def test_graphs_of_many_thousand_nodes_pickle_without_recursing_along_them():
     """No processes: 1500 chained steps and their gradient (~15k nodes) through the workers' pickling."""
     import sys

@@ -61,6 +61,7 @@ def selected(batch, n=N):
 BATCHES = [None, 9, slice(2, 10), np.array([7, 0, 3, 10, 5, 4, 1, 8])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_slices", [1, 3])
 @pytest.mark.parametrize("batch", BATCHES, ids=["all", "int", "slice", "indices"])
 def test_time_major_calls_equal_pytensor(runtime, rng, batch, num_slices):
@@ -86,6 +87,7 @@ def test_time_major_calls_equal_pytensor(runtime, rng, batch, num_slices):
         assert abs(np.mean(means) - got[0]) > 1e-6
 
 
+@pytest.mark.slow
 def test_numpy_arguments_and_a_data_declaring_its_axis(runtime, rng):
     x, mask, y, w, h, last, loss = rnn("data")
     declared = synk.function([x, mask, y], [(loss, "avg"), (last, "gather")], split_axes={x: 1, mask: 1})
@@ -108,6 +110,7 @@ def test_numpy_arguments_and_a_data_declaring_its_axis(runtime, rng):
         close(g, r)
 
 
+@pytest.mark.slow
 def test_updates_accumulate_over_slices_along_the_split_axis(runtime, rng):
     x, mask, y, w, h, last, loss = rnn("updates")
     grad = pytensor.function([x, mask, y], pytensor.grad(loss, w))
@@ -124,6 +127,7 @@ def test_updates_accumulate_over_slices_along_the_split_axis(runtime, rng):
         close(synk.get_value(r, w), want[r])
 
 
+@pytest.mark.slow
 def test_misuse_is_refused_before_any_worker_runs(runtime, rng):
     if runtime.n_parallel != 2:
         pytest.skip("the checks are the master's: one device count is enough")
@@ -179,6 +183,7 @@ def test_misuse_is_refused_before_any_worker_runs(runtime, rng):
         close(got, want)
 
 
+@pytest.mark.slow
 def test_training_helpers_count_the_step_rows_on_axis_0_of_x(runtime, rng):
     """make_train_function weighs each device's gradient by x's rows along axis 0: a time-major mask
     beside a batch-major x trains as one process; a time-major x, and train.run on a time-major

@@ -52,6 +52,7 @@ def traced(synk2, tmp_path, rng):
         return json.load(fh)["traceEvents"]
 
 
+@pytest.mark.slow
 def test_the_trace_names_every_rank_and_holds_calls_collectives_and_steps(traced):
     names = {e["pid"]: e["args"]["name"] for e in traced if e.get("name") == "process_name"}
     assert names == {0: "rank 0 (master)", 1: "rank 1 (worker)"}
@@ -97,6 +98,7 @@ def test_the_ranks_share_one_clock(traced):
     assert abs(first[0] - first[1]) < 5_000          # microseconds
 
 
+@pytest.mark.slow
 def test_fork_timeline_writes_at_close(tmp_path, rng):
     synk.close()
     path = tmp_path / "fork.json"

@@ -45,6 +45,7 @@ def regression(seed, name):
     return x, y, w, loss, state
 
 
+@pytest.mark.slow
 def test_state_updates_are_applied_with_the_step_as_one_pytensor_function(devices, rng):
     X, Y = rng.normal(size=(40, 4)), rng.normal(size=40)
     x, y, w, loss, state = regression(5, "driven")
@@ -83,6 +84,7 @@ def two_paths(seed, name):
     return x, y, [W, v], h, loss
 
 
+@pytest.mark.slow
 def test_consider_constant_changes_the_gradient_as_pytensor_grad_does(devices, rng):
     X, Y = rng.normal(size=(40, 4)), rng.normal(size=40)
     x, y, params, h, loss = two_paths(2, "held")
@@ -136,6 +138,7 @@ def rbm(seed, name, n_chains=7, n_visible=6, n_hidden=4, k=2):
     return x, [W, hbias, vbias], persistent, chain_end, cost, h_means[-1]
 
 
+@pytest.mark.slow
 def test_the_rbm_tutorials_persistent_chain_and_constant_chain_end(devices, rng):
     X = (rng.uniform(size=(40, 6)) < 0.4).astype(float)
     x, params, persistent, chain_end, cost, next_chain = rbm(4, "driven")
@@ -171,6 +174,7 @@ def scan_model(name):
     return x, y, [U, Wh, v], loss
 
 
+@pytest.mark.slow
 def test_the_single_process_step_takes_mode_for_a_scan_jax_cannot_compile(synk2, rng):
     x, y, params, loss = scan_model("driven")
     step = train.make_train_function(loss, params, x, y, updates.adadelta)
