@@ -6,11 +6,18 @@ import tempfile
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 import synkhronos as synk
 from synkhronos.runtime import session
 
 N_PARALLEL = 2
+
+# Hypothesis: "dev" explores new examples at every run; "ci" (.ci/run sets HYPOTHESIS_PROFILE=ci)
+# runs the same examples every time, so a CI failure reproduces
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 #: the suite's own compile cache (fork()'s default honours JAX's variable): the user's stays untouched,
 #: and each suite starts cold
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="synk-test-compile-cache-")

@@ -208,7 +208,6 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(180)
@@ -236,7 +235,6 @@ def test_a_killed_node_is_named_on_the_other_within_ten_seconds(tmp_path, doing,
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stalled_node_is_named_on_the_other_and_leaves_nothing_when_it_wakes(tmp_path):
@@ -403,7 +401,6 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(200)
@@ -512,7 +509,6 @@ def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
     assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(200)

@@ -23,7 +23,7 @@ import synkhronos as synk
 from synkhronos.extensions import train, updates
 from synkhronos.runtime import session
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]
+pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -334,6 +334,7 @@ def test_listens_on_loopback_only_and_segments_are_private(synk2):
         assert mode == 0o600, (name, oct(mode))
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_path):
@@ -478,6 +479,7 @@ CTRL_C_IN_A_GC_CALLBACK = """
 """
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_a_ctrl_c_landing_in_a_garbage_collection_callback_reaches_the_user():
     """Python swallows an exception raised in a gc callback ("Exception ignored in"); synkhronos's
