@@ -523,7 +523,7 @@ def test_a_killed_center_server_is_named_on_every_node_within_ten_seconds(tmp_pa
         seen = json.load(open(tmp_path / f"node{node}.json"))
         assert seen["error"] is not None, (node, seen)
         assert "center server" in seen["error"] and "died" in seen["error"], (node, seen)
-        if node == 0 or per_node == 1:     # else a worker of node 1 may be the first to find out
+        if per_node == 1:     # else a worker of either node, a client of the server too, may be first
             assert (seen["node"], seen["how"]) == (0, "died"), (node, seen)
         assert seen["at"] - killed_at < 10, (node, seen["at"] - killed_at)
         assert seen["closed"] is True, (node, seen)
