@@ -491,6 +491,45 @@ def test_a_value_someone_else_holds_is_left_intact_by_an_update(synk2, rng):
     close(w.get_value(), w_ref.get_value())
 
 
+def test_a_variable_a_call_leaves_alone_keeps_its_face_and_a_held_view_keeps_its_values(synk2, rng):
+    """Between calls user code sees numpy faces of the device arrays: a call that leaves a
+    variable's array in place hands back the very same face (as a plain PyTensor function would
+    leave it), a donating update still reuses the buffer of a value nobody holds, and a view of
+    a face, held across the update, keeps its values."""
+    n = 100_000                                       # past DONATE_MIN_BYTES
+    (w, v), (w_ref, v_ref) = _twin_shareds(n, rng, "faces")
+    untouched = pytensor.shared(rng.normal(size=n), name="faces_untouched")
+    c = pt.vector("c")
+    f = synk.function([], bcast_inputs=[c], updates=_momentum_updates(w, v, c), name="faces")
+    reads = synk.function([], [(untouched.sum(), "avg")], name="faces_reads")
+    g = pytensor.function([c], [], updates=_momentum_updates(w_ref, v_ref, c), mode="JAX")
+    face = untouched.get_value(borrow=True)
+    expected_sum = face.sum()
+    buffers = []
+    for _ in range(4):
+        C = rng.normal(size=n)
+        f(C), g(C)
+        buffers.append(_buffer_of(w))
+        assert untouched.get_value(borrow=True) is face
+    assert buffers[1] == buffers[2] == buffers[3]          # donated: nothing held w's face
+    close(reads(), expected_sum)
+    assert untouched.get_value(borrow=True) is face        # read by a call, not replaced
+    view = w.get_value(borrow=True)[10:20]
+    expected = view.copy()
+    C = rng.normal(size=n)
+    f(C), g(C)
+    np.testing.assert_array_equal(view, expected)
+    close(w.get_value(), w_ref.get_value())
+    close(v.get_value(), v_ref.get_value())
+    del view
+    for _ in range(2):                                     # the view gone, donation resumes
+        C = rng.normal(size=n)
+        f(C), g(C)
+        buffers.append(_buffer_of(w))
+    assert buffers[-1] == buffers[-2]
+    close(w.get_value(), w_ref.get_value())
+
+
 def test_an_update_after_an_all_reduce_leaves_the_other_reduced_values_alone(synk2, rng):
     """All-reduced values are adopted from one shared result region; updating one of them in
     place must not write into the region the other variables (and the other rank) still read."""

@@ -11,13 +11,15 @@ during a command).
 """
 
 import ctypes
+import sys
+import weakref
 from typing import Any
 
 import numpy as np
 
 from .internals import buffer_address, storage_cell
 
-__all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held"]
+__all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace"]
 
 
 def stored(var: Any) -> Any:
@@ -116,3 +118,63 @@ def device_face(value):
             device.is_deleted():
         return value
     return device
+
+
+class KeptFace:
+    """The :func:`host_face` user code was given of a shared variable's device array, kept for
+    the next call.
+
+    Between calls a variable holds its face; during a call, its device array
+    (:meth:`~synkhronos.runtime.registry.Registry.values_to_devices`). A call
+    that leaves the device array in place hands back the same face, the same
+    numpy object, without making a new one (:meth:`restore`).
+
+    A face keeps its device array alive, and a donating call copies a value
+    that anything else refers to (``copy_values_held_elsewhere``). So while a
+    call runs, a face that nothing but this object holds lets its device array
+    go (:meth:`lend`), and gets it back after the call if the array is still
+    the variable's value. A face held elsewhere (the user's
+    ``get_value(borrow=True)``, a view of it) keeps its array, which is
+    then not donated.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> device = jnp.arange(3.0)
+    >>> kept = KeptFace(device, host_face(device))
+    >>> kept.device_if_current(kept.face) is device, kept.device_if_current(jnp.zeros(3))
+    (True, None)
+    >>> kept.lend(); kept.restore(device).tolist()
+    [0.0, 1.0, 2.0]
+    """
+
+    __slots__ = ("face", "_device")
+
+    def __init__(self, device, face):
+        self.face, self._device = face, weakref.ref(device)
+
+    def device_if_current(self, value):
+        """The face's device array if ``value`` is the face or that array, and the array is
+        alive and not donated; else None."""
+        device = self._device()
+        if device is None or (value is not self.face and value is not device) or device.is_deleted():
+            return None
+        return device
+
+    def lend(self):
+        """Let the device array go for a call, unless something besides this object holds the face."""
+        face = self.face
+        if sys.getrefcount(face) <= _FACE_ONLY_KEPT and sys.getrefcount(face.base) <= _MEMORY_ONLY_IN_FACE:
+            face.base.device_array = None
+
+    def restore(self, device):
+        """The face, over ``device`` again (the value :meth:`device_if_current` found)."""
+        self.face.base.device_array = device
+        return self.face
+
+
+#: references to a face held only by its KeptFace, counted inside KeptFace.lend (the slot, the
+#: local name, getrefcount's argument)
+_FACE_ONLY_KEPT = 3
+#: references to a face's memory held only by the face (its base, getrefcount's argument)
+_MEMORY_ONLY_IN_FACE = 2

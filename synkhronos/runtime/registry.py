@@ -16,7 +16,8 @@ from pytensor.tensor.type import TensorType
 
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
-from ..platform.values import store, stored
+from ..platform.internals import storage_cell
+from ..platform.values import KeptFace, faces_held, store, stored
 from ..wire.control import ARGS, Op
 from .part import Part
 
@@ -35,6 +36,7 @@ class Registry(Part):
         self._shared = {}              # id(var) -> (uid, var)
         self._by_uid = {}
         self._tensors = []             # the tensors among them: what user code reads as numpy
+        self._faces = {}               # var -> its KeptFace: the face user code was given
         self._shipped_uids = set()
         self._own_streams = {}         # id -> generator already made this node master's own stream
 
@@ -84,10 +86,24 @@ class Registry(Part):
         """Give user code the master's shared values as numpy arrays (:func:`host_face`).
 
         Called whenever a synkhronos call returns: the user's own PyTensor
-        functions, in any mode, read the same shared variables.
+        functions, in any mode, read the same shared variables. A variable
+        whose device array the call left in place gets back the face it had
+        (:class:`~synkhronos.platform.values.KeptFace`).
         """
+        faces = {}
         for var in self._tensors:
-            store(var, host_face(stored(var)))
+            cell = storage_cell(var)
+            kept = self._faces.get(var)
+            device = kept.device_if_current(cell[0]) if kept is not None else None
+            if device is not None:
+                cell[0], faces[var] = kept.restore(device), kept
+                continue
+            device = stored(var)
+            face = host_face(device)
+            store(var, face)
+            if face is not device:
+                faces[var] = KeptFace(device, face)
+        self._faces = faces
 
     def values_to_devices(self):
         """Take the master's shared values back as device arrays, before a synkhronos call.
@@ -98,7 +114,16 @@ class Registry(Part):
         threads may read the variables), every value becomes, or stays, the
         host face of its device array instead.
         """
+        held = faces_held()
         for var in self._tensors:
+            cell = storage_cell(var)
+            kept = self._faces.get(var)
+            device = kept.device_if_current(cell[0]) if kept is not None else None
+            if device is not None:
+                if not held and cell[0] is not device:
+                    cell[0] = device
+                    kept.lend()
+                continue
             value = stored(var)
             if isinstance(value, np.ndarray):      # set by the user: maybe of another shape
                 value = to_device(value.astype(var.type.dtype, copy=False))
