@@ -300,3 +300,31 @@ def _main(kind, *args):
 
 if __name__ == "__main__":
     _main(*sys.argv[1:])
+
+
+def variant_rounds(module, variants, rounds, args, timeout):
+    """``rounds`` rounds of ``python -m module --variant V *args`` for every variant in turn (each a
+    fresh process printing its JSON result): per variant, the list of results."""
+    runs = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            runs[v].append(run_json([python(), "-m", module, "--variant", v, *args], timeout=timeout))
+    return runs
+
+
+def numbers_median(values):
+    """The median of the numbers among ``values`` (a failed run gives None): None if none."""
+    numbers = [v for v in values if isinstance(v, float)]
+    return float(np.median(numbers)) if numbers else None
+
+
+def numbers_best(values, best):
+    """``best`` (min or max) of the numbers among ``values``: None if none."""
+    numbers = [v for v in values if isinstance(v, float)]
+    return best(numbers) if numbers else None
+
+
+
+def figure(value, fmt="{:.2f}"):
+    """``value`` formatted for a table ("n/a" for a run that gave none)."""
+    return "n/a" if value is None else fmt.format(value)

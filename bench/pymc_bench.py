@@ -19,7 +19,16 @@ import sys
 
 import numpy as np
 
-from bench.common import emit, per_round_ratios, python, run_json, spread, write_section
+from bench.common import (
+    emit,
+    figure,
+    numbers_best,
+    numbers_median,
+    per_round_ratios,
+    spread,
+    variant_rounds,
+    write_section,
+)
 
 ROWS, FEATURES = 200_000, 10
 VARIANTS = ("pymc", "pymc_blas", "pymc_chains", "synk")
@@ -62,23 +71,15 @@ def run_variant(variant, draws, tune):
 def measure(rounds=3, quick=False):
     """Every variant once per round, in turn; per variant the median, and per-round ratios to PyMC alone."""
     draws = tune = 50 if quick else 100
-    runs = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for v in VARIANTS:
-            runs[v].append(run_json([python(), "-m", "bench.pymc_bench", "--variant", v, "--draws", str(draws),
-                                     "--tune", str(tune)], timeout=1800))
+    runs = variant_rounds("bench.pymc_bench", VARIANTS, rounds, ["--draws", str(draws), "--tune", str(tune)],
+                          1800)
     out = dict(rounds=rounds, draws=draws, tune=tune, cores=os.cpu_count(), runs=runs, pymc=_version("pymc"))
     for key in ("draws_per_s", "steps_per_s", "eval_ms"):
-        out[key] = {v: _median([r.get(key) for r in runs[v]]) for v in VARIANTS}
-    alone = [_best(a.get("draws_per_s"), b.get("draws_per_s")) for a, b in zip(runs["pymc"], runs["pymc_blas"])]
+        out[key] = {v: numbers_median([r.get(key) for r in runs[v]]) for v in VARIANTS}
+    alone = [numbers_best([a.get("draws_per_s"), b.get("draws_per_s")], max)
+             for a, b in zip(runs["pymc"], runs["pymc_blas"])]
     out["ratios"] = {v: per_round_ratios([r.get("draws_per_s") for r in runs[v]], alone) for v in VARIANTS}
     return out
-
-
-def _best(*values):
-    """The largest of the numbers among ``values`` (None if there is none)."""
-    numbers = [v for v in values if isinstance(v, float)]
-    return max(numbers) if numbers else None
 
 
 def _version(package):
@@ -89,20 +90,11 @@ def _version(package):
         return "not installed"
 
 
-def _median(values):
-    values = [v for v in values if isinstance(v, float)]
-    return float(np.median(values)) if values else None
-
-
-def _figure(value, fmt="{:.2f}"):
-    return "n/a" if value is None else fmt.format(value)
-
-
 def section(r):
     """Section 10 of RESULTS.md."""
     d, s, e = r["draws_per_s"], r["steps_per_s"], r["eval_ms"]
-    ratio = _median(r["ratios"]["synk"])
-    chains = _median(r["ratios"]["pymc_chains"])
+    ratio = numbers_median(r["ratios"]["synk"])
+    chains = numbers_median(r["ratios"]["pymc_chains"])
     met = "met" if ratio is not None and ratio >= 1.5 else "not met"
     errors = sorted({str(x.get("error"))[:80] for runs in r["runs"].values() for x in runs if "error" in x})
     return [TITLE, "",
@@ -113,17 +105,17 @@ def section(r):
             "| variant | NUTS draws/s | leapfrog steps/s | one logp + gradient (ms) | draws/s over PyMC alone "
             "(the faster single chain) | spread over rounds | goal ≥ 1.5× |",
             "|---|---|---|---|---|---|---|",
-            f"| PyMC alone, 1 chain (`pm.sample(cores=1)`: BLAS on 1 thread) | {_figure(d['pymc'])} | "
-            f"{_figure(s['pymc'])} | {_figure(e['pymc'], '{:.1f}')} | {_figure(_median(r['ratios']['pymc']))}× | "
+            f"| PyMC alone, 1 chain (`pm.sample(cores=1)`: BLAS on 1 thread) | {figure(d['pymc'])} | "
+            f"{figure(s['pymc'])} | {figure(e['pymc'], '{:.1f}')} | {figure(numbers_median(r['ratios']['pymc']))}× | "
             f"{spread(r['ratios']['pymc'], unit='×')} | — |",
-            f"| PyMC alone, 1 chain, BLAS on {r['cores']} cores | {_figure(d['pymc_blas'])} | "
-            f"{_figure(s['pymc_blas'])} | {_figure(e['pymc_blas'], '{:.1f}')} | "
-            f"{_figure(_median(r['ratios']['pymc_blas']))}× | {spread(r['ratios']['pymc_blas'], unit='×')} | — |",
-            f"| PyMC, {r['cores']} chains on {r['cores']} cores (all chains' draws) | {_figure(d['pymc_chains'])} | "
-            f"{_figure(s['pymc_chains'])} | {_figure(e['pymc_chains'], '{:.1f}')} | {_figure(chains)}× | "
+            f"| PyMC alone, 1 chain, BLAS on {r['cores']} cores | {figure(d['pymc_blas'])} | "
+            f"{figure(s['pymc_blas'])} | {figure(e['pymc_blas'], '{:.1f}')} | "
+            f"{figure(numbers_median(r['ratios']['pymc_blas']))}× | {spread(r['ratios']['pymc_blas'], unit='×')} | — |",
+            f"| PyMC, {r['cores']} chains on {r['cores']} cores (all chains' draws) | {figure(d['pymc_chains'])} | "
+            f"{figure(s['pymc_chains'])} | {figure(e['pymc_chains'], '{:.1f}')} | {figure(chains)}× | "
             f"{spread(r['ratios']['pymc_chains'], unit='×')} | — |",
-            f"| synkhronos, 2 devices, 1 chain | {_figure(d['synk'])} | {_figure(s['synk'])} | "
-            f"{_figure(e['synk'], '{:.1f}')} | {_figure(ratio)}× | {spread(r['ratios']['synk'], unit='×')} | "
+            f"| synkhronos, 2 devices, 1 chain | {figure(d['synk'])} | {figure(s['synk'])} | "
+            f"{figure(e['synk'], '{:.1f}')} | {figure(ratio)}× | {spread(r['ratios']['synk'], unit='×')} | "
             f"{met} |", "",
             f"{r['rounds']} rounds, each variant a fresh process in turn; draws per second over the sampling "
             "alone (`sampling_time`; compiling excluded), tuning draws included. PyMC alone's value and "

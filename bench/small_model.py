@@ -24,7 +24,17 @@ import time
 
 import numpy as np
 
-from bench.common import cpu_model, emit, per_round_ratios, python, run_json, spread, write_section
+from bench.common import (
+    cpu_model,
+    emit,
+    figure,
+    numbers_best,
+    numbers_median,
+    per_round_ratios,
+    spread,
+    variant_rounds,
+    write_section,
+)
 
 VARIANTS = ("numba", "c", "synk", "synk_run")
 TITLE = "## 11. A small model's step: the SdA tutorial's finetuning, batch 20"
@@ -111,43 +121,25 @@ def run_variant(variant, seconds):
 
 def measure(rounds=3, seconds=3.0):
     """Every variant once per round, in turn; per variant the median, and per-round ratios."""
-    runs = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for v in VARIANTS:
-            runs[v].append(run_json([python(), "-m", "bench.small_model", "--variant", v,
-                                     "--seconds", str(seconds)], timeout=900))
+    runs = variant_rounds("bench.small_model", VARIANTS, rounds, ["--seconds", str(seconds)], 900)
     out = dict(rounds=rounds, runs=runs, cpu=cpu_model())
-    out["step_ms"] = {v: _median([r.get("step_ms") for r in runs[v]]) for v in VARIANTS}
-    plain = [_least(a.get("step_ms"), b.get("step_ms")) for a, b in zip(runs["numba"], runs["c"])]
+    out["step_ms"] = {v: numbers_median([r.get("step_ms") for r in runs[v]]) for v in VARIANTS}
+    plain = [numbers_best([a.get("step_ms"), b.get("step_ms")], min) for a, b in zip(runs["numba"], runs["c"])]
     out["ratios"] = {v: per_round_ratios([r.get("step_ms") for r in runs[v]], plain) for v in VARIANTS}
     return out
-
-
-def _least(*values):
-    numbers = [v for v in values if isinstance(v, float)]
-    return min(numbers) if numbers else None
-
-
-def _median(values):
-    values = [v for v in values if isinstance(v, float)]
-    return float(np.median(values)) if values else None
-
-
-def _figure(value, fmt="{:.2f}"):
-    return "n/a" if value is None else fmt.format(value)
 
 
 def section(r):
     """Section 11 of RESULTS.md."""
     ms, ratios = r["step_ms"], r["ratios"]
-    ratio = _median(ratios["synk"])
+    ratio = numbers_median(ratios["synk"])
     met = "met" if ratio is not None and ratio <= 3 else "not met"
     errors = sorted({str(x.get("error"))[:80] for runs in r["runs"].values() for x in runs if "error" in x})
     names = {"numba": "plain PyTensor, 1 process, default mode (Numba)",
              "c": "plain PyTensor, 1 process, C backend (`Mode(linker=\"cvm\")`)",
              "synk": "synkhronos, 2 devices, master-driven `train_fn(index)`",
              "synk_run": "synkhronos, 2 devices, `train.run` (steps on the devices)"}
-    rows = [f"| {names[v]} | {_figure(ms[v], '{:.3f}')} | {_figure(_median(ratios[v]))}× | "
+    rows = [f"| {names[v]} | {figure(ms[v], '{:.3f}')} | {figure(numbers_median(ratios[v]))}× | "
             f"{spread(ratios[v], unit='×')} | {met if v == 'synk' else '—'} |" for v in VARIANTS]
     return [TITLE, "",
             f"The SdA tutorial's finetuning network (three sigmoid layers of {HIDDEN[0]} units and a softmax) "
