@@ -1,6 +1,7 @@
 """Distributed functions against the single-process PyTensor function (as_pytensor)."""
 
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -267,7 +268,7 @@ def _two_output_step(w):
     return fn
 
 
-def test_jitted_call_matches_pytensor_and_lets_go_of_its_inputs(rng):
+def test_jitted_call_matches_pytensor_and_lets_go_of_its_inputs(synk2, rng):   # (JAX after fork)
     """The direct call of a function's jitted graph returns and updates what PyTensor's call does.
 
     Its input cells are empty after every call (they hold views of shared
@@ -291,7 +292,7 @@ def test_jitted_call_matches_pytensor_and_lets_go_of_its_inputs(rng):
     close(call(np.ones(4, "float32"))[0], ref(np.ones(4, "float32"))[0], rtol=1e-6)
 
 
-def test_jitted_call_declines_what_it_cannot_run():
+def test_jitted_call_declines_what_it_cannot_run(synk2):     # (JAX after fork)
     x = pt.vector("x")
     assert jitted_call(pytensor.function([x], [x * 2], mode="FAST_COMPILE")) is None   # not JAX
     assert jitted_call(pytensor.function([x], [], mode="JAX", on_unused_input="ignore")) is None
@@ -528,6 +529,26 @@ def test_a_variable_a_call_leaves_alone_keeps_its_face_and_a_held_view_keeps_its
         buffers.append(_buffer_of(w))
     assert buffers[-1] == buffers[-2]
     close(w.get_value(), w_ref.get_value())
+
+
+def test_a_face_set_back_or_reshaped_in_place_is_what_the_next_call_reads(synk2):
+    """A face given back with set_value(borrow=True) stays the variable's array; one whose shape
+    was set in place is read with that shape, as PyTensor reads it."""
+    W = pytensor.shared(np.arange(12.0).reshape(3, 4), name="faces_reshaped")
+    f = synk.function([], (W.sum(axis=0), "avg"), name="faces_reshaped_sum")
+    g = pytensor.function([], W.sum(axis=0), mode="JAX")
+    close(f(), g())
+    face = W.get_value(borrow=True)
+    W.set_value(face, borrow=True)
+    close(f(), g())
+    assert W.get_value(borrow=True) is face
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)     # (NumPy deprecates setting shape)
+        face.shape = (4, 3)
+    synk.broadcast(W)                                           # (the master's value: to every device)
+    close(f(), g())
+    close(f(), [18.0, 22.0, 26.0])
+    assert W.get_value().shape == (4, 3)
 
 
 def test_an_update_after_an_all_reduce_leaves_the_other_reduced_values_alone(synk2, rng):

@@ -154,10 +154,15 @@ class KeptFace:
         self.face, self._device = face, weakref.ref(device)
 
     def device_if_current(self, value):
-        """The face's device array if ``value`` is the face or that array, and the array is
-        alive and not donated; else None."""
+        """The face's device array if ``value`` is that array, or the face still over all of
+        it, and the array is alive and not donated; else None."""
         device = self._device()
-        if device is None or (value is not self.face and value is not device) or device.is_deleted():
+        if device is None or device.is_deleted():
+            return None
+        if value is device:
+            return device
+        if value is not self.face or value.shape != device.shape or value.dtype != device.dtype or \
+                not value.flags.c_contiguous:      # (the face's shape or dtype set in place)
             return None
         return device
 

@@ -116,15 +116,20 @@ class Registry(Part):
         """
         held = faces_held()
         for var in self._tensors:
-            cell = storage_cell(var)
+            value = storage_cell(var)[0]
             kept = self._faces.get(var)
-            device = kept.device_if_current(cell[0]) if kept is not None else None
+            device = kept.device_if_current(value) if kept is not None else None
+            if device is None and type(value) is np.ndarray:
+                device = device_face(value)
+                if device is value:         # an array of the user's own
+                    device = None
+                else:                       # a face the user set: it stays the variable's face
+                    kept = self._faces[var] = KeptFace(device, value)
             if device is not None:
-                if not held and cell[0] is not device:
-                    cell[0] = device
+                if not held and value is not device:
+                    storage_cell(var)[0] = value = device     # (lend counts who else holds the face)
                     kept.lend()
                 continue
-            value = stored(var)
             if isinstance(value, np.ndarray):      # set by the user: maybe of another shape
                 value = to_device(value.astype(var.type.dtype, copy=False))
                 self._state.calls.forget_shapes()
