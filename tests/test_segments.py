@@ -226,10 +226,13 @@ FORKING_RUN = """
     os.waitpid(pid, 0)
     if os.fork() == 0:
         os.setpgid(0, 0)             # outlives a kill of the run's process group
-        with open(stays, "w") as fh:
+        with open(stays + ".part", "w") as fh:
             fh.write(str(os.getpid()))
+        os.rename(stays + ".part", stays)
         time.sleep(600)
         os._exit(0)
+    while not os.path.exists(stays):     # ready only once the child has said who it is
+        time.sleep(0.01)
     with open(ready + ".part", "w") as fh:
         fh.write(session.current().prefix)
     os.rename(ready + ".part", ready)
