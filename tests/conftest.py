@@ -19,8 +19,13 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.register_profile("ci", parent=settings.get_profile("dev"), derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 #: the suite's own compile cache (fork()'s default honours JAX's variable): the user's stays untouched,
-#: and each suite starts cold
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="synk-test-compile-cache-")
+#: and each suite starts cold. pytest-xdist's workers inherit the controller's (SUITE_CACHE): they
+#: share one, as runs at once on one machine do, and the process that made it removes it.
+SUITE_CACHE = "SYNK_TEST_COMPILE_CACHE"
+_cache_made_here = SUITE_CACHE not in os.environ
+if _cache_made_here:
+    os.environ[SUITE_CACHE] = tempfile.mkdtemp(prefix="synk-test-compile-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[SUITE_CACHE]
 
 
 def synk_segments():
@@ -95,7 +100,13 @@ def comm_kind(request):
 def _close_at_end():
     yield
     synk.close()
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_sessionfinish(session):
+    """The process that made the suite's compile cache removes it (xdist's controller: after its
+    workers have ended)."""
+    if _cache_made_here:
+        shutil.rmtree(os.environ[SUITE_CACHE], ignore_errors=True)
 
 
 @pytest.fixture
