@@ -93,8 +93,7 @@ class Registry(Part):
         faces = {}
         for var in self._tensors:
             cell = storage_cell(var)
-            kept = self._faces.get(var)
-            device = kept.device_if_current(cell[0]) if kept is not None else None
+            kept, device = self._kept_face(var, cell[0])
             if device is not None:
                 cell[0], faces[var] = kept.restore(device), kept
                 continue
@@ -104,6 +103,12 @@ class Registry(Part):
             if face is not device:
                 faces[var] = KeptFace(device, face)
         self._faces = faces
+
+    def _kept_face(self, var, value):
+        """``(kept, device)``: ``var``'s KeptFace (or None), and its device array if ``value`` is
+        still that face or that array (else None)."""
+        kept = self._faces.get(var)
+        return kept, (kept.device_if_current(value) if kept is not None else None)
 
     def values_to_devices(self):
         """Take the master's shared values back as device arrays, before a synkhronos call.
@@ -117,8 +122,7 @@ class Registry(Part):
         held = faces_held()
         for var in self._tensors:
             value = storage_cell(var)[0]
-            kept = self._faces.get(var)
-            device = kept.device_if_current(value) if kept is not None else None
+            kept, device = self._kept_face(var, value)
             if device is None and type(value) is np.ndarray:
                 device = device_face(value)
                 if device is value:         # an array of the user's own
