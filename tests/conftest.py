@@ -1,4 +1,4 @@
-"""Shared fixtures: one 2-process runtime for the whole session (forking costs ~3 s)."""
+"""Shared fixtures: one 2-process runtime for the whole session (forking takes seconds)."""
 
 import os
 import shutil

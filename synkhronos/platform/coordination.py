@@ -18,6 +18,7 @@ service process imports JAX's library and the adapter beside this file, :mod:`.i
 the package).
 """
 
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ if __package__:
 else:   # the service process, run by path: its directory is on sys.path, the package is not imported
     from internals import coordination_service  # type: ignore[no-redef]
 
-__all__ = ["ServiceProcess", "GRACE"]
+__all__ = ["ServiceProcess", "GRACE", "wait_until_served"]
 
 #: seconds the service stays after its parent died: the other nodes notice a lost node within
 #: NODE_HEARTBEAT_TIMEOUT seconds and then leave the runtime
@@ -81,6 +82,33 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def wait_until_served(address, within):
+    """Return once something accepts connections at ``address`` (``host:port``), or after
+    ``within`` seconds; True if it did.
+
+    A process that joins before the service listens is refused, and JAX's client
+    (gRPC) tries again only after its reconnect backoff, a second later; the
+    processes started beside the one that serves it nearly always come first.
+    Polling the port costs milliseconds.
+
+    Examples
+    --------
+    >>> with socket.create_server(("127.0.0.1", 0)) as server:
+    ...     wait_until_served(f"127.0.0.1:{server.getsockname()[1]}", within=1)
+    True
+    """
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
 
 def _serve(address, n_processes, heartbeat_timeout):

@@ -23,12 +23,12 @@ import sys
 
 import numpy as np
 
-from . import compile_cache, compile_spans, cpu_blas, cpu_tuning, internals
+from . import compile_cache, compile_spans, coordination, cpu_blas, cpu_tuning, internals
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
            "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache",
-           "import_jax", "global_random_states_kept"]
+           "import_jax", "import_modules", "global_random_states_kept"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -171,6 +171,13 @@ def platform():
     return jax.default_backend()
 
 
+def import_modules():
+    """Import JAX and PyTensor's JAX backend without making a JAX backend (the imports take about
+    a second: the master does them while its workers start)."""
+    import_jax()
+    import pytensor.link.jax.dispatch  # noqa: F401
+
+
 def set_precision(float_x):
     """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
     jax = import_jax()
@@ -267,6 +274,8 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # XLA sizes its CPU pool from the affinity when the client is made (inside initialize), and
     # ignores its thread flags; the pool's threads keep the binding, one core set per rank as MPI
     # binds its ranks
+    if (several_nodes or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
+        raise TimeoutError(f"no coordination service listened at {coordinator} within {timeout:.1f} s")
     with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised():
         jax.distributed.initialize(
             coordinator_address=coordinator,

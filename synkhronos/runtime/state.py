@@ -138,6 +138,7 @@ class State:
                 topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
                 comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,
                 profile=bool(s.profile_workers), compile_cache=s.compile_cache), env)
+        jax_init.import_modules()
         self.channel.wait_done(self.worker_ranks, what="start-up")
         try:
             jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
