@@ -201,7 +201,7 @@ def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_e
     import pytensor
     synk.close()
     floatx, pytensor.config.floatX = pytensor.config.floatX, "float64"
-    options = dict(epochs=3, n=320, batch_size=16, vocab=100, dim=8, maxlen=14, log=lambda line: None)
+    options = dict(epochs=2, n=320, batch_size=16, vocab=100, dim=8, maxlen=14, log=lambda line: None)
     try:
         single = tutorial_lstm.train("single", **options)
         unpadded = tutorial_lstm.train("synk", devices=2, **options)
@@ -212,8 +212,5 @@ def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_e
         close(costs, want, rtol=1e-9)
     lengths = tutorial_lstm.lengths_by_epoch(**options)
     met = set(lengths[0])
-    for epoch in range(1, 3):
-        if set(lengths[epoch]) <= met:
-            assert unpadded[epoch][1] <= 3 * padded[epoch][1], (unpadded, padded)
-        met |= set(lengths[epoch])
-    assert set(lengths[1]) <= set(lengths[0]) or set(lengths[2]) <= met, lengths   # something measured
+    assert set(lengths[1]) <= met, lengths          # the second epoch meets no new length
+    assert unpadded[1][1] <= 3 * padded[1][1], (unpadded, padded)
