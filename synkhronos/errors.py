@@ -90,7 +90,7 @@ def graph_line(e):
         for frame, lineno in traceback.walk_tb(e.__traceback__):
             if frame.f_code.co_name == "jax_funcified_fgraph":
                 lines = linecache.getlines(frame.f_code.co_filename)
-                comment = []
+                comment: list[str] = []
                 for text in reversed(lines[:max(lineno - 1, 0)]):
                     text = text.strip()
                     if not text.startswith("#"):
@@ -170,7 +170,8 @@ class WorkerError(SynkError):
     @classmethod
     def from_exception(cls, rank, e):
         """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
-        return cls.raised(rank, *what_raised(e), "".join(traceback.format_exception(e)),
+        exc_type, message = what_raised(e)
+        return cls.raised(rank, exc_type, message, "".join(traceback.format_exception(e)),
                           where=graph_line(e))
 
     def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None, where=None):

@@ -78,8 +78,9 @@ class Data:
         self.name = name
         self._shape = None
         # dropped with its last reference, as a numpy array is (the workers let go at the next command)
-        weakref.finalize(self, _release_unreferenced, self._segment, state, self.id,
-                         os.getpid()).atexit = False
+        release = weakref.finalize(self, _release_unreferenced, self._segment, state, self.id,
+                                   os.getpid())
+        release.atexit = False  # type: ignore[misc]  # a documented attribute typeshed's slots omit
 
     # --- properties -------------------------------------------------------------------------
     @property

@@ -75,7 +75,7 @@ class Function:
         self._rows = rows
         self.spec = spec
         self._bare = bare
-        self._scratch = {}
+        self._scratch: dict = {}
         self._reference = None    # the plain PyTensor function, compiled at the first as_pytensor
         #: numpy arguments are cast to their inputs' dtypes as pytensor.function's option does
         self._downcast = bool(spec.kwargs.get("allow_input_downcast"))

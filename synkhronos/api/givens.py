@@ -85,15 +85,16 @@ def _row_slice(key, value):
 def _rowwise_base(expression):
     """The one shared variable ``expression`` is an elementwise function of, row by row, or None."""
     leaves = [v for v in graph_inputs([expression]) if not isinstance(v, Constant)]
-    if len(leaves) != 1 or not isinstance(leaves[0], SharedVariable) or leaves[0].ndim < 1:
+    if len(leaves) != 1 or not isinstance(leaves[0], SharedVariable) or leaves[0].ndim < 1:  # type: ignore[attr-defined]
         return None
     base = leaves[0]
     for node in applys_between([base], [expression]):
         if not isinstance(node.op, Elemwise):
             return None
         for other in node.inputs:          # a constant must not vary along the rows
-            if isinstance(other, Constant) and other.ndim == node.outputs[0].ndim and \
-                    not other.type.broadcastable[0]:
+            if (isinstance(other, Constant)
+                    and other.ndim == node.outputs[0].ndim  # type: ignore[attr-defined]
+                    and not other.type.broadcastable[0]):
                 return None
     return base
 
@@ -115,7 +116,7 @@ def _picks_rows(value, scalars):
         if isinstance(node.op, (Subtensor, AdvancedSubtensor)) and reads_shared[node.inputs[0]]:
             first = indices_from_subtensor(node.inputs[1:], node.op.idx_list)[0]
             parts = [first.start, first.stop, first.step] if isinstance(first, slice) else \
-                [first] if first.ndim > 0 else []
+                [first] if first.ndim > 0 else []  # type: ignore[attr-defined]
             if any(p is not None and reads_scalar[p] for p in parts):
                 return True
         for out in node.outputs:
@@ -180,7 +181,7 @@ class RowsFromGivens:
             found = _row_slice(key, value)
             # a 0-d shared variable in the bounds is a value too: the number of rows would follow it
             shared_scalars = [v for v in graph_inputs([value])
-                              if isinstance(v, SharedVariable) and v.ndim == 0]
+                              if isinstance(v, SharedVariable) and v.ndim == 0]  # type: ignore[attr-defined]
             if found is not None and _bounds_read_only(found, scalars):
                 slices.append(found)
             elif _picks_rows(value, scalars + shared_scalars):

@@ -135,7 +135,7 @@ def _meets(var, from_rows, nodes):
     """True if ``var``, through elementwise operations and dimshuffles only, enters an operation beside
     a variable computed from the rows."""
     from pytensor.tensor.elemwise import DimShuffle, Elemwise
-    clients = {}
+    clients: dict = {}
     for node in nodes:
         for i in node.inputs:
             clients.setdefault(i, []).append(node)

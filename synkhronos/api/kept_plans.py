@@ -14,6 +14,7 @@ always take the full path.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class KeptPlans:
         self._n_inputs = len(spec.all_inputs)
         self._input_types = [(np.dtype(var.type.dtype), var.type.ndim) for var in spec.all_inputs]
         #: per key, a box the first call with it fills with its validated plan
-        self._boxes = functools.lru_cache(maxsize=PLANS_KEPT)(lambda key: [])
+        self._boxes: Callable = functools.lru_cache(maxsize=PLANS_KEPT)(lambda key: [])
 
     def find(self, args, kwargs, batch, batch_s, num_slices, output_subset):
         """``(box, plan)``: the kept plan of such a call (its numpy arguments staged), or None,

@@ -89,7 +89,8 @@ class Step:
                             f"{len(update.spec.all_inputs)}; give it none")
         self.call, self.update, self.op = call, update, op
         self.reduced, _ = resolve_shareds(reduced)
-        self._tail, self._shapes = None, None
+        self._tail: StepTail | None = None
+        self._shapes = None
         self._command(current())         # checks the op against the variables' dtypes
 
     @serialized

@@ -40,7 +40,7 @@ class HierarchicalComm(Comm):
         self.local = ShmComm(context.on_this_node()) if t.n_local > 1 else None
         self.leader_local = t.local_of(context.master_rank)
         self.is_leader = context.rank == context.master_rank
-        self.across = None
+        self.across: JaxComm | None = None      # the leaders' communicator, of the node leaders only
         if self.is_leader:
             by_rank = {d.process_index: d for d in jax.devices()}
             leaders = [by_rank[t.ranks_of(node)[self.leader_local]] for node in range(t.n_nodes)]
@@ -57,7 +57,7 @@ class HierarchicalComm(Comm):
     def all_reduce(self, values, op):
         within = "sum" if op == "avg" else op
         reduced = self.local.all_reduce(values, within) if self.local is not None else values
-        if self.is_leader:
+        if self.across is not None:      # this node's leader
             reduced = self.across.all_reduce(reduced, within)
             if op == "avg":
                 reduced = [v / self.n_ranks for v in reduced]
@@ -68,7 +68,7 @@ class HierarchicalComm(Comm):
         t = self.topology
         stacked = (self.local.all_gather(values) if self.local is not None
                    else [jnp.asarray(v)[None] for v in values])
-        if self.is_leader:
+        if self.across is not None:
             per_node = self.across.all_gather(stacked)       # (n_nodes, n_local, ...)
             rows = [[v.reshape((t.n_devices,) + v.shape[2:])[r] for v in per_node]
                     for r in range(t.n_devices)]
@@ -83,7 +83,7 @@ class HierarchicalComm(Comm):
         root_node, root_local = t.node_of(root), t.local_of(root)
         if t.node_rank == root_node and root_local != self.leader_local and self.local is not None:
             values = self.local.broadcast(values, root_local)       # to the root node's leader
-        if self.is_leader:
+        if self.across is not None:
             values = self.across.broadcast(values, root_node)
         return self._from_leader(values)
 

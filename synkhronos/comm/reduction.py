@@ -120,7 +120,7 @@ class Accumulator:
         if self.mode == GATHER:
             return self.parts[0] if len(self.parts) == 1 else concatenated(self.parts, self.axis, self.xp)
         if self.mode == "avg":
-            return self.value / self.rows
+            return self.value / self.rows  # type: ignore[operator]  # add() set it
         return self.value
 
 
@@ -185,7 +185,7 @@ def reduce_outputs(columns, subset, rows, master_rank, reductions):
     if not columns:
         return []
     everyone = 0 not in rows
-    ranks = None if everyone else [rank for rank, n in enumerate(rows) if n]
+    ranks = [rank for rank, n in enumerate(rows) if n]
     own = master_rank if rows[master_rank] else ranks[0]
     weights = rows if everyone else [rows[rank] for rank in ranks]
     reduced = []

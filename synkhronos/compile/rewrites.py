@@ -72,7 +72,7 @@ class BlasDot(Op):
     def __init__(self, transpose_a=False, transpose_b=False):
         self.transpose_a, self.transpose_b = bool(transpose_a), bool(transpose_b)
 
-    def make_node(self, a, b):
+    def make_node(self, a, b):  # type: ignore[override]
         a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
         if a.ndim != 2 or b.ndim != 2:
             raise TypeError(f"{type(self).__name__} multiplies matrices")
@@ -94,7 +94,7 @@ class BlasDot(Op):
         return np.asarray(np.dot(*self._operands(a, b)), dtype=dtype)
 
     def perform(self, node, inputs, outputs):
-        outputs[0][0] = self.multiply(*inputs, node.outputs[0].dtype)
+        outputs[0][0] = self.multiply(*inputs, node.outputs[0].dtype)  # type: ignore[call-arg]
 
     def pullback(self, inputs, outputs, cotangents):
         a, b = self._operands(*inputs)

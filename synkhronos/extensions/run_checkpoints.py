@@ -26,7 +26,9 @@ class RunCheckpoints:
     FILE = "checkpoint.safetensors"
 
     def __init__(self, directory, every, resume, variables, order):
-        self.path, self.every, self.variables, self.order = None, None, variables, order
+        self.path: str = ""          # set with checkpoint_dir= (empty: no checkpoints)
+        self.every: int | None = None
+        self.variables, self.order = variables, order
         self._resumed = 0
         #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
         self.rule_state = None

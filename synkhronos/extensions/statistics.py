@@ -33,7 +33,9 @@ Any other stateful layer's write-back is averaged over the devices, row-weighted
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytensor.tensor as pt
@@ -58,9 +60,9 @@ class Carried:
         is any statistic's slice of the reduced flat vector (shaped like it).
     """
 
-    target: object
-    contribution: object
-    written: object
+    target: Any
+    contribution: Any
+    written: Callable[[Callable[[Any], Any]], Any]
 
     @property
     def shape(self):

@@ -178,7 +178,7 @@ def _scalar_inputs(reads, known):
     """The symbolic inputs ``reads`` read besides ``known`` (all 0-d), in the order they are computed
     with: the first of ``reads`` first, and within one in PyTensor's order of computation."""
     known = set(known)
-    found = {}
+    found: dict = {}
     for root in reads:
         leaves = {v for v in graph_inputs([root])
                   if not isinstance(v, (Constant, SharedVariable)) and v not in known}
@@ -228,7 +228,7 @@ def givens_scalars(givens):
     """The scalar inputs the values of ``givens`` read (the tutorials' index), in order."""
     return list(dict.fromkeys(
         v for value in dict(givens).values() for v in graph_inputs([value])
-        if not isinstance(v, (Constant, SharedVariable)) and v.ndim == 0))
+        if not isinstance(v, (Constant, SharedVariable)) and v.ndim == 0))  # type: ignore[attr-defined]
 
 
 def call_values(values, named, inputs, what="the step"):

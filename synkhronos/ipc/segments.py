@@ -114,8 +114,9 @@ class Claim:
             os.close(fd)
 
     def _forget_in_child(self):
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 #: the claims this process holds
@@ -214,7 +215,8 @@ def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
         names = sorted(os.listdir(directory))
     except OSError:
         return Sweep([], [])
-    runs, skipped = {}, []
+    runs: dict = {}
+    skipped: list = []
     for name in names:
         found = _NAME.match(name)
         if found is None:
@@ -381,8 +383,9 @@ class Segment:
         return view
 
     def release(self):
-        """Drop this process's mapping (freed once no view of it remains)."""
-        self.mm = None
+        """Drop this process's mapping (freed once no view of it remains); the segment is not read
+        again."""
+        self.mm = None  # type: ignore[assignment]
         self._views = {}
 
     def unlink(self):
@@ -409,7 +412,7 @@ class GrowableSegment:
         self.base = base
         self.track = track
         self.gen = 0
-        self.segment = None
+        self.segment: Segment | None = None
 
     def name(self, gen=None):
         return f"{self.base}g{self.gen if gen is None else gen}"
@@ -417,6 +420,13 @@ class GrowableSegment:
     @property
     def nbytes(self):
         return 0 if self.segment is None else self.segment.size
+
+    @property
+    def made(self) -> "Segment":
+        """The current segment (an error before :meth:`ensure` made one, or after :meth:`free`)."""
+        if self.segment is None:
+            raise RuntimeError(f"shared-memory segment {self.base} was not made or was freed")
+        return self.segment
 
     def ensure(self, nbytes, oversize=1.0):
         """Make the segment hold at least ``nbytes``; return True if it was replaced."""
@@ -443,13 +453,14 @@ class SegmentMirror:
         self.gen = None
         self.segment = None
 
-    def get(self, gen):
+    def get(self, gen) -> Segment:
         """Return the attached segment of generation ``gen``."""
-        if gen != self.gen:
+        segment = self.segment
+        if gen != self.gen or segment is None:
             self.release()
-            self.segment = Segment(f"{self.base}g{gen}")
+            self.segment = segment = Segment(f"{self.base}g{gen}")
             self.gen = gen
-        return self.segment
+        return segment
 
     def release(self):
         if self.segment is not None:

@@ -30,7 +30,7 @@ class NodePlace:
 
     n_nodes: int
     node_rank: int
-    coordinator: str
+    coordinator: str | None
     devices_per_node: int | None = None
     source: str = "single node"
 

@@ -130,15 +130,16 @@ def usable_directory(compile_cache: str | os.PathLike | bool | None = None) -> s
 FINDINGS = "synkhronos-findings"
 
 
-def recalls(directory: str | None, finding: str, key: str) -> bool:
-    """True if an earlier run recorded ``finding`` about the graph of digest ``key`` in ``directory``."""
-    return directory is not None and os.path.exists(os.path.join(directory, FINDINGS, finding, key))
+def recalls(directory: str | None, finding: str, key: str | None) -> bool:
+    """True if an earlier run recorded ``finding`` about the graph of digest ``key`` in ``directory``
+    (False where there is no cache, or no key)."""
+    return directory is not None and key is not None and os.path.exists(os.path.join(directory, FINDINGS, finding, key))
 
 
-def record(directory: str | None, finding: str, key: str) -> None:
+def record(directory: str | None, finding: str, key: str | None) -> None:
     """Record ``finding`` about the graph of digest ``key`` (nothing when the cache is off, or on a
     failure to write: a finding is only ever a shortcut)."""
-    if directory is None:
+    if directory is None or key is None:
         return
     try:
         os.makedirs(os.path.join(directory, FINDINGS, finding), exist_ok=True)

@@ -54,7 +54,8 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, address, str(n_processes), str(int(heartbeat_timeout))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        line = self.proc.stdout.readline().strip()
+        self._stdin, self._stdout = _pipes(self.proc)
+        line = self._stdout.readline().strip()
         if line != _READY:
             self.proc.kill()
             self.proc.wait()
@@ -71,8 +72,8 @@ class ServiceProcess:
         fault, other nodes may still be leaving) :data:`GRACE` seconds from now."""
         try:
             if at_once:
-                self.proc.stdin.write(_STOP + "\n")
-            self.proc.stdin.close()
+                self._stdin.write(_STOP + "\n")
+            self._stdin.close()
         except OSError:     # it ended already
             pass
         if not at_once:
@@ -119,6 +120,12 @@ def _serve(address, n_processes, heartbeat_timeout):
     if _STOP not in said:
         time.sleep(GRACE)
     service.shutdown()
+
+
+def _pipes(proc):
+    """The standard input and output of ``proc``, started with both as pipes."""
+    assert proc.stdin is not None and proc.stdout is not None, "started with stdin and stdout piped"
+    return proc.stdin, proc.stdout
 
 
 if __name__ == "__main__":

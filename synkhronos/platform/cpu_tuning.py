@@ -123,7 +123,7 @@ def on_cores(cores):
     client made inside it (XLA sizes its pool from the affinity and ignores its
     thread flags). Nested blocks bind once.
     """
-    if cores is None or getattr(_pinned, "depth", 0):
+    if cores is None or getattr(_pinned, "depth", 0) > 0:
         yield
         return
     original = os.sched_getaffinity(0)

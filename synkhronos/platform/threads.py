@@ -13,7 +13,7 @@ from typing import Any, Callable
 __all__ = ["start_thread", "is_own"]
 
 
-def start_thread(target: Callable[..., Any], name: str, daemon: bool = True,
+def start_thread(target: Callable[..., Any] | None, name: str, daemon: bool = True,
                  thread: threading.Thread | None = None) -> threading.Thread:
     """Start ``thread`` (default: a new one running ``target``) marked as synkhronos's own.
 

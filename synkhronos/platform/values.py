@@ -113,9 +113,10 @@ def device_face(value):
     """The device array behind ``value``, a whole :func:`host_face`; any other value as it is."""
     memory = value.base if type(value) is np.ndarray else None
     device = getattr(memory, "device_array", None)
-    if device is None or value.shape != device.shape or value.dtype != device.dtype or \
-            not value.flags.c_contiguous or value.ctypes.data != ctypes.addressof(memory) or \
-            device.is_deleted():
+    if (device is None or value.shape != device.shape or value.dtype != device.dtype
+            or not value.flags.c_contiguous
+            or value.ctypes.data != ctypes.addressof(memory)  # type: ignore[arg-type]  # has a device_array
+            or device.is_deleted()):
         return value
     return device
 

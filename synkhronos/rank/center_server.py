@@ -119,7 +119,7 @@ def rule_document(rule):
     from . import sync
     for cls in type(rule).__mro__:
         if cls.__module__ == sync.__name__ and cls.__name__ in _MERGES:
-            if type(rule).merge is cls.merge:
+            if type(rule).merge is cls.merge:  # type: ignore[attr-defined]  # a rule of sync
                 return {"name": cls.__name__,
                         **{key: float(getattr(rule, key)) for key in _MERGES[cls.__name__]}}
             break
@@ -144,7 +144,7 @@ def _serve(host):
     poller.register(zap, zmq.POLLIN)
     stdin = sys.stdin.fileno()
     poller.register(stdin, zmq.POLLIN)
-    served = {}                      # socket -> (center name, Center)
+    served: dict = {}                      # socket -> (center name, Center)
     commands = _Lines(stdin)
     print(token.decode(), flush=True)
     try:

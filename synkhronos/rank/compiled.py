@@ -149,7 +149,7 @@ class CompiledFunction:
         #: (shapes, updates applied) -> runner of the graph rebuilt on them, the most recent kept
         self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(self._rebuilt_runner)
         #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
-        self._shapes_met = set() if check and self._row_args else None
+        self._shapes_met: set | None = set() if check and self._row_args else None
         #: the PyTensor function on free rows (updates applied), or None while not built
         self.function = None
         #: True: compiled per row count; False: on free rows; None: not known yet (see the class notes)
@@ -267,8 +267,8 @@ class CompiledFunction:
                 raise
             raise_deferred_interrupt()
             return outputs
-        call.fn = fn
-        call.streams = {}         # not linked for JAX: the generators' own containers, shared by all
+        call.fn = fn  # type: ignore[attr-defined]  # a function with its program attached
+        call.streams = {}  # type: ignore[attr-defined]  # not linked for JAX: the generators' own containers, shared by all
         return call
 
     def _invoke(self, runner, args, undo=None):
@@ -313,6 +313,8 @@ class CompiledFunction:
     def _count_shape(self, shapes):
         """Warn once when this function has met MANY_SHAPES argument shapes: each compiles anew."""
         met = self._shapes_met
+        if met is None:
+            return
         met.add(shapes)
         if len(met) >= MANY_SHAPES:
             self._shapes_met = None

@@ -7,6 +7,7 @@ update buffers when that pays (:func:`donating_variant`).
 """
 
 import sys
+from typing import Any
 
 import numpy as np
 from pytensor.tensor.type import TensorType
@@ -65,7 +66,7 @@ def jitted_call(fn):
     update_cells = [storage for _, storage in updates]
     donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
     #: the graph this function runs, and whether it calls host code: chosen at its first call
-    chosen = []
+    chosen: list = []
     # all outputs of one execution become ready together: wait on one array (a random generator's
     # next state is a dict of arrays, which has no block_until_ready)
     arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
@@ -140,11 +141,12 @@ def jitted_call(fn):
         def compile_():
             if not chosen:
                 choose(values)
-            (jit if faces else chosen[0]).lower(*avals).compile()
+            graph: Any = jit if faces else chosen[0]        # a jax.jit function
+            graph.lower(*avals).compile()
         return compile_
 
-    call.fn = fn
-    call.compile_ahead = compile_ahead
+    call.fn = fn  # type: ignore[attr-defined]  # a function with its program attached
+    call.compile_ahead = compile_ahead  # type: ignore[attr-defined]  # a function with its program attached
     return call
 
 

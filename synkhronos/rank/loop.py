@@ -103,15 +103,22 @@ class DeviceLoop:
         ranks, one launch per dtype."""
         out = [None] * len(values)
         for idx in dtype_groups(variables):
-            for i, r in zip(idx, self.comm.all_reduce([values[i] for i in idx], op)):
+            for i, r in zip(idx, self._collectives().all_reduce([values[i] for i in idx], op)):
                 out[i] = r
-        self.comm.refresh()
+        self._collectives().refresh()
         return out
 
     def broadcast_from_master(self, values):
         """``values`` as node 0's master holds them, on every rank of every node (one root for all:
         each node's own master would make the nodes' broadcasts disagree)."""
-        return self.comm.broadcast(values, self.root_rank)
+        return self._collectives().broadcast(values, self.root_rank)
+
+    def _collectives(self):
+        """The rank's collectives (an asynchronous rule's loop has none: it meets a center)."""
+        if self.comm is None:
+            raise RuntimeError(f"{type(self.rule).__name__} runs asynchronously: its loop has no "
+                               f"collectives")
+        return self.comm
 
     # --- steps ------------------------------------------------------------------------------
     def _order(self, epoch):
@@ -149,8 +156,10 @@ class DeviceLoop:
             trace.mark("gradient")
         if self.rule.reduces_gradient:
             reducing = time.perf_counter()
-            reduced, = self._all_reduce_gradient([stored(self.grad_var)], "avg")
-            self.comm.refresh()
+            reduce_gradient, comm = self._all_reduce_gradient, self._collectives()
+            assert reduce_gradient is not None, "made with the collectives"
+            reduced, = reduce_gradient([stored(self.grad_var)], "avg")
+            comm.refresh()
             store(self.grad_var, reduced)
             self.sync_seconds += time.perf_counter() - reducing
             stats.values[LoopStats.SYNCS] += 1
@@ -179,7 +188,8 @@ class DeviceLoop:
         sync_before, self.skipped = self.sync_seconds, 0
         if self.rule.asynchronous:
             while (unit := self.center.claim(last * self.n_ranks)) is not None:
-                self._step(*divmod(unit, self.n_ranks), stats)
+                step, rank = divmod(unit, self.n_ranks)
+                self._step(step, rank, stats)
         else:
             for step in range(first, last):
                 self._step(step, self.rank, stats)

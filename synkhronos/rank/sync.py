@@ -248,8 +248,11 @@ class DiLoCo(Rule):
             raise ValueError("DiLoCo: outer_momentum must be below 1, got 1.0")
         self.nesterov = bool(nesterov)
 
+    #: a resumed rule's state, as :meth:`state_arrays` gave it (None: a fresh start)
+    _saved: list | None = None
+
     def start(self, loop):
-        saved = getattr(self, "_saved", None)
+        saved = self._saved
         if saved is not None:        # resumed: the round so far, the outer parameters and momentum
             self._steps, self._rows = int(saved[0][0]), np.array(saved[1], np.int64)
             half = (len(saved) - 2) // 2

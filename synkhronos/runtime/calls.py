@@ -106,6 +106,7 @@ class Calls(Part):
         if not plan.subset and nodes is None:      # a call selecting no outputs (only updates)
             return None, []
         rows = ctl.rows.tolist()
+        columns: list
         if fields is not None:
             columns = [np.array(f) for f in fields]
         else:

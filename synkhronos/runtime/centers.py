@@ -42,7 +42,8 @@ class CenterServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.rank.center_server", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=package_env(), text=True)
-        self._token = self.proc.stdout.readline().strip()
+        self._stdin, self._stdout = _pipes(self.proc)
+        self._token = self._stdout.readline().strip()
         if not self._token:
             self.stop()
             raise OSError(f"the center's server for {host} did not start "
@@ -71,9 +72,9 @@ class CenterServer:
     def _ask(self, line):
         """Send one command line; its reply (raises OSError for the server's error or its end)."""
         try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-            reply = self.proc.stdout.readline()
+            self._stdin.write(line + "\n")
+            self._stdin.flush()
+            reply = self._stdout.readline()
         except OSError as e:
             raise OSError(f"node 0's center server is gone ({e})") from None
         if not reply:
@@ -98,7 +99,7 @@ class CenterServer:
         """End the server process (it ends when its standard input closes)."""
         self._stopping = True
         try:
-            self.proc.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         reap([self.proc])
@@ -109,3 +110,9 @@ class CenterServer:
     @property
     def pid(self):
         return self.proc.pid
+
+
+def _pipes(proc):
+    """The standard input and output of ``proc``, started with both as pipes."""
+    assert proc.stdin is not None and proc.stdout is not None, "started with stdin and stdout piped"
+    return proc.stdin, proc.stdout

@@ -13,6 +13,7 @@ import queue
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +160,7 @@ class Channel:
         self.wait_done(ranks, what=f"preparing {what}")
         failed = [r for r in ranks if self.ctl.state(r) == Status.ERROR]
         go = local_error is None and not failed
-        elsewhere = None
+        elsewhere: BaseException | None = None
         if agree is not None:
             go, elsewhere = agree(go)
         self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
@@ -167,6 +168,7 @@ class Channel:
         if not go:
             self.wait_done(ranks, what=f"skipping {what}")
             self.reports.raise_for(local_error, ranks)
+            assert elsewhere is not None, "another node said skip"
             raise elsewhere
         if waits_in_python:
             result = self._run_inline_watched(execute, ranks, what=what)
@@ -313,7 +315,7 @@ class Channel:
         Polls the processes at most every ``poll`` seconds (it is called after every step).
         """
         status = self.ctl.status
-        last = {"at": 0.0, "moved": time.time(), "progress": None}
+        last: dict[str, Any] = {"at": 0.0, "moved": time.time(), "progress": None}
 
         def check(force=False):
             now = time.time()
@@ -340,7 +342,7 @@ class Channel:
 
     def _run_local_in_thread(self, local, watch):
         """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
-        future = Future()
+        future: Future = Future()
 
         def target():
             future.set_result(self._run_local(local))
@@ -423,7 +425,7 @@ class _Runner:
     """
 
     def __init__(self, name):
-        self._jobs = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         start_thread(self._serve, name)
 
     def _serve(self):
@@ -436,6 +438,6 @@ class _Runner:
 
     def submit(self, fn):
         """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
-        future = Future()
+        future: Future = Future()
         self._jobs.put((fn, future))
         return future

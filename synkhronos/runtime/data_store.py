@@ -29,9 +29,9 @@ class DataStore:
 
     def __init__(self, prefix):
         self.prefix = prefix
-        self._segments = weakref.WeakValueDictionary()    # a segment goes with its Data
+        self._segments: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # gone with its Data
         #: ids of Data the garbage collector freed whose mappings the workers still hold
-        self.released = collections.deque()
+        self.released: collections.deque = collections.deque()
         self._next_id = 0
         self.indices = GrowableSegment(f"{prefix}_ix")
 
@@ -52,7 +52,7 @@ class DataStore:
 
     def view(self, ref):
         """The master's numpy view of the Data an :class:`~synkhronos.wire.plan.InputRef` names."""
-        return self._segments[ref.data_id].segment.view(DTYPES[ref.code], ref.shape)
+        return self._segments[ref.data_id].made.view(DTYPES[ref.code], ref.shape)
 
     def write_indices(self, batches):
         """Put the explicit indices of ``batches`` where every rank reads them.
@@ -61,7 +61,7 @@ class DataStore:
         """
         total = sum(len(b.indices) for b in batches)
         self.indices.ensure(8 * total, oversize=1.5)
-        view = self.indices.segment.array(np.int64, (total,))
+        view = self.indices.made.array(np.int64, (total,))
         pos = 0
         for b in batches:
             view[pos:pos + len(b.indices)] = b.indices
@@ -70,7 +70,7 @@ class DataStore:
         return self.indices.gen
 
     def index_view(self, gen, start, n):
-        return self.indices.segment.array(np.int64, (n,), offset=8 * start)
+        return self.indices.made.array(np.int64, (n,), offset=8 * start)
 
     def release_all(self):
         """At close: unlink every segment (the workers are gone)."""

@@ -170,7 +170,8 @@ class Registry(Part):
         channel.command(Op.DROP_DATA)
 
     def _drop_released_data(self):
-        ids, released = [], self._state.data.released
+        ids: list = []
+        released = self._state.data.released
         while released and len(ids) < ARGS - 1:
             ids.append(released.popleft())
         self.drop_data(ids)

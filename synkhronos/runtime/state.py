@@ -99,14 +99,15 @@ class State:
         self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
         self._on_abort = on_abort
         self.is_open = False
-        #: the command channel to this node's workers (after start)
-        self.channel = None
-        #: this rank, as the rank code sees it (after start)
-        self.context = None
+        # the channel and the context exist from start() on, and nothing uses a State before
+        #: the command channel to this node's workers
+        self.channel: Channel = None  # type: ignore[assignment]
+        #: this rank, as the rank code sees it
+        self.context: RankContext = None  # type: ignore[assignment]
         #: on several nodes, the exchanges with the other nodes' masters (after start)
-        self.nodes = None
+        self.nodes: NodeLink | None = None
         #: on several nodes, node 0's master's: the process serving JAX's coordination service
-        self.service = None
+        self.service: ServiceProcess | None = None
         self.data = DataStore(self.prefix)
         #: values a layer above keeps per runtime (numpy arguments staged as Data, say)
         self.staging = {}
@@ -232,13 +233,15 @@ class State:
 
     def _leave_nodes(self, clean):
         """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
+        nodes = self.nodes
+        assert nodes is not None, "on several nodes only"
         if not clean:
-            self.nodes.close()
+            nodes.close()
         elif self.topology.node_rank == 0:
-            self.nodes.close()
-            self.nodes.wait_until_others_left()
+            nodes.close()
+            nodes.wait_until_others_left()
         else:
-            self.nodes.leave()
+            nodes.leave()
 
     def abort(self):
         """Tear everything down after a fault (dead worker, stall, Ctrl-C); another Ctrl-C meanwhile

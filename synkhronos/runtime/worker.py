@@ -18,6 +18,8 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -89,10 +91,10 @@ class Worker:
         self.pending_warnings = []
         self.payload = SegmentMirror(f"{prefix}_p")
         self.datas = DataMirrors(prefix)
-        self.functions = {}
-        self.shared = {}
+        self.functions: dict = {}
+        self.shared: dict = {}
         self.plans = PlanMemo()
-        self._run_share = None     # set by the first SHIP
+        self._run_share: Callable | None = None     # set by the first SHIP
         #: this rank, as the rank code sees it
         self.context = RankContext(
             rank=self.grank, n_ranks=self.n_devices, local_rank=self.rank, n_local=self.n_ranks,
@@ -102,7 +104,8 @@ class Worker:
             view=self.datas.view, index_view=self.datas.index_view, check=self.check_master,
             comm_class=self.comm_class, prefix=self.prefix, spin=self.spin,
             topology=self.topology if self.topology.several_nodes else None)
-        self.handlers = {Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
+        self.handlers: dict[int, Callable[[], Any]] = {
+                         Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
                          Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STEP: self.step,
@@ -159,7 +162,7 @@ class Worker:
 
     def write_arrays(self, arrays):
         self.result.ensure(packed_nbytes(arrays), oversize=1.5)
-        return pack_arrays(self.result.segment.mm, arrays)
+        return pack_arrays(self.result.made.mm, arrays)
 
     def payload_bytes(self):
         gen = int(self.ctl.header[ControlBlock.PAYLOAD_GEN])
@@ -189,7 +192,9 @@ class Worker:
 
     def call(self):
         plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
-        rows, outs = self._run_share(self.context, plan)
+        run_share = self._run_share
+        assert run_share is not None, "a function is called after it was shipped"
+        rows, outs = run_share(self.context, plan)
         if rows and outs:
             record = result_record(self.functions[plan.fid].spec, plan)
             if record is not None:

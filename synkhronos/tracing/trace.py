@@ -26,8 +26,8 @@ now = time.time_ns
 
 #: True while this process records
 on = False
-_spans = []
-_open = []
+_spans: list = []
+_open: list = []
 
 
 def start():

@@ -50,5 +50,6 @@ class Batch:
     def _index_bounds(self):
         """(lowest, highest) of the explicit indices, computed once."""
         if self._bounds is None:
-            self._bounds = (int(self.indices.min()), int(self.indices.max()))
+            indices = np.asarray(self.indices)
+            self._bounds = (int(indices.min()), int(indices.max()))
         return self._bounds

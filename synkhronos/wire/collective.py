@@ -56,7 +56,7 @@ def dtype_groups(vars_):
     >>> list(dtype_groups([a, b, c]))
     [[0, 2], [1]]
     """
-    groups = {}
+    groups: dict = {}
     for i, var in enumerate(vars_):
         groups.setdefault(var.type.dtype, []).append(i)
     return groups.values()

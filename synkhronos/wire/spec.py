@@ -91,7 +91,7 @@ class FunctionSpec:
                  repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs])]
         parts += [importlib.metadata.version(name) for name in ("pytensor", "jax", "jaxlib")]
         graphs = self.graph_vars()
-        parts.append(debugprint(graphs, file="str", print_type=True) if graphs else "")
+        parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def shared_variables(self):

@@ -90,6 +90,7 @@ class ShmComm(Comm):
         (pipelined or published) of an all-reduce of ``reservation.reduce_bytes``
         is chosen here for every rank.
         """
+        assert self.owner is not None and self.paths is not None, "the master reserves"
         slot = round_up(int(reservation.nbytes), SLOT_ALIGN)
         regions_made = int(self.results.gens.sum())
         grew = self.owner.ensure(slot * self.n_ranks, oversize=1.25)
@@ -127,8 +128,9 @@ class ShmComm(Comm):
 
     def _slots(self, dtype, count):
         if self.owner is not None:
-            segment = self.owner.segment
+            segment = self.owner.made
         else:
+            assert self.mirror is not None
             segment = self.mirror.get(int(self.control.words[ShmControl.BUFFER_GEN]))
         slot_bytes = segment.size // self.n_ranks // SLOT_ALIGN * SLOT_ALIGN
         itemsize = np.dtype(dtype).itemsize
@@ -140,7 +142,7 @@ class ShmComm(Comm):
     def release(self):
         if self.owner is not None:
             self.owner.free()
-        else:
+        elif self.mirror is not None:
             self.mirror.release()
         self.results.release()
         self.control.release()

@@ -92,12 +92,12 @@ class LogpDlogp:
         for terms in (split.row_terms, split.once_terms):
             total = pt.add(*[pt.sum(t) for t in terms]) if terms else pt.constant(0.0, dtype="float64")
             grads = pytensor.grad(total, self.grad_vars, disconnected_inputs="ignore") if self.grad_vars else []
-            joined = pt.join(0, *[g.ravel() for g in grads]) if grads else pt.zeros(0)
+            joined = pt.join(0, *[g.ravel() for g in grads]) if grads else pt.zeros(0)  # type: ignore[union-attr]
             outputs += [total, joined]
         outputs = [outputs[0], outputs[1], outputs[2], outputs[3]]
         outputs, joined_input = join_nonshared_inputs(point, outputs, self.grad_vars)
         rewrite = local_check_parameter_to_ninf_switch if check_bounds else local_remove_check_parameter
-        outputs = rewrite_graph(outputs, custom_rewrite=in2out(rewrite), clone=False)
+        outputs = rewrite_graph(outputs, custom_rewrite=in2out(rewrite), clone=False)  # type: ignore[assignment]
         return [pt.cast(o, "float64") for o in outputs], joined_input
 
     def set_extra_values(self, point: dict) -> None:

@@ -183,7 +183,7 @@ def _row_counts(model, row_terms, n_rows, local_rows, row_data):
             rest = pt.as_tensor(var.data[1:].astype(var.type.dtype))
             replace[var] = pt.concatenate([pt.cast(local_rows, var.type.dtype)[None], rest])
         elif id(var) in dim_lengths and var.type.ndim == 0 and int(_value_of(var)) == n_rows:
-            replace[var] = pt.cast(local_rows, var.type.dtype)
+            replace[var] = pt.cast(local_rows, var.type.dtype)  # type: ignore[index]
     return replace
 
 

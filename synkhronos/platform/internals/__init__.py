@@ -240,7 +240,7 @@ def join_errors_raised():
     """
     from jax._src import distributed
     make = distributed._jax.get_distributed_runtime_client
-    joined = []
+    joined: list = []
 
     def on_error(status):
         if joined:

@@ -37,7 +37,7 @@ def prepare(context, vars_, words):
         groups.append((idx, padded))
 
     def execute():
-        results = [None] * len(vars_)
+        results: list = [None] * len(vars_)
         for idx, padded in groups:
             for i, stacked in zip(idx, comm.all_gather(padded)):
                 parts = [stacked[r] if lengths[i][r] < 0 else stacked[r][:lengths[i][r]]
