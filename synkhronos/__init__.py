@@ -21,7 +21,7 @@ Examples
 >>> synk.close()
 """
 
-from .api import checkpoint
+from . import checkpoint
 from .api.collectives import (
                                all_gather,
                                all_reduce,

@@ -19,8 +19,8 @@ PACKAGE = os.path.join(ROOT, "synkhronos")
 LAYERS = ["face", "entry", "extensions", "api", "runtime", "rank", "compile", "wire", "comm",
           "platform", "ipc", "tracing", "errors"]
 #: the modules at the package root: the face, the entry points (python -m ...), the errors
-ROOT_MODULES = {"synkhronos": "face", "synkhronos.launch": "entry", "synkhronos.cleanup": "entry",
-                "synkhronos.errors": "errors"}
+ROOT_MODULES = {"synkhronos": "face", "synkhronos.checkpoint": "face", "synkhronos.launch": "entry",
+                "synkhronos.cleanup": "entry", "synkhronos.errors": "errors"}
 
 
 def _layer(module):
@@ -218,3 +218,13 @@ def test_docstring_examples_of_the_public_api_run_in_a_runtime():
         sys.exit(1 if failed else 0)
     """, timeout=280)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+
+
+def test_the_modules_docs_api_presents_import_as_modules():
+    """docs/api.md presents ``synkhronos.checkpoint`` as a module: it imports as one, and is
+    ``synk.checkpoint``."""
+    import synkhronos as synk
+    import synkhronos.checkpoint
+    from synkhronos.checkpoint import restore, save
+    assert synkhronos.checkpoint is synk.checkpoint
+    assert (save, restore) == (synk.checkpoint.save, synk.checkpoint.restore)

@@ -1,2 +1,2 @@
-"""The processes and their conversation: the master's one :class:`~.master.State`, the command
+"""The processes and their conversation: the master's one :class:`~.state.State`, the command
 :class:`~.channel.Channel`, the Data segments, and the worker process (:mod:`.worker`)."""
