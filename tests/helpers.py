@@ -17,7 +17,8 @@ from pytensor.link.jax.dispatch import jax_funcify
 
 from synkhronos.comm import ShmComm
 from synkhronos.comm.shm.paths import PIPELINED
-from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited
+from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited, Rule
+from synkhronos.rank.seams import RuleLoop
 
 
 def reference(f, *arrays):
@@ -331,3 +332,55 @@ def digits_step(spec, rule, learning_rate):
     x, y, loss, accuracy = make_graph()
     step = train.make_train_function(loss, params, x, y, rule, learning_rate=learning_rate)
     return data, step, params, (x, y, loss, accuracy)
+
+
+# --- extension points written only against their contracts (synkhronos.rank.seams) ---------------
+
+class ToyAverage(Rule):
+    """A sync rule that uses nothing of the loop but :class:`~synkhronos.rank.seams.RuleLoop`:
+    every ``every`` steps, the parameters averaged, each device weighted by its rows since the last."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def start(self, loop: RuleLoop) -> None:
+        self._steps = self._mine = self._all = 0
+
+    def after_update(self, loop: RuleLoop, rows, batch_rows) -> bool:
+        self._steps, self._mine, self._all = self._steps + 1, self._mine + rows, self._all + batch_rows
+        if self._steps < self.every:
+            return False
+        self._average(loop)
+        return True
+
+    def _average(self, loop: RuleLoop) -> None:
+        weighted = [v * (self._mine / self._all) for v in loop.param_values()]
+        loop.set_values(loop.params, loop.all_reduce(loop.params, weighted, "sum"))
+        self._steps = self._mine = self._all = 0
+
+    def finish(self, loop: RuleLoop) -> None:
+        if self._steps:
+            self._average(loop)
+
+
+class ListCenter:
+    """A center client (:class:`~synkhronos.rank.seams.CenterClient`) held in this process: blocks
+    merged by a rule's ``merge``, and a counter of units of work."""
+
+    def __init__(self, blocks, merge):
+        self.blocks, self.merge, self.claimed = [np.array(b, float) for b in blocks], merge, 0
+
+    def claim(self, limit):
+        if self.claimed >= limit:
+            return None
+        self.claimed += 1
+        return self.claimed - 1
+
+    def exchange(self, pushes, take=np.array):
+        return [take(self.merge(block, push)) for block, push in zip(self.blocks, pushes)]
+
+    def values(self):
+        return [b.copy() for b in self.blocks]
+
+    def close(self):
+        self.blocks = []

@@ -16,10 +16,12 @@ from helpers import (
     AnnouncingDownpour,
     FailingAllReduce,
     FailingDownpour,
+    ListCenter,
     SlowAllReduce,
     SlowDownpour,
     SlowEASGD,
     SlowRateLimited,
+    ToyAverage,
     close,
     digits_step,
     wait_for_marker,
@@ -142,6 +144,38 @@ def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
     for rank in range(N_PARALLEL):
         for a, b in zip(values_on(rank, params), allreduce):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_a_rule_written_against_the_rule_loop_contract_alone_runs_as_the_built_in_one(synk2, rng):
+    """ToyAverage (tests/helpers.py) uses only synkhronos.rank.seams.RuleLoop; it computes what
+    Average does, rows unevenly split included."""
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, init = mlp(seed=7)
+    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
+    synk.distribute()
+    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.Average(every=3))
+    built_in = values_on(0, params)
+    reset(params, init, step)
+    train.run(step, x_np, y_np, BATCH, epochs=2, sync=ToyAverage(every=3))
+    for rank in range(N_PARALLEL):
+        for a, b in zip(values_on(rank, params), built_in):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(built_in[0], init[0])          # it trained
+
+
+def test_center_transports_meet_the_center_client_contract():
+    """Node 0's shared-memory center, the remote one and a toy written against the contract alone;
+    the toy answers a rule's merge as the contract says."""
+    from synkhronos.rank.center import Center
+    from synkhronos.rank.center_server import RemoteCenter
+    from synkhronos.rank.seams import CenterClient
+    assert issubclass(Center, CenterClient) and issubclass(RemoteCenter, CenterClient)
+    toy = ListCenter([np.zeros(2)], merge=sync.Downpour().merge)
+    assert isinstance(toy, CenterClient)
+    assert [toy.claim(2), toy.claim(2), toy.claim(2)] == [0, 1, None]
+    pulled, = toy.exchange([np.array([1.0, 2.0])])
+    np.testing.assert_array_equal(pulled, [1.0, 2.0])
+    np.testing.assert_array_equal(toy.values()[0], [1.0, 2.0])
 
 
 def local_reference(seed, x_np, y_np, rank, steps, lr):

@@ -23,6 +23,8 @@ from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
 from .rows import gather_rows
+from .seams import CenterClient
+from .sync import Rule
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 
@@ -40,7 +42,7 @@ class DeviceLoop:
     spec : LoopSpec
     context : RankContext
         This rank (its functions, shared variables, Data views, collectives).
-    center : Center or None
+    center : CenterClient or None
         The central parameters (asynchronous rules).
     beat : callable
         Called after every step (progress for the master's watch, liveness checks).
@@ -48,7 +50,8 @@ class DeviceLoop:
 
     def __init__(self, spec, context, center, beat):
         # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
-        self.spec, self.rule = spec, copy.copy(spec.rule)
+        self.spec = spec
+        self.rule: Rule = copy.copy(spec.rule)
         self.rank, self.n_ranks, self.master_rank = context.rank, context.n_ranks, context.master_rank
         self.root_rank = context.root_rank
         self.grad, self.update = context.function(spec.grad_fid), context.function(spec.update_fid)
@@ -60,7 +63,8 @@ class DeviceLoop:
         self.views = [context.view(ref) for ref in spec.inputs]
         # a rule without a collective never builds one
         self.comm = context.comm if not spec.rule.asynchronous else None
-        self.center, self.beat = center, beat
+        self._center: CenterClient | None = center
+        self.beat = beat
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
         grad = stored(self.grad_var)
         small = np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES
@@ -112,6 +116,13 @@ class DeviceLoop:
         """``values`` as node 0's master holds them, on every rank of every node (one root for all:
         each node's own master would make the nodes' broadcasts disagree)."""
         return self._collectives().broadcast(values, self.root_rank)
+
+    @property
+    def center(self) -> CenterClient:
+        """The central parameters (asynchronous rules only)."""
+        if self._center is None:
+            raise RuntimeError(f"{type(self.rule).__name__} runs synchronously: its loop has no center")
+        return self._center
 
     def _collectives(self):
         """The rank's collectives (an asynchronous rule's loop has none: it meets a center)."""
@@ -204,5 +215,9 @@ class DeviceLoop:
     def finish(self):
         """Leave every device with the final parameters (the rule's), on this rank."""
         self.rule.finish(self)
-        if self.center is not None:
-            self.center.close()
+        self.close_center()
+
+    def close_center(self):
+        """Let go of the central parameters, if the rule has them."""
+        if self._center is not None:
+            self._center.close()

@@ -50,6 +50,7 @@ import numpy as np
 from ..errors import is_whole
 from ..platform.values import stored
 from ..wire.batch import chunk
+from .seams import RuleLoop
 
 __all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
 
@@ -99,17 +100,17 @@ class Rule:
     asynchronous = False
     reduces_gradient = False
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         """Every rank, before its first step of a run."""
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         """Every rank, after each local step of ``rows`` of a global batch of ``batch_rows``.
 
         Returns True if the rank synchronised (the time is counted as syncing).
         """
         return False
 
-    def finish(self, loop):
+    def finish(self, loop: RuleLoop):
         """Every rank, once every rank's last step is done: leave the final parameters.
 
         A centred rule's devices all take the center.
@@ -118,11 +119,11 @@ class Rule:
         if center is not None:
             loop.set_values(loop.params, center)
 
-    def center_values(self, loop):
+    def center_values(self, loop: RuleLoop):
         """The center's values now (copies), or None for a rule without one."""
         return None
 
-    def saved_state(self, loop):
+    def saved_state(self, loop: RuleLoop):
         """What a checkpoint keeps of this rule beside the variables (arrays, the same on every device)."""
         return []
 
@@ -183,10 +184,10 @@ class Average(Rule):
         self.every = _positive_int(every, "every", "Average")
         self.state = bool(state)
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         self._steps = self._mine = self._all = 0
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         self._steps += 1
         self._mine += rows
         self._all += batch_rows
@@ -195,14 +196,14 @@ class Average(Rule):
         self._average(loop)
         return True
 
-    def _average(self, loop):
+    def _average(self, loop: RuleLoop):
         weight = self._mine / self._all
         variables = loop.params + (loop.state_vars if self.state else [])
         values = [np.asarray(stored(v)) * weight for v in variables]
         loop.set_values(variables, loop.all_reduce(variables, values, "sum"))
         self._steps = self._mine = self._all = 0
 
-    def finish(self, loop):
+    def finish(self, loop: RuleLoop):
         if self._steps:
             self._average(loop)
 
@@ -251,7 +252,7 @@ class DiLoCo(Rule):
     #: a resumed rule's state, as :meth:`state_arrays` gave it (None: a fresh start)
     _saved: list | None = None
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         saved = self._saved
         if saved is not None:        # resumed: the round so far, the outer parameters and momentum
             self._steps, self._rows = int(saved[0][0]), np.array(saved[1], np.int64)
@@ -264,7 +265,7 @@ class DiLoCo(Rule):
         self._outer = [np.array(v) for v in loop.broadcast_from_master(loop.param_values()[:n])]
         self._velocity = [np.zeros_like(v) for v in self._outer]
 
-    def saved_state(self, loop):
+    def saved_state(self, loop: RuleLoop):
         # every rank's rows of the round so far, so that each resumes with its own weight
         return ([np.array([self._steps], np.int64), self._rows.copy()]
                 + [t.copy() for t in self._outer] + [v.copy() for v in self._velocity])
@@ -274,7 +275,7 @@ class DiLoCo(Rule):
         rule._saved = [np.array(a) for a in arrays]
         return rule
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         self._steps += 1
         self._rows += [b - a for a, b in (chunk(0, batch_rows, loop.n_ranks, r) for r in range(loop.n_ranks))]
         if self._steps < self.every:
@@ -282,7 +283,7 @@ class DiLoCo(Rule):
         self._outer_step(loop)
         return True
 
-    def _outer_step(self, loop):
+    def _outer_step(self, loop: RuleLoop):
         weight = self._rows[loop.rank] / self._rows.sum()
         local = loop.param_values()
         mean = loop.all_reduce(loop.params, [x * weight for x in local], "sum")
@@ -295,7 +296,7 @@ class DiLoCo(Rule):
         loop.set_values(loop.params, [t.copy() for t in self._outer] + list(mean[n:]))
         self._steps, self._rows = 0, np.zeros_like(self._rows)
 
-    def finish(self, loop):
+    def finish(self, loop: RuleLoop):
         if self._steps:
             self._outer_step(loop)
 
@@ -329,12 +330,12 @@ class EASGD(Rule):
         self.every = _positive_int(every, "every", "EASGD")
         self.asynchronous = bool(asynchronous)
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         self._steps = 0
         if not self.asynchronous:     # every rank keeps the same center, from the master's values
             self._center = [np.array(v) for v in loop.broadcast_from_master(loop.param_values())]
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         self._steps += 1
         if self._steps % self.every:
             return False
@@ -344,14 +345,14 @@ class EASGD(Rule):
             self._exchange_together(loop)
         return True
 
-    def _exchange_together(self, loop):
+    def _exchange_together(self, loop: RuleLoop):
         local = loop.param_values()
         pulls = [self.alpha * (x - c) for x, c in zip(local, self._center)]
         loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
         for c, total in zip(self._center, loop.all_reduce(loop.params, pulls, "sum")):
             c += np.asarray(total, c.dtype)
 
-    def _exchange_with_center(self, loop):
+    def _exchange_with_center(self, loop: RuleLoop):
         local = loop.param_values()
         pulls = loop.center.exchange(local, np.asarray)
         loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
@@ -362,7 +363,7 @@ class EASGD(Rule):
         center += pull
         return pull
 
-    def center_values(self, loop):
+    def center_values(self, loop: RuleLoop):
         return loop.center.values() if self.asynchronous else [c.copy() for c in self._center]
 
 
@@ -371,11 +372,11 @@ class _CentralRule(Rule):
 
     asynchronous = True
 
-    def center_values(self, loop):
+    def center_values(self, loop: RuleLoop):
         return loop.center.values()
 
     @staticmethod
-    def _push_and_pull(loop, pushes):
+    def _push_and_pull(loop: RuleLoop, pushes):
         """Every parameter block: the rule's :meth:`merge` of ``pushes[i]`` into the center, then the
         device takes the center. Returns the pulled device arrays."""
         pulled = loop.center.exchange(pushes, loop.device_copy)
@@ -408,11 +409,11 @@ class Downpour(_CentralRule):
     def __init__(self, every=1):
         self.every = _positive_int(every, "every", "Downpour")
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         self._steps = 0
         self._pulled = [stored(v) for v in loop.params]
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         self._steps += 1
         if self._steps % self.every:
             return False
@@ -457,11 +458,11 @@ class RateLimited(_CentralRule):
         self.beta = _fraction(beta, "beta", "RateLimited")
         self.max_rate = _fraction(max_rate, "max_rate", "RateLimited", low_open=True)
 
-    def start(self, loop):
+    def start(self, loop: RuleLoop):
         self._steps = 0
         self._last_cost = 0.0
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, loop: RuleLoop, rows, batch_rows):
         self._steps += 1
         if self._steps % self.every_n_batches:
             return False

@@ -93,10 +93,11 @@ class Loops(Part):
 
     def release(self):
         """At the runtime's end: close every center."""
-        centers = list(self._centers.values()) + [loop.center for loop in self._loops.values()]
-        for center in centers:
+        for center in self._centers.values():
             if center is not None:
                 center.close()
+        for loop in self._loops.values():
+            loop.close_center()
         if self._server is not None:
             self._server.stop()
             self._server = None

@@ -22,6 +22,7 @@ process asked has asked too.)
 import pickle
 import threading
 import time
+from typing import Protocol
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
 from ..platform.threads import start_thread
 
-__all__ = ["NodeLink", "joined_over_nodes", "rows_of_every_node"]
+__all__ = ["NodeLink", "NodeStore", "joined_over_nodes", "rows_of_every_node"]
 
 #: milliseconds of one slice of a wait for another node's key
 _SLICE_MS = 100
@@ -40,6 +41,33 @@ _PER_DIRECTORY = 64
 BEAT_EVERY = 0.5
 #: seconds without a beat after which a node counts as lost
 LOST_AFTER = NODE_HEARTBEAT_TIMEOUT
+
+
+class NodeStore(Protocol):
+    """The transport of the masters' exchanges: a key-value store every node's master reaches.
+
+    JAX's coordination service client (``jax._src.distributed.global_state.client``)
+    is the one :class:`NodeLink` uses by default; another transport (etcd, a
+    ZeroMQ server of its own) implements these five methods and is given to
+    :class:`NodeLink` as ``store``.
+    """
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        """Store ``value`` (text) under ``key``."""
+
+    def key_value_set_bytes(self, key: str, value: bytes, allow_overwrite: bool = False) -> None:
+        """Store ``value`` (bytes) under ``key``."""
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        """The bytes under ``key``, waiting up to ``timeout_in_ms`` for them (an error after)."""
+        ...
+
+    def key_value_try_get_bytes(self, key: str) -> bytes:
+        """The bytes under ``key`` now (an error if there are none)."""
+        ...
+
+    def key_value_delete(self, key: str) -> None:
+        """Remove ``key`` and every key below it (``key/...``)."""
 
 
 class NodeLink:
@@ -54,20 +82,23 @@ class NodeLink:
         Seconds a wait for another node allows before :class:`StallError`.
     on_fault : callable
         Shuts this node's runtime down before a lost node or a stall is raised.
+    store : NodeStore, optional
+        The key-value store the exchanges travel through (default: JAX's
+        coordination service, which every process joined at ``fork()``).
     """
 
-    def __init__(self, topology, check, stall_timeout, on_fault):
+    def __init__(self, topology, check, stall_timeout, on_fault, store: NodeStore | None = None):
         self.topology = topology
         self.check = check
         self.on_fault = on_fault
         self.stall_timeout = stall_timeout
-        self.client = internals.distributed_client()
+        self.client: NodeStore = store if store is not None else internals.distributed_client()
         self.seq = 0
-        self._heard = {}              # node -> (its last beat, when it changed)
+        self._heard: dict = {}        # node -> (its last beat, when it changed)
         #: the nodes found lost (their masters gone or stopped)
-        self.lost = set()
+        self.lost: set[int] = set()
         #: more checks between the slices of a wait, added by parts of the runtime (each raises)
-        self.watches = []
+        self.watches: list = []
         self._stop_beating = threading.Event()
         self._beater = start_thread(self._beat, "synk-node-beat")
 
