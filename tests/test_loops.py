@@ -132,34 +132,32 @@ def test_allreduce_on_the_jax_runtime_collective(rng):
 
 
 @pytest.mark.slow
-def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
+def assert_rules_agree(rng, seed, first, second, rtol, atol, **schedule):
+    """The digits-like MLP trained with SGD from one start under ``first``, then under ``second``:
+    every rank ends with what the first left on rank 0. Returns that, and the start."""
     x_np, y_np = digits_like(rng)
-    X, y, loss, params, init = mlp(seed=7)
+    X, y, loss, params, init = mlp(seed=seed)
     step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
     synk.distribute()
-    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.AllReduce())
-    allreduce = values_on(0, params)
+    train.run(step, x_np, y_np, BATCH, sync=first, **schedule)
+    want = values_on(0, params)
     reset(params, init, step)
-    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.Average(every=1))
+    train.run(step, x_np, y_np, BATCH, sync=second, **schedule)
     for rank in range(N_PARALLEL):
-        for a, b in zip(values_on(rank, params), allreduce):
-            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+        for a, b in zip(values_on(rank, params), want):
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    return want, init
+
+
+def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
+    assert_rules_agree(rng, 7, sync.AllReduce(), sync.Average(every=1), 1e-9, 1e-12, epochs=2)
 
 
 def test_a_rule_written_against_the_rule_loop_contract_alone_runs_as_the_built_in_one(synk2, rng):
     """ToyAverage (tests/helpers.py) uses only synkhronos.rank.seams.RuleLoop; it computes what
     Average does, rows unevenly split included."""
-    x_np, y_np = digits_like(rng)
-    X, y, loss, params, init = mlp(seed=7)
-    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
-    synk.distribute()
-    train.run(step, x_np, y_np, BATCH, epochs=2, sync=sync.Average(every=3))
-    built_in = values_on(0, params)
-    reset(params, init, step)
-    train.run(step, x_np, y_np, BATCH, epochs=2, sync=ToyAverage(every=3))
-    for rank in range(N_PARALLEL):
-        for a, b in zip(values_on(rank, params), built_in):
-            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    built_in, init = assert_rules_agree(rng, 7, sync.Average(every=3), ToyAverage(every=3), 1e-12, 1e-14,
+                                        epochs=2)
     assert not np.allclose(built_in[0], init[0])          # it trained
 
 
@@ -310,17 +308,8 @@ def test_a_resumed_diloco_run_continues_exactly_from_inside_a_round(synk2, rng, 
 
 
 def test_diloco_with_unit_outer_rate_and_no_momentum_is_average(synk2, rng):
-    x_np, y_np = digits_like(rng)
-    X, y, loss, params, init = mlp(seed=13)
-    step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.2)
-    synk.distribute()
-    train.run(step, x_np, y_np, BATCH, steps=8, sync=sync.Average(every=4))
-    averaged = values_on(0, params)
-    reset(params, init, step)
-    train.run(step, x_np, y_np, BATCH, steps=8, sync=sync.DiLoCo(every=4, outer_lr=1.0, outer_momentum=0.0))
-    for rank in range(N_PARALLEL):
-        for a, b in zip(values_on(rank, params), averaged):
-            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    assert_rules_agree(rng, 13, sync.Average(every=4), sync.DiLoCo(every=4, outer_lr=1.0, outer_momentum=0.0),
+                       1e-9, 1e-12, steps=8)
 
 
 # ------------------------------------------------------------------------------------------------
