@@ -250,17 +250,21 @@ class StallError(SynkError):
     arrived, missing : list of int
         Ranks that did and did not get there.
     timeout : float
-        The stall timeout, in seconds (``fork(stall_timeout=...)``).
+        The bound, in seconds.
+    setting : str
+        The ``fork()`` argument that set it: ``"stall_timeout"``, or ``"timeout"``
+        for the workers' start-up.
     """
 
-    def __init__(self, what, arrived, missing, timeout):
+    def __init__(self, what, arrived, missing, timeout, setting="stall_timeout"):
         self.what, self.arrived, self.missing, self.timeout = what, arrived, missing, timeout
+        self.setting = setting
         super().__init__(f"{what} stalled: ranks {arrived} arrived, ranks {missing} did not within "
-                         f"{timeout:g} s (fork(stall_timeout=...)); the runtime was shut down, "
+                         f"{timeout:g} s (fork({setting}=...)); the runtime was shut down, "
                          f"call synk.fork() to start again")
 
     def __reduce__(self):
-        return (type(self), (self.what, self.arrived, self.missing, self.timeout))
+        return (type(self), (self.what, self.arrived, self.missing, self.timeout, self.setting))
 
 
 class NodesDiverged(SynkError):

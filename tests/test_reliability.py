@@ -191,6 +191,18 @@ def test_stall_names_the_ranks(what):
     synk.fork(N_PARALLEL)
 
 
+def test_starting_the_workers_is_bounded_by_the_fork_timeout_not_the_stall_timeout():
+    """A stall timeout shorter than the workers take to start (they import JAX) leaves fork() and the
+    calls after it working (starting is bounded by fork(timeout=...))."""
+    if session.active() is not None:
+        synk.close()
+    synk.fork(N_PARALLEL, stall_timeout=0.05)
+    x = pt.vector("x")
+    assert float(synk.function([x], (x.sum(), "sum"))(np.ones(4))) == 4.0
+    synk.close()
+    synk.fork(N_PARALLEL)
+
+
 def _script(code, marker_dir="."):
     """Start a master script; its calls create markers in ``marker_dir`` (see helpers.InsideCall)."""
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])

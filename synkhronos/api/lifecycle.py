@@ -54,7 +54,8 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
         CPU threads each process may use (XLA and BLAS pools); default
         ``cores // n_parallel``, at least 1.
     timeout : float
-        Seconds allowed for the JAX runtime to connect all processes.
+        Seconds allowed for the workers to start and the JAX runtime to connect
+        all processes (a start-up past it raises :class:`StallError`).
     stall_timeout : float
         Seconds the master waits for every rank to finish a command or reach a
         collective before it raises :class:`StallError` (naming the ranks that

@@ -230,10 +230,13 @@ class Channel:
             raise self.reports.stalled(what, arrived=ranks, missing=[self.master_rank]) from None
 
     # --- waiting ----------------------------------------------------------------------------
-    def wait_done(self, ranks, what, deadline=None, spin=None):
-        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls."""
+    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None):
+        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
+
+        ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
+        error (default: the stall timeout)."""
         spin = self.spin if spin is None else spin
-        check = self._watch(ranks, what, deadline or time.time() + self.stall_timeout)
+        check = self._watch(ranks, what, deadline or time.time() + self.stall_timeout, bound)
         try:
             for _ in ranks:
                 self.ctl.done.wait(check, spin=spin)
@@ -241,7 +244,7 @@ class Channel:
             self.on_fault()
             raise
 
-    def _watch(self, ranks, what, deadline):
+    def _watch(self, ranks, what, deadline, bound=None):
         """A check that raises (after ``on_fault``) if a rank died or ``deadline`` passed.
 
         ``what`` names the wait in messages: a phrase, or the opcode of a command.
@@ -255,7 +258,8 @@ class Channel:
                 arrived = [r for r in ranks if self.ctl.state(r) != Status.IDLE]
                 missing = [r for r in ranks if r not in arrived]
                 self.on_fault()
-                raise self.reports.stalled(what, arrived=arrived + [self.master_rank], missing=missing)
+                raise self.reports.stalled(what, arrived=arrived + [self.master_rank], missing=missing,
+                                           **({} if bound is None else dict(zip(("timeout", "setting"), bound))))
         return check
 
     def _check_alive(self, ranks, what):

@@ -81,11 +81,12 @@ class RankReports:
         error.node = self._channel.node
         return error
 
-    def stalled(self, what, arrived, missing):
+    def stalled(self, what, arrived, missing, timeout=None, setting="stall_timeout"):
         offset = self._channel.rank_offset
         return StallError(what, arrived=sorted(r + offset for r in arrived),
                           missing=sorted(r + offset for r in missing),
-                          timeout=self._channel.stall_timeout)
+                          timeout=self._channel.stall_timeout if timeout is None else timeout,
+                          setting=setting)
 
 
 def one_report(errors):

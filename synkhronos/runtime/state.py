@@ -140,7 +140,10 @@ class State:
                 comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,
                 profile=bool(s.profile_workers), compile_cache=s.compile_cache), env)
         jax_init.import_modules()
-        self.channel.wait_done(self.worker_ranks, what="start-up")
+        # starting is bounded by fork(timeout) (the join included), not by the stall timeout
+        left = s.timeout - (time.monotonic() - started)
+        self.channel.wait_done(self.worker_ranks, what="start-up", deadline=time.time() + left,
+                               bound=(s.timeout, "timeout"))
         try:
             jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
                                         max(1.0, s.timeout - (time.monotonic() - started)),
