@@ -255,3 +255,28 @@ def test_on_cores_binds_the_thread_for_the_block_and_gives_it_back():
         with on_cores(one):
             1 / 0
     assert os.sched_getaffinity(0) == cores
+
+
+def test_a_joining_process_waits_for_the_coordination_service_to_listen_and_no_longer():
+    """What fork()'s processes do before joining JAX's runtime: go on as soon as the service
+    listens (IPv4, IPv6, a host name), stop waiting at the bound, and leave an address that is
+    not host:port to JAX's own message."""
+    import socket
+    import time
+
+    from synkhronos.platform.coordination import wait_until_served
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert wait_until_served(f"127.0.0.1:{port}", 1) and wait_until_served(f"localhost:{port}", 1)
+    if socket.has_ipv6:
+        try:
+            server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+        except OSError:           # no IPv6 loopback here
+            server = None
+        if server is not None:
+            with server:
+                assert wait_until_served(f"[::1]:{server.getsockname()[1]}", 1)
+    start = time.monotonic()
+    assert not wait_until_served(f"127.0.0.1:{port}", 0.3)       # nothing listens there now
+    assert 0.3 <= time.monotonic() - start < 2
+    assert wait_until_served("no-port-here", 1)
