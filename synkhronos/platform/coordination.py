@@ -28,7 +28,7 @@ if __package__:
 else:   # the service process, run by path: its directory is on sys.path, the package is not imported
     from internals import coordination_service  # type: ignore[no-redef]
 
-__all__ = ["ServiceProcess", "GRACE", "wait_until_served"]
+__all__ = ["ServiceProcess", "GRACE", "wait_until_served", "pipes"]
 
 #: seconds the service stays after its parent died: the other nodes notice a lost node within
 #: NODE_HEARTBEAT_TIMEOUT seconds and then leave the runtime
@@ -54,7 +54,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, address, str(n_processes), str(int(heartbeat_timeout))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        self._stdin, self._stdout = _pipes(self.proc)
+        self._stdin, self._stdout = pipes(self.proc)
         line = self._stdout.readline().strip()
         if line != _READY:
             self.proc.kill()
@@ -126,7 +126,7 @@ def _serve(address, n_processes, heartbeat_timeout):
     service.shutdown()
 
 
-def _pipes(proc):
+def pipes(proc):
     """The standard input and output of ``proc``, started with both as pipes."""
     assert proc.stdin is not None and proc.stdout is not None, "started with stdin and stdout piped"
     return proc.stdin, proc.stdout

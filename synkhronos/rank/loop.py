@@ -105,11 +105,11 @@ class DeviceLoop:
     def all_reduce(self, variables, values, op):
         """Reduce ``values`` (host or device, one per shared variable of ``variables``) over the
         ranks, one launch per dtype."""
-        out = [None] * len(values)
+        comm, out = self._collectives(), [None] * len(values)
         for idx in dtype_groups(variables):
-            for i, r in zip(idx, self._collectives().all_reduce([values[i] for i in idx], op)):
+            for i, r in zip(idx, comm.all_reduce([values[i] for i in idx], op)):
                 out[i] = r
-        self._collectives().refresh()
+        comm.refresh()
         return out
 
     def broadcast_from_master(self, values):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 
+from ..platform.coordination import pipes
 from ..platform.threads import start_thread
 from ..rank.center_server import SCHEME, open_command
 from .processes import describe_exit, package_env, reap
@@ -42,7 +43,7 @@ class CenterServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.rank.center_server", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=package_env(), text=True)
-        self._stdin, self._stdout = _pipes(self.proc)
+        self._stdin, self._stdout = pipes(self.proc)
         self._token = self._stdout.readline().strip()
         if not self._token:
             self.stop()
@@ -111,8 +112,3 @@ class CenterServer:
     def pid(self):
         return self.proc.pid
 
-
-def _pipes(proc):
-    """The standard input and output of ``proc``, started with both as pipes."""
-    assert proc.stdin is not None and proc.stdout is not None, "started with stdin and stdout piped"
-    return proc.stdin, proc.stdout
