@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 import warnings
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from pytensor.link.jax.dispatch import jax_funcify
 
 from synkhronos.comm import ShmComm
 from synkhronos.comm.shm.paths import PIPELINED
-from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited, Rule
+from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited, Rule, RuleState
 from synkhronos.rank.seams import RuleLoop
 
 
@@ -249,17 +250,17 @@ class _SlowOneRank:
     The sleep counts as computing, not as syncing.
     """
 
-    def after_update(self, loop, rows, batch_rows):
+    def after_update(self, state, loop, rows, batch_rows):
         slept = 0.0
         now = time.perf_counter()
         if loop.rank == SLOW_RANK:
             # as long as the step computed: since this hook last returned (gathering, gradient, update)
-            slept = now - getattr(self, "_step_start", now)
+            slept = now - getattr(state, "step_start", now)
             time.sleep(slept)
-        synced = super().after_update(loop, rows, batch_rows)
+        synced = super().after_update(state, loop, rows, batch_rows)
         if synced:
             loop.sync_seconds -= slept       # the loop times a sync from before this hook
-        self._step_start = time.perf_counter()
+        state.step_start = time.perf_counter()
         return synced
 
 
@@ -280,33 +281,33 @@ class SlowRateLimited(_SlowOneRank, RateLimited):
 
 
 class _AnnounceAtStart:
-    """Mixin for a sync rule: every rank creates its marker (:func:`marker_path`) as its loop starts."""
-
-    def __init__(self, directory, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._directory = str(directory)
+    """Mixin for a sync rule: every rank creates its marker (:func:`marker_path`) in ``directory``
+    as its loop starts."""
 
     def start(self, loop):
-        super().start(loop)
-        _announce_and_hold(self._directory, -1)
+        state = super().start(loop)
+        _announce_and_hold(self.directory, -1)
+        return state
 
 
+@dataclass(frozen=True)
 class AnnouncingAllReduce(_AnnounceAtStart, AllReduce):
-    pass
+    directory: str = ""
 
 
+@dataclass(frozen=True)
 class AnnouncingDownpour(_AnnounceAtStart, Downpour):
-    pass
+    directory: str = ""
 
 
 class _FailOnRank1:
     """Mixin for a sync rule: rank 1 raises ``ValueError`` after its third step."""
 
-    def after_update(self, loop, rows, batch_rows):
-        self._seen = getattr(self, "_seen", 0) + 1
-        if loop.rank == 1 and self._seen == 3:
+    def after_update(self, state, loop, rows, batch_rows):
+        state.seen = getattr(state, "seen", 0) + 1
+        if loop.rank == 1 and state.seen == 3:
             raise ValueError("rank 1 gives up at its third step")
-        return super().after_update(loop, rows, batch_rows)
+        return super().after_update(state, loop, rows, batch_rows)
 
 
 class FailingAllReduce(_FailOnRank1, AllReduce):
@@ -336,31 +337,37 @@ def digits_step(spec, rule, learning_rate):
 
 # --- extension points written only against their contracts (synkhronos.rank.seams) ---------------
 
+@dataclass
+class _ToyRows(RuleState):
+    mine: int = 0
+    all: int = 0
+
+
+@dataclass(frozen=True)
 class ToyAverage(Rule):
     """A sync rule that uses nothing of the loop but :class:`~synkhronos.rank.seams.RuleLoop`:
     every ``every`` steps, the parameters averaged, each device weighted by its rows since the last."""
 
-    def __init__(self, every):
-        self.every = every
+    every: int = 1
 
-    def start(self, loop: RuleLoop) -> None:
-        self._steps = self._mine = self._all = 0
+    def start(self, loop: RuleLoop) -> _ToyRows:
+        return _ToyRows()
 
-    def after_update(self, loop: RuleLoop, rows, batch_rows) -> bool:
-        self._steps, self._mine, self._all = self._steps + 1, self._mine + rows, self._all + batch_rows
-        if self._steps < self.every:
+    def after_update(self, state: _ToyRows, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps, state.mine, state.all = state.steps + 1, state.mine + rows, state.all + batch_rows
+        if state.steps < self.every:
             return False
-        self._average(loop)
+        self._average(state, loop)
         return True
 
-    def _average(self, loop: RuleLoop) -> None:
-        weighted = [v * (self._mine / self._all) for v in loop.param_values()]
+    def _average(self, state: _ToyRows, loop: RuleLoop) -> None:
+        weighted = [v * (state.mine / state.all) for v in loop.param_values()]
         loop.set_values(loop.params, loop.all_reduce(loop.params, weighted, "sum"))
-        self._steps = self._mine = self._all = 0
+        state.steps = state.mine = state.all = 0
 
-    def finish(self, loop: RuleLoop) -> None:
-        if self._steps:
-            self._average(loop)
+    def finish(self, state: _ToyRows, loop: RuleLoop) -> None:
+        if state.steps:
+            self._average(state, loop)
 
 
 class ListCenter:

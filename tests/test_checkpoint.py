@@ -237,12 +237,17 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
         train.run(step, x_np, y_np, 10, steps=2, checkpoint_every=1)
     with pytest.raises(ValueError, match="checkpoint_every must be a positive"):
         train.run(step, x_np, y_np, 10, steps=2, checkpoint_dir=tmp_path)
-    train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2, seed=1)
-    with pytest.raises(ValueError, match="written by a run with"):
-        train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2,
-                  seed=2, resume=True)
+    train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2, seed=1,
+              sync=sync.Average(every=2))
+    refused = {"seed is 1 in the checkpoint, 2 here": dict(seed=2, sync=sync.Average(every=2)),
+               "Average.every is 2 in the checkpoint, 4 here": dict(seed=1, sync=sync.Average(every=4)),
+               "the rule is Average in the checkpoint, DiLoCo here": dict(seed=1, sync=sync.DiLoCo(every=2))}
+    for difference, differing in refused.items():
+        with pytest.raises(ValueError, match=f"written by another run: {difference}; resume with"):
+            train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2,
+                      resume=True, **differing)
     history = train.run(step, x_np, y_np, 10, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2,
-                        seed=1, resume=True)
+                        seed=1, resume=True, sync=sync.Average(every=2))
     assert [c.step for c in history] == [6]                  # resumed at step 4
     assert session.active() is not None
 

@@ -1,6 +1,8 @@
 """Device-driven training loops (train.run) and the sync rules, against single-process PyTensor."""
 
+import json
 import os
+import pickle
 import signal
 import threading
 import time
@@ -445,7 +447,7 @@ def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
         os.kill(victim, signal.SIGKILL)
     threading.Thread(target=kill, daemon=True).start()
     with pytest.raises(synk.WorkerError) as info:
-        train.run(step, x_np, y_np, 20, epochs=10_000, sync=announcing(tmp_path))
+        train.run(step, x_np, y_np, 20, epochs=10_000, sync=announcing(directory=str(tmp_path)))
     assert killed and time.time() - killed[0] < 10
     assert info.value.rank == 1 and info.value.how == "died"
     assert session.active() is None
@@ -481,6 +483,13 @@ def test_a_device_raising_mid_run_ends_it_with_its_error(rng, failing):
     assert not [n for n in synk_segments() if n.startswith(prefix)]
 
 
+class _LooseRule(sync.AllReduce):
+    """A rule keeping a setting outside its dataclass fields (a misuse)."""
+
+    def __init__(self, every):
+        self.every = every
+
+
 MISUSE = [
     (dict(batch_size=1), ValueError, "batch_size must be"),
     (dict(batch_size=N_ROWS + 1), ValueError, "batch_size must be"),
@@ -489,6 +498,7 @@ MISUSE = [
     (dict(steps=3, epochs=1), ValueError, "exactly one of steps="),
     (dict(steps=0), ValueError, "steps must be a positive"),
     (dict(sync="easgd"), TypeError, "sync must be a rule"),
+    (dict(sync=_LooseRule(2)), TypeError, r"_LooseRule keeps \['every'\] outside its settings.*frozen"),
     (dict(check_every=0), ValueError, "check_every must be"),
     (dict(on_check=3), TypeError, "on_check must be a callable"),
 ]
@@ -530,6 +540,30 @@ def test_wrong_functions_and_data_are_refused(model, rng):
 def test_rule_settings_are_checked(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("rule", [sync.AllReduce(), sync.Average(every=3, state=True), sync.DiLoCo(every=5),
+                                  sync.EASGD(0.3, every=2, asynchronous=True), sync.Downpour(every=2),
+                                  sync.RateLimited(every_n_batches=3, max_rate=0.5)], ids=repr)
+def test_rules_are_settings_only_frozen_comparable_and_recorded(rule):
+    """A rule holds no run state: it cannot change, equals a rule of the same settings, and its
+    record (what a checkpoint keeps) names its type and settings and tells other settings apart."""
+    from dataclasses import FrozenInstanceError, fields, replace
+
+    from synkhronos.rank.rule import rule_difference, rule_record
+    with pytest.raises(FrozenInstanceError):
+        rule.every = 7
+    twin = pickle.loads(pickle.dumps(rule))
+    assert twin == rule and hash(twin) == hash(rule) and repr(twin) == repr(rule)
+    record = json.loads(json.dumps(rule_record(rule)))
+    assert record["type"] == type(rule).__name__ and rule_difference(record, twin) is None
+    for f in fields(rule):
+        value = getattr(rule, f.name)
+        other = (not value) if isinstance(value, bool) else value / 2 if isinstance(value, float) else value + 1
+        changed = replace(rule, **{f.name: other})
+        assert changed != rule
+        assert rule_difference(record, changed) == (f"{type(rule).__name__}.{f.name} is {value!r} in "
+                                                   f"the checkpoint, {other!r} here")
 
 
 def test_on_check_stops_the_run_and_the_history_plots(model, rng, tmp_path):

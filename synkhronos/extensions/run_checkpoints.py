@@ -6,6 +6,7 @@ import os
 
 from ..api import checkpoint
 from ..errors import is_whole
+from ..rank.rule import rule_difference, rule_record
 
 __all__ = ["RunCheckpoints", "next_multiple"]
 
@@ -19,16 +20,17 @@ class RunCheckpoints:
 
     The checkpoint is ``<checkpoint_dir>/checkpoint.safetensors``, replaced
     atomically every ``every`` global steps; its ``extra`` records the run's
-    data order (seed, shuffle, batch size, rows) and rule, which a resumed run
+    data order (seed, shuffle, batch size, rows) and the rule (its type and
+    settings, :func:`~synkhronos.rank.rule.rule_record`), which a resumed run
     must share.
     """
 
     FILE = "checkpoint.safetensors"
 
-    def __init__(self, directory, every, resume, variables, order):
+    def __init__(self, directory, every, resume, variables, order, rule):
         self.path: str = ""          # set with checkpoint_dir= (empty: no checkpoints)
         self.every: int | None = None
-        self.variables, self.order = variables, order
+        self.variables, self.order, self.rule = variables, order, rule
         self._resumed = 0
         #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
         self.rule_state = None
@@ -46,11 +48,14 @@ class RunCheckpoints:
 
     def _restore(self):
         _, saved, tensors = checkpoint.read(self.path)
-        if not isinstance(saved, dict) or saved.get("order") != self.order:
-            raise ValueError(f"the checkpoint {self.path} was written by a run with "
-                             f"{None if not isinstance(saved, dict) else saved.get('order')}, not "
-                             f"{self.order}; resume with the same data, batch size, seed and rule, or "
-                             f"use another checkpoint_dir")
+        saved = saved if isinstance(saved, dict) else {}
+        differences = _order_difference(saved.get("order"), self.order)
+        if differences is None:
+            differences = rule_difference(saved.get("rule") or {}, self.rule)
+        if differences is not None:
+            raise ValueError(f"the checkpoint {self.path} was written by another run: {differences}; "
+                             f"resume with the same data, batch size, seed and rule, or use another "
+                             f"checkpoint_dir")
         held = saved.get("rule_state", 0)
         self.rule_state = [tensors[f"{checkpoint.ARRAY_PREFIX}rule/{i}"] for i in range(held)]
         return int(checkpoint.restore(self.path, self.variables)["step"])
@@ -67,5 +72,15 @@ class RunCheckpoints:
         if self.path and done % self.every == 0:
             held = rule_state()
             checkpoint.save(self.path, self.variables, step=done,
-                            extra=dict(order=self.order, rule_state=len(held)),
+                            extra=dict(order=self.order, rule=rule_record(self.rule),
+                                       rule_state=len(held)),
                             arrays={f"rule/{i}": a for i, a in enumerate(held)})
+
+
+def _order_difference(saved, order):
+    """How the data order ``order`` differs from the checkpoint's ``saved``, in words; None if not."""
+    if not isinstance(saved, dict):
+        return f"it records no data order ({saved!r})"
+    differ = [f"{k} is {saved.get(k)!r} in the checkpoint, {order.get(k)!r} here"
+              for k in sorted(set(saved) | set(order)) if saved.get(k) != order.get(k)]
+    return "; ".join(differ) or None

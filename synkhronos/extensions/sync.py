@@ -14,6 +14,7 @@ Examples
 EASGD(alpha=0.3, every=4, asynchronous=True)
 """
 
-from ..rank.sync import EASGD, AllReduce, Average, DiLoCo, Downpour, RateLimited, Rule
+from ..rank.rule import Rule, RuleState
+from ..rank.sync import EASGD, AllReduce, Average, DiLoCo, Downpour, RateLimited
 
-__all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
+__all__ = ["Rule", "RuleState", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]

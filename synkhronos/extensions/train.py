@@ -21,6 +21,7 @@ from ..api.data import data
 from ..api.function import function
 from ..api.step import Step
 from ..errors import SynkWarning, is_whole
+from ..rank.rule import check_rule
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
 from ..wire.loop import epoch_order, steps_per_epoch
@@ -367,7 +368,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     """
     state = current()
     sync = AllReduce() if sync is None else sync
-    f_grad, f_upd = _check_run_arguments(train_fn, sync, check_every, on_check)
+    f_grad, _ = _check_run_arguments(train_fn, sync, check_every, on_check)
     if getattr(x_data, "sharded", False) and state.topology.several_nodes:
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "
@@ -384,13 +385,9 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     per_epoch = steps_per_epoch(n_rows, batch_size)
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if check_every is None else check_every
-    params = train_fn.params
     saving = RunCheckpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
-        dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows,
-             rule=repr(sync)))
-    rule = sync if saving.rule_state is None else sync.resumed(saving.rule_state)
-    spec = state.loops.new(f_grad, f_upd, train_fn.grad_shared, params, train_fn.statistics,
-                           train_fn.optimizer_state, refs, batch_size, shuffle, seed, rule)
+        dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows), sync)
+    spec = state.loops.new(train_fn, refs, batch_size, shuffle, seed, sync, saving.rule_state)
     run_steps = serialized(state.loops.run)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
@@ -443,9 +440,7 @@ def _check_run_arguments(train_fn, sync, check_every, on_check):
         raise TypeError(f"run() gives every step its data only, but this step takes the scalar inputs "
                         f"{[str(v) for v in train_fn.scalars]}; make each a shared variable "
                         f"(pytensor.shared) and set_value it between runs")
-    if not isinstance(sync, Rule):
-        raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
-                        f"EASGD(...), ...), got {sync!r}")
+    check_rule(sync)
     if check_every is not None and not is_whole(check_every, at_least=1):
         raise ValueError(f"check_every must be a positive number of steps or None, got {check_every!r}")
     if on_check is not None and not callable(on_check):

@@ -11,7 +11,6 @@ next minibatch (one device's part of a global step) from a counter the
 ranks share, so a fast device trains on more of them than a slow one.
 """
 
-import copy
 import time
 
 import numpy as np
@@ -23,8 +22,8 @@ from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
 from .rows import gather_rows
+from .rule import Rule, RuleState
 from .seams import CenterClient
-from .sync import Rule
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 
@@ -49,9 +48,8 @@ class DeviceLoop:
     """
 
     def __init__(self, spec, context, center, beat):
-        # this rank's own copy: a rule keeps its counters (and a synchronous center) on itself
         self.spec = spec
-        self.rule: Rule = copy.copy(spec.rule)
+        self.rule: Rule = spec.rule
         self.rank, self.n_ranks, self.master_rank = context.rank, context.n_ranks, context.master_rank
         self.root_rank = context.root_rank
         self.grad, self.update = context.function(spec.grad_fid), context.function(spec.update_fid)
@@ -77,7 +75,9 @@ class DeviceLoop:
         self._phase_start = time.perf_counter()
         #: syncs a rate-limited rule skipped (this phase)
         self.skipped = 0
-        self.rule.start(self)
+        #: this rank's state of the rule (its counters, a synchronous center, DiLoCo's round)
+        self.rule_state: RuleState = (self.rule.start(self) if spec.rule_state is None
+                                      else self.rule.resume(self, list(spec.rule_state)))
 
     # --- what the rules use -----------------------------------------------------------------
     def elapsed(self):
@@ -180,7 +180,7 @@ class DeviceLoop:
         done = time.perf_counter()
         if trace.on:
             trace.mark("update")
-        synced = self.rule.after_update(self, rows, batch_rows)
+        synced = self.rule.after_update(self.rule_state, self, rows, batch_rows)
         if synced:
             self.sync_seconds += time.perf_counter() - done
             stats.values[LoopStats.SYNCS] += 1
@@ -214,8 +214,16 @@ class DeviceLoop:
 
     def finish(self):
         """Leave every device with the final parameters (the rule's), on this rank."""
-        self.rule.finish(self)
+        self.rule.finish(self.rule_state, self)
         self.close_center()
+
+    def center_values(self):
+        """The rule's center now (copies), or None for a rule without one."""
+        return self.rule.center_values(self.rule_state, self)
+
+    def saved_rule_state(self):
+        """What a checkpoint keeps of the rule's state on this rank (arrays)."""
+        return self.rule.saved_state(self.rule_state, self)
 
     def close_center(self):
         """Let go of the central parameters, if the rule has them."""

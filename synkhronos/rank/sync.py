@@ -42,108 +42,21 @@ would move the central one :math:`n` times as fast.
   :math:`c \leftarrow \alpha c + \beta x_r`, :math:`x_r \leftarrow c`.
 """
 
-import copy
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from ..errors import is_whole
 from ..platform.values import stored
 from ..wire.batch import chunk
+from .rule import Rule, RuleState, fraction, positive_int, positive_number, settle
 from .seams import RuleLoop
 
-__all__ = ["Rule", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
+__all__ = ["Rule", "RuleState", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
 
 
-def _positive_int(value, name, rule):
-    if not is_whole(value, at_least=1):
-        raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
-    return int(value)
-
-
-def _number(value, name, rule):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
-
-
-def _positive_number(value, name, rule):
-    value = _number(value, name, rule)
-    if not value > 0 or not np.isfinite(value):
-        raise ValueError(f"{rule}: {name} must be a positive number, got {value!r}")
-    return value
-
-
-def _fraction(value, name, rule, low_open=False):
-    value = _number(value, name, rule)
-    if not (0 < value <= 1 if low_open else 0 <= value <= 1):
-        bounds = "in (0, 1]" if low_open else "in [0, 1]"
-        raise ValueError(f"{rule}: {name} must be {bounds}, got {value!r}")
-    return value
-
-
-class Rule:
-    """Base of the sync rules: what a device does around its local steps.
-
-    Attributes
-    ----------
-    asynchronous : bool
-        Devices step at their own pace and exchange with central parameters
-        (in node 0's shared memory, served to the other nodes); else they step
-        together.
-    reduces_gradient : bool
-        The flat gradient is all-reduced (row-weighted) before every update;
-        else every device steps on its own gradient.
-    """
-
-    asynchronous = False
-    reduces_gradient = False
-
-    def start(self, loop: RuleLoop):
-        """Every rank, before its first step of a run."""
-
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        """Every rank, after each local step of ``rows`` of a global batch of ``batch_rows``.
-
-        Returns True if the rank synchronised (the time is counted as syncing).
-        """
-        return False
-
-    def finish(self, loop: RuleLoop):
-        """Every rank, once every rank's last step is done: leave the final parameters.
-
-        A centred rule's devices all take the center.
-        """
-        center = self.center_values(loop)
-        if center is not None:
-            loop.set_values(loop.params, center)
-
-    def center_values(self, loop: RuleLoop):
-        """The center's values now (copies), or None for a rule without one."""
-        return None
-
-    def saved_state(self, loop: RuleLoop):
-        """What a checkpoint keeps of this rule beside the variables (arrays, the same on every device)."""
-        return []
-
-    def resumed(self, arrays):
-        """This rule, to start from ``arrays`` (what :meth:`saved_state` gave) instead of afresh."""
-        return self
-
-    def _settings(self):
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self._settings().items())
-        return f"{type(self).__name__}({args})"
-
-    def __eq__(self, other):
-        return type(self) is type(other) and self._settings() == other._settings()
-
-    __hash__ = None  # type: ignore[assignment]  # rules compare by settings: unhashable
-
-
+@dataclass(frozen=True)
 class AllReduce(Rule):
     """Synchronous SGD: the row-weighted flat gradient is all-reduced every step.
 
@@ -159,6 +72,15 @@ class AllReduce(Rule):
     reduces_gradient = True
 
 
+@dataclass
+class _Rows(RuleState):
+    """Steps and rows since the last average: this rank's, and the global batches'."""
+
+    mine: int = 0
+    all: int = 0
+
+
+@dataclass(frozen=True)
 class Average(Rule):
     """BSP weight averaging, or local SGD (Theano-MPI's ``avg_freq``).
 
@@ -180,34 +102,47 @@ class Average(Rule):
     Average(every=4, state=False)
     """
 
-    def __init__(self, every=1, state=False):
-        self.every = _positive_int(every, "every", "Average")
-        self.state = bool(state)
+    every: int = 1
+    state: bool = False
 
-    def start(self, loop: RuleLoop):
-        self._steps = self._mine = self._all = 0
+    def __post_init__(self):
+        settle(self, "every", positive_int(self.every, "every", "Average"))
+        settle(self, "state", bool(self.state))
 
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        self._steps += 1
-        self._mine += rows
-        self._all += batch_rows
-        if self._steps < self.every:
+    def start(self, loop: RuleLoop) -> _Rows:
+        return _Rows()
+
+    def after_update(self, state: _Rows, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps += 1
+        state.mine += rows
+        state.all += batch_rows
+        if state.steps < self.every:
             return False
-        self._average(loop)
+        self._average(state, loop)
         return True
 
-    def _average(self, loop: RuleLoop):
-        weight = self._mine / self._all
+    def _average(self, state: _Rows, loop: RuleLoop) -> None:
+        weight = state.mine / state.all
         variables = loop.params + (loop.state_vars if self.state else [])
         values = [np.asarray(stored(v)) * weight for v in variables]
         loop.set_values(variables, loop.all_reduce(variables, values, "sum"))
-        self._steps = self._mine = self._all = 0
+        state.steps = state.mine = state.all = 0
 
-    def finish(self, loop: RuleLoop):
-        if self._steps:
-            self._average(loop)
+    def finish(self, state: _Rows, loop: RuleLoop) -> None:
+        if state.steps:
+            self._average(state, loop)
 
 
+@dataclass
+class _Round(RuleState):
+    """DiLoCo on one rank: every rank's rows of the round so far, the outer parameters and momentum."""
+
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    outer: list = field(default_factory=list)
+    velocity: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class DiLoCo(Rule):
     r"""DiLoCo (Douillard et al. 2023): local steps, then one outer Nesterov step on the devices' mean change.
 
@@ -223,7 +158,8 @@ class DiLoCo(Rule):
     :math:`\theta`. The model's statistics are averaged, row-weighted, as
     :class:`Average` averages them. A run whose steps end inside a round takes
     the outer step on that round's rows. With ``outer_lr=1`` and
-    ``outer_momentum=0`` it is :class:`Average` ``(every=H)``.
+    ``outer_momentum=0`` it is :class:`Average` ``(every=H)``. A checkpoint
+    keeps the round, the outer parameters and the momentum.
 
     Parameters
     ----------
@@ -241,66 +177,70 @@ class DiLoCo(Rule):
     DiLoCo(every=50, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
     """
 
-    def __init__(self, every=500, outer_lr=0.7, outer_momentum=0.9, nesterov=True):
-        self.every = _positive_int(every, "every", "DiLoCo")
-        self.outer_lr = _positive_number(outer_lr, "outer_lr", "DiLoCo")
-        self.outer_momentum = _fraction(outer_momentum, "outer_momentum", "DiLoCo")
+    every: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self):
+        settle(self, "every", positive_int(self.every, "every", "DiLoCo"))
+        settle(self, "outer_lr", positive_number(self.outer_lr, "outer_lr", "DiLoCo"))
+        settle(self, "outer_momentum", fraction(self.outer_momentum, "outer_momentum", "DiLoCo"))
         if self.outer_momentum == 1:
             raise ValueError("DiLoCo: outer_momentum must be below 1, got 1.0")
-        self.nesterov = bool(nesterov)
+        settle(self, "nesterov", bool(self.nesterov))
 
-    #: a resumed rule's state, as :meth:`state_arrays` gave it (None: a fresh start)
-    _saved: list | None = None
-
-    def start(self, loop: RuleLoop):
-        saved = self._saved
-        if saved is not None:        # resumed: the round so far, the outer parameters and momentum
-            self._steps, self._rows = int(saved[0][0]), np.array(saved[1], np.int64)
-            half = (len(saved) - 2) // 2
-            self._outer = [np.array(a) for a in saved[2:2 + half]]
-            self._velocity = [np.array(a) for a in saved[2 + half:]]
-            return
-        self._steps, self._rows = 0, np.zeros(loop.n_ranks, np.int64)
+    def start(self, loop: RuleLoop) -> _Round:
         n = len(loop.params) - loop.n_statistics
-        self._outer = [np.array(v) for v in loop.broadcast_from_master(loop.param_values()[:n])]
-        self._velocity = [np.zeros_like(v) for v in self._outer]
+        outer = [np.array(v) for v in loop.broadcast_from_master(loop.param_values()[:n])]
+        return _Round(0, np.zeros(loop.n_ranks, np.int64), outer, [np.zeros_like(v) for v in outer])
 
-    def saved_state(self, loop: RuleLoop):
+    def resume(self, loop: RuleLoop, saved: list) -> _Round:
+        if not saved:
+            return self.start(loop)
+        half = (len(saved) - 2) // 2
+        return _Round(int(saved[0][0]), np.array(saved[1], np.int64),
+                      [np.array(a) for a in saved[2:2 + half]], [np.array(a) for a in saved[2 + half:]])
+
+    def saved_state(self, state: _Round, loop: RuleLoop) -> list:
         # every rank's rows of the round so far, so that each resumes with its own weight
-        return ([np.array([self._steps], np.int64), self._rows.copy()]
-                + [t.copy() for t in self._outer] + [v.copy() for v in self._velocity])
+        return ([np.array([state.steps], np.int64), state.rows.copy()]
+                + [t.copy() for t in state.outer] + [v.copy() for v in state.velocity])
 
-    def resumed(self, arrays):
-        rule = copy.copy(self)
-        rule._saved = [np.array(a) for a in arrays]
-        return rule
-
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        self._steps += 1
-        self._rows += [b - a for a, b in (chunk(0, batch_rows, loop.n_ranks, r) for r in range(loop.n_ranks))]
-        if self._steps < self.every:
+    def after_update(self, state: _Round, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps += 1
+        state.rows += [b - a for a, b in (chunk(0, batch_rows, loop.n_ranks, r) for r in range(loop.n_ranks))]
+        if state.steps < self.every:
             return False
-        self._outer_step(loop)
+        self._outer_step(state, loop)
         return True
 
-    def _outer_step(self, loop: RuleLoop):
-        weight = self._rows[loop.rank] / self._rows.sum()
+    def _outer_step(self, state: _Round, loop: RuleLoop) -> None:
+        weight = state.rows[loop.rank] / state.rows.sum()
         local = loop.param_values()
         mean = loop.all_reduce(loop.params, [x * weight for x in local], "sum")
-        n = len(self._outer)
-        for theta, v, m in zip(self._outer, self._velocity, mean[:n]):
+        n = len(state.outer)
+        for theta, v, m in zip(state.outer, state.velocity, mean[:n]):
             delta = theta - np.asarray(m, theta.dtype)
             v *= self.outer_momentum
             v += delta
             theta -= self.outer_lr * (delta + self.outer_momentum * v if self.nesterov else v)
-        loop.set_values(loop.params, [t.copy() for t in self._outer] + list(mean[n:]))
-        self._steps, self._rows = 0, np.zeros_like(self._rows)
+        loop.set_values(loop.params, [t.copy() for t in state.outer] + list(mean[n:]))
+        state.steps, state.rows = 0, np.zeros_like(state.rows)
 
-    def finish(self, loop: RuleLoop):
-        if self._steps:
-            self._outer_step(loop)
+    def finish(self, state: _Round, loop: RuleLoop) -> None:
+        if state.steps:
+            self._outer_step(state, loop)
 
 
+@dataclass
+class _Elastic(RuleState):
+    """EASGD on one rank: the center every rank keeps alike (synchronous; None: node 0 holds it)."""
+
+    center: list | None = None
+
+
+@dataclass(frozen=True)
 class EASGD(Rule):
     """Elastic averaging SGD (Zhang, Choromanska, LeCun 2015; Platoon, Theano-MPI).
 
@@ -325,37 +265,35 @@ class EASGD(Rule):
     EASGD(alpha=0.5, every=4, asynchronous=True)
     """
 
-    def __init__(self, alpha=0.5, every=1, asynchronous=False):
-        self.alpha = _fraction(alpha, "alpha", "EASGD")
-        self.every = _positive_int(every, "every", "EASGD")
-        self.asynchronous = bool(asynchronous)
+    alpha: float = 0.5
+    every: int = 1
+    asynchronous: bool = False
 
-    def start(self, loop: RuleLoop):
-        self._steps = 0
-        if not self.asynchronous:     # every rank keeps the same center, from the master's values
-            self._center = [np.array(v) for v in loop.broadcast_from_master(loop.param_values())]
+    def __post_init__(self):
+        settle(self, "alpha", fraction(self.alpha, "alpha", "EASGD"))
+        settle(self, "every", positive_int(self.every, "every", "EASGD"))
+        settle(self, "asynchronous", bool(self.asynchronous))
 
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        self._steps += 1
-        if self._steps % self.every:
-            return False
+    def start(self, loop: RuleLoop) -> _Elastic:
         if self.asynchronous:
-            self._exchange_with_center(loop)
+            return _Elastic()
+        # every rank keeps the same center, from the master's values
+        return _Elastic(center=[np.array(v) for v in loop.broadcast_from_master(loop.param_values())])
+
+    def after_update(self, state: _Elastic, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps += 1
+        if state.steps % self.every:
+            return False
+        local = loop.param_values()
+        if state.center is None:
+            pulls = loop.center.exchange(local, np.asarray)
         else:
-            self._exchange_together(loop)
+            pulls = [self.alpha * (x - c) for x, c in zip(local, state.center)]
+        loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
+        if state.center is not None:
+            for c, total in zip(state.center, loop.all_reduce(loop.params, pulls, "sum")):
+                c += np.asarray(total, c.dtype)
         return True
-
-    def _exchange_together(self, loop: RuleLoop):
-        local = loop.param_values()
-        pulls = [self.alpha * (x - c) for x, c in zip(local, self._center)]
-        loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
-        for c, total in zip(self._center, loop.all_reduce(loop.params, pulls, "sum")):
-            c += np.asarray(total, c.dtype)
-
-    def _exchange_with_center(self, loop: RuleLoop):
-        local = loop.param_values()
-        pulls = loop.center.exchange(local, np.asarray)
-        loop.set_values(loop.params, [x - d for x, d in zip(local, pulls)])
 
     def merge(self, center, local):
         """Asynchronous: device values ``local`` meet the center (in place); returns the device's pull."""
@@ -363,16 +301,17 @@ class EASGD(Rule):
         center += pull
         return pull
 
-    def center_values(self, loop: RuleLoop):
-        return loop.center.values() if self.asynchronous else [c.copy() for c in self._center]
+    def center_values(self, state: _Elastic, loop: RuleLoop) -> list:
+        return loop.center.values() if state.center is None else [c.copy() for c in state.center]
 
 
+@dataclass(frozen=True)
 class _CentralRule(Rule):
     """An asynchronous rule whose devices push to and pull from central parameters."""
 
     asynchronous = True
 
-    def center_values(self, loop: RuleLoop):
+    def center_values(self, state: Any, loop: RuleLoop) -> list:
         return loop.center.values()
 
     @staticmethod
@@ -388,6 +327,14 @@ class _CentralRule(Rule):
         raise NotImplementedError
 
 
+@dataclass
+class _Pulled(RuleState):
+    """Downpour on one rank: the values it last pulled from the center."""
+
+    pulled: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Downpour(_CentralRule):
     """Downpour SGD / ASGD with a parameter server (Dean et al. 2012; Legion, Platoon).
 
@@ -406,30 +353,38 @@ class Downpour(_CentralRule):
     Downpour(every=2)
     """
 
-    def __init__(self, every=1):
-        self.every = _positive_int(every, "every", "Downpour")
+    every: int = 1
 
-    def start(self, loop: RuleLoop):
-        self._steps = 0
-        self._pulled = [stored(v) for v in loop.params]
+    def __post_init__(self):
+        settle(self, "every", positive_int(self.every, "every", "Downpour"))
 
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        self._steps += 1
-        if self._steps % self.every:
+    def start(self, loop: RuleLoop) -> _Pulled:
+        return _Pulled(pulled=[stored(v) for v in loop.params])
+
+    def after_update(self, state: _Pulled, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps += 1
+        if state.steps % self.every:
             return False
-        updates = [x - np.asarray(last) for x, last in zip(loop.param_values(), self._pulled)]
+        updates = [x - np.asarray(last) for x, last in zip(loop.param_values(), state.pulled)]
         first_statistic = len(updates) - loop.n_statistics
         for i in range(first_statistic, len(updates)):
             updates[i] /= loop.n_ranks
-        self._pulled = self._push_and_pull(loop, updates)
+        state.pulled = self._push_and_pull(loop, updates)
         return True
 
     def merge(self, center, pushed):
         center += pushed
         return center
-        return center
 
 
+@dataclass
+class _Costed(RuleState):
+    """RateLimited on one rank: how long its last sync took."""
+
+    last_cost: float = 0.0
+
+
+@dataclass(frozen=True)
 class RateLimited(_CentralRule):
     """Legion's ``SharedParamsRateLimited``: blend into the central parameters, at a capped rate.
 
@@ -452,27 +407,31 @@ class RateLimited(_CentralRule):
     RateLimited(every_n_batches=2, alpha=0.5, beta=0.5, max_rate=0.1)
     """
 
-    def __init__(self, every_n_batches=1, alpha=0.5, beta=0.5, max_rate=0.25):
-        self.every_n_batches = _positive_int(every_n_batches, "every_n_batches", "RateLimited")
-        self.alpha = _fraction(alpha, "alpha", "RateLimited")
-        self.beta = _fraction(beta, "beta", "RateLimited")
-        self.max_rate = _fraction(max_rate, "max_rate", "RateLimited", low_open=True)
+    every_n_batches: int = 1
+    alpha: float = 0.5
+    beta: float = 0.5
+    max_rate: float = 0.25
 
-    def start(self, loop: RuleLoop):
-        self._steps = 0
-        self._last_cost = 0.0
+    def __post_init__(self):
+        settle(self, "every_n_batches", positive_int(self.every_n_batches, "every_n_batches", "RateLimited"))
+        settle(self, "alpha", fraction(self.alpha, "alpha", "RateLimited"))
+        settle(self, "beta", fraction(self.beta, "beta", "RateLimited"))
+        settle(self, "max_rate", fraction(self.max_rate, "max_rate", "RateLimited", low_open=True))
 
-    def after_update(self, loop: RuleLoop, rows, batch_rows):
-        self._steps += 1
-        if self._steps % self.every_n_batches:
+    def start(self, loop: RuleLoop) -> _Costed:
+        return _Costed()
+
+    def after_update(self, state: _Costed, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        state.steps += 1
+        if state.steps % self.every_n_batches:
             return False
-        cost = self._last_cost
+        cost = state.last_cost
         if loop.sync_seconds + cost > self.max_rate * (loop.elapsed() + cost):
             loop.skipped += 1
             return False
         start = time.perf_counter()
         self._push_and_pull(loop, [self.beta * x for x in loop.param_values()])
-        self._last_cost = time.perf_counter() - start
+        state.last_cost = time.perf_counter() - start
         return True
 
     def merge(self, center, pushed):

@@ -10,6 +10,7 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,7 +21,17 @@ from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .part import Part
 
-__all__ = ["Loops"]
+__all__ = ["Loops", "TrainParts"]
+
+
+class TrainParts(Protocol):
+    """What a loop takes of a training step (``extensions.train.TrainStep`` has it)."""
+
+    functions: tuple
+    grad_shared: Any
+    params: list
+    statistics: list
+    optimizer_state: list
 
 
 class Loops(Part):
@@ -35,34 +46,34 @@ class Loops(Part):
         self._server_died = None   # node 0: how its server ended while a loop used it
         self._next_loop = 0
 
-    def new(self, grad, update, grad_shared, params, statistics, optimizer_state, inputs, batch_size,
-            shuffle, seed, rule):
+    def new(self, step: TrainParts, inputs, batch_size, shuffle, seed, rule, rule_state=None):
         """A new loop's :class:`~synkhronos.wire.loop.LoopSpec` (nothing runs yet).
 
         Parameters
         ----------
-        grad, update : Function
-            The training step's gradient and update functions.
-        grad_shared : SharedVariable
-            Its flat gradient.
-        params, statistics, optimizer_state : list of SharedVariable
+        step : TrainStep
+            The training step (``make_train_function``'s): its functions and variables.
         inputs : list of InputRef
             Where the step's scattered inputs live.
         batch_size : int
         shuffle : bool
         seed : int
         rule : Rule
+        rule_state : list of numpy.ndarray, optional
+            The rule's state a checkpoint kept (a resumed run).
         """
         state = self._state
         uids = state.registry.uids_of
+        grad, update = step.functions
         self._next_loop += 1
         loop_id = self._next_loop
         return LoopSpec(loop_id=loop_id, grad_fid=grad.spec.fid, update_fid=update.spec.fid,
-                        grad_uid=state.registry.uid_of(grad_shared), param_uids=tuple(uids(params)),
-                        stat_uids=tuple(uids(statistics)), state_uids=tuple(uids(optimizer_state)),
+                        grad_uid=state.registry.uid_of(step.grad_shared), param_uids=tuple(uids(step.params)),
+                        stat_uids=tuple(uids(step.statistics)), state_uids=tuple(uids(step.optimizer_state)),
                         inputs=tuple(inputs), batch_size=int(batch_size), shuffle=bool(shuffle),
                         seed=int(seed), rule=rule,
-                        center=f"{state.prefix}_center{loop_id}" if rule.asynchronous else None)
+                        center=f"{state.prefix}_center{loop_id}" if rule.asynchronous else None,
+                        rule_state=None if rule_state is None else tuple(rule_state))
 
     def run(self, spec, first, last):
         """Run global steps ``[first, last)`` of loop ``spec`` on every rank.
@@ -80,7 +91,7 @@ class Loops(Part):
     def center_values(self, spec):
         """Loop ``spec``'s center now (copies), or the master's parameters for a rule without one."""
         loop = self._loops.get(spec.loop_id)
-        values = loop.rule.center_values(loop) if loop is not None else None
+        values = loop.center_values() if loop is not None else None
         if values is None:
             values = [np.array(self._state.registry.shared_by_uid(uid).get_value())
                       for uid in spec.synced_uids]
@@ -89,7 +100,7 @@ class Loops(Part):
     def rule_state(self, spec):
         """Loop ``spec``'s rule state as the master's device holds it (arrays; see Rule.saved_state)."""
         loop = self._loops.get(spec.loop_id)
-        return loop.rule.saved_state(loop) if loop is not None else []
+        return loop.saved_rule_state() if loop is not None else []
 
     def release(self):
         """At the runtime's end: close every center."""

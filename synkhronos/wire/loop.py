@@ -42,6 +42,9 @@ class LoopSpec:
         The sync rule (:mod:`synkhronos.rank.sync`).
     center : str or None
         The segment of the central parameters (asynchronous rules).
+    rule_state : tuple of numpy.ndarray or None
+        A resumed run's rule state, as a checkpoint kept it (see ``Rule.saved_state``); None
+        starts the rule afresh.
     """
 
     loop_id: int
@@ -57,6 +60,7 @@ class LoopSpec:
     seed: int
     rule: object
     center: str | None = None
+    rule_state: tuple | None = None
 
     @property
     def synced_uids(self):

@@ -1,0 +1,188 @@
+"""What a sync rule is: settings in a frozen dataclass, and one rank's state apart from them.
+
+:class:`Rule` is the base every rule of :mod:`synkhronos.rank.sync` derives
+from; its hooks are what :class:`~synkhronos.rank.loop.DeviceLoop` calls on
+every rank. :func:`rule_record` and :func:`rule_difference` are what a
+checkpoint keeps of a rule, and how a resume with other settings is named.
+"""
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ..errors import is_whole
+from .seams import RuleLoop
+
+__all__ = ["Rule", "RuleState", "rule_record", "rule_difference", "check_rule"]
+
+
+def positive_int(value, name, rule):
+    if not is_whole(value, at_least=1):
+        raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
+    return int(value)
+
+
+def number(value, name, rule):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
+
+
+def positive_number(value, name, rule):
+    value = number(value, name, rule)
+    if not value > 0 or not np.isfinite(value):
+        raise ValueError(f"{rule}: {name} must be a positive number, got {value!r}")
+    return value
+
+
+def fraction(value, name, rule, low_open=False):
+    value = number(value, name, rule)
+    if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+        bounds = "in (0, 1]" if low_open else "in [0, 1]"
+        raise ValueError(f"{rule}: {name} must be {bounds}, got {value!r}")
+    return value
+
+
+def settle(rule, name, value):
+    """Settle a checked setting on a frozen rule (in ``__post_init__``)."""
+    object.__setattr__(rule, name, value)
+
+
+@dataclass
+class RuleState:
+    """One rank's state of a rule during a run: what :meth:`Rule.start` makes and the hooks change.
+
+    A rule's own state derives from it; a mixin may keep its own attributes on it.
+
+    Attributes
+    ----------
+    steps : int
+        Local steps since the rule last synchronised (or since the start).
+    """
+
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Base of the sync rules: settings only, and what a device does around its local steps.
+
+    A rule is a frozen dataclass: its fields are its settings (compared,
+    printed, recorded in checkpoints). Everything a rank changes during a run
+    lives in the :class:`RuleState` that :meth:`start` makes, which every hook
+    receives. A rule of your own derives from :class:`Rule` (or a rule here),
+    is decorated ``@dataclass(frozen=True)``, and uses nothing of the loop but
+    :class:`~synkhronos.rank.seams.RuleLoop`.
+
+    Attributes
+    ----------
+    asynchronous : bool
+        Devices step at their own pace and exchange with central parameters
+        (in node 0's shared memory, served to the other nodes); else they step
+        together.
+    reduces_gradient : bool
+        The flat gradient is all-reduced (row-weighted) before every update;
+        else every device steps on its own gradient.
+
+    Examples
+    --------
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class EveryOther(Rule):          # average the parameters every other step
+    ...     def after_update(self, state, loop, rows, batch_rows):
+    ...         state.steps += 1
+    ...         if state.steps % 2:
+    ...             return False
+    ...         mean = loop.all_reduce(loop.params, loop.param_values(), "avg")
+    ...         loop.set_values(loop.params, mean)
+    ...         return True
+    >>> EveryOther() == EveryOther(), rule_record(EveryOther())["type"]
+    (True, 'EveryOther')
+    """
+
+    asynchronous = False
+    reduces_gradient = False
+
+    def start(self, loop: RuleLoop) -> RuleState:
+        """Every rank, before its first step of a run: this rank's state."""
+        return RuleState()
+
+    def resume(self, loop: RuleLoop, saved: list) -> RuleState:
+        """Every rank, before its first step of a resumed run: the state ``saved`` (what
+        :meth:`saved_state` gave) holds. A rule that saves nothing starts afresh."""
+        return self.start(loop)
+
+    def after_update(self, state: Any, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
+        """Every rank, after each local step of ``rows`` of a global batch of ``batch_rows``.
+
+        Returns True if the rank synchronised (the time is counted as syncing).
+        """
+        return False
+
+    def finish(self, state: Any, loop: RuleLoop) -> None:
+        """Every rank, once every rank's last step is done: leave the final parameters.
+
+        A centred rule's devices all take the center.
+        """
+        center = self.center_values(state, loop)
+        if center is not None:
+            loop.set_values(loop.params, center)
+
+    def center_values(self, state: Any, loop: RuleLoop) -> list | None:
+        """The center's values now (copies), or None for a rule without one."""
+        return None
+
+    def saved_state(self, state: Any, loop: RuleLoop) -> list:
+        """What a checkpoint keeps of this rank's state beside the variables (arrays, the same on
+        every device); :meth:`resume` takes it back."""
+        return []
+
+
+def rule_record(rule: Rule) -> dict:
+    """What a checkpoint records of ``rule``: its type and settings (JSON).
+
+    Examples
+    --------
+    >>> from synkhronos.rank.sync import AllReduce, Average
+    >>> rule_record(Average(every=4))
+    {'type': 'Average', 'settings': {'every': 4, 'state': False}}
+    """
+    settings = {f.name: getattr(rule, f.name) for f in fields(rule)}
+    # as JSON gives it back: a tuple as a list, a value JSON cannot hold as its repr
+    return {"type": type(rule).__name__, "settings": json.loads(json.dumps(settings, default=repr))}
+
+
+def rule_difference(recorded: dict, rule: Rule) -> str | None:
+    """How ``rule`` differs from the record ``recorded`` (:func:`rule_record`), in words; None if not.
+
+    Examples
+    --------
+    >>> from synkhronos.rank.sync import AllReduce, Average
+    >>> rule_difference(rule_record(Average(every=4)), Average(every=8))
+    'Average.every is 4 in the checkpoint, 8 here'
+    >>> rule_difference(rule_record(Average()), AllReduce())
+    'the rule is Average in the checkpoint, AllReduce here'
+    """
+    here = rule_record(rule)
+    if recorded.get("type") != here["type"]:
+        return f"the rule is {recorded.get('type')} in the checkpoint, {here['type']} here"
+    saved, wanted = recorded.get("settings", {}), here["settings"]
+    differ = [f"{here['type']}.{k} is {saved.get(k)!r} in the checkpoint, {wanted.get(k)!r} here"
+              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    return "; ".join(differ) or None
+
+
+def check_rule(rule: Any) -> None:
+    """Raise TypeError naming the fix unless ``rule`` is a sync rule whose settings are all fields."""
+    if not isinstance(rule, Rule):
+        raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
+                        f"EASGD(...), ...), got {rule!r}")
+    loose = sorted(set(vars(rule)) - {f.name for f in fields(rule)})
+    if loose:
+        raise TypeError(f"{type(rule).__name__} keeps {loose} outside its settings: a rule is a frozen "
+                        f"dataclass whose fields are its settings (decorate it with "
+                        f"@dataclasses.dataclass(frozen=True) and declare them), and what a rank "
+                        f"changes during a run belongs in the RuleState its start() returns")
