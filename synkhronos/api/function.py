@@ -25,7 +25,6 @@ from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, current, serialized
 from ..tracing import trace
-from ..wire.batch import chunk
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
 from .batch import check_num_slices, node_local, parse_batch, parse_batch_s
@@ -243,9 +242,8 @@ class Function:
         """The rows each device got in ``plan`` (what a hint names)."""
         if not self.spec.inputs:
             return CallRows((), 0)
-        n = self._state.n_parallel
-        total = plan.batch.total
-        return CallRows(tuple(hi - lo for lo, hi in (chunk(0, total, n, r) for r in range(n))), total)
+        bounds = plan.split(self._state.n_parallel)
+        return CallRows(tuple(hi - lo for lo, hi in bounds), plan.batch.total)
 
     def _plan(self, args, kwargs, batch, batch_s, num_slices, output_subset):
         spec = self.spec
@@ -263,23 +261,21 @@ class Function:
             raise ValueError(f"the batch selects no rows of {self.name}'s scattered inputs; "
                              f"give at least one row")
         local = node_local(datas[:n_scat], names)
-        sliced = self._plan_batch_s(batch_s, batch_plan if n_scat else None)
-        split = self._state.topology.n_local if local else self._state.n_parallel
-        rows = ([b.total for b in sliced] if sliced else
-                [hi - lo for lo, hi in (chunk(0, batch_plan.total, split, r)
-                                        for r in range(split))] if n_scat else [])
+        plan = CallPlan(spec.fid, num_slices, batch_plan, subset,
+                        [_input_ref(d, o, a) for d, o, a in zip(datas[:n_scat], offsets, axes)],
+                        [_input_ref(d) for d in datas[n_scat:]], local=local)
+        plan.sliced = sliced = self._plan_batch_s(batch_s, plan if n_scat else None)
+        bounds = plan.split(self._state.topology.n_local if local else self._state.n_parallel)
+        rows = [b.total for b in sliced] if sliced else [hi - lo for lo, hi in bounds] if n_scat else []
         if spec.updates and rows and min(rows) == 0:
             raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
                              f"device: {rows}): it would skip its updates and its state would drift; "
                              f"give at least one row per device")
         if n_scat:
             self._batch_shaped.check(batch_plan.total, rows)
+        return plan
 
-        return CallPlan(spec.fid, num_slices, batch_plan, subset,
-                        [_input_ref(d, o, a) for d, o, a in zip(datas[:n_scat], offsets, axes)],
-                        [_input_ref(d) for d in datas[n_scat:]], sliced, local=local)
-
-    def _plan_batch_s(self, batch_s, batch_plan):
+    def _plan_batch_s(self, batch_s, plan):
         """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""
         sliceables = self.spec.sliceable_shareds
         if not sliceables:
@@ -291,9 +287,8 @@ class Function:
                 raise TypeError(f"sliceable shared {name} is 0-d on some rank; it needs rows")
         sliced = parse_batch_s(batch_s, [[shape[0] for shape in per_rank] for per_rank in shapes],
                                names)
-        if batch_plan is not None:
-            for rank, b in enumerate(sliced):
-                lo, hi = chunk(0, batch_plan.total, self._state.n_parallel, rank)
+        if plan is not None:
+            for rank, (b, (lo, hi)) in enumerate(zip(sliced, plan.split(self._state.n_parallel))):
                 if hi - lo != b.total:
                     raise ValueError(f"rank {rank} gets {hi - lo} rows of the scattered inputs but "
                                      f"{b.total} rows of the sliceable shareds; they must match")

@@ -16,7 +16,7 @@ import pytensor.tensor as pt
 from pytensor_ml.params import NonTrainableParameter
 
 from ..api import collectives
-from ..api.batch import batch_from_spec, parse_batch_s
+from ..api.batch import parse_batch_s
 from ..api.data import data
 from ..api.function import function
 from ..api.step import Step
@@ -24,6 +24,7 @@ from ..errors import SynkWarning, is_whole
 from ..rank.rule import check_rule
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
+from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .run_checkpoints import RunCheckpoints, next_multiple

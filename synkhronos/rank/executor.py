@@ -79,7 +79,7 @@ def share_of(plan, rank, n_ranks):
 def _share(plan, rank, n_ranks):
     sliced = plan.sliced[rank] if plan.sliced else None
     if plan.scattered:
-        lo, hi = chunk(0, plan.batch.total, n_ranks, rank)
+        lo, hi = plan.split(n_ranks)[rank]
         n_slices = plan.num_slices
     elif sliced is not None:
         lo, hi, n_slices = 0, sliced.total, plan.num_slices

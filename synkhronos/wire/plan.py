@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batch import Batch
+from .batch import Batch, split
 from .control import RECORD_BYTES, ControlBlock, Words
 
 __all__ = ["InputRef", "CallPlan", "put_batch", "get_batch", "result_record", "PlanSlots",
@@ -87,6 +87,21 @@ class CallPlan:
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
     _record: object = field(default=False, repr=False, compare=False)        # see result_record
     _shape_key: tuple | None = field(default=None, repr=False, compare=False)  # see shape_key
+    _split: tuple = field(default=(), repr=False, compare=False)              # see split
+
+    def split(self, parts):
+        """Every device's batch positions ``[lo, hi)`` when the batch is split over ``parts``
+        devices, computed once per plan (the master's check, its hint and its share use it).
+
+        Examples
+        --------
+        >>> CallPlan(0, 1, Batch(7, 0, 7), [0], [], []).split(3)
+        ((0, 2), (2, 4), (4, 7))
+        """
+        bounds = self._split
+        if len(bounds) != parts:
+            bounds = self._split = split(self.batch.total, parts)
+        return bounds
 
     def with_batch(self, batch):
         """This plan with another ``batch`` of as many rows (the same shares, the same record).
