@@ -140,22 +140,41 @@ def test_importing_synkhronos_changes_nothing_outside_it():
 
 @pytest.mark.slow
 def test_close_gives_the_process_back_what_fork_changed():
+    """close(), and the teardown after a fault, give back every setting fork() changed: the
+    environment, JAX's settings (64-bit floats, here turned off for float32), PyTensor's floatX,
+    the BLAS threads, in one place."""
     out = run_script("""
-        import os, jax, numpy as np, synkhronos as synk
+        import os, signal, jax, numpy as np, pytensor, pytensor.tensor as pt, synkhronos as synk
+        import pytensor.link.jax.dispatch       # turns JAX's 64-bit floats on, for PyTensor's JAX backend
+        pytensor.config.floatX = "float32"
         from synkhronos.platform.cpu_blas import current_blas_threads
+        from synkhronos.platform.process_changes import changes
         names = ["jax_enable_recoverability", "jax_cpu_collectives_implementation",
-                 "jax_enable_preemption_service"]
+                 "jax_enable_preemption_service", "jax_enable_x64", "jax_enable_compilation_cache"]
         def state():
             return ([getattr(jax.config, n) for n in names], current_blas_threads(),
+                    pytensor.config.floatX,
                     {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS",
                                                     "TF_CPP_MIN_LOG_LEVEL")})
         before = state()
         synk.fork(2, threads_per_device=1)
-        during = state()
+        x = pt.vector("x")
+        f = synk.function([x], x.sum())
+        during, changed = state(), changes.changed()
         synk.close()
-        print(before == state(), before != during, during[1])
+        closed = state() == before and not changes.changed()
+        synk.fork(2, threads_per_device=1)
+        f = synk.function([x], x.sum())
+        from synkhronos.runtime import session
+        os.kill(list(session.current().worker_pids.values())[0], signal.SIGKILL)
+        try:
+            f(np.ones(4, "float32"))
+        except synk.WorkerError:
+            pass
+        print(closed, state() == before and not changes.changed(), before != during, during[1],
+              len(changed) > 5)
     """)
-    assert out.stdout.split() == ["True", "True", "1"], out.stdout + out.stderr
+    assert out.stdout.split() == ["True", "True", "True", "1", "True"], out.stdout + out.stderr
 
 
 def test_supported_versions_are_the_pinned_ones():

@@ -8,6 +8,8 @@ loaded and sets its threads.
 
 import os
 
+from .process_changes import changes
+
 __all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads", "current_blas_threads"]
 
 
@@ -35,7 +37,9 @@ def limit_blas_threads(threads):
     :mod:`synkhronos.compile.rewrites` hands to numpy's BLAS run in the calling XLA thread,
     on this rank's cores, only once this has worked (:func:`blas_threads`);
     otherwise (numpy with another BLAS) they stay in XLA.
-    :func:`restore_blas_threads` gives the library its previous count back.
+    :func:`restore_blas_threads` (which the process's
+    :data:`~synkhronos.platform.process_changes.changes` call at the runtime's stop)
+    gives the library its previous count back.
     """
     global _blas_threads, _previous
     libraries = _numpy_openblas()
@@ -43,6 +47,7 @@ def limit_blas_threads(threads):
         return False
     if _previous is None:
         _previous = [(lib, lib.num_threads) for lib in libraries]
+    changes.record("numpy's BLAS threads", restore_blas_threads)
     for lib in libraries:
         lib.set_num_threads(int(threads))
     _blas_threads = int(threads)

@@ -17,6 +17,8 @@ import logging
 import os
 import threading
 
+from .process_changes import changes
+
 __all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cores_of", "on_cores", "on_every_core",
            "stay_on_cores"]
 
@@ -41,6 +43,7 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
     ends), as with the caching allocators (tcmalloc, jemalloc) often preloaded
     for CPU training. Linux/glibc only; a no-op elsewhere.
     """
+    changes.record("the allocator's settings", restore_allocator_defaults)
     _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, max_bytes))
 
 

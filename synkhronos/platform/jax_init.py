@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from . import compile_cache, compile_spans, coordination, cpu_blas, cpu_tuning, internals
+from .process_changes import changes
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
@@ -180,20 +181,22 @@ def import_modules():
 
 def set_precision(float_x):
     """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
-    jax = import_jax()
     import pytensor
-    import pytensor.link.jax.dispatch  # noqa: F401  (its import sets the flag once; we set it after)
+
+    # its import turns 64-bit floats on, as PyTensor's JAX backend needs them (they stay on after
+    # close(), as they would for a user of that backend); the flag is set here after it
+    import pytensor.link.jax.dispatch  # noqa: F401
+    earlier = pytensor.config.floatX
+    changes.record("pytensor.config.floatX", lambda: setattr(pytensor.config, "floatX", earlier))
     pytensor.config.floatX = float_x
-    jax.config.update("jax_enable_x64", float_x == "float64")
-
-
-#: the JAX settings initialize_process changed in this process, and their earlier values
-_changed_config: dict = {}
+    _configure_jax("jax_enable_x64", float_x == "float64")
 
 
 def _configure_jax(name, value):
+    """Set JAX's configuration ``name``, recording its earlier value in the process's changes."""
     jax = import_jax()
-    _changed_config.setdefault(name, jax.config.values[name])
+    earlier = jax.config.values[name]
+    changes.record(f"JAX's {name}", lambda: jax.config.update(name, earlier))
     jax.config.update(name, value)
 
 
@@ -221,6 +224,7 @@ def use_compile_cache(directory):
     _configure_jax("jax_persistent_cache_min_entry_size_bytes", 0)
     _configure_jax("jax_compilation_cache_max_size", compile_cache.MAX_BYTES)
     internals.cache_writes_from_every_process()
+    changes.record("the compile cache's locks", lambda: internals.compile_once_per_host(None))
     locks = os.path.join(directory, "synkhronos-compiling")
     os.makedirs(locks, exist_ok=True)
     internals.compile_once_per_host(locks, while_compiling=cpu_tuning.on_every_core)
@@ -308,9 +312,10 @@ def forget_runtime_in_child():
 
 
 def shutdown_process():
-    """Leave the multi-process runtime, drop the backend (so fork() can run again) and give back
-    what :func:`initialize_process` changed: JAX's settings, the BLAS threads, the allocator's
-    defaults (see :func:`synkhronos.platform.cpu_tuning.restore_allocator_defaults`)."""
+    """Leave the multi-process runtime and drop the backend and the compile cache, so that fork()
+    can run again. What :func:`initialize_process` changed in the process (JAX's settings, the BLAS
+    threads, the allocator's settings) is given back by the process's
+    :data:`~synkhronos.platform.process_changes.changes`, after this."""
     if "jax" not in sys.modules:
         return
     jax = import_jax()
@@ -319,11 +324,5 @@ def shutdown_process():
     finally:
         from jax.extend import backend
         backend.clear_backends()
-        for name, value in _changed_config.items():
-            jax.config.update(name, value)
-        _changed_config.clear()
         from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()     # JAX opens its cache once per process: the next fork anew
-        internals.compile_once_per_host(None)      # the next fork's locks go to its own cache
-        cpu_blas.restore_blas_threads()
-        cpu_tuning.restore_allocator_defaults()

@@ -21,6 +21,7 @@ import threading
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
 from ..platform import jax_init
+from ..platform.process_changes import changes
 from ..platform.threads import is_own
 from ..platform.values import hold_faces
 from . import interrupts
@@ -170,24 +171,20 @@ def _forget_runtime_in_child():
 os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
-#: the environment variables begin() changed in this process, with their earlier values
-_user_environment = {}
-
-
 def begin(settings):
     """Start a runtime with ``settings`` (validated by ``synk.fork``); return its :class:`State`.
 
     The master's environment gets what JAX and BLAS read at start-up
-    (:func:`~synkhronos.platform.jax_init.configure_environment`); :func:`end`
-    puts it back.
+    (:func:`~synkhronos.platform.jax_init.configure_environment`); the runtime's
+    stop gives it back, with every other change to the process
+    (:data:`~synkhronos.platform.process_changes.changes`).
     """
     if _life.state is not None:
         raise RuntimeError("fork() was already called; call synk.close() before forking again")
     _sweep_segments()
     _life.shut_down_because = None
-    _user_environment.update({k: os.environ.get(k) for k in jax_init.ENV_VARS
-                              if k not in _user_environment})
-    jax_init.configure_environment(os.environ, settings.platform, settings.threads)
+    wanted = jax_init.configure_environment(dict(os.environ), settings.platform, settings.threads)
+    changes.set_environment({k: v for k, v in wanted.items() if os.environ.get(k) != v})
     state = _life.state = State(settings, on_abort=_forget)
     interrupts.install()            # before JAX is first imported (a Ctrl-C waits for its imports)
     try:
@@ -195,7 +192,7 @@ def begin(settings):
     except BaseException:
         state.abort()
         _life.state = None
-        _restore_environment()
+        changes.restore()
         interrupts.uninstall()
         raise
     # atexit runs handlers last-in first-out: registering now (after JAX registered its own
@@ -248,7 +245,6 @@ def _stop_and_restore():
                     log.warning("the timeline could not be written to %s", state.settings.timeline,
                                 exc_info=True)
             state.stop()
-            _restore_environment()
     finally:
         if locked:
             _life.lock.release()
@@ -258,12 +254,3 @@ def _forget(state):
     """A runtime torn down by a fault is no longer the running one."""
     if _life.state is state:
         _life.state = None
-
-
-def _restore_environment():
-    for key, value in _user_environment.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    _user_environment.clear()

@@ -23,6 +23,7 @@ from ..errors import SynkError
 from ..ipc.segments import Claim, new_prefix
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
+from ..platform.process_changes import changes
 from ..rank.context import RankContext
 from ..wire.topology import Topology
 from . import interrupts
@@ -197,7 +198,8 @@ class State:
         return pytensor.config.floatX
 
     def stop(self, clean=True):
-        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime.
+        """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime, and
+        give the process back every setting the runtime changed in it.
 
         On several nodes a ``clean`` stop (``close()``, not a fault) first
         waits until every node closes; node 0 leaves last and then ends the
@@ -233,6 +235,7 @@ class State:
                 self.service.stop(at_once=clean or self.nodes is not None and
                                   self.nodes.every_other_node_lost())
                 self.service = None
+            changes.restore()       # the environment, JAX's settings, BLAS threads, allocator
 
     def _leave_nodes(self, clean):
         """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
