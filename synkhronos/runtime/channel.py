@@ -1,30 +1,25 @@
-"""The master's side of the command channel: post a command, wait for every rank, watch for faults.
+"""The master's side of the command channel: post a command, wait for every rank, read its results.
 
 One :class:`Channel` per runtime owns the control block, the payload segment
 the master writes and the mappings of every worker's result and warning
-segments. Every wait is sliced and checks between slices that no worker died
-and that the stall timeout has not passed; either fault calls ``on_fault``
-(which tears the runtime down) and raises a clear error instead of a hang.
+segments. Its waits are its :class:`~synkhronos.runtime.watch.Watch`'s: a dead
+worker or a stall calls ``on_fault`` (which tears the runtime down) and raises
+a clear error instead of a hang.
 """
 
 import logging
 import pickle
-import queue
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 import numpy as np
 
-from ..errors import SynkError, WorkerError
+from ..errors import SynkError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
 from ..platform.cpu_tuning import on_cores
-from ..platform.threads import start_thread
-from ..wire.control import ControlBlock, Decision, Op, Status, op_name
-from .processes import describe_exit
+from ..wire.control import ControlBlock, Decision, Op, Status
 from .reports import RankReports
+from .watch import Watch
 
 __all__ = ["Channel"]
 
@@ -78,8 +73,8 @@ class Channel:
         self.worker_warnings = {r: SegmentMirror(f"{prefix}_w{r}") for r in self.worker_ranks}
         #: errors and warnings the ranks report
         self.reports = RankReports(self)
-        self._collective_watch = None
-        self._collective_runner = None     # the thread of collectives that wait in native code
+        #: how the master waits for the ranks and notices their faults
+        self.watch = Watch(self)
 
     # --- one command ------------------------------------------------------------------------
     def command(self, opcode, ranks=None, local=None, kind=None):
@@ -95,8 +90,8 @@ class Channel:
     def _command(self, opcode, ranks, local):
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
-        local_result, local_error = self._run_local(local)
-        self.wait_done(ranks, what=opcode)     # named only if something goes wrong
+        local_result, local_error = self.watch.run_local(local)
+        self.watch.wait_done(ranks, what=opcode)     # named only if something goes wrong
         self.reports.raise_for(local_error, ranks)
         return local_result
 
@@ -132,7 +127,7 @@ class Channel:
         whether every node prepared, and else the error naming the node that
         did not (this node's own error is raised first). ``waits_in_python``:
         the collective implementation calls
-        :meth:`check_during_collective` while it waits (see
+        ``watch.during_collective()`` while it waits (see
         :attr:`synkhronos.comm.Comm.waits_in_python`), so this rank's part runs
         in this thread; otherwise in a thread watched from this one.
         """
@@ -156,8 +151,8 @@ class Channel:
         ranks = self.worker_ranks
         self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
         self.ctl.post_command(opcode, ranks)
-        execute, local_error = self._run_local(local_prepare)
-        self.wait_done(ranks, what=f"preparing {what}")
+        execute, local_error = self.watch.run_local(local_prepare)
+        self.watch.wait_done(ranks, what=f"preparing {what}")
         failed = [r for r in ranks if self.ctl.state(r) == Status.ERROR]
         go = local_error is None and not failed
         elsewhere: BaseException | None = None
@@ -166,111 +161,16 @@ class Channel:
         self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
         self.ctl.release(ranks)
         if not go:
-            self.wait_done(ranks, what=f"skipping {what}")
+            self.watch.wait_done(ranks, what=f"skipping {what}")
             self.reports.raise_for(local_error, ranks)
             assert elsewhere is not None, "another node said skip"
             raise elsewhere
         if waits_in_python:
-            result = self._run_inline_watched(execute, ranks, what=what)
+            result = self.watch.run_inline(execute, ranks, what=what)
         else:
-            result = self._run_in_watched_thread(execute, ranks, what=what)
+            result = self.watch.run_in_thread(execute, ranks, what=what)
         self.reports.raise_for(None, ranks)
         return result
-
-    def _run_local(self, fn):
-        """Run this rank's part; Ctrl-C tears the runtime down, other errors are returned."""
-        try:
-            return (fn() if fn is not None else None), None
-        except KeyboardInterrupt:
-            self.on_fault()
-            raise
-        except Exception as e:
-            return None, e
-
-    def _run_inline_watched(self, fn, ranks, what):
-        """Run ``fn`` (this rank's part of a collective) here; its waits call the watch."""
-        self._collective_watch = self._watch(ranks, what, time.time() + self.stall_timeout)
-        error = result = None
-        try:
-            result = fn()
-        except KeyboardInterrupt:
-            self.on_fault()
-            raise
-        except SynkError:        # the watch's own: the runtime was shut down
-            raise
-        except Exception as e:   # this rank's part failed after the others started theirs
-            error = e
-        finally:
-            self._collective_watch = None
-        self.wait_done(ranks, what=what)
-        self.reports.raise_for(error, ranks)
-        return result
-
-    def check_during_collective(self):
-        """The check the master's collective waits call: peers alive and not stalled."""
-        if self._collective_watch is not None:
-            self._collective_watch()
-
-    def _run_in_watched_thread(self, fn, ranks, what):
-        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
-
-        For collectives that block inside native code (the JAX runtime): only
-        another thread can notice a dead or stalled peer meanwhile.
-        """
-        if self._collective_runner is None:
-            self._collective_runner = _Runner("synk-collective")
-        future = self._collective_runner.submit(fn)
-        deadline = time.time() + self.stall_timeout
-        # no spinning here: a spinning main thread would hold the GIL the collective thread needs
-        self.wait_done(ranks, what=what, deadline=deadline, spin=0)
-        try:
-            return future.result(timeout=max(0.0, deadline - time.time()))
-        except FutureTimeout:
-            self.on_fault()
-            raise self.reports.stalled(what, arrived=ranks, missing=[self.master_rank]) from None
-
-    # --- waiting ----------------------------------------------------------------------------
-    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None):
-        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
-
-        ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
-        error (default: the stall timeout)."""
-        spin = self.spin if spin is None else spin
-        check = self._watch(ranks, what, deadline or time.time() + self.stall_timeout, bound)
-        try:
-            for _ in ranks:
-                self.ctl.done.wait(check, spin=spin)
-        except KeyboardInterrupt:
-            self.on_fault()
-            raise
-
-    def _watch(self, ranks, what, deadline, bound=None):
-        """A check that raises (after ``on_fault``) if a rank died or ``deadline`` passed.
-
-        ``what`` names the wait in messages: a phrase, or the opcode of a command.
-        """
-        def check():
-            nonlocal what
-            if not isinstance(what, str):
-                what = f"a {op_name(what)} command"
-            self._check_alive(ranks, what)
-            if time.time() > deadline:
-                arrived = [r for r in ranks if self.ctl.state(r) != Status.IDLE]
-                missing = [r for r in ranks if r not in arrived]
-                self.on_fault()
-                raise self.reports.stalled(what, arrived=arrived + [self.master_rank], missing=missing,
-                                           **({} if bound is None else dict(zip(("timeout", "setting"), bound))))
-        return check
-
-    def _check_alive(self, ranks, what):
-        """Raise (after ``on_fault``) if a worker of ``ranks`` has ended."""
-        dead = {r: self.procs[r].poll() for r in ranks if self.procs[r].poll() is not None}
-        if dead:
-            rank, code = next(iter(dead.items()))
-            self.on_fault()
-            raise WorkerError(rank + self.rank_offset, "died", describe_exit(code),
-                              f"worker process ended during {what}; the runtime was shut down, "
-                              f"call synk.fork() to start again", node=self.node)
 
     # --- device-driven loops ----------------------------------------------------------------
     def loop_phase(self, local, threaded):
@@ -282,7 +182,7 @@ class Channel:
         still running made a step for ``stall_timeout`` seconds) or an error
         of ``local()`` shuts the runtime down and raises. ``threaded``:
         ``local()`` blocks in native collectives, so it runs in a thread
-        while this one watches; otherwise it calls :meth:`check_during_collective`
+        while this one watches; otherwise it calls ``watch.during_collective()``
         (through its collectives and after every step).
         """
         with on_cores(self.local_cores):
@@ -293,81 +193,25 @@ class Channel:
         ranks, what = self.worker_ranks, "a training loop"
         self.ctl.status[:, ControlBlock.PROGRESS] = 0
         self.ctl.post_command(Op.LOOP, ranks)
-        watch = self._loop_watch(ranks, what)
+        watch = self.watch.loop_check(ranks, what)
         # the thread running local() in native waits leaves the watching to this one
-        self._collective_watch = None if threaded else watch
+        self.watch.set_collective_check(None if threaded else watch)
         try:
             if threaded:
-                result, error = self._run_local_in_thread(local, watch)
+                result, error = self.watch.run_local_in_thread(local, watch)
             else:
-                result, error = self._run_local(local)
+                result, error = self.watch.run_local(local)
             if error is not None:
                 if isinstance(error, SynkError):
                     raise error
                 self.on_fault()
                 raise self.reports.own_error(error) from error
-            self._wait_watched(ranks, watch)
+            self.watch.wait_watched(ranks, watch)
             watch(force=True)    # a worker that failed after the others finished: as during the phase
         finally:
-            self._collective_watch = None
+            self.watch.set_collective_check(None)
         self.reports.raise_for(None, ranks)
         return result
-
-    def _loop_watch(self, ranks, what, poll=0.02):
-        """The loop's check: workers alive, none failed, and steps still being made.
-
-        Polls the processes at most every ``poll`` seconds (it is called after every step).
-        """
-        status = self.ctl.status
-        last: dict[str, Any] = {"at": 0.0, "moved": time.time(), "progress": None}
-
-        def check(force=False):
-            now = time.time()
-            if now < last["at"] + poll and not force:
-                return
-            last["at"] = now
-            self._check_alive(ranks, what)
-            failed = [r for r in ranks if self.ctl.state(r) == Status.ERROR]
-            if failed:
-                exc_type, message, tb, where = self.read_result_pickle(failed[0])
-                self.on_fault()
-                raise self.reports.raised(failed[0], exc_type, message + " (the runtime was shut down: "
-                                   "call synk.fork() to start again)", tb, where)
-            running = [r for r in ranks if self.ctl.state(r) == Status.IDLE]
-            progress = status[running, ControlBlock.PROGRESS].tolist()
-            if progress != last["progress"] or not running:
-                last["progress"], last["moved"] = progress, now
-            elif now - last["moved"] > self.stall_timeout:
-                self.on_fault()
-                raise self.reports.stalled(what, missing=running,
-                                    arrived=list(set(self.worker_ranks) - set(running)
-                                                 | {self.master_rank}))
-        return check
-
-    def _run_local_in_thread(self, local, watch):
-        """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
-        future: Future = Future()
-
-        def target():
-            future.set_result(self._run_local(local))
-        thread = start_thread(target, "synk-loop")
-        try:
-            while not future.done():
-                thread.join(0.02)
-                watch()
-        except KeyboardInterrupt:
-            self.on_fault()
-            raise
-        return future.result()
-
-    def _wait_watched(self, ranks, watch):
-        """Wait until every rank in ``ranks`` posted ``done``, calling ``watch`` between slices."""
-        try:
-            for _ in ranks:
-                self.ctl.done.wait(watch, spin=self.spin, slice_=0.05)
-        except KeyboardInterrupt:
-            self.on_fault()
-            raise
 
     # --- payloads and results ---------------------------------------------------------------
     def send_payload(self, blob):
@@ -398,7 +242,7 @@ class Channel:
             return
         self.ctl.post_command(Op.STOP, self.worker_ranks)
         try:
-            self.wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 5)
+            self.watch.wait_done(self.worker_ranks, what="shutdown", deadline=time.time() + 5)
         except Exception:       # the caller stops them by force
             log.debug("workers did not stop when asked", exc_info=True)
 
@@ -417,31 +261,3 @@ class Channel:
                 for g in range(max(1, gen - 1), gen + 2):
                     unlink(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()
-
-
-class _Runner:
-    """One daemon thread that runs the functions handed to it, one at a time.
-
-    Starting a thread per collective would cost more than a small collective;
-    a daemon thread never holds up the interpreter's exit, even when
-    a peer left it stuck in a native collective (a ``ThreadPoolExecutor``'s
-    threads are joined at exit).
-    """
-
-    def __init__(self, name):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        start_thread(self._serve, name)
-
-    def _serve(self):
-        while True:
-            fn, future = self._jobs.get()
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(e)
-
-    def submit(self, fn):
-        """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
-        future: Future = Future()
-        self._jobs.put((fn, future))
-        return future

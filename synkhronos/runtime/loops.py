@@ -206,7 +206,7 @@ class Loops(Part):
                 nodes.watches.append(self._watch_center)
         if home:
             center = Center.of(spec.center, params, create=True, merge=spec.rule.merge,
-                               check=state.channel.check_during_collective)
+                               check=state.channel.watch.during_collective)
             center.start_claims_at(first * state.n_parallel)
             if nodes is not None:
                 try:
@@ -255,7 +255,7 @@ class Loops(Part):
 
     def _after_step(self):
         """After every step of the master's device: its workers, and on node 0 its server."""
-        self._state.channel.check_during_collective()
+        self._state.channel.watch.during_collective()
         self._check_server()
 
     def _check_server(self):
@@ -285,7 +285,7 @@ class Loops(Part):
 
     def _check_node_zero(self):
         """While a device of another node waits for node 0's center: this node's runtime, the nodes."""
-        self._state.channel.check_during_collective()
+        self._state.channel.watch.during_collective()
         self._state.nodes.check_nodes_alive()
 
     def _node_zero_silent(self, waited):

@@ -143,7 +143,7 @@ class State:
         jax_init.import_modules()
         # starting is bounded by fork(timeout) (the join included), not by the stall timeout
         left = s.timeout - (time.monotonic() - started)
-        self.channel.wait_done(self.worker_ranks, what="start-up", deadline=time.time() + left,
+        self.channel.watch.wait_done(self.worker_ranks, what="start-up", deadline=time.time() + left,
                                bound=(s.timeout, "timeout"))
         try:
             jax_init.initialize_process(self.master_rank, self.n_parallel, coordinator, s.platform,
@@ -290,4 +290,4 @@ class State:
     def check_during_collective(self):
         """While the master waits inside a collective: the runtime is open and no worker failed."""
         self.check_open()
-        self.channel.check_during_collective()
+        self.channel.watch.during_collective()

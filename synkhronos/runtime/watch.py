@@ -1,0 +1,219 @@
+"""How the master waits for the ranks and notices their faults: the watch of a :class:`Channel`.
+
+Every wait is sliced and checks between slices that no worker died and that
+the stall timeout has not passed; either fault calls the channel's
+``on_fault`` (which tears the runtime down) and raises a clear error instead of
+a hang. A collective that waits in native code runs in a thread of its own
+(:class:`_Runner`) while this thread watches; one that waits in Python calls
+:meth:`Watch.during_collective` from its waits.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+from ..errors import SynkError, WorkerError
+from ..platform.threads import start_thread
+from ..wire.control import ControlBlock, Status, op_name
+from .processes import describe_exit
+
+if TYPE_CHECKING:
+    from .channel import Channel
+
+__all__ = ["Watch"]
+
+
+class Watch:
+    """The waits of one :class:`~synkhronos.runtime.channel.Channel`, and the checks between their
+    slices."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self._collective_check = None
+        self._collective_runner: _Runner | None = None     # the thread of native-waiting collectives
+
+    def run_local(self, fn):
+        """Run this rank's part; Ctrl-C tears the runtime down, other errors are returned."""
+        try:
+            return (fn() if fn is not None else None), None
+        except KeyboardInterrupt:
+            self.channel.on_fault()
+            raise
+        except Exception as e:
+            return None, e
+
+    def run_inline(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) here; its waits call the watch."""
+        self._collective_check = self.check(ranks, what, time.time() + self.channel.stall_timeout)
+        error = result = None
+        try:
+            result = fn()
+        except KeyboardInterrupt:
+            self.channel.on_fault()
+            raise
+        except SynkError:        # the watch's own: the runtime was shut down
+            raise
+        except Exception as e:   # this rank's part failed after the others started theirs
+            error = e
+        finally:
+            self._collective_check = None
+        self.wait_done(ranks, what=what)
+        self.channel.reports.raise_for(error, ranks)
+        return result
+
+    def set_collective_check(self, check):
+        """What :meth:`during_collective` calls from now on (None: nothing)."""
+        self._collective_check = check
+
+    def during_collective(self):
+        """The check the master's collective waits call: peers alive and not stalled."""
+        if self._collective_check is not None:
+            self._collective_check()
+
+    def run_in_thread(self, fn, ranks, what):
+        """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
+
+        For collectives that block inside native code (the JAX runtime): only
+        another thread can notice a dead or stalled peer meanwhile.
+        """
+        if self._collective_runner is None:
+            self._collective_runner = _Runner("synk-collective")
+        future = self._collective_runner.submit(fn)
+        deadline = time.time() + self.channel.stall_timeout
+        # no spinning here: a spinning main thread would hold the GIL the collective thread needs
+        self.wait_done(ranks, what=what, deadline=deadline, spin=0)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.time()))
+        except FutureTimeout:
+            self.channel.on_fault()
+            raise self.channel.reports.stalled(what, arrived=ranks, missing=[self.channel.master_rank]) from None
+
+    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None):
+        """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
+
+        ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
+        error (default: the stall timeout)."""
+        spin = self.channel.spin if spin is None else spin
+        check = self.check(ranks, what, deadline or time.time() + self.channel.stall_timeout, bound)
+        try:
+            for _ in ranks:
+                self.channel.ctl.done.wait(check, spin=spin)
+        except KeyboardInterrupt:
+            self.channel.on_fault()
+            raise
+
+    def check(self, ranks, what, deadline, bound=None):
+        """A check that raises (after ``on_fault``) if a rank died or ``deadline`` passed.
+
+        ``what`` names the wait in messages: a phrase, or the opcode of a command.
+        """
+        def check():
+            nonlocal what
+            if not isinstance(what, str):
+                what = f"a {op_name(what)} command"
+            self.check_alive(ranks, what)
+            if time.time() > deadline:
+                arrived = [r for r in ranks if self.channel.ctl.state(r) != Status.IDLE]
+                missing = [r for r in ranks if r not in arrived]
+                self.channel.on_fault()
+                raise self.channel.reports.stalled(what, arrived=arrived + [self.channel.master_rank], missing=missing,
+                                           **({} if bound is None else dict(zip(("timeout", "setting"), bound))))
+        return check
+
+    def check_alive(self, ranks, what):
+        """Raise (after ``on_fault``) if a worker of ``ranks`` has ended."""
+        dead = {r: self.channel.procs[r].poll() for r in ranks if self.channel.procs[r].poll() is not None}
+        if dead:
+            rank, code = next(iter(dead.items()))
+            self.channel.on_fault()
+            raise WorkerError(rank + self.channel.rank_offset, "died", describe_exit(code),
+                              f"worker process ended during {what}; the runtime was shut down, "
+                              f"call synk.fork() to start again", node=self.channel.node)
+
+    def loop_check(self, ranks, what, poll=0.02):
+        """The loop's check: workers alive, none failed, and steps still being made.
+
+        Polls the processes at most every ``poll`` seconds (it is called after every step).
+        """
+        status = self.channel.ctl.status
+        last: dict[str, Any] = {"at": 0.0, "moved": time.time(), "progress": None}
+
+        def check(force=False):
+            now = time.time()
+            if now < last["at"] + poll and not force:
+                return
+            last["at"] = now
+            self.check_alive(ranks, what)
+            failed = [r for r in ranks if self.channel.ctl.state(r) == Status.ERROR]
+            if failed:
+                exc_type, message, tb, where = self.channel.read_result_pickle(failed[0])
+                self.channel.on_fault()
+                raise self.channel.reports.raised(failed[0], exc_type, message + " (the runtime was shut down: "
+                                   "call synk.fork() to start again)", tb, where)
+            running = [r for r in ranks if self.channel.ctl.state(r) == Status.IDLE]
+            progress = status[running, ControlBlock.PROGRESS].tolist()
+            if progress != last["progress"] or not running:
+                last["progress"], last["moved"] = progress, now
+            elif now - last["moved"] > self.channel.stall_timeout:
+                self.channel.on_fault()
+                raise self.channel.reports.stalled(what, missing=running,
+                                    arrived=list(set(self.channel.worker_ranks) - set(running)
+                                                 | {self.channel.master_rank}))
+        return check
+
+    def run_local_in_thread(self, local, watch):
+        """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
+        future: Future = Future()
+
+        def target():
+            future.set_result(self.run_local(local))
+        thread = start_thread(target, "synk-loop")
+        try:
+            while not future.done():
+                thread.join(0.02)
+                watch()
+        except KeyboardInterrupt:
+            self.channel.on_fault()
+            raise
+        return future.result()
+
+    def wait_watched(self, ranks, watch):
+        """Wait until every rank in ``ranks`` posted ``done``, calling ``watch`` between slices."""
+        try:
+            for _ in ranks:
+                self.channel.ctl.done.wait(watch, spin=self.channel.spin, slice_=0.05)
+        except KeyboardInterrupt:
+            self.channel.on_fault()
+            raise
+
+
+class _Runner:
+    """One daemon thread that runs the functions handed to it, one at a time.
+
+    Starting a thread per collective would cost more than a small collective;
+    a daemon thread never holds up the interpreter's exit, even when
+    a peer left it stuck in a native collective (a ``ThreadPoolExecutor``'s
+    threads are joined at exit).
+    """
+
+    def __init__(self, name):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        start_thread(self._serve, name)
+
+    def _serve(self):
+        while True:
+            fn, future = self._jobs.get()
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(e)
+
+    def submit(self, fn):
+        """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
