@@ -501,6 +501,9 @@ MISUSE = [
     (dict(sync=_LooseRule(2)), TypeError, r"_LooseRule keeps \['every'\] outside its settings.*frozen"),
     (dict(check_every=0), ValueError, "check_every must be"),
     (dict(on_check=3), TypeError, "on_check must be a callable"),
+    (dict(seed=2, order=train.DataOrder(seed=2)), TypeError, r"got seed and order=: give a setting either"),
+    (dict(checks=dict(every=2)), TypeError, r"checks= takes a Checks, got \{'every': 2\}"),
+    (dict(check_evry=2), TypeError, r"unexpected keyword arguments \['check_evry'\]"),
 ]
 
 
@@ -564,6 +567,26 @@ def test_rules_are_settings_only_frozen_comparable_and_recorded(rule):
         assert changed != rule
         assert rule_difference(record, changed) == (f"{type(rule).__name__}.{f.name} is {value!r} in "
                                                    f"the checkpoint, {other!r} here")
+
+
+def test_the_grouped_options_run_as_their_keywords_do(model, rng, tmp_path):
+    """order=, checks= and checkpointing= are the keywords' settings, grouped: the same run."""
+    step, params, init = model
+    x_np, y_np = digits_like(rng)
+    runs = {}
+    for form, options in [
+            ("keywords", dict(seed=5, shuffle=True, check_every=2, checkpoint_dir=tmp_path / "a",
+                              checkpoint_every=2)),
+            ("groups", dict(order=train.DataOrder(shuffle=True, seed=5), checks=train.Checks(every=2),
+                            checkpointing=train.Checkpointing(tmp_path / "b", every=2)))]:
+        reset(params, init, step)
+        history = train.run(step, x_np, y_np, BATCH, steps=4, **options)
+        runs[form] = [c.step for c in history], [p.get_value() for p in params]
+    assert runs["keywords"][0] == runs["groups"][0] == [2, 4]
+    for a, b in zip(runs["keywords"][1], runs["groups"][1]):
+        np.testing.assert_array_equal(a, b)
+    assert (tmp_path / "a" / "checkpoint.safetensors").exists()
+    assert (tmp_path / "b" / "checkpoint.safetensors").exists()
 
 
 def test_on_check_stops_the_run_and_the_history_plots(model, rng, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from ..api import checkpoint
-from ..errors import is_whole
 from ..rank.rule import rule_difference, rule_record
+from .run_options import Checkpointing
 
 __all__ = ["RunCheckpoints", "next_multiple"]
 
@@ -27,23 +27,19 @@ class RunCheckpoints:
 
     FILE = "checkpoint.safetensors"
 
-    def __init__(self, directory, every, resume, variables, order, rule):
-        self.path: str = ""          # set with checkpoint_dir= (empty: no checkpoints)
+    def __init__(self, checkpointing: Checkpointing | None, variables, order, rule):
+        self.path: str = ""          # set with a Checkpointing (empty: no checkpoints)
         self.every: int | None = None
         self.variables, self.order, self.rule = variables, order, rule
         self._resumed = 0
         #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
-        self.rule_state = None
-        if directory is None:
-            if every is not None or resume:
-                raise ValueError("checkpoint_every= and resume= need checkpoint_dir=")
+        self.rule_state: list | None = None
+        if checkpointing is None:
             return
-        if not is_whole(every, at_least=1):
-            raise ValueError(f"checkpoint_every must be a positive number of steps with "
-                             f"checkpoint_dir=, got {every!r}")
+        directory = os.fspath(checkpointing.directory)
         os.makedirs(directory, exist_ok=True)
-        self.path, self.every = os.path.join(os.fspath(directory), self.FILE), int(every)
-        if resume and os.path.exists(self.path):
+        self.path, self.every = os.path.join(directory, self.FILE), checkpointing.every
+        if checkpointing.resume and os.path.exists(self.path):
             self._resumed = self._restore()
 
     def _restore(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Unpack
 
 import numpy as np
 import pytensor.tensor as pt
@@ -28,13 +28,15 @@ from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
 from .run_checkpoints import RunCheckpoints, next_multiple
+from .run_options import Checkpointing, Checks, DataOrder, RunShorthands, options_of
 from .single_process import make_single_process_train_function, make_train_function_theano
 from .step_graph import build_step_graph, call_values, givens_scalars
 from .step_graph import input_list as _input_list
 from .sync import AllReduce, Rule
 
 __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
-           "make_train_function_theano", "run", "epoch_order", "steps_per_epoch"]
+           "make_train_function_theano", "run", "DataOrder", "Checks", "Checkpointing", "epoch_order",
+           "steps_per_epoch"]
 
 
 def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
@@ -277,10 +279,9 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
 
 
 def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | None = None,
-        steps: int | None = None, epochs: int | None = None, sync: Rule | None = None,
-        shuffle: bool = True, seed: int = 0, check_every: int | None = None,
-        on_check: Callable[[History], bool | None] | None = None, checkpoint_dir: str | None = None,
-        checkpoint_every: int | None = None, resume: bool = False) -> History:
+        steps: int | None = None, epochs: int | None = None, sync: Rule | None = None, *,
+        order: DataOrder | None = None, checks: Checks | None = None,
+        checkpointing: Checkpointing | None = None, **shorthands: Unpack[RunShorthands]) -> History:
     """Train on the devices themselves: many steps per command, synchronised by a rule of :mod:`.sync`.
 
     Each device draws its rows of every global step (``batch_size`` rows, split
@@ -323,31 +324,33 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     sync : Rule
         :class:`~.sync.AllReduce` (default), :class:`~.sync.Average`, :class:`~.sync.DiLoCo`,
         :class:`~.sync.EASGD`, :class:`~.sync.Downpour` or :class:`~.sync.RateLimited`.
-    shuffle : bool
-        Visit the rows in a seeded permutation per epoch (else in order).
-    seed : int
-    check_every : int, optional
-        Global steps between checks (default: one epoch).
-    on_check : callable, optional
-        ``on_check(history) -> bool``; True stops the run.
-    checkpoint_dir : str, optional
-        Save the parameters and the optimizer's state (per device where they
-        differ) to ``checkpoint_dir/checkpoint.safetensors`` every
-        ``checkpoint_every`` global steps, with the run's data order
-        (:mod:`synkhronos.checkpoint`).
-    checkpoint_every : int, optional
-    resume : bool
-        Start from the checkpoint in ``checkpoint_dir`` if there is one (the
-        same data, batch size, seed and rule are required). Under
-        :class:`~.sync.AllReduce`, and :class:`~.sync.Average` with
-        ``checkpoint_every`` a multiple of its ``every``, a run killed and
-        resumed continues exactly as if it had not stopped (its checks too,
-        when ``checkpoint_every`` is a multiple of ``check_every``). The other
-        rules resume from the saved parameters and continue the step count
-        and the data order (an asynchronous rule's devices claim the steps
-        after the checkpoint's); their center starts again from the master's.
-        :class:`~.sync.DiLoCo` keeps its outer parameters, momentum and round in
-        the checkpoint and continues exactly.
+    order : DataOrder, optional
+        Which rows each step takes: ``DataOrder(shuffle=True, seed=0)`` (the default),
+        a seeded permutation per epoch.
+    checks : Checks, optional
+        ``Checks(every=None, on_check=None)``: global steps between checks
+        (default: one epoch), and ``on_check(history) -> bool``, True stopping the run.
+    checkpointing : Checkpointing, optional
+        ``Checkpointing(directory, every, resume=False)``: save the parameters
+        and the optimizer's state (per device where they differ) to
+        ``directory/checkpoint.safetensors`` every ``every`` global steps, with
+        the run's data order and rule (:mod:`synkhronos.checkpoint`); with
+        ``resume=True``, start from the checkpoint there if there is one (the
+        same data, batch size, seed and rule are required, or it is refused
+        naming the difference). Under :class:`~.sync.AllReduce`, and
+        :class:`~.sync.Average` with ``every`` a multiple of its ``every``, a
+        run killed and resumed continues exactly as if it had not stopped (its
+        checks too, when ``every`` is a multiple of the checks' ``every``). The
+        other rules resume from the saved parameters and continue the step
+        count and the data order (an asynchronous rule's devices claim the
+        steps after the checkpoint's); their center starts again from the
+        master's. :class:`~.sync.DiLoCo` keeps its outer parameters, momentum
+        and round in the checkpoint and continues exactly.
+    **shorthands
+        The groups' settings as keywords, each instead of its group:
+        ``shuffle``, ``seed`` (``order``); ``check_every``, ``on_check``
+        (``checks``); ``checkpoint_dir``, ``checkpoint_every``, ``resume``
+        (``checkpointing``).
 
     Returns
     -------
@@ -369,7 +372,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     """
     state = current()
     sync = AllReduce() if sync is None else sync
-    f_grad, _ = _check_run_arguments(train_fn, sync, check_every, on_check)
+    order, checks, checkpointing = options_of(order, checks, checkpointing, dict(shorthands))
+    f_grad, _ = _check_run_arguments(train_fn, sync)
     if getattr(x_data, "sharded", False) and state.topology.several_nodes:
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "
@@ -381,19 +385,19 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         raise ValueError(f"every input and target needs one row per example: {train_fn.inputs[0]} "
                          f"has {n_rows} rows, but {uneven}")
     batch_size = _check_batch_size(batch_size, n_rows, state.n_parallel)
-    _check_seed(seed)
     _check_step_traces(f_grad, train_fn, refs, batch_size, state.n_parallel)
     per_epoch = steps_per_epoch(n_rows, batch_size)
     total = _total_steps(steps, epochs, per_epoch)
-    check_every = per_epoch if check_every is None else check_every
-    saving = RunCheckpoints(checkpoint_dir, checkpoint_every, resume, train_fn.state_variables,
-        dict(seed=int(seed), shuffle=bool(shuffle), batch_size=int(batch_size), n_rows=n_rows), sync)
-    spec = state.loops.new(train_fn, refs, batch_size, shuffle, seed, sync, saving.rule_state)
+    check_every = per_epoch if checks.every is None else int(checks.every)
+    saving = RunCheckpoints(checkpointing, train_fn.state_variables,
+                            dict(seed=order.seed, shuffle=order.shuffle, batch_size=batch_size,
+                                 n_rows=n_rows), sync)
+    spec = state.loops.new(train_fn, refs, batch_size, order.shuffle, order.seed, sync, saving.rule_state)
     run_steps = serialized(state.loops.run)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
     if done >= total:
-        warnings.warn(f"the checkpoint in {checkpoint_dir} is at step {done}, at or past this run's "
+        warnings.warn(f"the checkpoint {saving.path} is at step {done}, at or past this run's "
                       f"end ({total} steps): nothing is left to train; ask for more steps or epochs "
                       f"to go on", SynkWarning, stacklevel=2)
     stats, seconds = 0.0, 0.0
@@ -413,7 +417,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             elapsed += seconds
             history.append(check_from_stats(stats, done, per_epoch, elapsed, seconds))
             stats, seconds = 0.0, 0.0
-            if on_check is not None and on_check(history):
+            if checks.on_check is not None and checks.on_check(history):
                 break
     finally:
         if state.is_open:       # the final parameters on every device, also after on_check raised
@@ -432,8 +436,8 @@ def _run_data(train_fn, x_data, y_data):
     return data
 
 
-def _check_run_arguments(train_fn, sync, check_every, on_check):
-    """The gradient and update functions of ``train_fn``; every other argument checked."""
+def _check_run_arguments(train_fn, sync):
+    """The gradient and update functions of ``train_fn``; the step and the rule checked."""
     if not isinstance(train_fn, TrainStep) or not train_fn.runs_on_devices:
         raise TypeError("run() takes the step function make_train_function returns (data in shared "
                         f"memory), got {train_fn!r}")
@@ -442,10 +446,6 @@ def _check_run_arguments(train_fn, sync, check_every, on_check):
                         f"{[str(v) for v in train_fn.scalars]}; make each a shared variable "
                         f"(pytensor.shared) and set_value it between runs")
     check_rule(sync)
-    if check_every is not None and not is_whole(check_every, at_least=1):
-        raise ValueError(f"check_every must be a positive number of steps or None, got {check_every!r}")
-    if on_check is not None and not callable(on_check):
-        raise TypeError(f"on_check must be a callable taking the History, got {on_check!r}")
     return train_fn.functions
 
 
@@ -462,12 +462,6 @@ def _check_batch_size(batch_size, n_rows, n_devices):
                          f"devices ({n_rows} rows, batch_size {batch_size}): every device needs a "
                          f"row; choose a batch_size that leaves none or at least {n_devices}")
     return int(batch_size)
-
-
-def _check_seed(seed):
-    if not is_whole(seed, at_least=0):
-        raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
-                         f"epoch's order), got {seed!r}")
 
 
 def _check_step_traces(f_grad, train_fn, refs, batch_size, n_devices):
