@@ -14,24 +14,27 @@ import queue
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SynkError, WorkerError
 from ..platform.threads import start_thread
 from ..wire.control import ControlBlock, Status, op_name
 from .processes import describe_exit
 
-if TYPE_CHECKING:
-    from .channel import Channel
-
 __all__ = ["Watch"]
 
 
 class Watch:
     """The waits of one :class:`~synkhronos.runtime.channel.Channel`, and the checks between their
-    slices."""
+    slices.
 
-    def __init__(self, channel: Channel):
+    Parameters
+    ----------
+    channel : Channel
+        Its control block, worker processes, reports, timeouts and ``on_fault``.
+    """
+
+    def __init__(self, channel):
         self.channel = channel
         self._collective_check = None
         self._collective_runner: _Runner | None = None     # the thread of native-waiting collectives

@@ -30,6 +30,7 @@ from ...platform.device_arrays import adopt, copy_large, private_empty, to_devic
 from ..base import Comm
 from ..reduction import COMBINE, Reduce
 from .control import ShmControl
+from .layout import FlatLayout
 from .paths import PIPELINED, PathChooser
 from .regions import SharedResults
 
@@ -157,45 +158,22 @@ class ShmComm(Comm):
 
     # --- collectives ------------------------------------------------------------------------
     def _layout(self, values):
-        """Host views of ``values``, their 64-byte aligned offsets in one flat buffer, the slots."""
-        hosts = [np.asarray(v) for v in values]    # a CPU device array is viewed, not copied
-        dtype = hosts[0].dtype if hosts else np.dtype(np.float32)
-        per_line = max(1, 64 // dtype.itemsize)
-        offsets, end = [], 0
-        for h in hosts:
-            offsets.append(end)
-            end = round_up(end + h.size, per_line)
-        return hosts, offsets, end, self._slots(dtype, end)
-
-    @staticmethod
-    def _pieces(hosts, offsets, lo, hi):
-        """(flat part of a value, start, stop) for every value overlapping flat range [lo, hi)."""
-        for h, a in zip(hosts, offsets):
-            start, stop = max(a, lo), min(a + h.size, hi)
-            if start < stop:
-                yield h.reshape(-1)[start - a:stop - a], start, stop
-
-    def _chunk_bounds(self, total, dtype):
-        per_line = max(1, 64 // np.dtype(dtype).itemsize)
-        bounds = [total * q // self.n_ranks // per_line * per_line for q in range(self.n_ranks)]
-        return bounds + [total]
-
-    @staticmethod
-    def _adopt_parts(flat, hosts, offsets):
-        return [adopt(flat[a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
+        """The flat layout of ``values`` and every rank's slot for it."""
+        layout = FlatLayout.of(values)
+        return layout, self._slots(layout.dtype, layout.total)
 
     def all_reduce(self, values, op):
         """Reduce-scatter, then all-gather through shared memory (see :meth:`_reduce`)."""
-        hosts, offsets, out = self._reduce(values, op)
-        return self._adopt_parts(out, hosts, offsets)
+        layout, out = self._reduce(values, op)
+        return layout.device_parts(out)
 
     def all_reduce_host(self, values, op):
         """:meth:`all_reduce`, the results left as host arrays (no device array made)."""
-        hosts, offsets, out = self._reduce(values, op)
-        return [out[a:a + h.size].reshape(h.shape) for h, a in zip(hosts, offsets)]
+        layout, out = self._reduce(values, op)
+        return layout.host_parts(out)
 
     def _reduce(self, values, op):
-        """Reduce-scatter, then all-gather through shared memory: (hosts, offsets, flat result).
+        """Reduce-scatter, then all-gather through shared memory: (the layout, the flat result).
 
         Rank ``r`` reduces chunk ``r``, so it publishes only the other chunks of
         its values and reads its own chunk straight from its values. With a
@@ -207,46 +185,43 @@ class ShmComm(Comm):
         From ``PIPELINE_MIN_BYTES`` on, the parts go the way the master chose for
         this call (:mod:`synkhronos.comm.shm.paths`): through the rings, or published.
         """
-        hosts, offsets, total, slots = self._layout(values)
-        dtype = slots[0].dtype
-        nbytes = total * dtype.itemsize
+        layout, slots = self._layout(values)
+        nbytes = layout.total * layout.dtype.itemsize
         if not self._pipelinable(nbytes):
-            return hosts, offsets, self._all_reduce_published(hosts, offsets, total, slots, op)
+            return layout, self._all_reduce_published(layout, slots, op)
         path = int(self.control.words[ShmControl.REDUCE_PATH])
         start = time.perf_counter()
         if path == PIPELINED:
-            step = CHUNK_BYTES // dtype.itemsize
-            out = self._all_reduce_pipelined(hosts, offsets, total, slots, op, step)
+            out = self._all_reduce_pipelined(layout, slots, op, CHUNK_BYTES // layout.dtype.itemsize)
         else:
-            out = self._all_reduce_published(hosts, offsets, total, slots, op)
+            out = self._all_reduce_published(layout, slots, op)
         if self.paths is not None and not self._cold:
             # the master's time is the collective's: the call ends in a barrier
             self.paths.record(nbytes, path, time.perf_counter() - start)
-        return hosts, offsets, out
+        return layout, out
 
     def _pipelinable(self, nbytes):
         """Whether an all-reduce of ``nbytes`` may stream through the rings (else it publishes)."""
         ring_bytes = (self.n_ranks - 1) * RING_CHUNKS * CHUNK_BYTES    # every peer's ring
         return nbytes >= PIPELINE_MIN_BYTES and ring_bytes <= nbytes
 
-    def _all_reduce_published(self, hosts, offsets, total, slots, op):
+    def _all_reduce_published(self, layout, slots, op):
         """Every rank publishes the parts its peers reduce, then reduces its own from memory."""
-        dtype = slots[0].dtype
-        bounds = self._chunk_bounds(total, dtype)
+        bounds = layout.chunk_bounds(self.n_ranks)
         peers = [q for q in range(self.n_ranks) if q != self.rank]
         mine = slots[self.rank]
         for q in peers:
-            for part, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
+            for part, a, b in layout.pieces(bounds[q], bounds[q + 1]):
                 mine[a:b] = part
-        out, shared = self._result_buffer(dtype, total)
+        out, shared = self._result_buffer(layout.dtype, layout.total)
         self.barrier()
-        self._reduce_chunk(hosts, offsets, slots, peers, out, bounds, op)
+        self._reduce_chunk(layout, slots, peers, out, bounds, op)
         if not shared:
-            self._gather_reduced_chunks(hosts, offsets, slots, out, bounds, peers)
+            self._gather_reduced_chunks(layout, slots, out, bounds, peers)
         self.barrier()        # every part of the result is written; peers read our slot until here
         return out
 
-    def _all_reduce_pipelined(self, hosts, offsets, total, slots, op, step):
+    def _all_reduce_pipelined(self, layout, slots, op, step):
         """Reduce-scatter streamed through per-pair rings, for buffers larger than the caches.
 
         At step ``i`` every rank copies chunk ``i`` of each peer's part into its
@@ -259,7 +234,7 @@ class ShmComm(Comm):
         """
         me, n = self.rank, self.n_ranks
         peers = [q for q in range(n) if q != me]
-        bounds = self._chunk_bounds(total, slots[0].dtype)
+        bounds = layout.chunk_bounds(n)
         counts = [ceil_div(bounds[q + 1] - bounds[q], step) for q in range(n)]
         ring_items = RING_CHUNKS * step
 
@@ -268,7 +243,7 @@ class ShmComm(Comm):
             return slots[owner][k * ring_items:(k + 1) * ring_items]
         outgoing = {q: ring(me, q) for q in peers}
         incoming = {r: ring(r, me) for r in peers}
-        out, shared = self._result_buffer(slots[0].dtype, total)
+        out, shared = self._result_buffer(layout.dtype, layout.total)
         filled, freed = self.control.filled, self.control.freed
         for i in range(max(counts)):
             at = (i % RING_CHUNKS) * step
@@ -278,14 +253,14 @@ class ShmComm(Comm):
                     if i >= RING_CHUNKS:
                         freed[me][q].wait(self.check, spin=self.spin)
                     dst = outgoing[q]
-                    for part, a, b in self._pieces(hosts, offsets, lo, min(lo + step, bounds[q + 1])):
+                    for part, a, b in layout.pieces(lo, min(lo + step, bounds[q + 1])):
                         dst[at + a - lo:at + b - lo] = part
                     filled[me][q].post()
             if i < counts[me]:
                 lo = bounds[me] + i * step
                 for r in peers:
                     filled[r][me].wait(self.check, spin=self.spin)
-                for part, a, b in self._pieces(hosts, offsets, lo, min(lo + step, bounds[me + 1])):
+                for part, a, b in layout.pieces(lo, min(lo + step, bounds[me + 1])):
                     self._reduce_into(out[a:b], part,
                                       [incoming[r][at + a - lo:at + b - lo] for r in peers], op)
                 for r in peers:
@@ -294,11 +269,11 @@ class ShmComm(Comm):
             for _ in range(min(counts[q], RING_CHUNKS)):
                 freed[me][q].wait(self.check, spin=self.spin)
         if not shared:
-            self._gather_reduced_chunks(hosts, offsets, slots, out, bounds, peers)
+            self._gather_reduced_chunks(layout, slots, out, bounds, peers)
         self.barrier()             # every rank's part of the result is written
         return out
 
-    def _gather_reduced_chunks(self, hosts, offsets, slots, out, bounds, peers):
+    def _gather_reduced_chunks(self, layout, slots, out, bounds, peers):
         """Private results: publish this rank's reduced chunk, copy the peers' into ``out``.
 
         The chunk goes where this rank never published anything its peers read
@@ -308,12 +283,12 @@ class ShmComm(Comm):
         slots[self.rank][lo:hi] = out[lo:hi]
         self.barrier()
         for q in peers:
-            for _, a, b in self._pieces(hosts, offsets, bounds[q], bounds[q + 1]):
+            for _, a, b in layout.pieces(bounds[q], bounds[q + 1]):
                 copy_large(out[a:b], slots[q][a:b])
 
-    def _reduce_chunk(self, hosts, offsets, slots, peers, out, bounds, op):
+    def _reduce_chunk(self, layout, slots, peers, out, bounds, op):
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
-        for part, a, b in self._pieces(hosts, offsets, lo, hi):
+        for part, a, b in layout.pieces(lo, hi):
             self._reduce_into(out[a:b], part, [slots[q][a:b] for q in peers], op)
 
     def _reduce_into(self, out, own, peer_parts, op):
@@ -330,11 +305,11 @@ class ShmComm(Comm):
             np.divide(out, self.n_ranks, out=out)
 
     def all_gather(self, values):
-        hosts, offsets, total, slots = self._layout(values)
-        self._publish(hosts, offsets, slots[self.rank])
+        layout, slots = self._layout(values)
+        layout.publish(slots[self.rank])
         self.barrier()
         out = []
-        for h, a in zip(hosts, offsets):
+        for h, a in zip(layout.hosts, layout.offsets):
             stacked = private_empty((self.n_ranks,) + h.shape, h.dtype)
             for r in range(self.n_ranks):
                 copy_large(stacked[r], slots[r][a:a + h.size].reshape(h.shape))
@@ -343,14 +318,10 @@ class ShmComm(Comm):
         return out
 
     def broadcast(self, values, root):
-        hosts, offsets, total, slots = self._layout(values)
+        layout, slots = self._layout(values)
         if self.rank == root:
-            self._publish(hosts, offsets, slots[root])
+            layout.publish(slots[root])
         self.barrier()
-        out = [to_device(slots[root][a:a + h.size].reshape(h.shape)) for h, a in zip(hosts, offsets)]
+        out = [to_device(part) for part in layout.host_parts(slots[root])]
         self.barrier()
         return out
-
-    def _publish(self, hosts, offsets, slot):
-        for part, a, b in self._pieces(hosts, offsets, 0, len(slot)):
-            slot[a:b] = part
