@@ -246,6 +246,10 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
         with pytest.raises(ValueError, match=f"written by another run: {difference}; resume with"):
             train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2,
                       resume=True, **differing)
+    with pytest.raises(ValueError, match="written by another run: data_digest is '[0-9a-f]+' in the "
+                                         "checkpoint, '[0-9a-f]+' here; resume with the same data"):
+        train.run(step, x_np * 10, y_np, 10, steps=4, checkpoint_dir=tmp_path, checkpoint_every=2,
+                  resume=True, seed=1, sync=sync.Average(every=2))      # other data, as many rows
     history = train.run(step, x_np, y_np, 10, steps=6, checkpoint_dir=tmp_path, checkpoint_every=2,
                         seed=1, resume=True, sync=sync.Average(every=2))
     assert [c.step for c in history] == [6]                  # resumed at step 4
@@ -325,7 +329,7 @@ def test_the_checksum_is_xxh3_and_files_checksummed_with_blake2b_still_read(synk
     old = {k: a.copy() for k, a in tensors.items()}
     old_meta = dict(meta, checksums={k: hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
                                      for k, a in old.items()})
-    del old_meta["checksum"]
+    del old_meta["checksum"], old_meta["header_checksum"]       # neither was written then
     old_path = str(tmp_path / "old.safetensors")
     save_file(old, old_path, metadata={"synkhronos": json.dumps(old_meta), "extra": "null"})
     w_saved = w.get_value()
@@ -351,3 +355,62 @@ def test_resuming_past_the_end_says_so(synk2, rng, tmp_path):
         history = train.run(step, x_np, y_np, 10, steps=4, checkpoint_dir=tmp_path,
                             checkpoint_every=2, resume=True)
     assert len(history) == 0
+
+
+def test_a_checkpoint_whose_metadata_changed_is_refused(synk2, tmp_path):
+    """The step and extra are covered by a checksum, as the data are: an edited step is refused."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    w = pytensor.shared(np.arange(4.0), name="w")
+    synk.function([], updates=[(w, w + 1)], name="touch_w")
+    synk.distribute()
+    path = str(tmp_path / "ckpt.safetensors")
+    synk.checkpoint.save(path, [w], step=5, extra={"epoch": 1})
+    with safe_open(path, "np") as fh:
+        header, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+    for key, edit in [("synkhronos", lambda m: m.replace('"step": 5', '"step": -7')),
+                      ("extra", lambda m: m.replace('1', '2'))]:
+        edited = dict(header, **{key: edit(header[key])})
+        assert edited != header
+        save_file(tensors, path + ".edited", metadata=edited)
+        with pytest.raises(ValueError, match="its metadata .step, extra, layout. do not match their checksum"):
+            synk.checkpoint.restore(path + ".edited", [w])
+    assert synk.checkpoint.restore(path, [w])["step"] == 5
+
+
+@pytest.mark.slow
+def test_diloco_resumes_on_another_device_count_only_from_a_rounds_end():
+    """DiLoCo weighs its outer step by each device's rows of the round: a checkpoint written in the
+    middle of a round resumes on its own device count only (refused elsewhere before anything
+    runs); one written at a round's end resumes on any count and trains on."""
+    out = run_script("""
+        import tempfile, numpy as np, synkhronos as synk
+        from synkhronos.extensions import sync, train, updates
+        from test_extensions import mlp
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(120, 6)), rng.integers(0, 3, size=120)
+        rule, d, e = sync.DiLoCo(every=4, outer_lr=0.5, outer_momentum=0.0), tempfile.mkdtemp(), tempfile.mkdtemp()
+        def session(n, **kwargs):
+            synk.fork(n)
+            try:
+                X, Y, loss, params, _ = mlp(seed=4)
+                step = train.make_train_function(loss, params, X, Y, updates.sgd, learning_rate=0.2)
+                synk.distribute()
+                return [c.loss for c in train.run(step, x, y, 20, sync=rule, check_every=2, **kwargs)]
+            except ValueError as error:
+                return str(error)
+            finally:
+                synk.close()
+        session(1, steps=6, checkpoint_dir=d, checkpoint_every=6)          # 2 steps into a round
+        print("MID:", session(2, steps=12, checkpoint_dir=d, checkpoint_every=6, resume=True))
+        print("SAME:", session(1, steps=12, checkpoint_dir=d, checkpoint_every=6, resume=True)[-1] > 0)
+        first = session(2, steps=8, checkpoint_dir=e, checkpoint_every=8)   # at a round's end
+        resumed = session(1, steps=24, checkpoint_dir=e, checkpoint_every=8, resume=True)
+        print("END:", first[-1], resumed[0], resumed[-1])
+    """, timeout=240)
+    lines = {line.split(":")[0]: line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if ":" in line}
+    # (on several devices the devices' parameters differ inside a round: restore refuses them first)
+    assert "written 2 steps into a DiLoCo round on 1 device," in lines.get("MID", ""), out.stdout + out.stderr
+    assert "resume it on 1 device" in lines["MID"] and lines["SAME"] == "True", out.stdout
+    at_checkpoint, first_after, last = map(float, lines["END"].split())
+    assert last < at_checkpoint and first_after < 2 * at_checkpoint, lines["END"]

@@ -177,6 +177,21 @@ def test_close_gives_the_process_back_what_fork_changed():
     assert out.stdout.split() == ["True", "True", "True", "1", "True"], out.stdout + out.stderr
 
 
+@pytest.mark.slow
+def test_a_blas_library_first_loaded_while_the_runtime_ran_gets_the_users_threads_back():
+    """fork() loads scipy's BLAS (through PyTensor's JAX backend) under the runtime's one-thread
+    environment; after close() it runs on the threads the user's environment asks for."""
+    out = run_script("""
+        import os, threadpoolctl, synkhronos as synk
+        synk.fork(2)
+        synk.close()
+        print(sorted({i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"}),
+              os.cpu_count())
+    """, env={"OPENBLAS_NUM_THREADS": None, "OMP_NUM_THREADS": None})
+    threads, cores = out.stdout.strip().rsplit(" ", 1)
+    assert threads == f"[{cores}]", out.stdout + out.stderr
+
+
 def test_supported_versions_are_the_pinned_ones():
     import tomllib
 

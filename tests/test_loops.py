@@ -26,6 +26,7 @@ from helpers import (
     ToyAverage,
     close,
     digits_step,
+    run_script,
     wait_for_marker,
 )
 from test_extensions import mlp
@@ -490,6 +491,13 @@ class _LooseRule(sync.AllReduce):
         self.every = every
 
 
+class _OldStyleRule(sync.AllReduce):
+    """A rule with the hook signature of before RuleState (a misuse)."""
+
+    def after_update(self, loop, rows, batch_rows):
+        return False
+
+
 MISUSE = [
     (dict(batch_size=1), ValueError, "batch_size must be"),
     (dict(batch_size=N_ROWS + 1), ValueError, "batch_size must be"),
@@ -498,6 +506,8 @@ MISUSE = [
     (dict(steps=3, epochs=1), ValueError, "exactly one of steps="),
     (dict(steps=0), ValueError, "steps must be a positive"),
     (dict(sync="easgd"), TypeError, "sync must be a rule"),
+    (dict(sync=_OldStyleRule()), TypeError, r"_OldStyleRule.after_update takes \(loop, rows, batch_rows\), "
+                                            r"but every rank calls after_update\(self, state, loop"),
     (dict(sync=_LooseRule(2)), TypeError, r"_LooseRule keeps \['every'\] outside its settings.*frozen"),
     (dict(check_every=0), ValueError, "check_every must be"),
     (dict(on_check=3), TypeError, "on_check must be a callable"),
@@ -539,10 +549,71 @@ def test_wrong_functions_and_data_are_refused(model, rng):
     (lambda: sync.DiLoCo(every=4, outer_momentum=-0.1), "outer_momentum must be in"),
     (lambda: sync.Downpour(every=2.5), "every must be a positive"),
     (lambda: sync.RateLimited(max_rate=0), "max_rate must be in"),
+    (lambda: sync.EASGD(asynchronous="False"), "asynchronous must be True or False, got 'False'"),
+    (lambda: sync.Average(state="no"), "state must be True or False"),
+    (lambda: sync.EASGD(alpha=True), "alpha must be a number, got True"),
+    (lambda: train.DataOrder(shuffle="False"), "shuffle must be True or False"),
+    (lambda: train.Checkpointing("somewhere", 5, resume="no"), "resume must be True or False"),
+    (lambda: train.Checkpointing(__file__, 5), "is a file; give a directory"),
 ])
 def test_rule_settings_are_checked(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("directory", [None, 123, ""])
+def test_a_checkpoint_directory_that_is_no_path_is_refused_when_the_group_is_made(directory):
+    with pytest.raises(TypeError, match="checkpoint_dir must be a directory's path"):
+        train.Checkpointing(directory, 5)
+
+
+def test_a_nan_setting_equals_itself_in_a_checkpoints_record():
+    from dataclasses import dataclass
+
+    from synkhronos.rank.rule import rule_difference, rule_record
+
+    @dataclass(frozen=True)
+    class Tolerant(sync.Rule):
+        k: float = float("nan")
+    assert rule_difference(json.loads(json.dumps(rule_record(Tolerant()))), Tolerant()) is None
+
+
+@pytest.mark.slow
+def test_a_rule_defined_in_the_script_itself_runs():
+    """The user guide's own rule, a class of ``__main__``, reaches the workers (cloudpickled) and
+    averages every other step: the parameters equal those under Average(every=2)."""
+    out = run_script("""
+        from dataclasses import dataclass
+        import numpy as np, pytensor, pytensor.tensor as pt, synkhronos as synk
+        from synkhronos.extensions import sync, train, updates
+
+        @dataclass(frozen=True)
+        class EveryOther(sync.Rule):
+            def after_update(self, state, loop, rows, batch_rows):
+                state.steps += 1
+                if state.steps % 2:
+                    return False
+                loop.set_values(loop.params, loop.all_reduce(loop.params, loop.param_values(), "avg"))
+                return True
+
+        synk.fork(2)
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.zeros(5), name="w")
+        step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd, learning_rate=0.1)
+        synk.distribute()
+        X = np.random.default_rng(0).random((64, 5)); Y = X.sum(1)
+        ends = []
+        for rule in (EveryOther(), sync.Average(every=2)):
+            w.set_value(np.zeros(5)); synk.broadcast([w])
+            train.run(step, X, Y, 16, steps=8, sync=rule, shuffle=False)
+            ends.append(w.get_value())
+        print("DIFF", float(np.abs(ends[0] - ends[1]).max()), float(np.abs(ends[0]).max()))
+        synk.close()
+    """, timeout=180)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("DIFF")]
+    assert line, out.stdout + out.stderr
+    diff, size = map(float, line[0].split()[1:])
+    assert diff < 1e-12 and size > 0.1, line
 
 
 @pytest.mark.parametrize("rule", [sync.AllReduce(), sync.Average(every=3, state=True), sync.DiLoCo(every=5),

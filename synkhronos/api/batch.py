@@ -131,6 +131,9 @@ def parse_batch_s(batch_s, lengths, names):
                 raise IndexError(f"batch_s index {b.highest()} is out of range for sliceable "
                                  f"shared {name!r} with {length} rows on rank {rank}")
         batches.append(b)
+    if not any(b.total for b in batches):
+        raise ValueError(f"batch_s selects no rows of the sliceable shareds {names} on any device; "
+                         f"give at least one row")
     return batches
 
 

@@ -144,6 +144,7 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     checksums = {key: checksums.get(key) or _checksum(value) for key, value in tensors.items()}
     meta = dict(version=FORMAT_VERSION, n_devices=state.n_parallel, step=step, variables=layout,
                 checksum=CHECKSUM, checksums=checksums)
+    meta["header_checksum"] = _header_checksum(meta, extra_text)
     if state.topology.node_rank == 0:             # one writer: node 0's master
         try:
             _write_atomically(path, tensors, {_META_KEY: json.dumps(meta), "extra": extra_text})
@@ -210,6 +211,31 @@ def _contiguous(value):
 CHECKSUM = "xxh3_128"
 
 
+def digest(values: list) -> str:
+    """One hex digest of the bytes, shapes and dtypes of ``values`` (arrays, or Data): what a run's
+    checkpoint records of its data, to refuse resuming on other data.
+
+    Examples
+    --------
+    >>> a = np.arange(6.0)
+    >>> digest([a]) == digest([a.copy()]), digest([a]) == digest([a.reshape(2, 3)])
+    (True, False)
+    """
+    parts = []
+    for value in values:
+        array = np.asarray(value.data if hasattr(value, "belongs_to") else value)
+        parts.append(f"{array.dtype.str}{array.shape}{_checksum(array)}")
+    return _checksum(np.frombuffer(";".join(parts).encode(), np.uint8))
+
+
+def _header_checksum(meta, extra_text, algorithm=CHECKSUM):
+    """A digest of the metadata (the step, the layout, the data's digests, the device count) and of
+    ``extra``: a file whose metadata changed is refused when read, as one whose data changed."""
+    described = {k: v for k, v in meta.items() if k != "header_checksum"}
+    text = json.dumps([described, extra_text], sort_keys=True).encode()
+    return _checksum(np.frombuffer(text, np.uint8), algorithm)
+
+
 def _write_atomically(path, tensors, metadata):
     """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
     flush it to disk, then rename it over ``path``."""
@@ -259,6 +285,10 @@ def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
         raise ValueError(f"{path} is not a readable checkpoint (damaged or truncated: "
                          f"{type(e).__name__}: {e})") from None
     algorithm = meta.get("checksum", "blake2b")
+    if "header_checksum" in meta and \
+            _header_checksum(meta, header.get("extra", "null"), algorithm) != meta["header_checksum"]:
+        raise ValueError(f"{path}: its metadata (step, extra, layout) do not match their checksum; "
+                         f"the file was changed or damaged after it was written")
     for key, expected in (checksums or {}).items():
         if key not in tensors or _checksum(tensors[key], algorithm) != expected:
             name = next((entry["name"] for entry in layout if key.split("@")[0] == entry["key"]), key)

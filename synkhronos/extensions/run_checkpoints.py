@@ -5,10 +5,20 @@ from __future__ import annotations
 import os
 
 from ..api import checkpoint
+from ..errors import is_whole
 from ..rank.rule import rule_difference, rule_record
 from .run_options import Checkpointing
 
-__all__ = ["RunCheckpoints", "next_multiple"]
+__all__ = ["RunCheckpoints", "next_multiple", "order_record"]
+
+
+def order_record(order, batch_size, n_rows, run_data, checkpointing):
+    """What a checkpoint records of the run's data order, which a resumed run must share: the order's
+    settings and a digest of the data (taken only with checkpoints)."""
+    recorded = dict(seed=order.seed, shuffle=order.shuffle, batch_size=batch_size, n_rows=n_rows)
+    if checkpointing is not None:
+        recorded["data_digest"] = checkpoint.digest(run_data)
+    return recorded
 
 
 def next_multiple(step, period):
@@ -53,8 +63,17 @@ class RunCheckpoints:
                              f"resume with the same data, batch size, seed and rule, or use another "
                              f"checkpoint_dir")
         held = saved.get("rule_state", 0)
-        self.rule_state = [tensors[f"{checkpoint.ARRAY_PREFIX}rule/{i}"] for i in range(held)]
-        return int(checkpoint.restore(self.path, self.variables)["step"])
+        keys = [f"{checkpoint.ARRAY_PREFIX}rule/{i}" for i in range(held if is_whole(held) else 0)]
+        if not is_whole(held, at_least=0) or any(k not in tensors for k in keys):
+            raise ValueError(f"the checkpoint {self.path} records {held!r} arrays of the rule's state "
+                             f"but holds {sum(k in tensors for k in keys)}; it is damaged: use another "
+                             f"checkpoint_dir")
+        self.rule_state = [tensors[k] for k in keys]
+        step = checkpoint.restore(self.path, self.variables)["step"]
+        if not is_whole(step, at_least=0) or isinstance(step, (str, float)):
+            raise ValueError(f"the checkpoint {self.path} records the step {step!r}, not a whole "
+                             f"number of steps; it is damaged: use another checkpoint_dir")
+        return int(step)
 
     def resumed_step(self):
         """The global step the run starts from (0 unless resumed)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from ..errors import is_whole
+from ..rank.rule import flag
 
 __all__ = ["DataOrder", "Checks", "Checkpointing", "RunShorthands", "options_of"]
 
@@ -52,7 +53,7 @@ class DataOrder:
         if not is_whole(self.seed, at_least=0):
             raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
                              f"epoch's order), got {self.seed!r}")
-        object.__setattr__(self, "shuffle", bool(self.shuffle))
+        object.__setattr__(self, "shuffle", flag(self.shuffle, "shuffle", "DataOrder"))
         object.__setattr__(self, "seed", int(self.seed))
 
 
@@ -97,11 +98,18 @@ class Checkpointing:
     resume: bool = False
 
     def __post_init__(self):
+        directory = self.directory
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise TypeError(f"checkpoint_dir must be a directory's path (a str or os.PathLike), got "
+                            f"{directory!r}")
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is a file; give a directory (the "
+                             f"run keeps its checkpoint.safetensors there)")
         if not is_whole(self.every, at_least=1):
             raise ValueError(f"checkpoint_every must be a positive number of steps with "
                              f"checkpoint_dir=, got {self.every!r}")
         object.__setattr__(self, "every", int(self.every))
-        object.__setattr__(self, "resume", bool(self.resume))
+        object.__setattr__(self, "resume", flag(self.resume, "resume", "Checkpointing"))
 
 
 class RunShorthands(TypedDict, total=False):

@@ -27,7 +27,7 @@ from ..runtime.session import current, serialized
 from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, check_from_stats
-from .run_checkpoints import RunCheckpoints, next_multiple
+from .run_checkpoints import RunCheckpoints, next_multiple, order_record
 from .run_options import Checkpointing, Checks, DataOrder, RunShorthands, options_of
 from .single_process import make_single_process_train_function, make_train_function_theano
 from .step_graph import build_step_graph, call_values, givens_scalars
@@ -378,7 +378,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "
                          "node the full data, or call the training step on the shards yourself")
-    refs = f_grad.input_refs(*_run_data(train_fn, x_data, y_data))
+    run_data = _run_data(train_fn, x_data, y_data)
+    refs = f_grad.input_refs(*run_data)
     n_rows = refs[0].shape[0]
     uneven = [(str(var), ref.shape[0]) for var, ref in zip(train_fn.inputs, refs) if ref.shape[0] != n_rows]
     if uneven:
@@ -390,8 +391,9 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if checks.every is None else int(checks.every)
     saving = RunCheckpoints(checkpointing, train_fn.state_variables,
-                            dict(seed=order.seed, shuffle=order.shuffle, batch_size=batch_size,
-                                 n_rows=n_rows), sync)
+                            order_record(order, batch_size, n_rows, run_data, checkpointing), sync)
+    if saving.rule_state is not None:
+        sync.check_saved(saving.rule_state, state.n_parallel, len(train_fn.params))
     spec = state.loops.new(train_fn, refs, batch_size, order.shuffle, order.seed, sync, saving.rule_state)
     run_steps = serialized(state.loops.run)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))

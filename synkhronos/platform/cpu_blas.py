@@ -10,7 +10,8 @@ import os
 
 from .process_changes import changes
 
-__all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads", "current_blas_threads"]
+__all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads", "current_blas_threads",
+           "loaded_blas_libraries", "threads_for_libraries_loaded_since"]
 
 
 #: threads numpy's BLAS was limited to in this process (None: not limited; see limit_blas_threads)
@@ -71,3 +72,23 @@ def current_blas_threads():
 def blas_threads():
     """The threads numpy's BLAS was limited to by :func:`limit_blas_threads`, or None."""
     return _blas_threads
+
+
+def loaded_blas_libraries():
+    """The paths of the BLAS libraries loaded in this process now (threadpoolctl)."""
+    from threadpoolctl import ThreadpoolController
+    return {lib.filepath for lib in ThreadpoolController().select(user_api="blas").lib_controllers}
+
+
+def threads_for_libraries_loaded_since(before):
+    """What gives a BLAS library first loaded while the runtime ran (scipy's, loaded by PyTensor's
+    JAX backend under the runtime's ``OPENBLAS_NUM_THREADS=1``) the threads the environment asks for
+    once it is the user's again: ``OPENBLAS_NUM_THREADS``, else every core. ``before`` is
+    :func:`loaded_blas_libraries` from before the runtime."""
+    def give_back():
+        from threadpoolctl import ThreadpoolController
+        threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.cpu_count() or 1)
+        for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+            if lib.filepath not in before:
+                lib.set_num_threads(threads)
+    return give_back

@@ -6,6 +6,7 @@ every rank. :func:`rule_record` and :func:`rule_difference` are what a
 checkpoint keeps of a rule, and how a resume with other settings is named.
 """
 
+import inspect
 import json
 from dataclasses import dataclass, fields
 from typing import Any
@@ -25,6 +26,8 @@ def positive_int(value, name, rule):
 
 
 def number(value, name, rule):
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{rule}: {name} must be a number, got {value!r}")
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -44,6 +47,13 @@ def fraction(value, name, rule, low_open=False):
         bounds = "in (0, 1]" if low_open else "in [0, 1]"
         raise ValueError(f"{rule}: {name} must be {bounds}, got {value!r}")
     return value
+
+
+def flag(value, name, rule):
+    """``value`` as a bool: a bool, or the whole numbers 0 and 1 (a string such as 'False' is refused)."""
+    if isinstance(value, (bool, np.bool_)) or (is_whole(value) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{rule}: {name} must be True or False, got {value!r}")
 
 
 def settle(rule, name, value):
@@ -76,6 +86,20 @@ class Rule:
     receives. A rule of your own derives from :class:`Rule` (or a rule here),
     is decorated ``@dataclass(frozen=True)``, and uses nothing of the loop but
     :class:`~synkhronos.rank.seams.RuleLoop`.
+
+    The hooks, each run on every rank (override those the rule needs):
+
+    - ``start(loop) -> RuleState``: before the first step of a run;
+    - ``resume(loop, saved) -> RuleState``: instead, in a run resumed from a
+      checkpoint holding ``saved`` (what ``saved_state`` gave; default: ``start``);
+    - ``after_update(state, loop, rows, batch_rows) -> bool``: after each local
+      step of ``rows`` of a global batch of ``batch_rows``; True if it synchronised;
+    - ``finish(state, loop)``: once every rank's last step is done, leaving the
+      final parameters (default: the center's, for a rule with one);
+    - ``center_values(state, loop)``: the center's values now, or None;
+    - ``saved_state(state, loop) -> list``: the arrays a checkpoint keeps (the
+      same on every device); ``check_saved(saved, n_ranks, n_params)`` refuses,
+      on the master, a resume those arrays cannot serve.
 
     Attributes
     ----------
@@ -135,6 +159,11 @@ class Rule:
         """The center's values now (copies), or None for a rule without one."""
         return None
 
+    def check_saved(self, saved: list, n_ranks: int, n_params: int) -> None:
+        """On the master, before a resumed run starts anything: raise ValueError, naming the fix,
+        unless ``saved`` (what :meth:`saved_state` gave) resumes on ``n_ranks`` devices training
+        ``n_params`` parameters."""
+
     def saved_state(self, state: Any, loop: RuleLoop) -> list:
         """What a checkpoint keeps of this rank's state beside the variables (arrays, the same on
         every device); :meth:`resume` takes it back."""
@@ -170,9 +199,38 @@ def rule_difference(recorded: dict, rule: Rule) -> str | None:
     if recorded.get("type") != here["type"]:
         return f"the rule is {recorded.get('type')} in the checkpoint, {here['type']} here"
     saved, wanted = recorded.get("settings", {}), here["settings"]
+    # compared as JSON text: a NaN setting equals itself
     differ = [f"{here['type']}.{k} is {saved.get(k)!r} in the checkpoint, {wanted.get(k)!r} here"
-              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+              for k in sorted(set(saved) | set(wanted))
+              if json.dumps(saved.get(k)) != json.dumps(wanted.get(k))]
     return "; ".join(differ) or None
+
+
+#: each hook's arguments after ``self``, as every rank calls it
+HOOK_ARGUMENTS = {"start": "loop", "resume": "loop, saved", "after_update": "state, loop, rows, batch_rows",
+                  "finish": "state, loop", "center_values": "state, loop", "saved_state": "state, loop",
+                  "check_saved": "saved, n_ranks, n_params"}
+
+
+def _check_hook_signatures(cls):
+    """Raise TypeError naming the hook whose own version takes other arguments than the loop gives."""
+    for name, arguments in HOOK_ARGUMENTS.items():
+        hook = getattr(cls, name, None)
+        if hook is None or hook is getattr(Rule, name):
+            continue
+        try:
+            params = list(inspect.signature(hook).parameters.values())[1:]      # after self
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            continue
+        takes = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        needed = len(arguments.split(", "))
+        if len(takes) < needed or any(p.default is inspect.Parameter.empty for p in takes[needed:]):
+            raise TypeError(f"{cls.__name__}.{name} takes ({', '.join(p.name for p in takes)}), but every "
+                            f"rank calls {name}(self, {arguments}): a rule's hooks receive this rank's "
+                            f"RuleState (what start returns) before the loop (see sync.Rule)")
 
 
 def check_rule(rule: Any) -> None:
@@ -180,6 +238,7 @@ def check_rule(rule: Any) -> None:
     if not isinstance(rule, Rule):
         raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
                         f"EASGD(...), ...), got {rule!r}")
+    _check_hook_signatures(type(rule))
     loose = sorted(set(vars(rule)) - {f.name for f in fields(rule)})
     if loose:
         raise TypeError(f"{type(rule).__name__} keeps {loose} outside its settings: a rule is a frozen "

@@ -50,7 +50,7 @@ import numpy as np
 
 from ..platform.values import stored
 from ..wire.batch import chunk
-from .rule import Rule, RuleState, fraction, positive_int, positive_number, settle
+from .rule import Rule, RuleState, flag, fraction, positive_int, positive_number, settle
 from .seams import RuleLoop
 
 __all__ = ["Rule", "RuleState", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
@@ -107,7 +107,7 @@ class Average(Rule):
 
     def __post_init__(self):
         settle(self, "every", positive_int(self.every, "every", "Average"))
-        settle(self, "state", bool(self.state))
+        settle(self, "state", flag(self.state, "state", "Average"))
 
     def start(self, loop: RuleLoop) -> _Rows:
         return _Rows()
@@ -188,7 +188,7 @@ class DiLoCo(Rule):
         settle(self, "outer_momentum", fraction(self.outer_momentum, "outer_momentum", "DiLoCo"))
         if self.outer_momentum == 1:
             raise ValueError("DiLoCo: outer_momentum must be below 1, got 1.0")
-        settle(self, "nesterov", bool(self.nesterov))
+        settle(self, "nesterov", flag(self.nesterov, "nesterov", "DiLoCo"))
 
     def start(self, loop: RuleLoop) -> _Round:
         n = len(loop.params) - loop.n_statistics
@@ -199,8 +199,27 @@ class DiLoCo(Rule):
         if not saved:
             return self.start(loop)
         half = (len(saved) - 2) // 2
-        return _Round(int(saved[0][0]), np.array(saved[1], np.int64),
+        rows = np.array(saved[1], np.int64)
+        if len(rows) != loop.n_ranks:       # at a round's end (check_saved): no rows counted yet
+            rows = np.zeros(loop.n_ranks, np.int64)
+        return _Round(int(saved[0][0]), rows,
                       [np.array(a) for a in saved[2:2 + half]], [np.array(a) for a in saved[2 + half:]])
+
+    def check_saved(self, saved: list, n_ranks: int, n_params: int) -> None:
+        if not saved:
+            return
+        if len(saved) != 2 + 2 * n_params:
+            raise ValueError(f"the checkpoint holds {len(saved)} arrays of DiLoCo's state, where a model "
+                             f"of {n_params} parameters needs {2 + 2 * n_params}; it was written for "
+                             f"another model: use another checkpoint_dir")
+        steps, written_on = int(np.asarray(saved[0]).reshape(-1)[0]), len(np.asarray(saved[1]))
+        if steps and written_on != n_ranks:
+            devices = f"{written_on} device{'s' if written_on != 1 else ''}"
+            raise ValueError(f"the checkpoint was written {steps} steps into a DiLoCo round on "
+                             f"{devices}, and each device's share of the round's rows weighs its outer "
+                             f"step: resume it on {devices}, or resume on {n_ranks} from a checkpoint "
+                             f"saved at a round's end (checkpoint_every a multiple of "
+                             f"every={self.every})")
 
     def saved_state(self, state: _Round, loop: RuleLoop) -> list:
         # every rank's rows of the round so far, so that each resumes with its own weight
@@ -272,7 +291,7 @@ class EASGD(Rule):
     def __post_init__(self):
         settle(self, "alpha", fraction(self.alpha, "alpha", "EASGD"))
         settle(self, "every", positive_int(self.every, "every", "EASGD"))
-        settle(self, "asynchronous", bool(self.asynchronous))
+        settle(self, "asynchronous", flag(self.asynchronous, "asynchronous", "EASGD"))
 
     def start(self, loop: RuleLoop) -> _Elastic:
         if self.asynchronous:

@@ -9,9 +9,11 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from typing import Any, Protocol
 
+import cloudpickle
 import numpy as np
 
 from ..comm import Reservation
@@ -126,7 +128,9 @@ class Loops(Part):
             self._open_center(spec, first)
         # the workers attach to the center where it is (on another node: node 0's server)
         sent = replace(spec, center=self._routes[spec.loop_id]) if spec.rule.asynchronous else spec
-        channel.send_pickled(dict(spec=sent, phase=phase, first=first, last=last))
+        # cloudpickle: a rule of the user's own may be a class of the script itself (__main__)
+        channel.send_payload(cloudpickle.dumps(dict(spec=sent, phase=phase, first=first, last=last),
+                                               protocol=pickle.HIGHEST_PROTOCOL))
 
         def master_loop():
             # made once the workers have the command: a rule may start with a collective

@@ -20,7 +20,7 @@ import threading
 
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
-from ..platform import jax_init
+from ..platform import cpu_blas, jax_init
 from ..platform.process_changes import changes
 from ..platform.threads import is_own
 from ..platform.values import hold_faces
@@ -184,6 +184,9 @@ def begin(settings):
     _sweep_segments()
     _life.shut_down_because = None
     wanted = jax_init.configure_environment(dict(os.environ), settings.platform, settings.threads)
+    # recorded before the environment: given back after it, under the user's own variables
+    changes.record("BLAS libraries loaded while the runtime ran",
+                   cpu_blas.threads_for_libraries_loaded_since(cpu_blas.loaded_blas_libraries()))
     changes.set_environment({k: v for k, v in wanted.items() if os.environ.get(k) != v})
     state = _life.state = State(settings, on_abort=_forget)
     interrupts.install()            # before JAX is first imported (a Ctrl-C waits for its imports)
