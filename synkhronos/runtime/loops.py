@@ -128,6 +128,8 @@ class Loops(Part):
             self._open_center(spec, first)
         # the workers attach to the center where it is (on another node: node 0's server)
         sent = replace(spec, center=self._routes[spec.loop_id]) if spec.rule.asynchronous else spec
+        if spec.loop_id in self._loops and spec.rule_state is not None:
+            sent = replace(sent, rule_state=None)     # every rank's loop has started from it already
         # cloudpickle: a rule of the user's own may be a class of the script itself (__main__)
         channel.send_payload(cloudpickle.dumps(dict(spec=sent, phase=phase, first=first, last=last),
                                                protocol=pickle.HIGHEST_PROTOCOL))
