@@ -4,6 +4,8 @@ Usage::
 
     python -m synkhronos.launch --nnodes N --node-rank R --coordinator HOST:PORT \\
         [--devices-per-node D] script.py [args...]
+    python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K --node-rank R \\
+        --coordinator HOST:PORT script.py [args...]          # elastic
 
 Run the same command on every node, each with its own ``--node-rank``. The
 script runs in this process as ``python script.py args...`` would run it, with
@@ -15,6 +17,15 @@ launcher is needed: ``fork()`` finds the nodes through JAX's cluster detection.
 Node 0's master starts a process that serves JAX's coordination service at
 ``HOST:PORT``, bound to that address only (:mod:`synkhronos.platform.coordination`);
 every process of every node connects to it.
+
+Elastic (``--nnodes MIN:MAX`` or ``--max-restarts K`` > 0): the launcher is an
+agent, as torchrun's is (:mod:`synkhronos.platform.elastic`). Node 0's launcher
+keeps a rendezvous at ``HOST:PORT``; every launcher runs the script as a child
+process on the node rank and node count of the current round, and when a node
+is lost (or comes back, or a script fails) the script starts again on the nodes
+there are, at most ``K`` times, resuming from its checkpoint
+(``train.run(..., checkpoint_dir=..., resume=True)``). Node 0's launcher is the
+rendezvous: its loss ends the run on every node.
 """
 
 import argparse
@@ -23,6 +34,7 @@ import runpy
 import sys
 
 from .platform.cluster import check_coordinator
+from .platform.elastic import run_elastic
 
 __all__ = ["main", "parse_args"]
 
@@ -41,7 +53,10 @@ def parse_args(argv):
         prog="python -m synkhronos.launch",
         description="Run a synkhronos script on one node of several (the same command on every "
                     "node, each with its own --node-rank).")
-    parser.add_argument("--nnodes", type=int, required=True, help="how many nodes run the script")
+    parser.add_argument("--nnodes", required=True, metavar="N or MIN:MAX",
+                        help="how many nodes run the script (MIN:MAX: elastic, on as few as MIN)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="elastic: start the script again on the nodes left at most K times")
     parser.add_argument("--node-rank", type=int, required=True, help="this node, 0 to nnodes - 1")
     parser.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                         help="where node 0 serves JAX's coordination service (an address of node 0 "
@@ -51,8 +66,17 @@ def parse_args(argv):
     parser.add_argument("script", help="the script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
-    if args.nnodes < 1:
-        parser.error(f"--nnodes must be >= 1, got {args.nnodes}")
+    low, _, high = args.nnodes.partition(":")
+    try:
+        args.min_nodes, args.max_nodes = int(low), int(high or low)
+    except ValueError:
+        parser.error(f"--nnodes must be N or MIN:MAX (whole numbers), got {args.nnodes!r}")
+    if not 1 <= args.min_nodes <= args.max_nodes:
+        parser.error(f"--nnodes needs 1 <= MIN <= MAX, got {args.nnodes!r}")
+    args.nnodes = args.max_nodes
+    args.elastic = args.min_nodes < args.max_nodes or args.max_restarts > 0
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     try:
@@ -66,6 +90,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.elastic:
+        sys.exit(run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
+                             args.max_nodes, args.max_restarts, args.devices_per_node))
     os.environ.update(SYNK_NNODES=str(args.nnodes), SYNK_NODE_RANK=str(args.node_rank),
                       SYNK_COORDINATOR=args.coordinator)
     # as fork() does for its own processes: XLA's warnings (one per process about the recoverable

@@ -36,20 +36,23 @@ NO_NAMESPACES = _namespaces_work()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=str(NO_NAMESPACES))
 
 
-def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=None, pin=False):
+def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=None, pin=False,
+                nnodes=None, launcher=(), port=None):
     """Start ``script`` on ``n_nodes`` simulated nodes of ``per_node`` devices; return the processes.
 
     With ``private_shm`` each node runs in a mount namespace of its own with a tmpfs /dev/shm;
     without, the nodes share /dev/shm (each runtime's segments have a prefix of their own).
     ``only`` starts just those nodes (the others never come). ``pin``: node k runs on core
     k only, as on machines of their own (a node that sleeps lends no core to another).
+    ``nnodes`` (default ``n_nodes``) and ``launcher`` (more options) go to the launcher; ``port``:
+    the coordinator's (default: a free one).
     """
-    port = free_port()
+    port = free_port() if port is None else port
     procs = []
     for node in (range(n_nodes) if only is None else only):
-        launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(n_nodes),
+        launch = [sys.executable, "-m", "synkhronos.launch", "--nnodes", str(nnodes or n_nodes),
                   "--node-rank", str(node), "--coordinator", f"127.0.0.1:{port}",
-                  "--devices-per-node", str(per_node), script] + [str(a) for a in args]
+                  "--devices-per-node", str(per_node), *launcher, script] + [str(a) for a in args]
         if pin:
             cores = sorted(os.sched_getaffinity(0))
             launch = ["taskset", "-c", str(cores[node % len(cores)])] + launch
@@ -57,7 +60,7 @@ def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=No
             inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
             launch = ["unshare", "-m", "sh", "-c", inner]
         log = open(os.path.join(logs, f"node{node}.log"), "w")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), SYNK_TEST_NODES=str(logs))
         procs.append(subprocess.Popen(launch, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     return procs
 
@@ -325,14 +328,21 @@ def test_a_node_whose_peer_never_starts_raises_in_time_and_leaves_nothing(tmp_pa
     assert not processes_running("synkhronos/platform/coordination.py")
 
 
-def processes_running(text):
-    """PIDs of the processes whose command line holds ``text``."""
+def processes_running(text, started_for=None):
+    """PIDs of the processes whose command line holds ``text``; with ``started_for`` (a test's logs
+    folder), only those its nodes started (their environment names it: another test's are not
+    this test's business, in parallel runs)."""
     found = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if text.encode() in fh.read():
-                    found.append(int(entry))
+                if text.encode() not in fh.read():
+                    continue
+            if started_for is not None:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if f"SYNK_TEST_NODES={started_for}".encode() not in fh.read().split(b"\0"):
+                        continue
+            found.append(int(entry))
         except (OSError, ValueError):
             continue
     return found
@@ -398,7 +408,7 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
     for got in nodes:        # resumed at step 4 of 8: steps 4 to 7 only, 10 rows each
         assert got["resume_steps"].tolist() == [2, 4, 6, 8], got["resume_steps"]
         assert got["resume_rows"].tolist() == [20, 20, 20, 20], got["resume_rows"]
-    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
@@ -425,7 +435,7 @@ def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_ze
     while time.time() < deadline and [p for p in pids if _alive(p)]:
         time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
-    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.serial
@@ -459,9 +469,9 @@ def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps
         # 10 rows each, no more
         assert checks == [[2, 20], [4, 20], [6, 20], [8, 20], [10, 20], [12, 20]], checks
     deadline = time.time() + 15          # the killed run's coordination service stays a while
-    while time.time() < deadline and processes_running("synkhronos.rank.center_server"):
+    while time.time() < deadline and processes_running("synkhronos.rank.center_server", tmp_path):
         time.sleep(0.5)
-    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
@@ -506,7 +516,7 @@ def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
     assert stranger["raw_endless"].startswith("closed"), stranger
     assert stranger["hwm_after"] - stranger["hwm_before"] < 32 << 20, stranger
     assert stranger["values"] is not None and stranger["values"][0] != "!error", stranger
-    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
@@ -532,4 +542,95 @@ def test_a_killed_center_server_is_named_on_every_node_within_ten_seconds(tmp_pa
     while time.time() < deadline and [p for p in pids if _alive(p)]:
         time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
-    assert not processes_running("synkhronos.rank.center_server"), "node 0's center server is left"
+    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+
+
+# --- elastic runs: python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K --------------------
+
+def _elastic(tmp_path, name, victim, launcher, pause=0.0, n_nodes=3):
+    out = tmp_path / name
+    out.mkdir()
+    script = os.path.join(SCRIPTS, "elastic.py")
+    port = free_port()
+    procs = start_nodes(script, [out, out / "ckpt", victim, 6, pause], n_nodes, 1, out,
+                        nnodes=f"2:{n_nodes}", launcher=launcher, port=port)
+    return out, script, port, procs
+
+
+def _checks(out, node):
+    return [json.loads(line)[:2] for line in open(out / f"checks{node}.jsonl")]
+
+
+def _nothing_left(out):
+    deadline = time.time() + 10
+    while processes_running(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not processes_running(str(out))
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_elastic_run_goes_on_without_a_lost_node_exactly_as_on_the_survivors(tmp_path):
+    """3 nodes, AllReduce; node 2 is killed (launcher, script, workers) at step 6. The survivors'
+    launchers start the script again on 2 nodes, which resumes from the step-6 checkpoint, finishes,
+    evaluates and saves; the parameters equal those of an uninterrupted 2-node run resumed from that
+    checkpoint (1e-10)."""
+    out, script, _, procs = _elastic(tmp_path, "elastic", 2, ["--max-restarts", "2"])
+    codes = wait_all(procs, out, timeout=200)
+    logs = read_logs(out)
+    assert codes[:2] == [0, 0] and codes[2] != 0, logs
+    assert _checks(out, 0) == [[s, 3] for s in (2, 4, 6)] + [[s, 2] for s in range(8, 25, 2)], logs
+    assert logs.count("round 1 ended (a node was lost); restart 1 of 2") == 2, logs
+    assert logs.count("EVALUATED") == 2 and (out / "after.safetensors").exists(), logs
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    shutil.copytree(out / "at_restart1", reference / "ckpt")
+    codes = wait_all(start_nodes(script, [reference, reference / "ckpt", -1, 0], 2, 1, reference),
+                     reference, timeout=120)
+    assert codes == [0, 0], read_logs(reference)
+    for node in (0, 1):
+        np.testing.assert_allclose(np.load(out / f"final{node}.npy"), np.load(reference / f"final{node}.npy"),
+                                   rtol=0, atol=1e-10)
+    _nothing_left(out)
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim,restarts,message", [
+    (2, 0, "--max-restarts 0 exhausted; giving up"),
+    (0, 2, "node 0's launcher (the rendezvous) was lost; the run ends on every node"),
+])
+def test_an_elastic_run_ends_on_every_survivor_when_it_cannot_go_on(tmp_path, victim, restarts, message):
+    out, _, _, procs = _elastic(tmp_path, f"ends{victim}", victim, ["--max-restarts", str(restarts)])
+    codes = wait_all(procs, out, timeout=120)
+    logs = read_logs(out)
+    survivors = [node for node in range(3) if node != victim]
+    assert all(codes[node] == 1 for node in survivors) and codes[victim] != 0, (codes, logs)
+    assert logs.count(message) == 2, logs
+    _nothing_left(out)
+
+
+@needs_namespaces
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_node_started_again_rejoins_and_the_run_ends_on_every_node(tmp_path):
+    """Node 2 is killed at step 6; its launch command, run again, joins the survivors' run, which
+    starts again on 3 nodes from the latest checkpoint; every node ends with the same parameters."""
+    out, script, port, procs = _elastic(tmp_path, "rejoin", 2, ["--max-restarts", "3"], pause=1.0)
+    procs[2].wait(timeout=120)
+    deadline = time.time() + 60           # the survivors train on 2 nodes before it comes back
+    while not ((out / "checks0.jsonl").exists() and [8, 2] in _checks(out, 0)) and time.time() < deadline:
+        time.sleep(0.1)
+    again = start_nodes(script, [out, out / "ckpt", 2, 6, 1.0], 3, 1, out, only=[2], nnodes="2:3",
+                        launcher=["--max-restarts", "3"], port=port)
+    codes = wait_all(procs[:2] + again, out, timeout=200)
+    logs = read_logs(out)
+    assert codes == [0, 0, 0], logs
+    nodes_per_check = [n for _, n in _checks(out, 0)]
+    assert nodes_per_check[:4] == [3, 3, 3, 2] and nodes_per_check[-1] == 3, (nodes_per_check, logs)
+    assert _checks(out, 0)[-1] == [24, 3] and "a node joined" in logs, logs
+    finals = [np.load(out / f"final{node}.npy") for node in range(3)]
+    assert all(np.array_equal(finals[0], f) for f in finals[1:]), finals
+    _nothing_left(out)

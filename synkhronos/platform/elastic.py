@@ -1,0 +1,123 @@
+"""An elastic launcher: the script restarted on the nodes that are left, or that come back.
+
+With ``python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K ...`` the
+launcher is an agent, as torchrun's is: it runs the script as a child
+process, on the node rank and node count of the current round of the
+rendezvous (:mod:`synkhronos.platform.rendezvous`, kept by node 0's launcher at
+the ``--coordinator`` address). When a node is lost, or one joins, or a
+script fails, every launcher stops its script and the survivors start it again
+on the new set of nodes, at most ``K`` times; the script resumes from its last
+checkpoint (``train.run(..., checkpoint_dir=..., resume=True)``). Node 0's
+launcher is the rendezvous: its loss ends the run on every node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .rendezvous import RendezvousClient, RendezvousLost, RendezvousServer
+
+__all__ = ["run_elastic"]
+
+#: seconds a script is given to end after SIGTERM before it is killed
+STOP_GRACE = 3.0
+
+
+def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_restarts,
+                devices_per_node=None, join_timeout=300.0, out=sys.stderr):
+    """Run ``script`` with ``args`` under the rendezvous until it ends on every node; the exit code."""
+    server = RendezvousServer(coordinator, min_nodes, max_nodes) if node_rank == 0 else None
+    client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout)
+    restarts, child, round_ = 0, None, None
+    try:
+        client.join()
+        while True:
+            message = client.next_message()
+            kind = message["kind"]
+            if kind == "finished":
+                return 0
+            if kind == "restart" and message.get("round") == round_:
+                client.join()               # its script was done; another node's was not
+                continue
+            if kind != "round":
+                continue                    # the end of a round this launcher already left
+            round_ = message["round"]
+            child = _start(script, args, message, devices_per_node, restarts)
+            ended, why = _watch(child, client, round_)
+            if ended == 0:
+                client.tell("done")
+                continue                    # until every node is done (or the round restarts)
+            _stop(child)
+            restarts += 1
+            if ended is not None:
+                client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
+            print(f"synkhronos.launch: round {round_} ended ({why}); restart {restarts} of "
+                  f"{max_restarts}", file=out, flush=True)
+            if restarts > max_restarts:
+                print(f"synkhronos.launch: --max-restarts {max_restarts} exhausted; giving up",
+                      file=out, flush=True)
+                return 1
+            client.join()
+    except RendezvousLost:
+        _stop(child)
+        print("synkhronos.launch: node 0's launcher (the rendezvous) was lost; the run ends on every "
+              "node (start every node's launcher again to go on from the last checkpoint)",
+              file=out, flush=True)
+        return 1
+    finally:
+        _stop(child)
+        client.close()
+        if server is not None:
+            server.close()
+
+
+def _start(script, args, round_message, devices_per_node, restarts):
+    env = dict(os.environ, SYNK_NNODES=str(round_message["nnodes"]),
+               SYNK_NODE_RANK=str(round_message["node_rank"]),
+               SYNK_COORDINATOR=round_message["coordinator"], SYNK_RESTART_COUNT=str(restarts))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if devices_per_node is not None:
+        env["SYNK_DEVICES_PER_NODE"] = str(devices_per_node)
+    # a session of its own: stopping it stops its workers too; it dies with the launcher
+    return subprocess.Popen([sys.executable, script, *args], env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def _die_with_parent():
+    """In the child, before the script: the kernel kills it when its launcher dies (Linux)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)    # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _watch(child, client, round_):
+    """Until the script ends or its round does: ``(exit code, why)``, or ``(None, why)``."""
+    while True:
+        code = child.poll()
+        if code is not None:
+            return code, f"the script exited with {code}"
+        message = client.next_message(0.1)
+        if message is not None and message["kind"] == "restart" and message.get("round") == round_:
+            return None, message.get("why", "the rendezvous restarted")
+
+
+def _stop(child):
+    """End the script and its workers: SIGTERM to its session, then SIGKILL."""
+    if child is None or child.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if child.poll() is not None:
+            return

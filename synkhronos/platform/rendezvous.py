@@ -1,0 +1,217 @@
+"""Where elastic launchers meet: node 0's launcher keeps the list of nodes, and tells every launcher
+when it changes.
+
+Every launcher of ``python -m synkhronos.launch --nnodes MIN:MAX`` keeps one TCP
+connection to node 0's launcher (:class:`RendezvousServer`, at the
+``--coordinator`` address) and speaks one JSON object a line. A round starts
+once at least ``MIN`` launchers are connected (waiting ``settle`` seconds for
+more, up to ``MAX``): each is told its node rank in the round, the number of
+nodes and where the round's coordination service listens. A launcher whose
+connection drops (its node died), one that joins during a round, or one
+whose script failed, ends the round: every launcher stops its script and joins
+the next. Node 0's launcher is the rendezvous; its loss ends the run (as
+under torchrun's default rendezvous).
+
+Examples
+--------
+>>> server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
+>>> client = RendezvousClient(server.address, node_rank=0, timeout=5)
+>>> client.join()
+>>> client.next_message(5)["nnodes"]
+1
+>>> client.close(); server.close()
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost"]
+
+
+class RendezvousLost(ConnectionError):
+    """Node 0's launcher (the rendezvous) is gone."""
+
+
+def _send(sock, message):
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
+def _free_port(host):
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RendezvousServer:
+    """Node 0's side: who is here, which round runs, and on which nodes."""
+
+    def __init__(self, address, min_nodes, max_nodes, settle=1.0):
+        host, _, port = address.rpartition(":")
+        self.host = host.strip("[]")
+        self.min_nodes, self.max_nodes, self.settle = min_nodes, max_nodes, settle
+        self._lock = threading.Lock()
+        self._members = {}          # connection -> (joined at, preferred node rank)
+        self._waiting = set()       # connections that asked for the next round
+        self._round, self._running, self._done = 0, [], set()
+        self._listener = socket.create_server((self.host, int(port)), reuse_port=False)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept, name="synk-rendezvous", daemon=True).start()
+        threading.Thread(target=self._start_rounds, name="synk-rendezvous-rounds", daemon=True).start()
+
+    # --- connections --------------------------------------------------------------------------
+    def _accept(self):
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        try:
+            for line in conn.makefile("r"):
+                self._on_message(conn, json.loads(line))
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._on_drop(conn)
+
+    def _on_message(self, conn, message):
+        with self._lock:
+            kind = message.get("kind")
+            if kind == "join":
+                self._members.setdefault(conn, (time.monotonic(), int(message.get("node_rank", 0))))
+                self._waiting.add(conn)
+                if self._running and conn not in self._running:
+                    self._end_round("a node joined")
+            elif kind == "failed" and conn in self._running:
+                self._end_round(message.get("why", "a script failed"))
+            elif kind == "done" and conn in self._running:
+                self._done.add(conn)
+                if self._done >= set(self._running):
+                    for c in self._running:
+                        self._tell(c, {"kind": "finished"})
+                    self._running = []
+
+    def _on_drop(self, conn):
+        with self._lock:
+            self._members.pop(conn, None)
+            self._waiting.discard(conn)
+            if conn in self._running and conn not in self._done:
+                self._end_round("a node was lost")
+
+    def _tell(self, conn, message):
+        try:
+            _send(conn, message)
+        except OSError:
+            pass
+
+    # --- rounds -------------------------------------------------------------------------------
+    def _end_round(self, why):
+        """Every launcher of the running round stops its script and joins the next (lock held)."""
+        for c in self._running:
+            self._tell(c, {"kind": "restart", "round": self._round, "why": why})
+        self._running, self._done = [], set()
+
+    def _start_rounds(self):
+        ready_since = None
+        while not self._closed:
+            time.sleep(0.05)
+            with self._lock:
+                if self._running or len(self._waiting) < self.min_nodes:
+                    ready_since = None
+                    continue
+                ready_since = ready_since or time.monotonic()
+                if len(self._waiting) < self.max_nodes and time.monotonic() - ready_since < self.settle:
+                    continue
+                self._begin_round()
+                ready_since = None
+
+    def _begin_round(self):
+        """Number the waiting launchers (node 0 first, then by their own node rank) and start (lock held)."""
+        order = sorted(self._waiting, key=lambda c: (self._members[c][1], self._members[c][0]))
+        self._round += 1
+        self._running, self._done = order[:self.max_nodes], set()
+        self._waiting -= set(self._running)
+        coordinator = f"{self.host if ':' not in self.host else '[' + self.host + ']'}:{_free_port(self.host)}"
+        for rank, c in enumerate(self._running):
+            self._tell(c, {"kind": "round", "round": self._round, "node_rank": rank,
+                           "nnodes": len(self._running), "coordinator": coordinator})
+
+    def close(self):
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for c in list(self._members):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                    c.close()
+                except OSError:
+                    pass
+
+
+class RendezvousClient:
+    """A launcher's side: join a round, hear when it ends."""
+
+    def __init__(self, address, node_rank, timeout):
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no rendezvous listened at {address} within {timeout:.0f} s "
+                                       f"(node 0's launcher starts it)") from None
+                time.sleep(0.1)
+        self._sock.settimeout(None)
+        self._lines = self._sock.makefile("r")
+        self.node_rank = node_rank
+        self._messages = []
+        self._cond = threading.Condition()
+        self._lost = False
+        threading.Thread(target=self._read, name="synk-rendezvous-client", daemon=True).start()
+
+    def _read(self):
+        try:
+            for line in self._lines:
+                with self._cond:
+                    self._messages.append(json.loads(line))
+                    self._cond.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            self._lost = True
+            self._cond.notify_all()
+
+    def join(self):
+        _send(self._sock, {"kind": "join", "node_rank": self.node_rank})
+
+    def tell(self, kind, **fields):
+        try:
+            _send(self._sock, {"kind": kind, **fields})
+        except OSError:
+            pass
+
+    def next_message(self, timeout=None):
+        """The next message from the rendezvous; None after ``timeout`` seconds. Raises
+        :class:`RendezvousLost` once node 0's launcher is gone."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._messages or self._lost, timeout):
+                return None
+            if self._messages:
+                return self._messages.pop(0)
+            raise RendezvousLost("node 0's launcher (the rendezvous) is gone")
+
+    def close(self):
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)     # the reader's file holds the socket open
+            self._sock.close()
+        except OSError:
+            pass
