@@ -634,3 +634,29 @@ def test_a_lost_node_started_again_rejoins_and_the_run_ends_on_every_node(tmp_pa
     finals = [np.load(out / f"final{node}.npy") for node in range(3)]
     assert all(np.array_equal(finals[0], f) for f in finals[1:]), finals
     _nothing_left(out)
+
+
+def test_the_rendezvous_refuses_strangers_and_another_runs_launchers():
+    """Garbage, a message before a join, or a join of another run ends that connection only: it is
+    counted nowhere, and the run's own launchers get their round."""
+    import socket
+
+    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", 1, 2, settle=0.2, job="train.py --nnodes 1:2")
+    try:
+        port = int(server.address.rsplit(":", 1)[1])
+        for junk in (b"garbage\n", b'{"kind": "done"}\n', b'{"kind": "join", "node_rank": null, '
+                                                          b'"job": "train.py --nnodes 1:2"}\n'):
+            with socket.create_connection(("127.0.0.1", port)) as stranger:
+                stranger.sendall(junk)
+        other = RendezvousClient(server.address, 1, 5, job="other.py --nnodes 1:2")
+        other.join()
+        assert other.next_message(5)["kind"] == "refused"
+        own = RendezvousClient(server.address, 0, 5, job="train.py --nnodes 1:2")
+        own.join()
+        assert own.next_message(5) | {"coordinator": None} == {
+            "kind": "round", "round": 1, "node_rank": 0, "nnodes": 1, "coordinator": None}
+        own.close()
+        other.close()
+    finally:
+        server.close()

@@ -30,17 +30,31 @@ STOP_GRACE = 3.0
 def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_restarts,
                 devices_per_node=None, join_timeout=300.0, out=sys.stderr):
     """Run ``script`` with ``args`` under the rendezvous until it ends on every node; the exit code."""
-    server = RendezvousServer(coordinator, min_nodes, max_nodes) if node_rank == 0 else None
-    client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout)
-    restarts, child, round_ = 0, None, None
+    # launchers of one run run one command: a launcher of another run at this address is refused
+    job = f"{os.path.basename(script)} {' '.join(args)} --nnodes {min_nodes}:{max_nodes}"
+    server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
+    client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)
+    restarts, child, round_, done = 0, None, None, False
     try:
         client.join()
         while True:
-            message = client.next_message()
+            # waiting for a round is bounded; waiting, done, for the other nodes to finish is not
+            message = client.next_message(None if done else join_timeout)
+            if message is None:
+                print(f"synkhronos.launch: no round started within {join_timeout:.0f} s: fewer than "
+                      f"{min_nodes} nodes' launchers joined the rendezvous at {coordinator}",
+                      file=out, flush=True)
+                return 1
             kind = message["kind"]
             if kind == "finished":
                 return 0
+            if kind == "refused":
+                print(f"synkhronos.launch: the rendezvous at {coordinator} refused this launcher: "
+                      f"{message.get('why')}; start every node with the same script, arguments and "
+                      f"--nnodes", file=out, flush=True)
+                return 1
             if kind == "restart" and message.get("round") == round_:
+                done = False
                 client.join()               # its script was done; another node's was not
                 continue
             if kind != "round":
@@ -50,6 +64,7 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             ended, why = _watch(child, client, round_)
             if ended == 0:
                 client.tell("done")
+                done = True
                 continue                    # until every node is done (or the round restarts)
             _stop(child)
             restarts += 1

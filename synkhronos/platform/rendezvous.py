@@ -49,10 +49,12 @@ def _free_port(host):
 class RendezvousServer:
     """Node 0's side: who is here, which round runs, and on which nodes."""
 
-    def __init__(self, address, min_nodes, max_nodes, settle=1.0):
+    def __init__(self, address, min_nodes, max_nodes, settle=1.0, job=""):
         host, _, port = address.rpartition(":")
         self.host = host.strip("[]")
         self.min_nodes, self.max_nodes, self.settle = min_nodes, max_nodes, settle
+        #: what every launcher of this run says it runs; a join saying otherwise is refused
+        self.job = job
         self._lock = threading.Lock()
         self._members = {}          # connection -> (joined at, preferred node rank)
         self._waiting = set()       # connections that asked for the next round
@@ -75,17 +77,29 @@ class RendezvousServer:
     def _serve(self, conn):
         try:
             for line in conn.makefile("r"):
-                self._on_message(conn, json.loads(line))
-        except (OSError, ValueError):
+                message = json.loads(line)
+                if not isinstance(message, dict) or not self._on_message(conn, message):
+                    break                       # a stranger, or garbage: dropped, counted nowhere
+        except Exception:                       # whatever a stranger sends ends its connection only
             pass
         finally:
             self._on_drop(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     def _on_message(self, conn, message):
+        """Handle one message; False for one that ends the connection (a join of another run)."""
         with self._lock:
             kind = message.get("kind")
             if kind == "join":
-                self._members.setdefault(conn, (time.monotonic(), int(message.get("node_rank", 0))))
+                rank = message.get("node_rank")
+                if message.get("job") != self.job or not isinstance(rank, int) or isinstance(rank, bool):
+                    self._tell(conn, {"kind": "refused", "why": f"this rendezvous serves the run "
+                                      f"{self.job!r}, not {message.get('job')!r}"})
+                    return False
+                self._members.setdefault(conn, (time.monotonic(), rank))
                 self._waiting.add(conn)
                 if self._running and conn not in self._running:
                     self._end_round("a node joined")
@@ -97,6 +111,9 @@ class RendezvousServer:
                     for c in self._running:
                         self._tell(c, {"kind": "finished"})
                     self._running = []
+            elif conn not in self._members:
+                return False                    # anything but a join first: not a launcher
+            return True
 
     def _on_drop(self, conn):
         with self._lock:
@@ -158,7 +175,7 @@ class RendezvousServer:
 class RendezvousClient:
     """A launcher's side: join a round, hear when it ends."""
 
-    def __init__(self, address, node_rank, timeout):
+    def __init__(self, address, node_rank, timeout, job=""):
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout
         while True:
@@ -172,7 +189,7 @@ class RendezvousClient:
                 time.sleep(0.1)
         self._sock.settimeout(None)
         self._lines = self._sock.makefile("r")
-        self.node_rank = node_rank
+        self.node_rank, self.job = node_rank, job
         self._messages = []
         self._cond = threading.Condition()
         self._lost = False
@@ -191,7 +208,7 @@ class RendezvousClient:
             self._cond.notify_all()
 
     def join(self):
-        _send(self._sock, {"kind": "join", "node_rank": self.node_rank})
+        _send(self._sock, {"kind": "join", "node_rank": self.node_rank, "job": self.job})
 
     def tell(self, kind, **fields):
         try:
