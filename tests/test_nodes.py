@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -660,3 +661,7 @@ def test_the_rendezvous_refuses_strangers_and_another_runs_launchers():
         other.close()
     finally:
         server.close()
+    deadline = time.time() + 5                # its connections' threads end with their sockets
+    while any(t.name.startswith("synk-rendezvous") for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("synk-rendezvous")]

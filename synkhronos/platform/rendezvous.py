@@ -62,8 +62,11 @@ class RendezvousServer:
         self._listener = socket.create_server((self.host, int(port)), reuse_port=False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._closed = False
-        threading.Thread(target=self._accept, name="synk-rendezvous", daemon=True).start()
-        threading.Thread(target=self._start_rounds, name="synk-rendezvous-rounds", daemon=True).start()
+        self._threads = [threading.Thread(target=self._accept, name="synk-rendezvous", daemon=True),
+                         threading.Thread(target=self._start_rounds, name="synk-rendezvous-rounds",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     # --- connections --------------------------------------------------------------------------
     def _accept(self):
@@ -72,7 +75,7 @@ class RendezvousServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
 
     def _serve(self, conn):
         try:
@@ -161,7 +164,12 @@ class RendezvousServer:
                            "nnodes": len(self._running), "coordinator": coordinator})
 
     def close(self):
+        """Stop serving; return once the server's threads have ended."""
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)    # wakes the accepting thread (close does not)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for c in list(self._members):
@@ -170,6 +178,8 @@ class RendezvousServer:
                     c.close()
                 except OSError:
                     pass
+        for thread in self._threads:
+            thread.join(timeout=5)
 
 
 class RendezvousClient:
@@ -193,7 +203,8 @@ class RendezvousClient:
         self._messages = []
         self._cond = threading.Condition()
         self._lost = False
-        threading.Thread(target=self._read, name="synk-rendezvous-client", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="synk-rendezvous-client", daemon=True)
+        self._reader.start()
 
     def _read(self):
         try:
@@ -232,3 +243,4 @@ class RendezvousClient:
             self._sock.close()
         except OSError:
             pass
+        self._reader.join(timeout=5)
