@@ -31,7 +31,7 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 devices_per_node=None, join_timeout=300.0, out=sys.stderr):
     """Run ``script`` with ``args`` under the rendezvous until it ends on every node; the exit code."""
     # launchers of one run run one command: a launcher of another run at this address is refused
-    job = f"{os.path.basename(script)} {' '.join(args)} --nnodes {min_nodes}:{max_nodes}"
+    job = f"{os.path.basename(script)} --nnodes {min_nodes}:{max_nodes}"     # arguments may differ
     server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
     client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)
     restarts, child, round_, done = 0, None, None, False
@@ -50,7 +50,7 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 return 0
             if kind == "refused":
                 print(f"synkhronos.launch: the rendezvous at {coordinator} refused this launcher: "
-                      f"{message.get('why')}; start every node with the same script, arguments and "
+                      f"{message.get('why')}; start every node with the same script and "
                       f"--nnodes", file=out, flush=True)
                 return 1
             if kind == "restart" and message.get("round") == round_:
@@ -67,7 +67,8 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 done = True
                 continue                    # until every node is done (or the round restarts)
             _stop(child)
-            restarts += 1
+            # as torchrun's agent: a node joining is a change of membership, not a failure
+            restarts += 0 if ended is None and why == "a node joined" else 1
             if ended is not None:
                 client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
             print(f"synkhronos.launch: round {round_} ended ({why}); restart {restarts} of "
