@@ -90,14 +90,14 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.elastic:
+    # as fork() does for its own processes: XLA's warnings (one per process about the recoverable
+    # tasks of the runtime) would drown the script's output; set it yourself to see everything
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.elastic:                # the script, a child, inherits the environment
         sys.exit(run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
                              args.max_nodes, args.max_restarts, args.devices_per_node))
     os.environ.update(SYNK_NNODES=str(args.nnodes), SYNK_NODE_RANK=str(args.node_rank),
                       SYNK_COORDINATOR=args.coordinator)
-    # as fork() does for its own processes: XLA's warnings (one per process about the recoverable
-    # tasks of the runtime) would drown the script's output; set it yourself to see everything
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.devices_per_node is not None:
         os.environ["SYNK_DEVICES_PER_NODE"] = str(args.devices_per_node)
     sys.argv = [args.script] + args.args

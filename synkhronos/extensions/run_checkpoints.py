@@ -63,14 +63,14 @@ class RunCheckpoints:
                              f"resume with the same data, batch size, seed and rule, or use another "
                              f"checkpoint_dir")
         held = saved.get("rule_state", 0)
-        keys = [f"{checkpoint.ARRAY_PREFIX}rule/{i}" for i in range(held if is_whole(held) else 0)]
+        keys = [f"{checkpoint.ARRAY_PREFIX}rule/{i}" for i in range(held)] if is_whole(held, at_least=0) else []
         if not is_whole(held, at_least=0) or any(k not in tensors for k in keys):
             raise ValueError(f"the checkpoint {self.path} records {held!r} arrays of the rule's state "
                              f"but holds {sum(k in tensors for k in keys)}; it is damaged: use another "
                              f"checkpoint_dir")
         self.rule_state = [tensors[k] for k in keys]
         step = checkpoint.restore(self.path, self.variables)["step"]
-        if not is_whole(step, at_least=0) or isinstance(step, (str, float)):
+        if not is_whole(step, at_least=0):          # a str or a float is not whole either
             raise ValueError(f"the checkpoint {self.path} records the step {step!r}, not a whole "
                              f"number of steps; it is damaged: use another checkpoint_dir")
         return int(step)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from ..errors import is_whole
-from ..rank.rule import flag
+from ..rank.rule import flag, settle
 
 __all__ = ["DataOrder", "Checks", "Checkpointing", "RunShorthands", "options_of"]
 
@@ -53,8 +53,8 @@ class DataOrder:
         if not is_whole(self.seed, at_least=0):
             raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
                              f"epoch's order), got {self.seed!r}")
-        object.__setattr__(self, "shuffle", flag(self.shuffle, "shuffle", "DataOrder"))
-        object.__setattr__(self, "seed", int(self.seed))
+        settle(self, "shuffle", flag(self.shuffle, "shuffle", "DataOrder"))
+        settle(self, "seed", int(self.seed))
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,8 @@ class Checkpointing:
         if not is_whole(self.every, at_least=1):
             raise ValueError(f"checkpoint_every must be a positive number of steps with "
                              f"checkpoint_dir=, got {self.every!r}")
-        object.__setattr__(self, "every", int(self.every))
-        object.__setattr__(self, "resume", flag(self.resume, "resume", "Checkpointing"))
+        settle(self, "every", int(self.every))
+        settle(self, "resume", flag(self.resume, "resume", "Checkpointing"))
 
 
 class RunShorthands(TypedDict, total=False):

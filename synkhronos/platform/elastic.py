@@ -95,7 +95,6 @@ def _start(script, args, round_message, devices_per_node, restarts):
     env = dict(os.environ, SYNK_NNODES=str(round_message["nnodes"]),
                SYNK_NODE_RANK=str(round_message["node_rank"]),
                SYNK_COORDINATOR=round_message["coordinator"], SYNK_RESTART_COUNT=str(restarts))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if devices_per_node is not None:
         env["SYNK_DEVICES_PER_NODE"] = str(devices_per_node)
     # a session of its own: stopping it stops its workers too; it dies with the launcher
