@@ -414,3 +414,45 @@ def test_diloco_resumes_on_another_device_count_only_from_a_rounds_end():
     assert "resume it on 1 device" in lines["MID"] and lines["SAME"] == "True", out.stdout
     at_checkpoint, first_after, last = map(float, lines["END"].split())
     assert last < at_checkpoint and first_after < 2 * at_checkpoint, lines["END"]
+
+
+@pytest.mark.slow
+def test_a_centred_rules_checkpoint_resumes_from_its_center_on_another_device_count():
+    """Downpour and EASGD keep their center in the checkpoint: resumed on 2 devices from 3, every
+    device starts from that center, and each keeps the optimizer's state of saved device r mod 3."""
+    out = run_script("""
+        import os, tempfile, warnings, numpy as np, synkhronos as synk
+        from synkhronos.extensions import sync, train, updates
+        from test_extensions import mlp
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(120, 6)), rng.integers(0, 3, size=120)
+        def session(n, rule, directory, steps):
+            synk.fork(n)
+            try:
+                X, Y, loss, params, _ = mlp(seed=4)
+                step = train.make_train_function(loss, params, X, Y, updates.momentum, learning_rate=0.1)
+                synk.distribute()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", synk.SynkWarning)     # nothing left to train
+                    train.run(step, x, y, 24, steps=steps, sync=rule, checkpoint_dir=directory,
+                              checkpoint_every=4, resume=True)
+                return ([[synk.get_value(r, p) for p in params] for r in range(n)],
+                        [[synk.get_value(r, s) for s in step.optimizer_state] for r in range(n)])
+            finally:
+                synk.close()
+        for rule in (sync.Downpour(every=2), sync.EASGD(0.5, every=3)):
+            d = tempfile.mkdtemp()
+            session(3, rule, d, 4)
+            _, _, tensors = synk.checkpoint.read(os.path.join(d, "checkpoint.safetensors"))
+            center = [tensors[f"array/rule/{i}"] for i in range(len([k for k in tensors if k.startswith("array/rule/")]))]
+            saved_state = sorted(k for k in tensors if "@" in k and not k.startswith("array"))
+            params, state = session(2, rule, d, 4)
+            from_center = all(np.array_equal(p, c) for ps in params for p, c in zip(ps, center))
+            keys = sorted({k.rsplit("@", 1)[0] for k in saved_state})
+            by_rank = all(any(np.array_equal(s, tensors[f"{k}@{r}"]) for k in keys)
+                          for r in range(2) for s in state[r])
+            print(type(rule).__name__ + ":", len(center) > 0, from_center, len(saved_state) > 0, by_rank)
+    """, timeout=240)
+    lines = {line.split(":")[0]: line.split(":", 1)[1].split() for line in out.stdout.splitlines() if ":" in line}
+    for rule in ("Downpour", "EASGD"):
+        assert lines.get(rule) == ["True"] * 4, out.stdout + out.stderr

@@ -26,7 +26,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -298,14 +298,24 @@ def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
 
 
 @serialized
-def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None) -> dict:
+def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
+            any_count: Collection[SharedVariable] = ()) -> dict:
     """Set ``variables`` on every device to the values saved at ``path``.
 
     ``variables`` are matched to the saved ones by position (default:
     :func:`default_variables`, in the order the functions were built, as when
     saving); names, shapes and dtypes are checked. A value saved once goes
     to every device, whatever the number of devices now; values saved per
-    device need the same number of devices.
+    device need the same number of devices, but for those in ``any_count``.
+
+    Parameters
+    ----------
+    path : str or path-like
+    variables : list of SharedVariable, optional
+    any_count : collection of SharedVariable, optional
+        Variables whose values saved per device may come from another number
+        of devices ``N``: device ``r`` takes saved device ``r mod N``'s (state
+        each device keeps for itself, as an optimizer's under local steps).
 
     Returns
     -------
@@ -327,10 +337,11 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
             raise ValueError(f"{path} holds {entry['name']!r} where {var.name!r} was given; pass "
                              f"variables= in the order they were saved")
         if entry["per_rank"]:
-            if meta["n_devices"] != state.n_parallel:
-                raise ValueError(f"{var} was saved per device from {meta['n_devices']} devices; it "
+            saved_on = meta["n_devices"]
+            if saved_on != state.n_parallel and not any(var is v for v in any_count):
+                raise ValueError(f"{var} was saved per device from {saved_on} devices; it "
                                  f"needs as many to restore (running: {state.n_parallel})")
-            values = [tensors[f"{entry['key']}@{r}"] for r in range(state.n_parallel)]
+            values = [tensors[f"{entry['key']}@{r % saved_on}"] for r in range(state.n_parallel)]
         else:
             values = [tensors[entry["key"]]]
         for value in values:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from ..api import checkpoint
+import numpy as np
+
+from ..api import checkpoint, collectives
 from ..errors import is_whole
 from ..rank.rule import rule_difference, rule_record
 from .run_options import Checkpointing
@@ -37,10 +39,14 @@ class RunCheckpoints:
 
     FILE = "checkpoint.safetensors"
 
-    def __init__(self, checkpointing: Checkpointing | None, variables, order, rule):
+    def __init__(self, checkpointing: Checkpointing | None, step, order, rule):
         self.path: str = ""          # set with a Checkpointing (empty: no checkpoints)
         self.every: int | None = None
-        self.variables, self.order, self.rule = variables, order, rule
+        self.variables, self.order, self.rule = step.state_variables, order, rule
+        #: the parameters a rule's center holds (statistics included)
+        self.synced = step.params + step.statistics
+        #: what each device keeps for itself: restored by rank on another number of devices
+        self.own_state = step.optimizer_state
         self._resumed = 0
         #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
         self.rule_state: list | None = None
@@ -69,11 +75,29 @@ class RunCheckpoints:
                              f"but holds {sum(k in tensors for k in keys)}; it is damaged: use another "
                              f"checkpoint_dir")
         self.rule_state = [tensors[k] for k in keys]
-        step = checkpoint.restore(self.path, self.variables)["step"]
+        from_center = self.rule.saves_center and bool(self.rule_state)
+        # the center is the run's parameters: every device starts from it, on any number of devices
+        any_count = self.own_state + (self.synced if from_center else [])
+        step = checkpoint.restore(self.path, self.variables, any_count=any_count)["step"]
         if not is_whole(step, at_least=0):          # a str or a float is not whole either
             raise ValueError(f"the checkpoint {self.path} records the step {step!r}, not a whole "
                              f"number of steps; it is damaged: use another checkpoint_dir")
+        if from_center:
+            self._start_from_center(self.rule_state)
+            self.rule_state = []
         return int(step)
+
+    def _start_from_center(self, center):
+        """Every device's parameters (and statistics) from the center the checkpoint holds."""
+        fits = len(center) == len(self.synced) and all(
+            np.shape(c) == np.shape(v.get_value(borrow=True)) for c, v in zip(center, self.synced))
+        if not fits:
+            raise ValueError(f"the checkpoint {self.path} holds a center of {len(center)} arrays "
+                             f"that does not fit this model's {len(self.synced)} parameters; it was "
+                             f"written for another model: use another checkpoint_dir")
+        for var, value in zip(self.synced, center):
+            var.set_value(np.asarray(value, var.dtype))
+        collectives.broadcast(self.synced)
 
     def resumed_step(self):
         """The global step the run starts from (0 unless resumed)."""

@@ -343,9 +343,14 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         checks too, when ``every`` is a multiple of the checks' ``every``). The
         other rules resume from the saved parameters and continue the step
         count and the data order (an asynchronous rule's devices claim the
-        steps after the checkpoint's); their center starts again from the
-        master's. :class:`~.sync.DiLoCo` keeps its outer parameters, momentum
-        and round in the checkpoint and continues exactly.
+        steps after the checkpoint's). The centred rules (:class:`~.sync.EASGD`,
+        :class:`~.sync.Downpour`, :class:`~.sync.RateLimited`) keep their center
+        in the checkpoint, and every device resumes from it, on any number of
+        devices. :class:`~.sync.DiLoCo` keeps its outer parameters, momentum
+        and round in the checkpoint and continues exactly. What each device
+        keeps for itself (its optimizer's state under local steps) resumes on
+        another number of devices by rank: device ``r`` takes saved device
+        ``r mod N``'s.
     **shorthands
         The groups' settings as keywords, each instead of its group:
         ``shuffle``, ``seed`` (``order``); ``check_every``, ``on_check``
@@ -390,7 +395,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     per_epoch = steps_per_epoch(n_rows, batch_size)
     total = _total_steps(steps, epochs, per_epoch)
     check_every = per_epoch if checks.every is None else int(checks.every)
-    saving = RunCheckpoints(checkpointing, train_fn.state_variables,
+    saving = RunCheckpoints(checkpointing, train_fn,
                             order_record(order, batch_size, n_rows, run_data, checkpointing), sync)
     if saving.rule_state is not None:
         sync.check_saved(saving.rule_state, state.n_parallel, len(train_fn.params))

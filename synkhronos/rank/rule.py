@@ -110,6 +110,10 @@ class Rule:
     reduces_gradient : bool
         The flat gradient is all-reduced (row-weighted) before every update;
         else every device steps on its own gradient.
+    saves_center : bool
+        The rule has a center that is the run's parameters: a checkpoint keeps
+        it (:meth:`saved_state` gives :meth:`center_values`) and a resumed run
+        starts every device from it, on any number of devices.
 
     Examples
     --------
@@ -129,6 +133,7 @@ class Rule:
 
     asynchronous = False
     reduces_gradient = False
+    saves_center = False
 
     def start(self, loop: RuleLoop) -> RuleState:
         """Every rank, before its first step of a run: this rank's state."""

@@ -284,6 +284,8 @@ class EASGD(Rule):
     EASGD(alpha=0.5, every=4, asynchronous=True)
     """
 
+    saves_center = True
+
     alpha: float = 0.5
     every: int = 1
     asynchronous: bool = False
@@ -323,15 +325,22 @@ class EASGD(Rule):
     def center_values(self, state: _Elastic, loop: RuleLoop) -> list:
         return loop.center.values() if state.center is None else [c.copy() for c in state.center]
 
+    def saved_state(self, state: _Elastic, loop: RuleLoop) -> list:
+        return self.center_values(state, loop)
+
 
 @dataclass(frozen=True)
 class _CentralRule(Rule):
     """An asynchronous rule whose devices push to and pull from central parameters."""
 
     asynchronous = True
+    saves_center = True
 
     def center_values(self, state: Any, loop: RuleLoop) -> list:
         return loop.center.values()
+
+    def saved_state(self, state: Any, loop: RuleLoop) -> list:
+        return self.center_values(state, loop)
 
     @staticmethod
     def _push_and_pull(loop: RuleLoop, pushes):
