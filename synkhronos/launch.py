@@ -31,6 +31,7 @@ rendezvous: its loss ends the run on every node.
 import argparse
 import os
 import runpy
+import signal
 import sys
 
 from .platform.cluster import check_coordinator
@@ -66,8 +67,10 @@ def parse_args(argv):
     parser.add_argument("script", help="the script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
-    low, _, high = args.nnodes.partition(":")
+    low, colon, high = args.nnodes.partition(":")
     try:
+        if colon and not high:
+            raise ValueError(args.nnodes)
         args.min_nodes, args.max_nodes = int(low), int(high or low)
     except ValueError:
         parser.error(f"--nnodes must be N or MIN:MAX (whole numbers), got {args.nnodes!r}")
@@ -94,8 +97,7 @@ def main(argv=None):
     # tasks of the runtime) would drown the script's output; set it yourself to see everything
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.elastic:                # the script, a child, inherits the environment
-        sys.exit(run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
-                             args.max_nodes, args.max_restarts, args.devices_per_node))
+        sys.exit(_elastic(args))
     os.environ.update(SYNK_NNODES=str(args.nnodes), SYNK_NODE_RANK=str(args.node_rank),
                       SYNK_COORDINATOR=args.coordinator)
     if args.devices_per_node is not None:
@@ -103,6 +105,19 @@ def main(argv=None):
     sys.argv = [args.script] + args.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     runpy.run_path(args.script, run_name="__main__")
+
+
+def _elastic(args):
+    """The agent's exit code; Ctrl-C or SIGTERM stop its script and end it quietly."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        return run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
+                           args.max_nodes, args.max_restarts, args.devices_per_node)
+    except KeyboardInterrupt:
+        print("synkhronos.launch: interrupted; the script was stopped", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ from pytensor.compile.sharedvalue import SharedVariable
 from ..compile import randomness
 from ..errors import is_whole
 from ..runtime.nodes import joined_over_nodes
-from ..runtime.session import current, serialized
+from ..runtime.session import active, current, serialized
 from . import collectives
 
-__all__ = ["save", "restore", "read", "default_variables", "ARRAY_PREFIX"]
+__all__ = ["save", "restore", "read", "exists", "read_on_every_node", "default_variables", "ARRAY_PREFIX"]
 
 #: the layout version written into every checkpoint's metadata
 FORMAT_VERSION = 1
@@ -297,6 +297,63 @@ def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
     return meta, extra, tensors
 
 
+def exists(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint file is at ``path``, on every node alike.
+
+    On several nodes every node looks; if some find it and some do not,
+    every node raises ``FileNotFoundError`` naming those that do not (the
+    checkpoint's directory must be on a file system every node reads).
+
+    Examples
+    --------
+    >>> exists("/nonexistent/checkpoint.safetensors")
+    False
+    """
+    path = os.fspath(path)
+    found = os.path.exists(path)
+    nodes = _nodes_if_running()
+    if nodes is None:
+        return found
+    every = nodes.exchange("checkpoint: exists", found)
+    if len(set(every)) > 1:
+        lacking = [node for node, here in enumerate(every) if not here]
+        raise FileNotFoundError(f"node{'s' if len(lacking) > 1 else ''} {lacking} find{'' if len(lacking) > 1 else 's'} "
+                                f"no checkpoint at {path}, the others do: put it on a file system "
+                                f"every node reads, or copy it to every node")
+    return found
+
+
+def read_on_every_node(path: str | os.PathLike) -> tuple[dict, Any, dict]:
+    """:func:`read` on every node of the runtime alike: every node gets the same checkpoint, or every
+    node raises, naming the node that could not read it or saying that they read different files."""
+    path = os.fspath(path)
+    nodes = _nodes_if_running()
+    try:
+        found = read(path)
+        outcome = ("ok", found[0].get("header_checksum"))
+    except (OSError, ValueError) as e:
+        if nodes is None:
+            raise
+        found, outcome = None, ("failed", f"{type(e).__name__}: {e}")
+    if nodes is not None:
+        every = nodes.exchange("checkpoint: read", outcome)
+        failed = [(node, why) for node, (status, why) in enumerate(every) if status == "failed"]
+        if failed:
+            node, why = failed[0]
+            raise ValueError(f"node {node} cannot read the checkpoint at {path} ({why}); every node "
+                             f"needs the same file: put it on a file system every node reads")
+        if len({checksum for _, checksum in every}) > 1:
+            raise ValueError(f"the nodes read different checkpoints at {path}; every node needs the "
+                             f"same file: put it on a file system every node reads")
+    assert found is not None
+    return found
+
+
+def _nodes_if_running():
+    state = active()
+    return None if state is None else state.nodes
+
+
 @serialized
 def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
             any_count: Collection[SharedVariable] = ()) -> dict:
@@ -324,7 +381,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     """
     state = current()
     path = os.fspath(path)
-    meta, extra, tensors = read(path)
+    meta, extra, tensors = read_on_every_node(path)
     variables = default_variables() if variables is None else _check_variables(variables)
     layout = meta["variables"]
     if len(layout) != len(variables):

@@ -55,11 +55,11 @@ class RunCheckpoints:
         directory = os.fspath(checkpointing.directory)
         os.makedirs(directory, exist_ok=True)
         self.path, self.every = os.path.join(directory, self.FILE), checkpointing.every
-        if checkpointing.resume and os.path.exists(self.path):
+        if checkpointing.resume and checkpoint.exists(self.path):
             self._resumed = self._restore()
 
     def _restore(self):
-        _, saved, tensors = checkpoint.read(self.path)
+        _, saved, tensors = checkpoint.read_on_every_node(self.path)
         saved = saved if isinstance(saved, dict) else {}
         differences = _order_difference(saved.get("order"), self.order)
         if differences is None:

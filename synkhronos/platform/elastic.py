@@ -32,8 +32,20 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
     """Run ``script`` with ``args`` under the rendezvous until it ends on every node; the exit code."""
     # launchers of one run run one command: a launcher of another run at this address is refused
     job = f"{os.path.basename(script)} --nnodes {min_nodes}:{max_nodes}"     # arguments may differ
-    server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
-    client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)
+    try:
+        server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
+    except OSError as e:
+        print(f"synkhronos.launch: cannot keep the rendezvous at {coordinator} ({e.strerror or e}): "
+              f"another launcher with --node-rank 0 runs there, or the port is taken; start node 0 "
+              f"once, with a free port", file=out, flush=True)
+        return 1
+    try:
+        client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)
+    except TimeoutError as e:
+        print(f"synkhronos.launch: {e}", file=out, flush=True)
+        if server is not None:
+            server.close()
+        return 1
     restarts, child, round_, done = 0, None, None, False
     try:
         client.join()
@@ -60,7 +72,7 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             if kind != "round":
                 continue                    # the end of a round this launcher already left
             round_ = message["round"]
-            child = _start(script, args, message, devices_per_node, restarts)
+            child = _start(script, args, message, devices_per_node)
             ended, why = _watch(child, client, round_)
             if ended == 0:
                 client.tell("done")
@@ -71,12 +83,12 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             restarts += 0 if ended is None and why == "a node joined" else 1
             if ended is not None:
                 client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
+            if restarts > max_restarts:
+                print(f"synkhronos.launch: round {round_} ended ({why}); --max-restarts "
+                      f"{max_restarts} exhausted; giving up", file=out, flush=True)
+                return 1
             print(f"synkhronos.launch: round {round_} ended ({why}); restart {restarts} of "
                   f"{max_restarts}", file=out, flush=True)
-            if restarts > max_restarts:
-                print(f"synkhronos.launch: --max-restarts {max_restarts} exhausted; giving up",
-                      file=out, flush=True)
-                return 1
             client.join()
     except RendezvousLost:
         _stop(child)
@@ -91,10 +103,12 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             server.close()
 
 
-def _start(script, args, round_message, devices_per_node, restarts):
+def _start(script, args, round_message, devices_per_node):
+    # the restarts of the run before this round: the same on every node, a returning one's too
     env = dict(os.environ, SYNK_NNODES=str(round_message["nnodes"]),
                SYNK_NODE_RANK=str(round_message["node_rank"]),
-               SYNK_COORDINATOR=round_message["coordinator"], SYNK_RESTART_COUNT=str(restarts))
+               SYNK_COORDINATOR=round_message["coordinator"],
+               SYNK_RESTART_COUNT=str(round_message["round"] - 1))
     if devices_per_node is not None:
         env["SYNK_DEVICES_PER_NODE"] = str(devices_per_node)
     # a session of its own: stopping it stops its workers too; it dies with the launcher

@@ -102,6 +102,11 @@ class RendezvousServer:
                     self._tell(conn, {"kind": "refused", "why": f"this rendezvous serves the run "
                                       f"{self.job!r}, not {message.get('job')!r}"})
                     return False
+                if self._running and conn not in self._running and len(self._running) >= self.max_nodes:
+                    self._tell(conn, {"kind": "refused", "why": f"the run already has its "
+                                      f"{self.max_nodes} nodes (--nnodes {self.min_nodes}:"
+                                      f"{self.max_nodes}); start this node again once one is lost"})
+                    return False
                 self._members.setdefault(conn, (time.monotonic(), rank))
                 self._waiting.add(conn)
                 if self._running and conn not in self._running:

@@ -1,10 +1,12 @@
-"""Run elastically on simulated nodes (``... elastic.py OUT CHECKPOINTS KILL_NODE KILL_AT [PAUSE]``): every
-node trains a linear model under AllReduce, 24 global steps of 12 rows, with a checkpoint and a check
-every 2 steps, resuming from CHECKPOINTS when it holds one. At the check of step KILL_AT of the first
-round, node KILL_NODE kills its launcher (its whole node goes). Each check appends ``[step, nodes]`` to
-OUT/checks<node>.jsonl; on a restart node 0 first copies the checkpoint to OUT/at_restart/; at the end
-every node writes its parameters to OUT/final<node>.npy, evaluates through synk.function and saves a
-checkpoint. PAUSE: seconds every check waits (a window for a node to come back)."""
+"""Run elastically on simulated nodes (``... elastic.py OUT CHECKPOINTS RULE KILL_NODE KILL_AT [PAUSE [STEPS]]``):
+every node trains the demo's digits MLP (momentum, STEPS (300) global steps of 64 rows) under RULE
+(``allreduce``, ``downpour`` or ``diloco``), with a checkpoint and a check every 20 steps, resuming
+from CHECKPOINTS when it holds one. At the check of step KILL_AT of the first round, node KILL_NODE
+kills its launcher (its whole node goes). Each check appends ``[step, nodes, restarts, time]`` to
+OUT/checks<node>.jsonl; when the script starts again node 0 first copies the checkpoint to
+OUT/at_restart<K>/. At the end every node writes its parameters to OUT/final<node>.npz, evaluates the
+test accuracy through synk.function (``EVALUATED <accuracy>``) and saves a checkpoint. PAUSE: seconds
+every check waits (a window for a node to come back)."""
 
 import json
 import os
@@ -14,26 +16,23 @@ import sys
 import time
 
 import numpy as np
-import pytensor
-import pytensor.tensor as pt
+from helpers import digits_step  # tests/ is on the path of every node script
 
 import synkhronos as synk
-from synkhronos.extensions import train, updates
+from synkhronos.extensions import sync, train, updates
 
-out, checkpoints, kill_node, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+out, checkpoints, rule_name = sys.argv[1], sys.argv[2], sys.argv[3]
+kill_node, kill_at = int(sys.argv[4]), int(sys.argv[5])
+pause = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
+steps = int(sys.argv[7]) if len(sys.argv) > 7 else 300
+RULES = {"allreduce": sync.AllReduce(), "downpour": sync.Downpour(every=2),
+         "diloco": sync.DiLoCo(every=5, outer_lr=0.5, outer_momentum=0.5)}
 restart = int(os.environ.get("SYNK_RESTART_COUNT", "0"))
 synk.fork()
-node, nodes = synk.node_rank(), int(os.environ["SYNK_NNODES"])
-x, y = pt.matrix("x"), pt.vector("y")
-w = pytensor.shared(np.zeros(3), name="w")
-loss = ((x @ w - y) ** 2).mean()
-step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.01)
-evaluate = synk.function([x, y], (loss, "avg"), name="evaluate")
+node, nodes = synk.node_rank(), int(os.environ.get("SYNK_NNODES", "1"))
+data, step, params, (x, y, loss, accuracy) = digits_step("custom_mlp:1,128", updates.momentum, 0.03)
+evaluate = synk.function([x, y], [(accuracy, "avg")], name="evaluate")
 synk.distribute()
-rng = np.random.default_rng(3)
-X = rng.normal(size=(120, 3))
-Y = X @ np.array([1.0, -2.0, 0.5])
 if restart and node == 0 and os.path.exists(os.path.join(checkpoints, "checkpoint.safetensors")):
     shutil.copytree(checkpoints, os.path.join(out, f"at_restart{restart}"), dirs_exist_ok=True)
 
@@ -48,9 +47,9 @@ def check(history):
     return False
 
 
-train.run(step, X, Y, 12, steps=24, checkpoint_dir=checkpoints, checkpoint_every=2, check_every=2,
-          on_check=check, resume=True)
-np.save(os.path.join(out, f"final{node}.npy"), w.get_value())
-print("EVALUATED", float(evaluate(X, Y)), flush=True)
-synk.checkpoint.save(os.path.join(out, "after.safetensors"), [w], step=24)     # node 0 writes it
+train.run(step, data["x_train"], data["y_train"], 64, steps=steps, sync=RULES[rule_name], seed=1,
+          checkpoint_dir=checkpoints, checkpoint_every=20, check_every=20, on_check=check, resume=True)
+np.savez(os.path.join(out, f"final{node}.npz"), *[p.get_value() for p in params])
+print("EVALUATED", float(evaluate(data["x_test"], data["y_test"])[0]), flush=True)
+synk.checkpoint.save(os.path.join(out, "after.safetensors"), step=steps)     # node 0 writes it
 synk.close()
