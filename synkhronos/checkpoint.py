@@ -5,6 +5,6 @@ import save``) and reached as ``synk.checkpoint``; both are the functions of
 :mod:`synkhronos.api.checkpoint`.
 """
 
-from .api.checkpoint import ARRAY_PREFIX, default_variables, read, restore, save
+from .api.checkpoint import ARRAY_PREFIX, default_variables, exists, read, restore, save
 
-__all__ = ["save", "restore", "read", "default_variables", "ARRAY_PREFIX"]
+__all__ = ["save", "restore", "read", "exists", "default_variables", "ARRAY_PREFIX"]

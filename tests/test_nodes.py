@@ -121,6 +121,8 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
                                            err_msg=f"{key} on node {node} against one process")
     for node, got in enumerate(nodes):
         assert bool(got["restored_params"]), f"node {node} restored other parameters"
+        assert str(got["lacking_exists"]).startswith("FileNotFoundError: node [1] finds no checkpoint")
+        assert str(got["lacking_restore"]).startswith("ValueError: node 1 cannot read the checkpoint")
         for key in ("all_reduce_sum_every_rank", "broadcast_every_rank", "restored_every_rank",
                     "get_value_every_rank"):
             np.testing.assert_array_equal(got[key], got[f"ref_{key}"], err_msg=f"{key} on node {node}")
@@ -701,3 +703,40 @@ def test_the_rendezvous_refuses_strangers_and_another_runs_launchers():
     while any(t.name.startswith("synk-rendezvous") for t in threading.enumerate()) and time.time() < deadline:
         time.sleep(0.05)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("synk-rendezvous")]
+
+
+def test_the_elastic_launcher_names_a_full_run_a_taken_port_and_a_half_range(capsys):
+    """A launcher joining a run that has its MAX nodes is refused (the run goes on); node 0's
+    launcher on a taken port says so and ends; ``--nnodes 2:`` is no range."""
+    import io
+    import socket
+
+    from synkhronos.launch import parse_args
+    from synkhronos.platform.elastic import run_elastic
+    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", 1, 1, settle=0.0, job="train.py --nnodes 1:1")
+    clients = []
+    try:
+        first = RendezvousClient(server.address, 0, 5, job="train.py --nnodes 1:1")
+        clients.append(first)
+        first.join()
+        assert first.next_message(5)["kind"] == "round"
+        extra = RendezvousClient(server.address, 1, 5, job="train.py --nnodes 1:1")
+        clients.append(extra)
+        extra.join()
+        refused = extra.next_message(5)
+        assert refused["kind"] == "refused" and "already has its 1 nodes" in refused["why"], refused
+        assert first.next_message(0.5) is None          # its round goes on
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        said = io.StringIO()
+        code = run_elastic("train.py", [], 0, f"127.0.0.1:{taken.getsockname()[1]}", 1, 2, 1, out=said)
+    assert code == 1 and "cannot keep the rendezvous at" in said.getvalue(), said.getvalue()
+    with pytest.raises(SystemExit):
+        parse_args(["--nnodes", "2:", "--node-rank", "0", "--coordinator", "127.0.0.1:1", "t.py"])
+    assert "--nnodes must be N or MIN:MAX" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from ..runtime.nodes import joined_over_nodes
 from ..runtime.session import active, current, serialized
 from . import collectives
 
-__all__ = ["save", "restore", "read", "exists", "read_on_every_node", "default_variables", "ARRAY_PREFIX"]
+__all__ = ["save", "restore", "read", "exists", "default_variables", "ARRAY_PREFIX"]
 
 #: the layout version written into every checkpoint's metadata
 FORMAT_VERSION = 1

@@ -147,6 +147,14 @@ synk.checkpoint.restore(path, list(params) + [s])
 out["restored_params"] = np.array(all(np.array_equal(a, p.get_value()) for a, p in zip(saved, params)))
 out["restored_every_rank"] = np.stack([synk.get_value(r, s) for r in every_rank()])
 out["ref_restored_every_rank"] = np.stack([np.arange(5.0) + r for r in every_rank()])
+if n_nodes > 1:       # a checkpoint node 1 does not find: every node raises alike, naming node 1
+    here = path if node == 0 else path + ".elsewhere"
+    for name, use in [("exists", synk.checkpoint.exists), ("restore", synk.checkpoint.restore)]:
+        try:
+            use(here)
+            out[f"lacking_{name}"] = np.array("no error")
+        except (FileNotFoundError, ValueError) as e:
+            out[f"lacking_{name}"] = np.array(f"{type(e).__name__}: {e}")
 
 # --- a device-driven loop under the synchronous rules ----------------------------------------------------
 for p, v in zip(params, init):
