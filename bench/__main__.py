@@ -74,11 +74,13 @@ def main(argv=None):
     nuts = pymc_bench.measure(1 if args.quick else 3, args.quick)
     from bench import small_model
     small = small_model.measure(1 if args.quick else 3, 1.5 if args.quick else 3.0)
+    from bench import elastic_bench
+    elastic = elastic_bench.measure(1 if args.quick else 3)
 
     report.write(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                  loops.section(loop_results) + checkpoint_bench.section(saving)
                  + timeline_bench.section(recording) + nodes_bench.section(nodes) + pymc_bench.section(nuts)
-                 + small_model.section(small))
+                 + small_model.section(small) + elastic_bench.section(elastic))
     report.plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     nodes_bench.plot_accuracy(nodes, os.path.join(HERE, "nodes_accuracy.png"))

@@ -444,7 +444,8 @@ def test_a_centred_rules_checkpoint_resumes_from_its_center_on_another_device_co
             d = tempfile.mkdtemp()
             session(3, rule, d, 4)
             _, _, tensors = synk.checkpoint.read(os.path.join(d, "checkpoint.safetensors"))
-            center = [tensors[f"array/rule/{i}"] for i in range(len([k for k in tensors if k.startswith("array/rule/")]))]
+            held = len([k for k in tensors if k.startswith("array/rule/")])
+            center = [tensors[f"array/rule/{i}"] for i in range(held)]
             saved_state = sorted(k for k in tensors if "@" in k and not k.startswith("array"))
             params, state = session(2, rule, d, 4)
             from_center = all(np.array_equal(p, c) for ps in params for p, c in zip(ps, center))

@@ -317,9 +317,8 @@ def exists(path: str | os.PathLike) -> bool:
     every = nodes.exchange("checkpoint: exists", found)
     if len(set(every)) > 1:
         lacking = [node for node, here in enumerate(every) if not here]
-        raise FileNotFoundError(f"node{'s' if len(lacking) > 1 else ''} {lacking} find{'' if len(lacking) > 1 else 's'} "
-                                f"no checkpoint at {path}, the others do: put it on a file system "
-                                f"every node reads, or copy it to every node")
+        raise FileNotFoundError(f"node {lacking} finds no checkpoint at {path}, the others do: put "
+                                f"it on a file system every node reads, or copy it to every node")
     return found
 
 
