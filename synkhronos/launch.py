@@ -116,7 +116,8 @@ def _elastic(args):
         return run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
                            args.max_nodes, args.max_restarts, args.devices_per_node)
     except KeyboardInterrupt:
-        print("synkhronos.launch: interrupted; the script was stopped", file=sys.stderr, flush=True)
+        print("synkhronos.launch: interrupted; this node's script, if it still ran, was stopped",
+              file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
 
 

@@ -453,7 +453,28 @@ def test_a_centred_rules_checkpoint_resumes_from_its_center_on_another_device_co
             by_rank = all(any(np.array_equal(s, tensors[f"{k}@{r}"]) for k in keys)
                           for r in range(2) for s in state[r])
             print(type(rule).__name__ + ":", len(center) > 0, from_center, len(saved_state) > 0, by_rank)
+        d = tempfile.mkdtemp()                  # Average, 1 step into its round of 3: devices differ
+        session(3, sync.Average(every=3), d, 6)
+        try:
+            session(2, sync.Average(every=3), d, 6)
+        except ValueError as e:
+            print("MID:", e)
     """, timeout=240)
     lines = {line.split(":")[0]: line.split(":", 1)[1].split() for line in out.stdout.splitlines() if ":" in line}
     for rule in ("Downpour", "EASGD"):
         assert lines.get(rule) == ["True"] * 4, out.stdout + out.stderr
+    mid = " ".join(lines.get("MID", []))
+    assert "was written on 3 devices whose parameters differed" in mid, out.stdout + out.stderr
+    assert "resume it on 3 devices, or on 2 from a checkpoint where they agree" in mid, mid
+
+
+def test_restore_takes_any_count_as_shared_variables_only(synk2, tmp_path):
+    w = pytensor.shared(np.arange(4.0), name="w")
+    synk.function([], updates=[(w, w + 1)], name="touch_w")
+    synk.distribute()
+    path = str(tmp_path / "ckpt.safetensors")
+    synk.checkpoint.save(path, [w], step=1)
+    for fine in (None, w, [w], iter([w]), ()):
+        assert synk.checkpoint.restore(path, [w], any_count=fine)["step"] == 1
+    with pytest.raises(TypeError, match="any_count takes shared variables .* got 'w'"):
+        synk.checkpoint.restore(path, [w], any_count=["w"])

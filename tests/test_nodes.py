@@ -121,7 +121,7 @@ def test_two_nodes_compute_what_one_node_computes(tmp_path, per_node, private_sh
                                            err_msg=f"{key} on node {node} against one process")
     for node, got in enumerate(nodes):
         assert bool(got["restored_params"]), f"node {node} restored other parameters"
-        assert str(got["lacking_exists"]).startswith("FileNotFoundError: node [1] finds no checkpoint")
+        assert str(got["lacking_exists"]).startswith("FileNotFoundError: no checkpoint is found by node 1 at ")
         assert str(got["lacking_restore"]).startswith("ValueError: node 1 cannot read the checkpoint")
         for key in ("all_reduce_sum_every_rank", "broadcast_every_rank", "restored_every_rank",
                     "get_value_every_rank"):
@@ -606,8 +606,11 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_trains_the_digits(tmp_pa
     codes = wait_all(procs, out, timeout=300)
     logs = read_logs(out)
     assert codes[:2] == [0, 0] and codes[2] != 0, logs
-    assert _checks(out, 0) == [[s, 3] for s in (20, 40, 60)] + [[s, 2] for s in range(80, 301, 20)], logs
+    # node 0's own check of step 60 races with node 2's kill at its check of step 60
+    assert _checks(out, 0) in ([[s, 3] for s in steps] + [[s, 2] for s in range(80, 301, 20)]
+                               for steps in [(20, 40), (20, 40, 60)]), logs
     assert logs.count("round 1 ended (a node was lost); restart 1 of 2") == 2, logs
+    assert logs.count("train.run: resumed at step 60 on 3 to 2 nodes, 3 to 2 devices") == 2, logs
     accuracies = _accuracies(logs)
     assert len(accuracies) == 2 and min(accuracies) >= 0.95, logs
     assert (out / "after.safetensors").exists(), logs
@@ -656,8 +659,8 @@ def test_a_lost_node_started_again_rejoins_and_the_run_ends_on_every_node(tmp_pa
     codes = wait_all(procs[:2] + again, out, timeout=300)
     logs = read_logs(out)
     assert codes == [0, 0, 0], logs
-    nodes_per_check = [n for _, n in _checks(out, 0)]
-    assert nodes_per_check[:4] == [3, 3, 3, 2] and nodes_per_check[-1] == 3, (nodes_per_check, logs)
+    nodes_per_check = [n for step, n in _checks(out, 0) if step <= 80]   # (60: as in the test above)
+    assert nodes_per_check in ([3, 3, 2], [3, 3, 3, 2]) and _checks(out, 0)[-1][1] == 3, (nodes_per_check, logs)
     assert _checks(out, 0)[-1] == [300, 3] and "a node joined" in logs, logs
     last_restart = [json.loads(open(out / f"checks{node}.jsonl").readlines()[-1])[2] for node in range(3)]
     assert last_restart == [2, 2, 2], last_restart        # SYNK_RESTART_COUNT: the run's, on every node

@@ -71,6 +71,20 @@ def _check_variables(variables):
     return variables
 
 
+def _check_any_count(any_count):
+    """``restore``'s ``any_count`` as a list of shared variables, or TypeError naming the fix."""
+    if any_count is None:
+        return []
+    if isinstance(any_count, SharedVariable):
+        return [any_count]
+    items = list(any_count)
+    wrong = [item for item in items if not isinstance(item, SharedVariable)]
+    if wrong:
+        raise TypeError(f"any_count takes shared variables (those of variables= whose per-device "
+                        f"values may come from another number of devices), got {wrong[0]!r}")
+    return items
+
+
 def _check_step(step):
     if step is None:
         return None
@@ -314,11 +328,11 @@ def exists(path: str | os.PathLike) -> bool:
     nodes = _nodes_if_running()
     if nodes is None:
         return found
-    every = nodes.exchange("checkpoint: exists", found)
-    if len(set(every)) > 1:
-        lacking = [node for node, here in enumerate(every) if not here]
-        raise FileNotFoundError(f"node {lacking} finds no checkpoint at {path}, the others do: put "
-                                f"it on a file system every node reads, or copy it to every node")
+    every = nodes.exchange("checkpoint: exists", (found, path))
+    if len({here for here, _ in every}) > 1:
+        lacking = ", ".join(f"node {node} at {where}" for node, (here, where) in enumerate(every) if not here)
+        raise FileNotFoundError(f"no checkpoint is found by {lacking}; the other nodes find theirs: "
+                                f"put it on a file system every node reads, or copy it to every node")
     return found
 
 
@@ -382,6 +396,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     path = os.fspath(path)
     meta, extra, tensors = read_on_every_node(path)
     variables = default_variables() if variables is None else _check_variables(variables)
+    any_count = _check_any_count(any_count)
     layout = meta["variables"]
     if len(layout) != len(variables):
         raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "
@@ -396,7 +411,9 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
             saved_on = meta["n_devices"]
             if saved_on != state.n_parallel and not any(var is v for v in any_count):
                 raise ValueError(f"{var} was saved per device from {saved_on} devices; it "
-                                 f"needs as many to restore (running: {state.n_parallel})")
+                                 f"needs as many to restore (running: {state.n_parallel}), unless "
+                                 f"given in any_count= (device r then takes saved device r mod "
+                                 f"{saved_on}'s)")
             values = [tensors[f"{entry['key']}@{r % saved_on}"] for r in range(state.n_parallel)]
         else:
             values = [tensors[entry["key"]]]

@@ -260,7 +260,11 @@ def close() -> None:
 
 
 def get_n_devices(platform: str | None = None) -> int:
-    """Number of devices ``fork()`` would use, counted without creating a context here."""
+    """Number of devices of this machine's platform, counted without creating a context here.
+
+    ``fork()`` uses that many by default, unless ``SYNK_DEVICES_PER_NODE`` (the
+    launcher's ``--devices-per-node``) says otherwise.
+    """
     return jax_init.count_devices(platform)
 
 

@@ -1,13 +1,16 @@
 """What a device-driven run reports at every check: :class:`History`."""
 
+from __future__ import annotations
+
 import warnings
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import SynkWarning
 
-__all__ = ["History", "Check"]
+__all__ = ["History", "Check", "Resize"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,16 @@ class Check:
     rows_per_device: tuple
 
 
+class Resize(NamedTuple):
+    """A run resumed at global step ``step`` on other nodes or devices than its checkpoint's."""
+
+    step: int
+    nodes_before: int | None
+    nodes_after: int
+    devices_before: int
+    devices_after: int
+
+
 class History:
     """The checks of a run, in order; ``history["loss"]`` is one field over every check.
 
@@ -55,12 +68,16 @@ class History:
 
     Examples
     --------
+    >>> from synkhronos.extensions.history import Resize
     >>> h = History("AllReduce()")
     >>> h.append(Check(10, 1.0, 0.5, 0.7, 2560.0, 0.1, 10, 0, (640, 640)))
     >>> len(h), h["loss"], h[-1].step
     (1, [0.7], 10)
     >>> h.lose_node(1, step=14); h.lost_nodes
     [(14, 1)]
+    >>> h.resize(Resize(step=60, nodes_before=3, nodes_after=2, devices_before=3, devices_after=2))
+    >>> h.resizes[0].nodes_after
+    2
 
     Attributes
     ----------
@@ -68,12 +85,16 @@ class History:
     lost_nodes : list of (int, int)
         ``(step, node)`` for every node an asynchronous run went on without:
         found lost in the phase that ended at global step ``step``.
+    resizes : list of Resize
+        A resumed run on another number of nodes or devices than its
+        checkpoint was written on (an elastic run that lost or gained a node).
     """
 
     def __init__(self, rule, center_values=None):
         self.rule = rule
         self.checks = []
         self.lost_nodes = []
+        self.resizes: list[Resize] = []
         self._center_values = center_values
 
     def append(self, check: Check) -> None:
@@ -90,6 +111,15 @@ class History:
             warnings.warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
                           f"asynchronous run goes on with the other nodes, and the minibatches its "
                           f"devices had claimed are not trained on", SynkWarning, stacklevel=3)
+
+    def resize(self, change: Resize) -> None:
+        """Record that the run resumed on another set of nodes or devices, and warn once saying so."""
+        self.resizes.append(change)
+        nodes = (f"{change.nodes_before} to {change.nodes_after} nodes, "
+                 if change.nodes_before is not None and change.nodes_before != change.nodes_after else "")
+        warnings.warn(f"train.run: resumed at step {change.step} on {nodes}{change.devices_before} to "
+                      f"{change.devices_after} devices from its checkpoint: the same global batch and "
+                      f"data order go on, split over the devices there are", SynkWarning, stacklevel=3)
 
     def __len__(self):
         return len(self.checks)

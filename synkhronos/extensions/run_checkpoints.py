@@ -9,6 +9,7 @@ import numpy as np
 from ..api import checkpoint, collectives
 from ..errors import is_whole
 from ..rank.rule import rule_difference, rule_record
+from ..runtime.session import current
 from .run_options import Checkpointing
 
 __all__ = ["RunCheckpoints", "next_multiple", "order_record"]
@@ -43,6 +44,7 @@ class RunCheckpoints:
         self.path: str = ""          # set with a Checkpointing (empty: no checkpoints)
         self.every: int | None = None
         self.variables, self.order, self.rule = step.state_variables, order, rule
+        self.n_params = len(step.params)
         #: the parameters a rule's center holds (statistics included)
         self.synced = step.params + step.statistics
         #: what each device keeps for itself: restored by rank on another number of devices
@@ -50,6 +52,8 @@ class RunCheckpoints:
         self._resumed = 0
         #: the sync rule's state the checkpoint holds (see Rule.saved_state), or None
         self.rule_state: list | None = None
+        #: (nodes, devices) the resumed checkpoint was written on, or None
+        self.written_on: tuple | None = None
         if checkpointing is None:
             return
         directory = os.fspath(checkpointing.directory)
@@ -59,7 +63,7 @@ class RunCheckpoints:
             self._resumed = self._restore()
 
     def _restore(self):
-        _, saved, tensors = checkpoint.read_on_every_node(self.path)
+        meta, saved, tensors = checkpoint.read_on_every_node(self.path)
         saved = saved if isinstance(saved, dict) else {}
         differences = _order_difference(saved.get("order"), self.order)
         if differences is None:
@@ -75,7 +79,16 @@ class RunCheckpoints:
                              f"but holds {sum(k in tensors for k in keys)}; it is damaged: use another "
                              f"checkpoint_dir")
         self.rule_state = [tensors[k] for k in keys]
+        if len(meta["variables"]) != len(self.variables):
+            raise ValueError(f"the checkpoint {self.path} holds {len(meta['variables'])} variables where "
+                             f"this training has {len(self.variables)}: it was written for another "
+                             f"model; use another checkpoint_dir")
+        n_devices = current().n_parallel
+        self.rule.check_saved(self.rule_state, n_devices, self.n_params)
         from_center = self.rule.saves_center and bool(self.rule_state)
+        self._check_devices(meta, n_devices, from_center)
+        layout = saved.get("layout") or {}
+        self.written_on = (layout.get("nodes"), meta["n_devices"])
         # the center is the run's parameters: every device starts from it, on any number of devices
         any_count = self.own_state + (self.synced if from_center else [])
         step = checkpoint.restore(self.path, self.variables, any_count=any_count)["step"]
@@ -86,6 +99,19 @@ class RunCheckpoints:
             self._start_from_center(self.rule_state)
             self.rule_state = []
         return int(step)
+
+    def _check_devices(self, meta, n_devices, from_center):
+        """Refuse parameters that differed between the devices of a checkpoint written on another count."""
+        if meta["n_devices"] == n_devices or from_center:
+            return
+        differed = [entry["name"] for entry, var in zip(meta["variables"], self.variables)
+                    if entry["per_rank"] and any(var is v for v in self.synced)]
+        if differed:
+            raise ValueError(f"the checkpoint {self.path} was written on {meta['n_devices']} devices "
+                             f"whose parameters differed ({differed[0]}, ...: {self.rule!r} had not "
+                             f"synchronised them); resume it on {meta['n_devices']} devices, or on "
+                             f"{n_devices} from a checkpoint where they agree (checkpoint_every a "
+                             f"multiple of the rule's every)")
 
     def _start_from_center(self, center):
         """Every device's parameters (and statistics) from the center the checkpoint holds."""
@@ -110,9 +136,11 @@ class RunCheckpoints:
         """Save at a multiple of the period; ``rule_state()`` gives the sync rule's state (arrays)."""
         if self.path and done % self.every == 0:
             held = rule_state()
+            state = current()
             checkpoint.save(self.path, self.variables, step=done,
                             extra=dict(order=self.order, rule=rule_record(self.rule),
-                                       rule_state=len(held)),
+                                       rule_state=len(held),
+                                       layout=dict(nodes=state.topology.n_nodes, devices=state.n_parallel)),
                             arrays={f"rule/{i}": a for i, a in enumerate(held)})
 
 

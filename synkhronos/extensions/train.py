@@ -26,7 +26,7 @@ from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
 from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
-from .history import History, check_from_stats
+from .history import History, Resize, check_from_stats
 from .run_checkpoints import RunCheckpoints, next_multiple, order_record
 from .run_options import Checkpointing, Checks, DataOrder, RunShorthands, options_of
 from .single_process import make_single_process_train_function, make_train_function_theano
@@ -397,12 +397,14 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     check_every = per_epoch if checks.every is None else int(checks.every)
     saving = RunCheckpoints(checkpointing, train_fn,
                             order_record(order, batch_size, n_rows, run_data, checkpointing), sync)
-    if saving.rule_state is not None:
-        sync.check_saved(saving.rule_state, state.n_parallel, len(train_fn.params))
     spec = state.loops.new(train_fn, refs, batch_size, order.shuffle, order.seed, sync, saving.rule_state)
     run_steps = serialized(state.loops.run)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
     done, elapsed = saving.resumed_step(), 0.0
+    if saving.written_on is not None:
+        nodes, devices = saving.written_on
+        if devices != state.n_parallel or nodes not in (None, state.topology.n_nodes):
+            history.resize(Resize(done, nodes, state.topology.n_nodes, devices, state.n_parallel))
     if done >= total:
         warnings.warn(f"the checkpoint {saving.path} is at step {done}, at or past this run's "
                       f"end ({total} steps): nothing is left to train; ask for more steps or epochs "

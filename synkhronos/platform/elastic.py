@@ -62,8 +62,7 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 return 0
             if kind == "refused":
                 print(f"synkhronos.launch: the rendezvous at {coordinator} refused this launcher: "
-                      f"{message.get('why')}; start every node with the same script and "
-                      f"--nnodes", file=out, flush=True)
+                      f"{message.get('why')}", file=out, flush=True)
                 return 1
             if kind == "restart" and message.get("round") == round_:
                 done = False
@@ -80,15 +79,17 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 continue                    # until every node is done (or the round restarts)
             _stop(child)
             # as torchrun's agent: a node joining is a change of membership, not a failure
-            restarts += 0 if ended is None and why == "a node joined" else 1
+            joined = ended is None and why == "a node joined"
+            restarts += 0 if joined else 1
             if ended is not None:
                 client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
             if restarts > max_restarts:
                 print(f"synkhronos.launch: round {round_} ended ({why}); --max-restarts "
                       f"{max_restarts} exhausted; giving up", file=out, flush=True)
                 return 1
-            print(f"synkhronos.launch: round {round_} ended ({why}); restart {restarts} of "
-                  f"{max_restarts}", file=out, flush=True)
+            counted = ("starting again (a node joining is no failure: --max-restarts counts failures)"
+                       if joined else f"restart {restarts} of {max_restarts}")
+            print(f"synkhronos.launch: round {round_} ended ({why}); {counted}", file=out, flush=True)
             client.join()
     except RendezvousLost:
         _stop(child)
@@ -137,16 +138,20 @@ def _watch(child, client, round_):
 
 
 def _stop(child):
-    """End the script and its workers: SIGTERM to its session, then SIGKILL."""
-    if child is None or child.poll() is not None:
+    """End the script and its workers: SIGTERM to the script (its runtime shuts its workers down and
+    frees its shared memory), then SIGKILL to its whole session."""
+    if child is None:
         return
-    for sig, wait in ((signal.SIGTERM, STOP_GRACE), (signal.SIGKILL, 5.0)):
+    if child.poll() is None:
         try:
-            os.killpg(child.pid, sig)
+            os.kill(child.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
+            pass
+        deadline = time.monotonic() + STOP_GRACE
         while child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if child.poll() is not None:
-            return
+    try:
+        os.killpg(child.pid, signal.SIGKILL)       # whatever of its session is left
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait(timeout=5)

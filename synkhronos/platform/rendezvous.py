@@ -100,12 +100,12 @@ class RendezvousServer:
                 rank = message.get("node_rank")
                 if message.get("job") != self.job or not isinstance(rank, int) or isinstance(rank, bool):
                     self._tell(conn, {"kind": "refused", "why": f"this rendezvous serves the run "
-                                      f"{self.job!r}, not {message.get('job')!r}"})
+                                      f"{self.job!r}, not {message.get('job')!r} (node rank "
+                                      f"{rank!r}): start every node with the same script and "
+                                      f"--nnodes, and a whole --node-rank"})
                     return False
                 if self._running and conn not in self._running and len(self._running) >= self.max_nodes:
-                    self._tell(conn, {"kind": "refused", "why": f"the run already has its "
-                                      f"{self.max_nodes} nodes (--nnodes {self.min_nodes}:"
-                                      f"{self.max_nodes}); start this node again once one is lost"})
+                    self._refuse_full(conn)
                     return False
                 self._members.setdefault(conn, (time.monotonic(), rank))
                 self._waiting.add(conn)
@@ -129,6 +129,15 @@ class RendezvousServer:
             self._waiting.discard(conn)
             if conn in self._running and conn not in self._done:
                 self._end_round("a node was lost")
+
+    def _refuse_full(self, conn):
+        self._tell(conn, {"kind": "refused", "why": f"the run already has its {self.max_nodes} nodes "
+                          f"(--nnodes {self.min_nodes}:{self.max_nodes}); start this node again once "
+                          f"one is lost"})
+        try:
+            conn.shutdown(socket.SHUT_RDWR)      # its thread ends; it is counted nowhere
+        except OSError:
+            pass
 
     def _tell(self, conn, message):
         try:
@@ -163,6 +172,10 @@ class RendezvousServer:
         self._round += 1
         self._running, self._done = order[:self.max_nodes], set()
         self._waiting -= set(self._running)
+        for extra in order[self.max_nodes:]:        # came with the first ones, beyond MAX
+            self._refuse_full(extra)
+            self._waiting.discard(extra)
+            self._members.pop(extra, None)
         coordinator = f"{self.host if ':' not in self.host else '[' + self.host + ']'}:{_free_port(self.host)}"
         for rank, c in enumerate(self._running):
             self._tell(c, {"kind": "round", "round": self._round, "node_rank": rank,
