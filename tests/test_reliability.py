@@ -196,7 +196,7 @@ def test_starting_the_workers_is_bounded_by_the_fork_timeout_not_the_stall_timeo
     calls after it working (starting is bounded by fork(timeout=...))."""
     if session.active() is not None:
         synk.close()
-    synk.fork(N_PARALLEL, stall_timeout=0.05)
+    synk.fork(N_PARALLEL, stall_timeout=0.5)
     x = pt.vector("x")
     assert float(synk.function([x], (x.sum(), "sum"))(np.ones(4))) == 4.0
     synk.close()
