@@ -551,18 +551,23 @@ def test_a_killed_center_server_is_named_on_every_node_within_ten_seconds(tmp_pa
 
 # --- elastic runs: python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K --------------------
 
-def _elastic(tmp_path, name, rule, victim, launcher, pause=0.0, n_nodes=3, kill_at=60):
+def _elastic(tmp_path, name, rule, victim, launcher, pause=0.0, n_nodes=3, kill_at=60, again=-1, low=2):
     out = tmp_path / name
     out.mkdir()
     script = os.path.join(SCRIPTS, "elastic.py")
     port = free_port()
-    procs = start_nodes(script, [out, out / "ckpt", rule, victim, kill_at, pause], n_nodes, 1, out,
-                        nnodes=f"2:{n_nodes}", launcher=launcher, port=port)
+    procs = start_nodes(script, [out, out / "ckpt", rule, victim, kill_at, pause, 300, again], n_nodes, 1,
+                        out, nnodes=f"{low}:{n_nodes}", launcher=launcher, port=port)
     return out, script, port, procs
 
 
 def _checks(out, node):
-    return [json.loads(line)[:2] for line in open(out / f"checks{node}.jsonl")]
+    return [json.loads(line)[:2] for line in open(out / f"checks{node}.jsonl") if '"kill"' not in line]
+
+
+def _killed_at(out, node):
+    """When ``node`` killed its launcher (time.time()), or None."""
+    return next((json.loads(line)[2] for line in open(out / f"checks{node}.jsonl") if '"kill"' in line), None)
 
 
 def _finals(out, node):
@@ -626,18 +631,33 @@ def test_an_elastic_run_goes_on_without_a_lost_node_and_trains_the_digits(tmp_pa
 @needs_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim,restarts,message", [
-    (2, 0, "--max-restarts 0 exhausted; giving up"),
-    (0, 2, "node 0's launcher (the rendezvous) was lost; the run ends on every node"),
+@pytest.mark.parametrize("victim,again,message", [
+    (2, 40, "--max-restarts 1 exhausted; giving up"),
+    (0, -1, "node 0's launcher (the rendezvous) was lost; the run ends on every node"),
 ])
-def test_an_elastic_run_ends_on_every_survivor_when_it_cannot_go_on(tmp_path, victim, restarts, message):
-    out, _, _, procs = _elastic(tmp_path, f"ends{victim}", "allreduce", victim,
-                                ["--max-restarts", str(restarts)], kill_at=20)
-    codes = wait_all(procs, out, timeout=120)
+def test_an_elastic_run_ends_on_every_survivor_when_it_cannot_go_on(tmp_path, victim, again, message):
+    """--max-restarts 1, --nnodes 1:3. Node 2 is lost at step 20, the run goes on on 2 nodes, and node 1
+    is lost at step 40 of that round: restarts are exhausted, node 0 ends with exit code 1 and says so.
+    Or node 0 (the rendezvous) is lost at step 20: both survivors end so. Within 15 s of the loss, and
+    nothing is left behind."""
+    out, _, _, procs = _elastic(tmp_path, f"ends{victim}", "allreduce", victim, ["--max-restarts", "1"],
+                                kill_at=20, again=again, low=1)
+    ended_at = {}
+    deadline = time.time() + 150
+    while len(ended_at) < 3 and time.time() < deadline:
+        for node, p in enumerate(procs):
+            if node not in ended_at and p.poll() is not None:
+                ended_at[node] = time.time()
+        time.sleep(0.05)
+    codes = wait_all(procs, out, timeout=10)
     logs = read_logs(out)
-    survivors = [node for node in range(3) if node != victim]
-    assert all(codes[node] == 1 for node in survivors) and codes[victim] != 0, (codes, logs)
-    assert logs.count(message) == 2 and "restart 1 of 0" not in logs, logs
+    survivors = [0] if again > 0 else [1, 2]
+    assert all(codes[node] == 1 for node in survivors), (codes, logs)
+    assert all(codes[node] not in (0, 1) for node in range(3) if node not in survivors), (codes, logs)
+    assert logs.count(message) == len(survivors) and "restart 2 of 1" not in logs, logs
+    last_loss = _killed_at(out, 1) if again > 0 else _killed_at(out, victim)
+    assert last_loss is not None, logs
+    assert max(ended_at[node] for node in survivors) - last_loss < 15, (ended_at, last_loss, logs)
     _nothing_left(out)
 
 

@@ -1,12 +1,14 @@
-"""Run elastically on simulated nodes (``... elastic.py OUT CHECKPOINTS RULE KILL_NODE KILL_AT [PAUSE [STEPS]]``):
-every node trains the demo's digits MLP (momentum, STEPS (300) global steps of 64 rows) under RULE
+"""Run elastically on simulated nodes
+(``... elastic.py OUT CHECKPOINTS RULE KILL_NODE KILL_AT [PAUSE [STEPS [AGAIN]]]``): every node trains the demo's digits MLP (momentum, STEPS (300) global steps of 64 rows) under RULE
 (``allreduce``, ``downpour`` or ``diloco``), with a checkpoint and a check every 20 steps, resuming
 from CHECKPOINTS when it holds one. At the check of step KILL_AT of the first round, node KILL_NODE
 kills its launcher (its whole node goes). Each check appends ``[step, nodes, restarts, time]`` to
 OUT/checks<node>.jsonl; when the script starts again node 0 first copies the checkpoint to
 OUT/at_restart<K>/. At the end every node writes its parameters to OUT/final<node>.npz, evaluates the
 test accuracy through synk.function (``EVALUATED <accuracy>``) and saves a checkpoint. PAUSE: seconds
-every check waits (a window for a node to come back)."""
+every check waits (a window for a node to come back). AGAIN: at the check of that step of the second
+round, node 1 kills its launcher too (a second loss). Before a kill the node appends ``[step, "kill",
+time]`` to its checks file."""
 
 import json
 import os
@@ -25,6 +27,7 @@ out, checkpoints, rule_name = sys.argv[1], sys.argv[2], sys.argv[3]
 kill_node, kill_at = int(sys.argv[4]), int(sys.argv[5])
 pause = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
 steps = int(sys.argv[7]) if len(sys.argv) > 7 else 300
+again = int(sys.argv[8]) if len(sys.argv) > 8 else -1
 RULES = {"allreduce": sync.AllReduce(), "downpour": sync.Downpour(every=2),
          "diloco": sync.DiLoCo(every=5, outer_lr=0.5, outer_momentum=0.5)}
 restart = int(os.environ.get("SYNK_RESTART_COUNT", "0"))
@@ -40,7 +43,9 @@ if restart and node == 0 and os.path.exists(os.path.join(checkpoints, "checkpoin
 def check(history):
     with open(os.path.join(out, f"checks{node}.jsonl"), "a") as f:
         f.write(json.dumps([history[-1].step, nodes, restart, time.time()]) + "\n")
-    if restart == 0 and node == kill_node and history[-1].step == kill_at:
+    if (restart, node, history[-1].step) in ((0, kill_node, kill_at), (1, 1, again)):
+        with open(os.path.join(out, f"checks{node}.jsonl"), "a") as f:
+            f.write(json.dumps([history[-1].step, "kill", time.time()]) + "\n")
         os.kill(os.getppid(), signal.SIGKILL)          # the launcher: the node goes with it
         signal.pause()
     time.sleep(pause)
