@@ -1,5 +1,6 @@
 """Run elastically on simulated nodes
-(``... elastic.py OUT CHECKPOINTS RULE KILL_NODE KILL_AT [PAUSE [STEPS [AGAIN]]]``): every node trains the demo's digits MLP (momentum, STEPS (300) global steps of 64 rows) under RULE
+(``... elastic.py OUT CHECKPOINTS RULE KILL_NODE KILL_AT [PAUSE [STEPS [AGAIN]]]``): every node
+trains the demo's digits MLP (momentum, STEPS (300) global steps of 64 rows) under RULE
 (``allreduce``, ``downpour`` or ``diloco``), with a checkpoint and a check every 20 steps, resuming
 from CHECKPOINTS when it holds one. At the check of step KILL_AT of the first round, node KILL_NODE
 kills its launcher (its whole node goes). Each check appends ``[step, nodes, restarts, time]`` to
