@@ -95,7 +95,9 @@ def test_the_ranks_share_one_clock(traced):
             ends.setdefault(phase["pid"], []).append(phase["ts"] + phase["dur"])
     assert set(ends) == {0, 1}
     first = [min(ends[rank]) for rank in range(N_PARALLEL)]
-    assert abs(first[0] - first[1]) < 5_000          # microseconds
+    # microseconds: clocks of other epochs would differ by far more; a loaded machine may
+    # deschedule one rank for a few milliseconds after the barrier
+    assert abs(first[0] - first[1]) < 50_000
 
 
 @pytest.mark.slow
