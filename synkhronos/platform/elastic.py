@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from .rendezvous import RendezvousClient, RendezvousLost, RendezvousServer
+from .rendezvous import JOINED, RendezvousClient, RendezvousLost, RendezvousServer
 
 __all__ = ["run_elastic"]
 
@@ -30,19 +30,22 @@ STOP_GRACE = 3.0
 def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_restarts,
                 devices_per_node=None, join_timeout=300.0, out=sys.stderr):
     """Run ``script`` with ``args`` under the rendezvous until it ends on every node; the exit code."""
+    def say(text):
+        print(f"synkhronos.launch: {text}", file=out, flush=True)
+
     # launchers of one run run one command: a launcher of another run at this address is refused
     job = f"{os.path.basename(script)} --nnodes {min_nodes}:{max_nodes}"     # arguments may differ
     try:
         server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
     except OSError as e:
-        print(f"synkhronos.launch: cannot keep the rendezvous at {coordinator} ({e.strerror or e}): "
+        say(f"cannot keep the rendezvous at {coordinator} ({e.strerror or e}): "
               f"another launcher with --node-rank 0 runs there, or the port is taken; start node 0 "
-              f"once, with a free port", file=out, flush=True)
+              f"once, with a free port")
         return 1
     try:
         client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)
     except TimeoutError as e:
-        print(f"synkhronos.launch: {e}", file=out, flush=True)
+        say(str(e))
         if server is not None:
             server.close()
         return 1
@@ -53,16 +56,15 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             # waiting for a round is bounded; waiting, done, for the other nodes to finish is not
             message = client.next_message(None if done else join_timeout)
             if message is None:
-                print(f"synkhronos.launch: no round started within {join_timeout:.0f} s: fewer than "
-                      f"{min_nodes} nodes' launchers joined the rendezvous at {coordinator}",
-                      file=out, flush=True)
+                say(f"no round started within {join_timeout:.0f} s: fewer than "
+                      f"{min_nodes} nodes' launchers joined the rendezvous at {coordinator}")
                 return 1
             kind = message["kind"]
             if kind == "finished":
                 return 0
             if kind == "refused":
-                print(f"synkhronos.launch: the rendezvous at {coordinator} refused this launcher: "
-                      f"{message.get('why')}", file=out, flush=True)
+                say(f"the rendezvous at {coordinator} refused this launcher: "
+                      f"{message.get('why')}")
                 return 1
             if kind == "restart" and message.get("round") == round_:
                 done = False
@@ -79,23 +81,21 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
                 continue                    # until every node is done (or the round restarts)
             _stop(child)
             # as torchrun's agent: a node joining is a change of membership, not a failure
-            joined = ended is None and why == "a node joined"
+            joined = ended is None and why == JOINED
             restarts += 0 if joined else 1
             if ended is not None:
                 client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
             if restarts > max_restarts:
-                print(f"synkhronos.launch: round {round_} ended ({why}); --max-restarts "
-                      f"{max_restarts} exhausted; giving up", file=out, flush=True)
+                say(f"round {round_} ended ({why}); --max-restarts "
+                      f"{max_restarts} exhausted; giving up")
                 return 1
             counted = ("starting again (a node joining is no failure: --max-restarts counts failures)"
                        if joined else f"restart {restarts} of {max_restarts}")
-            print(f"synkhronos.launch: round {round_} ended ({why}); {counted}", file=out, flush=True)
+            say(f"round {round_} ended ({why}); {counted}")
             client.join()
     except RendezvousLost:
-        _stop(child)
-        print("synkhronos.launch: node 0's launcher (the rendezvous) was lost; the run ends on every "
-              "node (start every node's launcher again to go on from the last checkpoint)",
-              file=out, flush=True)
+        say("node 0's launcher (the rendezvous) was lost; the run ends on every "
+              "node (start every node's launcher again to go on from the last checkpoint)")
         return 1
     finally:
         _stop(child)

@@ -32,6 +32,10 @@ import time
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost"]
 
 
+#: why a round ends when a launcher joins it (a change of membership, not a failure)
+JOINED = "a node joined"
+
+
 class RendezvousLost(ConnectionError):
     """Node 0's launcher (the rendezvous) is gone."""
 
@@ -110,7 +114,7 @@ class RendezvousServer:
                 self._members.setdefault(conn, (time.monotonic(), rank))
                 self._waiting.add(conn)
                 if self._running and conn not in self._running:
-                    self._end_round("a node joined")
+                    self._end_round(JOINED)
             elif kind == "failed" and conn in self._running:
                 self._end_round(message.get("why", "a script failed"))
             elif kind == "done" and conn in self._running:

@@ -171,8 +171,8 @@ class Rule:
 
     def saved_state(self, state: Any, loop: RuleLoop) -> list:
         """What a checkpoint keeps of this rank's state beside the variables (arrays, the same on
-        every device); :meth:`resume` takes it back."""
-        return []
+        every device); :meth:`resume` takes it back. A rule that ``saves_center`` keeps its center."""
+        return (self.center_values(state, loop) or []) if self.saves_center else []
 
 
 def rule_record(rule: Rule) -> dict:

@@ -325,9 +325,6 @@ class EASGD(Rule):
     def center_values(self, state: _Elastic, loop: RuleLoop) -> list:
         return loop.center.values() if state.center is None else [c.copy() for c in state.center]
 
-    def saved_state(self, state: _Elastic, loop: RuleLoop) -> list:
-        return self.center_values(state, loop)
-
 
 @dataclass(frozen=True)
 class _CentralRule(Rule):
@@ -338,9 +335,6 @@ class _CentralRule(Rule):
 
     def center_values(self, state: Any, loop: RuleLoop) -> list:
         return loop.center.values()
-
-    def saved_state(self, state: Any, loop: RuleLoop) -> list:
-        return self.center_values(state, loop)
 
     @staticmethod
     def _push_and_pull(loop: RuleLoop, pushes):
