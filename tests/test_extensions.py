@@ -152,10 +152,12 @@ def test_a_step_is_one_command_on_every_device(synk2, rng, tmp_path):
     train_step = train.make_train_function(loss, params, X, y, updates.momentum, learning_rate=0.1)
     X_np, Y_np = data(rng, n=16)
     x_dat, y_dat = synk.data(X_np), synk.data(Y_np)
-    train_step(x_dat, y_dat)
-    gc.collect()            # an earlier test's Data collected while recording would post a drop command
+    # an earlier test's Data collected while recording would post a drop command: collect now,
+    # and let a step before the recording post what the collection released
+    gc.collect()
     gc.disable()
     try:
+        train_step(x_dat, y_dat)
         with synk.timeline(tmp_path / "t.json"):
             for _ in range(3):
                 train_step(x_dat, y_dat)
