@@ -76,11 +76,14 @@ def main(argv=None):
     small = small_model.measure(1 if args.quick else 3, 1.5 if args.quick else 3.0)
     from bench import elastic_bench
     elastic = elastic_bench.measure(1 if args.quick else 3)
+    from bench import call_floor
+    floor = call_floor.measure(1 if args.quick else 3)
 
     report.write(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                  loops.section(loop_results) + checkpoint_bench.section(saving)
                  + timeline_bench.section(recording) + nodes_bench.section(nodes) + pymc_bench.section(nuts)
-                 + small_model.section(small) + elastic_bench.section(elastic))
+                 + small_model.section(small) + elastic_bench.section(elastic)
+                 + call_floor.section(floor))
     report.plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     nodes_bench.plot_accuracy(nodes, os.path.join(HERE, "nodes_accuracy.png"))

@@ -2,7 +2,7 @@
 
 Before and after a change to a hot path (a call, a collective, a step, a
 save), run this and compare: it measures, side by side in one run, what
-``make bench`` measures at length in its sections 1, 3, 6, 7 and 11, and
+``make bench`` measures at length in its sections 1, 3, 6, 7, 11 and 13, and
 prints each ratio beside its goal. It is a benchmark, not a test: nothing
 fails when a goal is missed. ``make bench`` writes the full tables.
 """
@@ -19,6 +19,7 @@ from bench.common import cpu_model, python, run_json, spread
 GOALS = {
     "tiny call": ("synkhronos / direct compiled call", "≤ 2×"),
     "empty call": ("synkhronos / direct compiled call", "≤ 2×"),
+    "tiny call, 1 device (the floor)": ("the master's own path, no peer / direct call", "≤ 2×"),
     "MLP training, batch 1024, vs one process": ("samples/s, 2 devices / 1 process", "≥ 0.9×"),
     "MLP training, batch 1024, vs JAX shard_map": ("samples/s, 2 devices / 2 host devices", "≥ 1×"),
     "train.run vs master-driven loop": ("steps/s, digits MLP, batch 128", "≥ 3×"),
@@ -84,6 +85,12 @@ def small_model():
     return r["ratios"]["synk"]
 
 
+def call_floor():
+    """Section 13's tiny call on one device, in two rounds: the master's path without a peer."""
+    from bench import call_floor as cf
+    return [row[2] for row in cf.measure(rounds=2, inner=6)["tiny"][1]]
+
+
 def _ratios(numerators, denominators):
     return [a / b for a, b in zip(numerators, denominators) if isinstance(a, float) and isinstance(b, float)]
 
@@ -96,6 +103,7 @@ def main():
     results["MLP training, batch 1024, vs one process"] = _ratios(samples, single)
     results["MLP training, batch 1024, vs JAX shard_map"] = _ratios(samples, shard)
     results["small model step vs plain PyTensor"] = small_model()
+    results["tiny call, 1 device (the floor)"] = call_floor()
     print(f"bench-quick on {cpu_model()}, {os.cpu_count()} cores ({time.perf_counter() - start:.0f} s)\n")
     print("| headline | measures | ratio (median) | spread | goal | |")
     print("|---|---|---|---|---|---|")

@@ -1,0 +1,95 @@
+"""Where a call's time goes: section 1's calls on one device and on two, beside the direct call.
+
+    python -m bench.call_floor [--rounds R]    # measure and write the section into RESULTS.md
+
+A synkhronos call on one device is the master's own path with no peer: the
+kept plan, the undo log, the fault watch, the same compiled program, the
+reduction and the numpy faces handed back to user code. Two devices add
+posting the command, the peer computing its share on the other core, waiting
+for it and reading its record. Each is timed side by side with the direct
+call of the same compiled program in the same runtime, so every ratio cancels
+the machine's slow patches; the runtimes alternate over rounds.
+"""
+
+import argparse
+
+import numpy as np
+
+from bench.common import block_ratios, interleaved_medians, spread, write_section
+
+TITLE = "## 13. Where a call's time goes (the floor of section 1)"
+DEVICES = (1, 2)
+
+
+def _cases(synk):
+    """Section 1's two calls through synkhronos and directly, in the runtime now forked."""
+    import pytensor
+    import pytensor.tensor as pt
+
+    from bench.busy_call import tiny_direct
+    x = pt.vector("x", dtype="float32")
+    tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny_floor")
+    w = pytensor.shared(np.zeros(4, "float32"), name="w_floor")
+    empty = synk.function([], updates=[(w, w + 1)], name="empty_floor")
+    synk.distribute()
+    direct_tiny, X = tiny_direct()
+    x_dat = synk.data(X)
+    w2 = pytensor.shared(np.zeros(4, "float32"))
+    direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
+    return {"tiny": (lambda: tiny(x_dat), lambda: np.asarray(direct_tiny(X))),
+            "empty": (lambda: empty(), lambda: direct_empty())}
+
+
+def measure(rounds=3, inner=8, calls=50):
+    """Per case and device count, every round's (synkhronos µs, direct µs, ratio)."""
+    import synkhronos as synk
+    out = {case: {n: [] for n in DEVICES} for case in ("tiny", "empty")}
+    for _ in range(rounds):
+        for n in DEVICES:
+            synk.fork(n)
+            try:
+                for case, (through, direct) in _cases(synk).items():
+                    blocks: list = []
+                    t_synk, t_direct, _ = interleaved_medians([through, direct], inner, calls, blocks=blocks)
+                    out[case][n].append((t_synk * 1e6, t_direct * 1e6, float(np.median(block_ratios(blocks)))))
+            finally:
+                synk.close()
+    return out
+
+
+def _median(rows, i):
+    return float(np.median([r[i] for r in rows]))
+
+
+def section(r):
+    L = [TITLE, "",
+         "| call | direct (µs) | 1 device: the master alone (µs) | its ratio | 2 devices (µs) | "
+         "its ratio | the second device adds (µs) |", "|---|---|---|---|---|---|---|"]
+    for case, by_n in r.items():
+        one, two = by_n[1], by_n[2]
+        direct = _median(one + two, 1)
+        ratios = {n: [row[2] for row in by_n[n]] for n in DEVICES}
+        L.append(f"| {case} | {direct:.0f} | {_median(one, 0):.0f} | {np.median(ratios[1]):.2f}× "
+                 f"({spread(ratios[1], unit='×')}) | {_median(two, 0):.0f} | {np.median(ratios[2]):.2f}× "
+                 f"({spread(ratios[2], unit='×')}) | {_median(two, 0) - _median(one, 0):.0f} |")
+    return L + ["", f"Medians over {len(next(iter(r.values()))[1])} rounds (the spread of the per-round "
+                "ratios in brackets), each round a 1-device and a 2-device runtime, each call timed in "
+                "alternating blocks of 50 beside the direct call of the same program. The 1-device "
+                "column is the floor of the master's own path, whatever the device count: the runtime "
+                "lock, the kept plan, the undo log of the updates, the fault watch, the program itself, "
+                "the reduction, and the numpy faces that user code reads. The last column is what a "
+                "peer costs on top: the command posted, the peer's share computed at once on the other "
+                "core, the wait for the slower of the two, its result record read.", ""]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    lines = section(measure(args.rounds))
+    write_section(TITLE, lines)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
