@@ -11,44 +11,24 @@ call of the same compiled program in the same runtime, so every ratio cancels
 the machine's slow patches; the runtimes alternate over rounds.
 """
 
-import argparse
-
 import numpy as np
 
-from bench.common import block_ratios, interleaved_medians, spread, write_section
+from bench.common import block_ratios, interleaved_medians, section_main, spread
 
 TITLE = "## 13. Where a call's time goes (the floor of section 1)"
 DEVICES = (1, 2)
 
 
-def _cases(synk):
-    """Section 1's two calls through synkhronos and directly, in the runtime now forked."""
-    import pytensor
-    import pytensor.tensor as pt
-
-    from bench.busy_call import tiny_direct
-    x = pt.vector("x", dtype="float32")
-    tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny_floor")
-    w = pytensor.shared(np.zeros(4, "float32"), name="w_floor")
-    empty = synk.function([], updates=[(w, w + 1)], name="empty_floor")
-    synk.distribute()
-    direct_tiny, X = tiny_direct()
-    x_dat = synk.data(X)
-    w2 = pytensor.shared(np.zeros(4, "float32"))
-    direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
-    return {"tiny": (lambda: tiny(x_dat), lambda: np.asarray(direct_tiny(X))),
-            "empty": (lambda: empty(), lambda: direct_empty())}
-
-
 def measure(rounds=3, inner=8, calls=50):
     """Per case and device count, every round's (synkhronos µs, direct µs, ratio)."""
     import synkhronos as synk
+    from bench.synk_bench import call_cases
     out = {case: {n: [] for n in DEVICES} for case in ("tiny", "empty")}
     for _ in range(rounds):
         for n in DEVICES:
             synk.fork(n)
             try:
-                for case, (through, direct) in _cases(synk).items():
+                for case, (through, direct) in call_cases("_floor").items():
                     blocks: list = []
                     t_synk, t_direct, _ = interleaved_medians([through, direct], inner, calls, blocks=blocks)
                     out[case][n].append((t_synk * 1e6, t_direct * 1e6, float(np.median(block_ratios(blocks)))))
@@ -82,14 +62,5 @@ def section(r):
                 "core, the wait for the slower of the two, its result record read.", ""]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    lines = section(measure(args.rounds))
-    write_section(TITLE, lines)
-    print("\n".join(lines))
-
-
 if __name__ == "__main__":
-    main()
+    section_main(__doc__, TITLE, measure, section)

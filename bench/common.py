@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks."""
 
+import argparse
 import contextlib
 import json
 import mmap
@@ -137,6 +138,17 @@ def write_section(title, lines):
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
     with open(path, "w") as fh:
         fh.write(text)
+
+
+def section_main(doc, title, measure, section, argv=None):
+    """A section module's command line (``--rounds R``): measure, write the section headed ``title``
+    into bench/RESULTS.md, and print it."""
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    lines = section(measure(args.rounds))
+    write_section(title, lines)
+    print("\n".join(lines))
 
 
 def emit(result):

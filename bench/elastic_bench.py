@@ -12,7 +12,6 @@ first step on 3 nodes, less its start, is the time a returning node takes. The s
 are started again for it too: their own stages show where that time goes.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import ROOT, python, write_section
+from bench.common import ROOT, python, section_main
 
 TITLE = "## 12. Elastic runs: the time a lost node and a returning node cost"
 KILL_AT = 60
@@ -171,17 +170,8 @@ def section(r):
     return L
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
-    lines = section(measure(args.rounds))
-    write_section(TITLE, lines)
-    print("\n".join(lines))
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "node":
         node_part(sys.argv[2], sys.argv[3])
     else:
-        main()
+        section_main(__doc__, TITLE, measure, section)

@@ -25,6 +25,24 @@ from synkhronos.extensions import train, updates
 from synkhronos.rank.rows import gather_rows
 
 
+def call_cases(suffix=""):
+    """Section 1's two calls in the runtime now forked, each through synkhronos and direct (the same
+    program compiled for one process): ``{"tiny": (through, direct), "empty": (through, direct)}``."""
+    x = pt.vector("x", dtype="float32")
+    tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny" + suffix)
+    w = pytensor.shared(np.zeros(4, "float32"), name="w_empty" + suffix)
+    empty = synk.function([], updates=[(w, w + 1)], name="empty" + suffix)
+    synk.distribute()
+    direct_tiny, X = tiny_direct()
+    x_dat = synk.data(X)
+    w2 = pytensor.shared(np.zeros(4, "float32"))
+    direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
+    assert float(tiny(x_dat)[0]) == float(np.asarray(direct_tiny(X)))
+    # the direct call returns a host value too, as a synkhronos call does
+    return {"tiny": (lambda: tiny(x_dat), lambda: np.asarray(direct_tiny(X))),
+            "empty": (lambda: empty(), lambda: direct_empty())}
+
+
 def call_overhead(rounds=40, calls=50):
     """Median per-call time through synkhronos vs the same compiled function called directly.
 
@@ -33,21 +51,9 @@ def call_overhead(rounds=40, calls=50):
     all calls. A third column times the direct call while another process
     runs it at the same time (what every device of a synkhronos call does).
     """
-    x = pt.vector("x", dtype="float32")
-    tiny = synk.function([x], [((x * 2 + 1).sum(), "sum")], name="tiny")
-    w = pytensor.shared(np.zeros(4, "float32"), name="w_empty")
-    empty = synk.function([], updates=[(w, w + 1)], name="empty")
-    synk.distribute()
-    direct_tiny, X = tiny_direct()
-    x_dat = synk.data(X)
-    w2 = pytensor.shared(np.zeros(4, "float32"))
-    direct_empty = pytensor.function([], [], updates=[(w2, w2 + 1)], mode="JAX")
-    assert float(tiny(x_dat)[0]) == float(np.asarray(direct_tiny(X)))
-    cases = [
-        # the direct call returns a host value too, as a synkhronos call does
-        ("tiny function (8 rows, a few scalar ops)", lambda: tiny(x_dat),
-         lambda: np.asarray(direct_tiny(X))),
-        ("empty function (inputs=[], one update)", lambda: empty(), lambda: direct_empty())]
+    made = call_cases()
+    cases = [("tiny function (8 rows, a few scalar ops)", *made["tiny"]),
+             ("empty function (inputs=[], one update)", *made["empty"])]
     rows = []
     for name, synk_call, direct_call in cases:
         blocks = []
