@@ -30,6 +30,7 @@ rendezvous: its loss ends the run on every node.
 
 import argparse
 import os
+import re
 import runpy
 import signal
 import sys
@@ -67,13 +68,10 @@ def parse_args(argv):
     parser.add_argument("script", help="the script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     args = parser.parse_args(argv)
-    low, colon, high = args.nnodes.partition(":")
-    try:
-        if colon and not high:
-            raise ValueError(args.nnodes)
-        args.min_nodes, args.max_nodes = int(low), int(high or low)
-    except ValueError:
+    counts = re.fullmatch(r"([0-9]+)(?::([0-9]+))?", args.nnodes, re.ASCII)
+    if counts is None:
         parser.error(f"--nnodes must be N or MIN:MAX (whole numbers), got {args.nnodes!r}")
+    args.min_nodes, args.max_nodes = int(counts[1]), int(counts[2] or counts[1])
     if not 1 <= args.min_nodes <= args.max_nodes:
         parser.error(f"--nnodes needs 1 <= MIN <= MAX, got {args.nnodes!r}")
     args.nnodes = args.max_nodes
@@ -93,6 +91,10 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not os.path.isfile(args.script):      # else an elastic run would try it K times
+        print(f"synkhronos.launch: the script {args.script!r} is not a file (looked for from "
+              f"{os.getcwd()})", file=sys.stderr)
+        sys.exit(2)
     # as fork() does for its own processes: XLA's warnings (one per process about the recoverable
     # tasks of the runtime) would drown the script's output; set it yourself to see everything
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -478,3 +478,19 @@ def test_restore_takes_any_count_as_shared_variables_only(synk2, tmp_path):
         assert synk.checkpoint.restore(path, [w], any_count=fine)["step"] == 1
     with pytest.raises(TypeError, match="any_count takes shared variables .* got 'w'"):
         synk.checkpoint.restore(path, [w], any_count=["w"])
+    with pytest.raises(TypeError, match="any_count takes shared variables .* got 5"):
+        synk.checkpoint.restore(path, [w], any_count=5)
+    other = pytensor.shared(np.zeros(4), name="other")
+    with pytest.raises(ValueError, match="any_count names other, which is not among the variables "
+                       "restored; .* give it in variables= too"):
+        synk.checkpoint.restore(path, [w], any_count=[other])
+    assert synk.checkpoint.restore(path, [w])["step"] == 1         # the runtime goes on
+
+
+def test_exists_finds_a_checkpoint_file_and_nothing_else(tmp_path):
+    """A directory at the path is no checkpoint; a file is (``restore`` reads what it holds)."""
+    (tmp_path / "a_directory").mkdir()
+    (tmp_path / "a_file").write_bytes(b"junk")
+    assert not synk.checkpoint.exists(tmp_path / "a_directory")
+    assert not synk.checkpoint.exists(tmp_path / "nothing")
+    assert synk.checkpoint.exists(tmp_path / "a_file")

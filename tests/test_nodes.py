@@ -730,10 +730,12 @@ def test_the_rendezvous_refuses_strangers_and_another_runs_launchers():
 
 def test_the_elastic_launcher_names_a_full_run_a_taken_port_and_a_half_range(capsys):
     """A launcher joining a run that has its MAX nodes is refused (the run goes on); node 0's
-    launcher on a taken port says so and ends; ``--nnodes 2:`` is no range."""
+    launcher on a taken port, or on an address not its machine's, says so and ends; ``--nnodes``
+    takes ASCII whole numbers N or MIN:MAX only; a script that is not there is refused at once."""
     import io
     import socket
 
+    from synkhronos.launch import main as launch_main
     from synkhronos.launch import parse_args
     from synkhronos.platform.elastic import run_elastic
     from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
@@ -760,6 +762,14 @@ def test_the_elastic_launcher_names_a_full_run_a_taken_port_and_a_half_range(cap
         said = io.StringIO()
         code = run_elastic("train.py", [], 0, f"127.0.0.1:{taken.getsockname()[1]}", 1, 2, 1, out=said)
     assert code == 1 and "cannot keep the rendezvous at" in said.getvalue(), said.getvalue()
-    with pytest.raises(SystemExit):
-        parse_args(["--nnodes", "2:", "--node-rank", "0", "--coordinator", "127.0.0.1:1", "t.py"])
-    assert "--nnodes must be N or MIN:MAX" in capsys.readouterr().err
+    said = io.StringIO()      # an address that is not this machine's is named as such
+    assert run_elastic("train.py", [], 0, "192.0.2.1:29400", 1, 2, 1, out=said) == 1
+    assert "give --coordinator an address of this machine" in said.getvalue(), said.getvalue()
+    for bad in ("2:", "1_0:2", " 2 : 3 ", "\uff12:\uff13", "2:3:4"):
+        with pytest.raises(SystemExit):
+            parse_args(["--nnodes", bad, "--node-rank", "0", "--coordinator", "127.0.0.1:1", "t.py"])
+        assert "--nnodes must be N or MIN:MAX" in capsys.readouterr().err, bad
+    with pytest.raises(SystemExit) as ended:       # not tried at every restart
+        launch_main(["--nnodes", "1:2", "--node-rank", "0", "--coordinator", "127.0.0.1:1",
+                     "--max-restarts", "2", "no_such_script.py"])
+    assert ended.value.code == 2 and "'no_such_script.py' is not a file" in capsys.readouterr().err

@@ -71,17 +71,26 @@ def _check_variables(variables):
     return variables
 
 
-def _check_any_count(any_count):
-    """``restore``'s ``any_count`` as a list of shared variables, or TypeError naming the fix."""
+def _check_any_count(any_count, variables):
+    """``restore``'s ``any_count`` as a list of shared variables among ``variables``, or an error
+    naming the fix."""
     if any_count is None:
         return []
     if isinstance(any_count, SharedVariable):
-        return [any_count]
-    items = list(any_count)
+        any_count = [any_count]
+    what = ("any_count takes shared variables (those of variables= whose per-device values may "
+            "come from another number of devices)")
+    try:
+        items = list(any_count)
+    except TypeError:
+        raise TypeError(f"{what}, got {any_count!r}") from None
     wrong = [item for item in items if not isinstance(item, SharedVariable)]
     if wrong:
-        raise TypeError(f"any_count takes shared variables (those of variables= whose per-device "
-                        f"values may come from another number of devices), got {wrong[0]!r}")
+        raise TypeError(f"{what}, got {wrong[0]!r}")
+    foreign = [item for item in items if not any(item is var for var in variables)]
+    if foreign:
+        raise ValueError(f"any_count names {foreign[0]}, which is not among the variables restored; "
+                         f"{what}: give it in variables= too, or leave it out of any_count")
     return items
 
 
@@ -314,7 +323,8 @@ def read(path: str | os.PathLike) -> tuple[dict, Any, dict]:
 def exists(path: str | os.PathLike) -> bool:
     """Whether a checkpoint file is at ``path``, on every node alike.
 
-    On several nodes every node looks; if some find it and some do not,
+    A regular file counts (a directory does not); :func:`restore` checks
+    what it holds. On several nodes every node looks; if some find it and some do not,
     every node raises ``FileNotFoundError`` naming those that do not (the
     checkpoint's directory must be on a file system every node reads).
 
@@ -324,7 +334,7 @@ def exists(path: str | os.PathLike) -> bool:
     False
     """
     path = os.fspath(path)
-    found = os.path.exists(path)
+    found = os.path.isfile(path)
     nodes = _nodes_if_running()
     if nodes is None:
         return found
@@ -396,7 +406,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     path = os.fspath(path)
     meta, extra, tensors = read_on_every_node(path)
     variables = default_variables() if variables is None else _check_variables(variables)
-    any_count = _check_any_count(any_count)
+    any_count = _check_any_count(any_count, variables)
     layout = meta["variables"]
     if len(layout) != len(variables):
         raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "

@@ -13,6 +13,7 @@ launcher is the rendezvous: its loss ends the run on every node.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -38,9 +39,10 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
     try:
         server = RendezvousServer(coordinator, min_nodes, max_nodes, job=job) if node_rank == 0 else None
     except OSError as e:
-        say(f"cannot keep the rendezvous at {coordinator} ({e.strerror or e}): "
-              f"another launcher with --node-rank 0 runs there, or the port is taken; start node 0 "
-              f"once, with a free port")
+        why = ("another launcher with --node-rank 0 runs there, or the port is taken; start node 0 "
+               "once, with a free port") if e.errno == errno.EADDRINUSE else \
+            "give --coordinator an address of this machine (node 0) and a free port"
+        say(f"cannot keep the rendezvous at {coordinator} ({e.strerror or e}): {why}")
         return 1
     try:
         client = RendezvousClient(server.address if server else coordinator, node_rank, join_timeout, job)

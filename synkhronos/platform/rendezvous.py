@@ -63,7 +63,8 @@ class RendezvousServer:
         self._members = {}          # connection -> (joined at, preferred node rank)
         self._waiting = set()       # connections that asked for the next round
         self._round, self._running, self._done = 0, [], set()
-        self._listener = socket.create_server((self.host, int(port)), reuse_port=False)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._listener = socket.create_server((self.host, int(port)), family=family, reuse_port=False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._closed = False
         self._threads = [threading.Thread(target=self._accept, name="synk-rendezvous", daemon=True),
