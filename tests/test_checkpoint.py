@@ -259,9 +259,14 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", [sync.Downpour(every=1), sync.EASGD(0.5, every=1, asynchronous=True),
                                   sync.RateLimited(every_n_batches=1, max_rate=1.0)], ids=repr)
-def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rng, tmp_path, rule):
-    """Resumed at step 4 of 8, the run trains steps 4..7 only, on the rows of those steps."""
+def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rng, tmp_path, rule,
+                                                                       monkeypatch):
+    """Resumed at step 4 of 8, the run trains steps 4..7 only, on the rows of those steps; the
+    checkpoint is read once (what the run checks in it is what it restores)."""
     from test_extensions import mlp
+
+    from synkhronos.api import checkpoint as api_checkpoint
+    read = api_checkpoint.read
     x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
     X, y, loss, params, _ = mlp(seed=13)
     step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
@@ -269,8 +274,11 @@ def test_a_resumed_asynchronous_run_continues_its_steps_and_data_order(synk2, rn
     first = train.run(step, x_np, y_np, 10, steps=4, sync=rule, checkpoint_dir=tmp_path,
                       checkpoint_every=2, check_every=2)
     assert [c.step for c in first] == [2, 4] and [sum(c.rows_per_device) for c in first] == [20, 20]
+    reads = []
+    monkeypatch.setattr(api_checkpoint, "read", lambda path: reads.append(path) or read(path))
     resumed = train.run(step, x_np, y_np, 10, steps=8, sync=rule, checkpoint_dir=tmp_path,
                         checkpoint_every=2, check_every=2, resume=True)
+    assert len(reads) == 1, reads
     assert [c.step for c in resumed] == [6, 8]
     # 4 steps of 10 rows, no more: the devices claim the units of steps 4 to 7, whose rows are
     # positions 40 to 79 of the epochs' orders

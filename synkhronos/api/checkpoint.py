@@ -402,9 +402,18 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     dict
         ``{"step": ..., "extra": ...}`` as given to :func:`save`.
     """
-    state = current()
     path = os.fspath(path)
-    meta, extra, tensors = read_on_every_node(path)
+    return restore_read(path, read_on_every_node(path), variables, any_count)
+
+
+@serialized
+def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequence[SharedVariable] | None = None,
+                 any_count: Collection[SharedVariable] = ()) -> dict:
+    """:func:`restore` from ``contents``, what :func:`read_on_every_node` read at ``path`` (named in
+    the messages): a caller that looked into the checkpoint first sets the variables from the same
+    read, not from a second one of a file that may have changed since."""
+    state = current()
+    meta, extra, tensors = contents
     variables = default_variables() if variables is None else _check_variables(variables)
     any_count = _check_any_count(any_count, variables)
     layout = meta["variables"]

@@ -63,7 +63,8 @@ class RunCheckpoints:
             self._resumed = self._restore()
 
     def _restore(self):
-        meta, saved, tensors = checkpoint.read_on_every_node(self.path)
+        contents = checkpoint.read_on_every_node(self.path)
+        meta, saved, tensors = contents
         saved = saved if isinstance(saved, dict) else {}
         differences = _order_difference(saved.get("order"), self.order)
         if differences is None:
@@ -91,7 +92,7 @@ class RunCheckpoints:
         self.written_on = (layout.get("nodes"), meta["n_devices"])
         # the center is the run's parameters: every device starts from it, on any number of devices
         any_count = self.own_state + (self.synced if from_center else [])
-        step = checkpoint.restore(self.path, self.variables, any_count=any_count)["step"]
+        step = checkpoint.restore_read(self.path, contents, self.variables, any_count=any_count)["step"]
         if not is_whole(step, at_least=0):          # a str or a float is not whole either
             raise ValueError(f"the checkpoint {self.path} records the step {step!r}, not a whole "
                              f"number of steps; it is damaged: use another checkpoint_dir")
