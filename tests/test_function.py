@@ -659,3 +659,28 @@ def test_an_updated_variable_shaped_like_the_calls_rows_warns_once(synk2):
     with warnings.catch_warnings():
         warnings.simplefilter("error", synk.LocalUpdatesWarning)
         g(X)
+
+
+def test_a_call_hands_over_only_its_own_shared_variables(synk2):
+    """A call takes to the devices, and gives back as numpy, only its own function's shared
+    variables: another function's keep the very arrays user code holds, and a value the user sets
+    on one of them is what that function's next call reads."""
+    a = pytensor.shared(np.arange(4.0), name="a_own")
+    others = [pytensor.shared(np.full(3, float(i)), name=f"other_{i}") for i in range(5)]
+    bump_a = synk.function([], [(a.sum(), None)], updates=[(a, a + 1)], name="bump_a")
+    double = synk.function([], [(pt.add(*[o.sum() for o in others]), None)],
+                           updates=[(o, o * 2) for o in others], name="double_others")
+    synk.distribute()
+    assert float(double()[0]) == 3 * sum(range(5))
+    held = [o.get_value(borrow=True) for o in others]
+    assert all(type(h) is np.ndarray for h in held)
+    for expected in (6.0, 10.0, 14.0):
+        assert float(bump_a()[0]) == expected
+    assert all(o.get_value(borrow=True) is h for o, h in zip(others, held))   # not touched
+    assert type(a.get_value(borrow=True)) is np.ndarray
+    np.testing.assert_array_equal(a.get_value(), np.arange(4.0) + 3)
+    others[0].set_value(np.full(3, 100.0))       # the master's value: its own share reads it
+    assert float(double()[0]) == 300.0 + 3 * sum(2.0 * i for i in range(1, 5))
+    np.testing.assert_array_equal(others[0].get_value(), np.full(3, 200.0))
+    np.testing.assert_array_equal(synk.get_value(1, others[1]), np.full(3, 4.0))    # the worker's
+    assert all(type(o.get_value(borrow=True)) is np.ndarray for o in others)

@@ -17,13 +17,14 @@ from typing import Any, Sequence, Union
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
+from pytensor.tensor.type import TensorType
 
 from ..comm.reduction import reduce_outputs
 from ..errors import WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
-from ..runtime.session import State, current, serialized
+from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
@@ -89,6 +90,14 @@ class Function:
                             for i, (var, mode) in enumerate(spec.outputs)]
         #: the validated plans of repeated calls
         self._kept = KeptPlans(state, spec, self._scratch)
+        #: the shared tensors a call reads or writes: only those go to the devices and back
+        self.touched = [var for var in dict.fromkeys(spec.shared_variables())
+                        if isinstance(var.type, TensorType)]
+
+    def touched_now(self, *_):
+        """The shared variables a call hands to the devices and back (None, every one, for a
+        function of a closed runtime, whose call raises)."""
+        return self.touched if self._state is active() else None
 
     @property
     def name(self) -> str:
@@ -164,7 +173,7 @@ class Function:
         return [_input_ref(d) for d in datas]
 
     # --- calling ---------------------------------------------------------------------------
-    @serialized
+    @serialized(touches=touched_now)
     def __call__(self, *args: Data | np.ndarray, batch: int | slice | Sequence[int] | None = None,
                  batch_s=None, num_slices: int = 1, output_subset: Sequence[int] | None = None,
                  **kwargs) -> np.ndarray | list[np.ndarray] | None:

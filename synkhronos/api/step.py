@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pytensor.tensor.type import TensorType
+
 from ..comm import Reservation
 from ..platform.values import stored
-from ..runtime.session import current, serialized
+from ..runtime.session import active, current, serialized
 from ..wire.collective import shapes_of
 from .collectives import (
     all_reduce,
@@ -89,11 +91,20 @@ class Step:
                             f"{len(update.spec.all_inputs)}; give it none")
         self.call, self.update, self.op = call, update, op
         self.reduced, _ = resolve_shareds(reduced)
+        #: what a step hands to the devices and back: the call's variables, the update's, the reduced
+        self.touched = list(dict.fromkeys(call.touched + update.touched + [
+            var for var in self.reduced if isinstance(var.type, TensorType)]))
         self._tail: StepTail | None = None
         self._shapes = None
         self._command(current())         # checks the op against the variables' dtypes
 
-    @serialized
+    def touched_now(self, *_):
+        """The shared variables a step hands to the devices and back (None, every one, when its
+        functions belong to a closed runtime: the step raises)."""
+        state = active()
+        return self.touched if self.call._state is state and self.update._state is state else None
+
+    @serialized(touches=touched_now)
     def __call__(self, *args, **call_kwargs):
         """Run the step with the call's arguments (``batch=``, ``num_slices=`` ...); return what the
         call returns."""

@@ -11,6 +11,7 @@ during a command).
 """
 
 import ctypes
+import math
 import sys
 import weakref
 from typing import Any
@@ -81,18 +82,19 @@ def host_face(value):
     >>> type(face).__name__, face.flags.writeable, device_face(face).tolist()
     ('ndarray', True, [0.0, 1.0, 2.0])
     """
-    import jax
-    if not isinstance(value, jax.Array):
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(value, jax.Array):     # (no JAX imported: no device array)
         return value
     if jax.local_devices()[0].platform != "cpu" and next(iter(value.devices())).platform != "cpu":
         return value
-    nbytes = value.nbytes
+    shape, dtype = value.shape, value.dtype
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return value
     value.block_until_ready()
     memory = _bytes_type(nbytes).from_address(buffer_address(value))
     memory.device_array = value
-    return np.ndarray(value.shape, value.dtype, buffer=memory)
+    return np.ndarray(shape, dtype, buffer=memory)
 
 
 def _bytes_type(nbytes):

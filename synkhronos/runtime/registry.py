@@ -82,27 +82,34 @@ class Registry(Part):
         return self._by_uid[uid]
 
     # --- the master's values, as user code and as synkhronos see them ---------------------------
-    def values_to_user(self):
+    def values_to_user(self, scope=None):
         """Give user code the master's shared values as numpy arrays (:func:`host_face`).
 
         Called whenever a synkhronos call returns: the user's own PyTensor
         functions, in any mode, read the same shared variables. A variable
         whose device array the call left in place gets back the face it had
-        (:class:`~synkhronos.platform.values.KeptFace`).
+        (:class:`~synkhronos.platform.values.KeptFace`). ``scope``: the
+        variables the call touched (those :meth:`values_to_devices` was given;
+        None: every one).
         """
-        faces = {}
-        for var in self._tensors:
+        faces = self._faces
+        for var in self._in(scope):
             cell = storage_cell(var)
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
-                cell[0], faces[var] = kept.restore(device), kept
+                cell[0] = kept.restore(device)
                 continue
             device = stored(var)
             face = host_face(device)
             store(var, face)
             if face is not device:
                 faces[var] = KeptFace(device, face)
-        self._faces = faces
+            else:
+                faces.pop(var, None)
+
+    def _in(self, scope):
+        """The tensors a command touches: ``scope`` (a function's own), or every one (None)."""
+        return self._tensors if scope is None else scope
 
     def _kept_face(self, var, value):
         """``(kept, device)``: ``var``'s KeptFace (or None), and its device array if ``value`` is
@@ -110,8 +117,9 @@ class Registry(Part):
         kept = self._faces.get(var)
         return kept, (kept.device_if_current(value) if kept is not None else None)
 
-    def values_to_devices(self):
-        """Take the master's shared values back as device arrays, before a synkhronos call.
+    def values_to_devices(self, scope=None):
+        """Take the master's shared values back as device arrays, before a synkhronos call
+        (``scope``: only those variables, the call's own; None: every one).
 
         A host face becomes its device array again; a numpy value the user set
         is copied to the device (every rank computes on device arrays). While
@@ -120,7 +128,7 @@ class Registry(Part):
         host face of its device array instead.
         """
         held = faces_held()
-        for var in self._tensors:
+        for var in self._in(scope):
             value = storage_cell(var)[0]
             kept, device = self._kept_face(var, value)
             if device is None and type(value) is np.ndarray:

@@ -55,13 +55,23 @@ class _Lifecycle:
 _life = _Lifecycle()
 
 
-def serialized(fn):
+def serialized(fn=None, *, touches=None):
     """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
 
     Two threads calling functions at once would otherwise write their commands
     into the same control block and read each other's results. A Ctrl-C inside
     ``fn`` shuts the runtime down (:func:`~.interrupts.shut_down_after`).
+
+    Around the outermost such call the master's shared values go to the devices
+    and come back as numpy faces for user code
+    (:meth:`~synkhronos.runtime.registry.Registry.values_to_devices`). ``touches(*args)``,
+    if given, names the shared variables the command reads or writes (a function's
+    own; None: every one): only those make the trip, so a call costs the same
+    however many variables the other functions hold.
     """
+    if fn is None:
+        return functools.partial(serialized, touches=touches)
+
     @functools.wraps(fn)
     def locked(*args, **kwargs):
         # one frame between the caller and ``fn``: the warnings' stacklevels and the reports'
@@ -69,10 +79,12 @@ def serialized(fn):
         with _life.lock:
             outermost, state = _life.depth == 0, _life.state
             _life.depth += 1
+            scope = None
             try:
                 if outermost and state is not None:
+                    scope = touches(*args) if touches is not None else None
                     hold_faces(other_threads_alive())
-                    state.registry.values_to_devices()
+                    state.registry.values_to_devices(scope)
                 return fn(*args, **kwargs)
             except WorkerError as e:
                 if not outermost or verbose():
@@ -89,7 +101,7 @@ def serialized(fn):
                 _life.depth -= 1
                 if outermost:
                     if _life.state is not None and _life.state.is_open:
-                        _life.state.registry.values_to_user()
+                        _life.state.registry.values_to_user(scope if _life.state is state else None)
                     hold_faces(False)
     return locked
 
