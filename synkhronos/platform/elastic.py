@@ -58,15 +58,14 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             # waiting for a round is bounded; waiting, done, for the other nodes to finish is not
             message = client.next_message(None if done else join_timeout)
             if message is None:
-                say(f"no round started within {join_timeout:.0f} s: fewer than "
-                      f"{min_nodes} nodes' launchers joined the rendezvous at {coordinator}")
+                say(f"no round started within {join_timeout:.0f} s: fewer than {min_nodes} nodes' "
+                    f"launchers joined the rendezvous at {coordinator}")
                 return 1
             kind = message["kind"]
             if kind == "finished":
                 return 0
             if kind == "refused":
-                say(f"the rendezvous at {coordinator} refused this launcher: "
-                      f"{message.get('why')}")
+                say(f"the rendezvous at {coordinator} refused this launcher: {message.get('why')}")
                 return 1
             if kind == "restart" and message.get("round") == round_:
                 done = False
@@ -88,16 +87,15 @@ def run_elastic(script, args, node_rank, coordinator, min_nodes, max_nodes, max_
             if ended is not None:
                 client.tell("failed", why=f"node {message['node_rank']}'s script exited with {ended}")
             if restarts > max_restarts:
-                say(f"round {round_} ended ({why}); --max-restarts "
-                      f"{max_restarts} exhausted; giving up")
+                say(f"round {round_} ended ({why}); --max-restarts {max_restarts} exhausted; giving up")
                 return 1
             counted = ("starting again (a node joining is no failure: --max-restarts counts failures)"
                        if joined else f"restart {restarts} of {max_restarts}")
             say(f"round {round_} ended ({why}); {counted}")
             client.join()
     except RendezvousLost:
-        say("node 0's launcher (the rendezvous) was lost; the run ends on every "
-              "node (start every node's launcher again to go on from the last checkpoint)")
+        say("node 0's launcher (the rendezvous) was lost; the run ends on every node (start every "
+            "node's launcher again to go on from the last checkpoint)")
         return 1
     finally:
         _stop(child)

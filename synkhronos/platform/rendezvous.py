@@ -44,8 +44,13 @@ def _send(sock, message):
     sock.sendall((json.dumps(message) + "\n").encode())
 
 
+def _family(host):
+    """The address family of ``host`` (an IPv6 literal holds a colon)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _free_port(host):
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -63,8 +68,8 @@ class RendezvousServer:
         self._members = {}          # connection -> (joined at, preferred node rank)
         self._waiting = set()       # connections that asked for the next round
         self._round, self._running, self._done = 0, [], set()
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._listener = socket.create_server((self.host, int(port)), family=family, reuse_port=False)
+        self._listener = socket.create_server((self.host, int(port)), family=_family(self.host),
+                                              reuse_port=False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._closed = False
         self._threads = [threading.Thread(target=self._accept, name="synk-rendezvous", daemon=True),
