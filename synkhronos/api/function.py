@@ -24,6 +24,7 @@ from ..errors import WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
+from ..runtime.calls import FusedOutputs
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
@@ -232,10 +233,11 @@ class Function:
             trace.begin("call", self.name, since)
             trace.mark("plan")
         try:
-            rows, columns = state.calls.run(plan, result_record(self.spec, plan), tail)
+            ran = state.calls.run(plan, result_record(self.spec, plan), tail)
             if since is not None:
                 trace.mark("wait for devices")
-            outputs = self._reduce(plan, rows, columns)
+            # a fused step's outputs were reduced inside its program (device arrays, not waited for)
+            outputs = ran if isinstance(ran, FusedOutputs) else self._reduce(plan, *ran)
         except WorkerError as e:
             if e.how == "raised":
                 add_hint(e, self._call_rows(plan), self.spec)

@@ -12,11 +12,11 @@ subclass of one's own (importable by the workers under the same module path).
 
 import importlib
 
-from .base import Comm, CommContext, Reservation
+from .base import Comm, CommContext, ProgramReducer, Reservation
 from .jax_runtime import JaxComm
 from .shm import ShmComm
 
-__all__ = ["Comm", "CommContext", "Reservation", "JaxComm", "ShmComm", "KINDS", "default_kind",
+__all__ = ["Comm", "CommContext", "ProgramReducer", "Reservation", "JaxComm", "ShmComm", "KINDS", "default_kind",
            "comm_class", "class_path"]
 
 #: the implementations ``fork(collectives=...)`` knows by name

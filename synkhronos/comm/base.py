@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
-__all__ = ["Comm", "CommContext", "Reservation"]
+__all__ = ["Comm", "CommContext", "Reservation", "ProgramReducer"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,35 @@ class Reservation:
     result_consumed: bool = False
 
 
+class ProgramReducer:
+    """Reductions across ranks inside one compiled program: the identity, on one rank.
+
+    A fused training step (:mod:`synkhronos.rank.fused`) traces its body once
+    per rank and calls :meth:`reduce` where a value is reduced across ranks;
+    :meth:`wrap` makes the body the program every rank runs, and
+    :meth:`globals_of` / :meth:`locals_of` turn this rank's values into the
+    program's arguments and its results back (on one rank: the values
+    themselves). :meth:`Comm.program_reducer` gives the one of a collective
+    implementation that can reduce inside a program.
+    """
+
+    def reduce(self, x: Any, mode: str | None) -> Any:
+        """``x`` reduced across ranks by ``mode`` (sum, avg, max, min; None: this rank's own)."""
+        return x
+
+    def wrap(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        """The program every rank runs, from the per-rank ``body``."""
+        return body
+
+    def globals_of(self, tree: Any) -> Any:
+        """This rank's values (a pytree of device arrays) as the program's arguments."""
+        return tree
+
+    def locals_of(self, tree: Any) -> Any:
+        """The program's results as this rank's values."""
+        return tree
+
+
 class Comm(ABC):
     """Collectives among the ranks of one runtime, each process with its single local device.
 
@@ -118,6 +147,11 @@ class Comm(ABC):
     @abstractmethod
     def broadcast(self, values: Sequence, root: int) -> list:
         """``root``'s values on every rank."""
+
+    def program_reducer(self) -> ProgramReducer | None:
+        """How a compiled program reduces across the ranks inside itself, or None if this
+        implementation reduces only between programs (in host memory, say)."""
+        return None
 
     def reserve(self, reservation: Reservation) -> None:
         """Master, before the collective's command goes out: make room for it (nothing by default)."""

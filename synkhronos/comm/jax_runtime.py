@@ -11,10 +11,10 @@ import sys
 
 import numpy as np
 
-from .base import Comm
+from .base import Comm, ProgramReducer
 from .reduction import GATHER, Reduce
 
-__all__ = ["JaxComm"]
+__all__ = ["JaxComm", "MeshReducer"]
 
 _AXIS = "d"
 
@@ -77,6 +77,7 @@ class JaxComm(Comm):
         self._bodies = _bodies()
         self._programs = {}
         self._connected = False
+        self._reducer = None
 
     def _program(self, key, body):
         import jax
@@ -111,6 +112,11 @@ class JaxComm(Comm):
             out = self._program(key, body)(glob).addressable_data(0)
         return out.astype(jnp.bool_) if bool_input else out
 
+    def program_reducer(self):
+        if self._reducer is None:
+            self._reducer = MeshReducer(self.mesh, self.n_ranks)
+        return self._reducer
+
     def all_reduce(self, values, op):
         return _unflat(self._run(op, self._bodies[op], _flat(values)), values)
 
@@ -122,6 +128,47 @@ class JaxComm(Comm):
 
     def broadcast(self, values, root):
         return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
+
+
+class MeshReducer(ProgramReducer):
+    """Reductions inside one program over the runtime's 1-D mesh of every process's device.
+
+    The program is ``shard_map`` of the per-rank body over the mesh. Every
+    rank's value enters as it is on its device: each is declared the replica
+    of one global value (``PartitionSpec()``), and the body, unchecked
+    (``check_vma=False``), reads its own device's; its results are read back
+    the same way. So nothing is copied or reshaped on the way in or out, a
+    donated value's buffer can take its new value, and ranks may hold
+    different values (their own rows), as long as every rank's have the same
+    shapes: the program is one for all of them.
+    """
+
+    def __init__(self, mesh, n_ranks):
+        self.mesh, self.n_ranks = mesh, n_ranks
+        self._reduce = _bodies()
+
+    def reduce(self, x, mode):
+        return x if mode is None else self._reduce[mode](x)
+
+    def wrap(self, body):
+        import jax
+        from jax.sharding import PartitionSpec
+
+        def program(*glob):
+            return jax.shard_map(body, mesh=self.mesh, in_specs=PartitionSpec(),
+                                 out_specs=PartitionSpec(), check_vma=False)(*glob)
+        return program
+
+    def globals_of(self, tree):
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree_util.tree_map(
+            lambda a: jax.make_array_from_single_device_arrays(a.shape, replicated, [a]), tree)
+
+    def locals_of(self, tree):
+        import jax
+        return jax.tree_util.tree_map(lambda a: a.addressable_data(0), tree)
 
 
 @contextlib.contextmanager

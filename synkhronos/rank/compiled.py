@@ -280,6 +280,12 @@ class CompiledFunction:
         one that defers its updates): each continues the one stream, never
         starts it again. ``undo``, an :class:`~.undo.UndoLog`, goes to the runner.
         """
+        self.continue_streams(runner)
+        return runner(*args) if undo is None or self.reference else runner(*args, undo=undo)
+
+    def continue_streams(self, runner):
+        """Bring ``runner``'s random generators to where the last graph run left them (see
+        :meth:`_invoke`): what a program built from ``runner``'s graph does first too."""
         streams = getattr(runner, "streams", None)      # (the reference runs PyTensor's function)
         if streams and self._streams_at is not None and self._streams_at is not streams:
             for generator, cell in streams.items():
@@ -287,7 +293,22 @@ class CompiledFunction:
                     cell[0] = self._streams_at[generator][0]
         if streams:
             self._streams_at = streams
-        return runner(*args) if undo is None or self.reference else runner(*args, undo=undo)
+
+    def settled_runner(self, row_shapes):
+        """The runner a call whose row-carrying arguments have ``row_shapes`` runs (updates
+        applied), once a call has found which graph serves them; else None.
+
+        A fused step (:mod:`.fused`) builds its program from that runner's graph,
+        the graph the careful first run of these shapes ran.
+        """
+        if self.reference:
+            return None
+        row_shapes = tuple(row_shapes)
+        if self.by_rows or row_shapes in self._shapes_first:
+            return self._for_shapes(row_shapes, True)
+        if self.by_rows is False and self._run is not None and (self._free_rows_ran or not self._row_args):
+            return self._run
+        return None
 
     def _for_shapes(self, shapes, updates):
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
@@ -364,14 +385,12 @@ class CompiledFunction:
             self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
-            result = self._invoke(self._for_args(args, updates), args, undo)
+            result = self._invoke(self._for_shapes([args[i].shape for i in self._row_args], updates),
+                                  args, undo)
         except Exception:
             raise failure from None
         self._settle(True)
         return result
-
-    def _for_args(self, args, updates):
-        return self._for_shapes([args[i].shape for i in self._row_args], updates)
 
     def function_for(self, row_shapes):
         """The PyTensor function a call whose row-carrying arguments have ``row_shapes`` runs

@@ -69,6 +69,24 @@ class RankContext:
     topology: Any = None
     undo: UndoLog = field(default_factory=UndoLog)
     _comm: Any = field(default=None, repr=False)
+    _programs: Any = field(default=None, repr=False)
+    _uploads: Any = field(default=None, repr=False)
+
+    @property
+    def step_programs(self):
+        """The fused step programs this rank built (see :mod:`.fused`), made at first use."""
+        if self._programs is None:
+            from .fused import StepPrograms
+            self._programs = StepPrograms()
+        return self._programs
+
+    @property
+    def uploads(self):
+        """This rank's small step arguments on the device (see :class:`~.executor.ArgUploads`)."""
+        if self._uploads is None:
+            from .executor import ArgUploads
+            self._uploads = ArgUploads()
+        return self._uploads
 
     @property
     def comm(self):
@@ -104,6 +122,11 @@ class RankContext:
             execute()
             run_update(update, self.undo)
         return run
+
+    def fused_step(self, plan, words, update_fid):
+        """The step's program on this rank (see :mod:`.fused`), or None if it cannot be one."""
+        from .executor import fused_step_of
+        return fused_step_of(self, plan, words, update_fid)
 
     def device_loop(self, spec, center, beat):
         """This rank's part of the device-driven loop ``spec`` (see :class:`~.loop.DeviceLoop`)."""

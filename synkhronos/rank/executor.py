@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..comm.reduction import Accumulator
-from ..platform.device_arrays import private_empty
+from ..platform.device_arrays import adopt, private_empty, to_device
 from ..platform.values import stored
 from ..tracing import trace
 from ..wire.batch import chunk
 from .rows import gather_rows
 
-__all__ = ["Share", "share_of", "run_share", "run_update", "rows_of", "along"]
+__all__ = ["Share", "share_of", "run_share", "run_update", "rows_of", "along", "fused_step_of",
+           "run_fused_share", "device_rows", "ArgUploads"]
 
 
 def along(axis, rows):
@@ -178,3 +179,133 @@ def run_update(compiled, undo=None):
     compiled.run([], undo)
     if trace.on:
         trace.end("compute")
+
+
+class ArgUploads:
+    """A fused step's host arguments on the device, each sent by one explicit transfer.
+
+    Rows are copied into private buffers first (a Data's memory may be
+    rewritten as soon as the call returns, while the program still runs). A
+    small argument (a step's batch rows) that holds the same bytes as at the
+    last call is not sent again: the device copy made then is reused.
+    """
+
+    SMALL = 256
+
+    def __init__(self):
+        self._small: dict = {}
+
+    def put(self, position, host):
+        """``host`` (numpy) on this process's device."""
+        host = np.asarray(host)
+        if host.nbytes <= self.SMALL:
+            key = (host.dtype.str, host.shape, host.tobytes())
+            kept = self._small.get(position)
+            if kept is not None and kept[0] == key:
+                return kept[1]
+            device = to_device(host)
+            self._small[position] = (key, device)
+            return device
+        return to_device(host)
+
+
+def device_rows(host, private=False):
+    """Rows gathered on the host as a device array, sent by one explicit transfer.
+
+    ``private``: ``host`` is a buffer of :func:`~synkhronos.platform.device_arrays.private_empty`
+    that nothing writes again, which the device adopts (on CPU without a copy); anything else (a
+    view of a Data, which the user may rewrite while the program still runs) is copied first.
+    """
+    return adopt(host) if private else to_device(host)
+
+
+def fused_step_of(context, plan, tail_words, update_fid):
+    """The fused program of a step (``plan``'s share, its tail's all-reduce, ``update_fid``) on
+    this rank, built at first use; None if the step cannot run as one program here."""
+    from ..comm.reduction import Reduce
+    from .fused import FUSED_MODES, StepProgram, fused_graph
+    compiled, update = context.function(plan.fid), context.function(update_fid)
+    words_kind, uids, op_code = tail_words.get(), tail_words.get_list(), tail_words.get()
+    if len(uids) != 1:
+        return None
+    reduced = context.variable(uids[0])
+    op = Reduce.of_code(op_code)
+    shapes = _row_shapes_of(context, plan, compiled)
+    key = (plan.fid, update_fid, uids[0], op, tuple(plan.subset), shapes)
+
+    def build():
+        runner = compiled.settled_runner(shapes)
+        upd_runner = update.settled_runner(())
+        if runner is None or upd_runner is None or runner.runs_host_code() or upd_runner.runs_host_code():
+            return None
+        grad_graph, upd_graph = fused_graph(runner.fn), fused_graph(upd_runner.fn)
+        modes = [compiled.output_modes[i] for i in plan.subset]
+        if grad_graph is None or upd_graph is None or any(m not in FUSED_MODES for m in modes):
+            return None
+        reducer = _reducer(context)
+        if reducer is None:
+            return None
+        import jax
+        dtypes = [jax.dtypes.canonicalize_dtype(compiled.spec.outputs[i][0].type.dtype) for i in plan.subset]
+        n_plain = len(compiled.spec.all_inputs)
+        gathers = tuple(range(n_plain, n_plain + len(compiled.spec.sliceable_shareds)))
+        program = StepProgram(grad_graph, upd_graph, reduced.container.storage, op, plan.subset,
+                              modes, dtypes, reducer, gathers)
+        program.runners = (compiled, runner, update, upd_runner)
+        return program
+    del words_kind
+    return context.step_programs.get(key, build)
+
+
+def _reducer(context):
+    from ..comm import ProgramReducer
+    if context.n_ranks == 1:
+        return ProgramReducer()
+    return context.comm.program_reducer()
+
+
+def _row_shapes_of(context, plan, compiled):
+    """The shapes of this rank's row-carrying arguments in ``plan`` (what picks the graph)."""
+    rank, n_ranks = context.share_of_call(plan)
+    share = share_of(plan, rank, n_ranks)
+    rows = share.hi - share.lo
+    shapes = []
+    for ref in plan.scattered:
+        shape = list(ref.shape)
+        shape[ref.axis] = rows
+        shapes.append(tuple(shape))
+    if compiled.spec.sliceable_shareds:
+        sliced = plan.sliced[rank]
+        for s in compiled.spec.sliceable_shareds:
+            shapes.append((sliced.total,) + tuple(np.shape(stored(s))[1:]))
+    return tuple(shapes)
+
+
+def run_fused_share(context, plan, program):
+    """This rank's share of a step, run as one program (see :mod:`.fused`): the rows gathered on
+    the host and sent, or the indices of device-resident rows; returns ``(rows, outputs)``, the
+    outputs reduced across ranks inside the program (device arrays)."""
+    compiled, view_of = context.function(plan.fid), context.view
+    rank, n_ranks = context.share_of_call(plan)
+    share = share_of(plan, rank, n_ranks)
+    uploads = context.uploads
+    args = []
+    for ref in plan.scattered:
+        rows = rows_of(view_of(ref), plan.batch, share.lo, share.hi, ref.offset, private_empty, ref.axis)
+        args.append(device_rows(rows, private=not plan.batch.is_range))    # (a range is a view)
+    n = len(args)
+    args += [uploads.put((plan.fid, n + k), view_of(ref)) for k, ref in enumerate(plan.bcast)]
+    if compiled.spec.sliceable_shareds:
+        sliced = plan.sliced[rank]
+        indices = sliced.indices if not sliced.is_range else np.arange(sliced.start, sliced.stop)
+        device_indices = to_device(np.asarray(indices, dtype=np.int32))
+        args += [(stored(s), device_indices) for s in compiled.spec.sliceable_shareds]
+    grad, runner, update, upd_runner = program.runners
+    grad.continue_streams(runner)
+    update.continue_streams(upd_runner)
+    if trace.on:
+        trace.mark("gather rows")
+    results = program(args)
+    if trace.on:
+        trace.mark("compute")
+    return share.rows, results

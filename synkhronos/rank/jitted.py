@@ -145,7 +145,12 @@ def jitted_call(fn):
             graph.lower(*avals).compile()
         return compile_
 
+    def runs_host_code():
+        """Whether the graph this function runs calls host code (True until its first call)."""
+        return chosen[1] if chosen else True
+
     call.fn = fn  # type: ignore[attr-defined]  # a function with its program attached
+    call.runs_host_code = runs_host_code  # type: ignore[attr-defined]  # known after the first call
     call.compile_ahead = compile_ahead  # type: ignore[attr-defined]  # a function with its program attached
     return call
 

@@ -19,12 +19,17 @@ import contextlib
 
 import numpy as np
 
-from ..rank.executor import run_share
+from ..platform.values import faces_held
+from ..rank.executor import run_fused_share, run_share
 from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from .part import Part
 
-__all__ = ["Calls"]
+__all__ = ["Calls", "FusedOutputs"]
+
+
+class FusedOutputs(list):
+    """A fused step's outputs, reduced across the ranks inside its program (device arrays)."""
 
 
 class Calls(Part):
@@ -91,7 +96,13 @@ class Calls(Part):
             if rows:
                 ctl.put_record(record, local_master, outs)
 
+        fused = self._fused_program(plan, tail) if tail is not None and not keep_all else None
+        ctl.header[ControlBlock.FUSED] = fused is not None
         try:
+            if fused is not None:
+                rows, values = channel.fused_step(lambda: self._fused_local(plan, fused),
+                                                  state.n_parallel > 1, kind=(Op.STEP, plan.fid))
+                return FusedOutputs(values)
             if tail is None:
                 outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
             else:
@@ -122,6 +133,41 @@ class Calls(Part):
                 self._undo()          # another node failed: this one's call did not happen either
                 raise
         return (rows, columns) if plan.subset else (None, [])
+
+    def _fused_program(self, plan, tail):
+        """The master's program of a step run as one program on every rank, or None if it cannot be.
+
+        A step is one program (:mod:`synkhronos.rank.fused`) on one node, once
+        its shapes have run everywhere, while no other thread reads the
+        variables, in one slice, and on several devices only through a
+        collective implementation that reduces inside a program, with every
+        rank's share of the same size (shard_map needs equal shapes).
+        """
+        state = self._state
+        if state.nodes is not None or faces_held() or plan.num_slices != 1:
+            return None
+        n = state.n_parallel
+        if n > 1:
+            if state.context.comm.program_reducer() is None:
+                return None
+            counts = [b.total for b in plan.sliced] if plan.sliced else \
+                [hi - lo for lo, hi in plan.split(n)] if plan.scattered else []
+            if len(set(counts)) > 1:
+                return None
+        ctl = state.channel.ctl
+        args = ctl.args
+        tail.fill(Words(args[STEP_COLLECTIVE_AT:]))
+        ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
+        state.context.undo.begin(False)
+        return state.context.fused_step(plan, Words(args[STEP_COLLECTIVE_AT:]), tail.update_fid)
+
+    def _fused_local(self, plan, program):
+        """The master's part of a fused step: its share, run as one program."""
+        rows, values = run_fused_share(self._state.context, plan, program)
+        if self._state.n_parallel > 1:
+            import jax
+            jax.block_until_ready(values)        # its collective is done when the command is
+        return rows, values
 
     def forget_shapes(self):
         """Count no call's shapes as run everywhere: a shared variable may have another shape on

@@ -146,6 +146,27 @@ class Channel:
         return self._on_own_cores_if_long(kind, self._two_phases, Op.STEP, local_prepare,
                                           waits_in_python, None, "a training step")
 
+    def fused_step(self, local, in_collective, kind):
+        """Run a training step that every rank runs as one program, in one phase.
+
+        Its shapes have run on every rank before (the first run of a step goes
+        through :meth:`step`), so nothing is left to vote on: every rank runs
+        its program at once. ``in_collective``: the program reduces across the
+        ranks inside itself, so this rank's part runs in a thread watched from
+        this one (a dead or stalled peer shuts the runtime down, as in any
+        collective); otherwise (one rank) it runs here.
+        """
+        return self._on_own_cores_if_long(kind, self._fused_step, local, in_collective)
+
+    def _fused_step(self, local, in_collective):
+        ranks = self.worker_ranks
+        if not in_collective:
+            return self._command(Op.STEP, ranks, local)
+        self.ctl.post_command(Op.STEP, ranks)
+        result = self.watch.run_in_thread(local, ranks, what="a training step")
+        self.reports.raise_for(None, ranks)
+        return result
+
     def _two_phases(self, opcode, local_prepare, waits_in_python, agree, what):
         """The body of :meth:`collective` and :meth:`step`."""
         ranks = self.worker_ranks

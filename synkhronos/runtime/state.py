@@ -278,10 +278,10 @@ class State:
         On one node, unless every rank's CPU pool spreads over every core
         (``threads_per_device`` = all of them): there the ranks' gradient programs
         fall out of balance under the one-command step, and three commands per
-        step run faster (see docs/design.md).
+        step run faster (see docs/design.md). One device has no ranks to balance.
         """
-        return self.nodes is None and not (self.platform == "cpu" and
-                                           self.channel.local_cores is None)
+        return self.nodes is None and (self.n_parallel == 1 or not (
+            self.platform == "cpu" and self.channel.local_cores is None))
 
     def check_open(self):
         if not self.is_open:

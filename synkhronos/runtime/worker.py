@@ -233,13 +233,33 @@ class Worker:
 
     def step(self):
         """A training step: this rank's share of the call and the collective's preparation; then,
-        on the master's word, the collective and the update function (see ``Channel.step``)."""
+        on the master's word, the collective and the update function (see ``Channel.step``).
+        A step whose shapes ran everywhere before is one program, in one phase
+        (``Channel.fused_step``)."""
+        if self.ctl.header[ControlBlock.FUSED]:
+            return self.fused_step()
+
         def prepare():
             rows = self.call()
             tail = self.context.step_tail(Words(self.ctl.args[STEP_COLLECTIVE_AT:]),
                                           int(self.ctl.header[ControlBlock.UPDATE_FID]))
             return tail, rows
         return self._two_phases(prepare)
+
+    def fused_step(self):
+        """This rank's share of a step as one program (see ``synkhronos.rank.fused``)."""
+        import jax
+
+        from ..rank.executor import run_fused_share
+        plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
+        program = self.context.fused_step(plan, Words(self.ctl.args[STEP_COLLECTIVE_AT:]),
+                                          int(self.ctl.header[ControlBlock.UPDATE_FID]))
+        if program is None:
+            raise RuntimeError(f"rank {self.grank} cannot run the step as one program, as the master "
+                               f"does (its graphs differ)")
+        rows, values = run_fused_share(self.context, plan, program)
+        jax.block_until_ready(values)      # its collective finished, its errors raised here
+        return rows
 
     def _two_phases(self, prepare):
         """``prepare()`` (returning ``(execute, rows)``), report, wait for the master's decision,

@@ -108,6 +108,7 @@ class Header(enum.IntEnum):
     PLAN_GEN = 6
     UPDATE_FID = 7
     KEEP_UNDO = 8     # a CALL or STEP: 1 if every rank keeps what all its updates replace (see rank.undo)
+    FUSED = 9         # a STEP: 1 if every rank runs it as one program, in one phase (see rank.fused)
 
 
 class Field(enum.IntEnum):
@@ -199,7 +200,7 @@ class ControlBlock:
     # the header's fields and a status row's, as names of the block: plain ints, because numpy
     # indexes with an int subclass (an IntEnum member) by a slower path, on every command
     OPCODE, PAYLOAD_GEN, PAYLOAD_NBYTES, MASTER_RANK, DECISION, PLAN_SLOT, PLAN_GEN, UPDATE_FID, \
-        KEEP_UNDO = map(int, Header)
+        KEEP_UNDO, FUSED = map(int, Header)
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = map(int, Field)
 
     def state(self, rank):
