@@ -21,6 +21,7 @@ from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
+from .blocks import Blocks
 from .rows import gather_rows
 from .rule import Rule, RuleState
 from .seams import CenterClient
@@ -66,8 +67,14 @@ class DeviceLoop:
         self._rows_dtype = np.dtype(self.grad_var.type.dtype)
         grad = stored(self.grad_var)
         small = np.dtype(grad.dtype).itemsize * np.size(grad) <= HOST_GRADIENT_MAX_BYTES
+        # (a host array only from an implementation that reduces on the host)
+        host_reduce = self.comm is not None and self.comm.program_reducer() is None
         self._all_reduce_gradient = None if self.comm is None else \
-            self.comm.all_reduce_host if small else self.comm.all_reduce
+            self.comm.all_reduce_host if small and host_reduce else self.comm.all_reduce
+        #: steps run as one program each block (see .blocks), where the rule and the data allow
+        self.blocks = Blocks(self, context)
+        #: this phase's losses still on the device: (summed loss, rows of each step summed)
+        self._losses: list = []
         self._orders = {}
         #: this rank's seconds spent syncing, and busy in phases, over the whole run
         self.sync_seconds = 0.0
@@ -146,13 +153,8 @@ class DeviceLoop:
 
     def _step(self, step, part, stats):
         """Global step ``step``'s part ``part``: gather, gradient, (all-reduce), update, rule."""
-        spec, n = self.spec, self.n_ranks
-        epoch, i = divmod(step, spec.steps_per_epoch)
-        lo = i * spec.batch_size
-        hi = min(lo + spec.batch_size, spec.n_rows)
-        a, b = chunk(lo, hi, n, part)
-        indices = self._order(epoch)[a:b]
-        rows, batch_rows = b - a, hi - lo
+        indices, batch_rows = self.step_rows(step, part)
+        rows = len(indices)
         if trace.on:
             trace.begin("step", "step")
         rows_in = [self._gathered(view, buffer, indices)
@@ -160,9 +162,8 @@ class DeviceLoop:
         if trace.on:
             trace.mark("gather rows")
         # a rule without a gradient all-reduce steps on this rank's own mean gradient
-        weight_rows = np.asarray(batch_rows if self.rule.reduces_gradient else rows * n,
-                                 self._rows_dtype)
-        loss = float(self.grad.run(rows_in + [weight_rows])[0])
+        loss = self.grad.run(rows_in + [self.weight_rows(rows, batch_rows)])[0]
+        self._losses.append((loss, rows))
         if trace.on:
             trace.mark("gradient")
         if self.rule.reduces_gradient:
@@ -189,7 +190,36 @@ class DeviceLoop:
         v = stats.values
         v[LoopStats.STEPS] += 1
         v[LoopStats.ROWS] += rows
-        v[LoopStats.LOSS_SUM] += loss * rows
+        self.beat()
+
+    def step_rows(self, step, part):
+        """``(indices, batch_rows)``: the rows of the epoch's order that part ``part`` of global step
+        ``step`` takes, and the rows of the whole step."""
+        spec = self.spec
+        epoch, i = divmod(step, spec.steps_per_epoch)
+        lo = i * spec.batch_size
+        hi = min(lo + spec.batch_size, spec.n_rows)
+        a, b = chunk(lo, hi, self.n_ranks, part)
+        return self._order(epoch)[a:b], hi - lo
+
+    def weight_rows(self, rows, batch_rows):
+        """The rows a step's gradient is weighted by: the global batch's under a rule that
+        all-reduces the gradient, else this rank's as if every rank had as many."""
+        return np.asarray(batch_rows if self.rule.reduces_gradient else rows * self.n_ranks,
+                          self._rows_dtype)
+
+    def after_steps(self, rows, batch_rows, n_steps, stats):
+        """After ``n_steps`` local steps of a block: the rule after each, the counters."""
+        for _ in range(n_steps):
+            done = time.perf_counter()
+            if self.rule.after_update(self.rule_state, self, rows, batch_rows):
+                self.sync_seconds += time.perf_counter() - done
+                stats.values[LoopStats.SYNCS] += 1
+        if self.rule.reduces_gradient:
+            stats.values[LoopStats.SYNCS] += n_steps
+        v = stats.values
+        v[LoopStats.STEPS] += n_steps
+        v[LoopStats.ROWS] += rows * n_steps
         self.beat()
 
     def run(self, first, last):
@@ -202,8 +232,13 @@ class DeviceLoop:
                 step, rank = divmod(unit, self.n_ranks)
                 self._step(step, rank, stats)
         else:
-            for step in range(first, last):
-                self._step(step, self.rank, stats)
+            step = first
+            while step < last:
+                ran = self.blocks.run(step, last, stats)
+                if not ran:
+                    self._step(step, self.rank, stats)
+                step += ran or 1
+        self._settle_losses(stats)
         self.set_values([self.grad_var], [stored(self.grad_var)])
         busy = time.perf_counter() - self._phase_start
         self._busy_before += busy
@@ -211,6 +246,19 @@ class DeviceLoop:
         stats.values[LoopStats.BUSY_SECONDS] = busy
         stats.values[LoopStats.SKIPPED] = self.skipped
         return stats.values
+
+    def add_loss(self, loss_sum, rows):
+        """A block's summed step losses (a device scalar), each step of ``rows`` rows."""
+        self._losses.append((loss_sum, rows))
+
+    def _settle_losses(self, stats):
+        """The phase's losses, read from the device at once (one transfer, at the phase's end)."""
+        import jax
+        if self._losses:
+            values = jax.device_get([loss for loss, _ in self._losses])
+            stats.values[LoopStats.LOSS_SUM] += sum(float(v) * rows
+                                                    for v, (_, rows) in zip(values, self._losses))
+            self._losses = []
 
     def finish(self):
         """Leave every device with the final parameters (the rule's), on this rank."""

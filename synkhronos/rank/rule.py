@@ -94,6 +94,8 @@ class Rule:
       checkpoint holding ``saved`` (what ``saved_state`` gave; default: ``start``);
     - ``after_update(state, loop, rows, batch_rows) -> bool``: after each local
       step of ``rows`` of a global batch of ``batch_rows``; True if it synchronised;
+    - ``steps_to_sync(state) -> int | None``: the local steps before the next one
+      after which it may synchronise (the loop runs them as one program);
     - ``finish(state, loop)``: once every rank's last step is done, leaving the
       final parameters (default: the center's, for a rule with one);
     - ``center_values(state, loop)``: the center's values now, or None;
@@ -150,6 +152,18 @@ class Rule:
         Returns True if the rank synchronised (the time is counted as syncing).
         """
         return False
+
+    def steps_to_sync(self, state: Any) -> int | None:
+        """Every rank, before a block of local steps: how many steps it may take before the next
+        one after which :meth:`after_update` may synchronise (None: it never does).
+
+        A loop on the devices runs that many steps as one program
+        (:class:`~synkhronos.rank.fused.BlockProgram`), then calls
+        :meth:`after_update` for each of them: only the last may synchronise.
+        A rule that overrides :meth:`after_update` and not this hook is asked
+        after every step.
+        """
+        return None if type(self).after_update is Rule.after_update else 1
 
     def finish(self, state: Any, loop: RuleLoop) -> None:
         """Every rank, once every rank's last step is done: leave the final parameters.
@@ -213,6 +227,7 @@ def rule_difference(recorded: dict, rule: Rule) -> str | None:
 
 #: each hook's arguments after ``self``, as every rank calls it
 HOOK_ARGUMENTS = {"start": "loop", "resume": "loop, saved", "after_update": "state, loop, rows, batch_rows",
+                  "steps_to_sync": "state",
                   "finish": "state, loop", "center_values": "state, loop", "saved_state": "state, loop",
                   "check_saved": "saved, n_ranks, n_params"}
 

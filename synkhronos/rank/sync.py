@@ -112,6 +112,9 @@ class Average(Rule):
     def start(self, loop: RuleLoop) -> _Rows:
         return _Rows()
 
+    def steps_to_sync(self, state: _Rows) -> int:
+        return self.every - state.steps
+
     def after_update(self, state: _Rows, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
         state.steps += 1
         state.mine += rows
@@ -226,6 +229,9 @@ class DiLoCo(Rule):
         return ([np.array([state.steps], np.int64), state.rows.copy()]
                 + [t.copy() for t in state.outer] + [v.copy() for v in state.velocity])
 
+    def steps_to_sync(self, state: _Round) -> int:
+        return self.every - state.steps
+
     def after_update(self, state: _Round, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
         state.steps += 1
         state.rows += [b - a for a, b in (chunk(0, batch_rows, loop.n_ranks, r) for r in range(loop.n_ranks))]
@@ -300,6 +306,9 @@ class EASGD(Rule):
             return _Elastic()
         # every rank keeps the same center, from the master's values
         return _Elastic(center=[np.array(v) for v in loop.broadcast_from_master(loop.param_values())])
+
+    def steps_to_sync(self, state: _Elastic) -> int:
+        return self.every - state.steps % self.every
 
     def after_update(self, state: _Elastic, loop: RuleLoop, rows: int, batch_rows: int) -> bool:
         state.steps += 1

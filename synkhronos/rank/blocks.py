@@ -1,0 +1,122 @@
+"""A device-driven loop's steps in blocks: many steps as one program, the data on the device.
+
+A synchronous loop (:class:`~.loop.DeviceLoop`) runs the steps up to the next
+check, the rule's next sync point, or the epoch's last (shorter) step as one
+:class:`~.fused.BlockProgram`: a ``lax.scan`` over the block's index rows, each
+step gathering its rows from the step's Data held on the device, computing,
+reducing the flat gradient inside the program and updating. The host sends
+the block's indices and nothing else, and reads the losses once per phase.
+
+A block needs what a program needs: the gradient function's graph for the
+block's rows already built (the loop's first step, taken apart, builds it),
+equal shares on every rank, a collective implementation that reduces inside
+a program (or one device), and room on the device for the data. Otherwise the
+loop takes its steps one by one, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..comm import ProgramReducer
+from ..platform.device_arrays import adopt, to_device
+from ..tracing import trace
+from .fused import BlockProgram, fused_graph
+
+__all__ = ["Blocks", "MAX_BLOCK", "DATA_SHARE_OF_FREE_MEMORY"]
+
+#: the most steps one block runs (its index rows go to the device at once)
+MAX_BLOCK = 1024
+#: a loop's data goes to a device with memory statistics only if it takes at most this share of
+#: the memory free there
+DATA_SHARE_OF_FREE_MEMORY = 0.5
+
+
+class Blocks:
+    """One rank's blocks of a loop: its programs (per rows) and its data on the device.
+
+    Parameters
+    ----------
+    loop : DeviceLoop
+    context : RankContext
+    """
+
+    def __init__(self, loop: Any, context: Any):
+        self.loop, self.context = loop, context
+        #: the step's Data on this device (None: not yet placed; False: it does not fit)
+        self._tables: list | bool | None = None
+        self._programs: dict = {}
+
+    def run(self, step: int, last: int, stats: Any) -> int:
+        """Run global steps from ``step`` (before ``last``) as one block; return how many ran (0:
+        none, the loop takes the step apart)."""
+        loop = self.loop
+        spec = loop.spec
+        full = spec.n_rows // spec.batch_size            # the epoch's steps of a whole batch
+        i = step % spec.steps_per_epoch
+        if i >= full or (loop.n_ranks > 1 and spec.batch_size % loop.n_ranks):
+            return 0
+        to_sync = loop.rule.steps_to_sync(loop.rule_state)
+        length = int(min(last - step, full - i, MAX_BLOCK, math.inf if to_sync is None else to_sync))
+        rows = spec.batch_size // loop.n_ranks
+        program = self._program(rows) if length >= 1 else None
+        tables = self._device_tables() if program is not None else None
+        if not tables:
+            return 0
+        if trace.on:
+            trace.begin("step", "block")
+        indices = np.stack([loop.step_rows(s, loop.rank)[0] for s in range(step, step + length)])
+        weight = self.context.uploads.put(("loop", spec.loop_id),
+                                          loop.weight_rows(rows, spec.batch_size))
+        grad, runner, update, upd_runner = program.runners
+        grad.continue_streams(runner)
+        update.continue_streams(upd_runner)
+        # (the gradient's reductions run inside the program: they cannot be timed apart as syncing)
+        loop.add_loss(program(tables, to_device(indices.astype(np.int32)), weight), rows)
+        if trace.on:
+            trace.end("compute", first=step, steps=length, rows=rows)
+        loop.after_steps(rows, spec.batch_size, length, stats)
+        return length
+
+    def _program(self, rows: int) -> BlockProgram | None:
+        """The block program for steps of ``rows`` rows on this rank, or None (not yet, or never)."""
+        if rows in self._programs:
+            return self._programs[rows]
+        loop = self.loop
+        shapes = tuple((rows,) + tuple(view.shape[1:]) for view in loop.views)
+        runner, upd_runner = loop.grad.settled_runner(shapes), loop.update.settled_runner(())
+        if runner is None or upd_runner is None:
+            return None                  # the graph for these rows is not built yet: ask again
+        program = None
+        grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
+        reducer = ProgramReducer() if loop.n_ranks == 1 else \
+            loop.comm.program_reducer() if loop.comm is not None else None
+        if grad is not None and update is not None and reducer is not None:
+            op = "avg" if loop.rule.reduces_gradient else None
+            program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer)
+            program.runners = (loop.grad, runner, loop.update, upd_runner)
+        self._programs[rows] = program
+        return program
+
+    def _device_tables(self) -> list | bool:
+        """The step's Data on this device, placed at the first block (False if they do not fit)."""
+        if self._tables is None:
+            views = self.loop.views
+            self._tables = [adopt(np.ascontiguousarray(v)) for v in views] \
+                if _fits(sum(v.nbytes for v in views)) else False
+        return self._tables
+
+
+def _fits(nbytes: int) -> bool:
+    """Whether ``nbytes`` of data fit this process's device (a CPU device shares the host's memory,
+    and adopts a Data's rows without a copy)."""
+    import jax
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        return True
+    stats = device.memory_stats() or {}
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    return limit is None or nbytes <= DATA_SHARE_OF_FREE_MEMORY * (limit - used)
