@@ -164,8 +164,19 @@ def _gathered(args: list, gathers: tuple) -> list:
     return out
 
 
+def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` under ``name``: what the program is called in profiles and launch counts."""
+    def program(*args: Any) -> Any:
+        return fn(*args)
+    program.__name__ = program.__qualname__ = name
+    return program
+
+
 class _Program:
     """What :class:`StepProgram` and :class:`BlockProgram` share: the layout, donation, storing."""
+
+    #: the program's name (in profiles, :func:`~synkhronos.tracing.launches.count_launches`)
+    name = "synk_program"
 
     def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, reducer: Reducer):
         self.grad, self.update, self.op, self.reducer = grad, update, op, reducer
@@ -186,7 +197,7 @@ class _Program:
         import jax
         fn = self._jitted.get((key, donate))
         if fn is None:
-            fn = self._jitted[(key, donate)] = jax.jit(self.reducer.wrap(body),
+            fn = self._jitted[(key, donate)] = jax.jit(_named(self.reducer.wrap(body), self.name),
                                                        donate_argnums=(0,) if donate else ())
         return fn
 
@@ -243,6 +254,8 @@ def _unshared(value: Any) -> Any:
 class StepProgram(_Program):
     """One training step as one program on this rank (see the module notes).
 
+    Launched as ``synk_step``.
+
     Parameters
     ----------
     grad, update : Graph
@@ -260,6 +273,8 @@ class StepProgram(_Program):
     gathers : tuple of int
         Argument positions given as ``(table, indices)``: the rows are gathered inside.
     """
+
+    name = "synk_step"
 
     def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, subset: Sequence[int],
                  modes: Sequence[str | None], dtypes: Sequence[Any], reducer: Reducer,
@@ -294,7 +309,11 @@ class BlockProgram(_Program):
     ----------
     grad, update, reduced_cell, op, reducer
         As for :class:`StepProgram`.
+
+    Launched as ``synk_steps``.
     """
+
+    name = "synk_steps"
 
     def _body(self, donated: list, others: list, args: tuple) -> tuple[list, Any]:
         import jax

@@ -1,8 +1,11 @@
 """Gathering a rank's rows of a batch from a table in shared memory, block by block."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
-__all__ = ["gather_rows", "GATHER_BLOCK"]
+__all__ = ["gather_rows", "GATHER_BLOCK", "set_gather_threads", "THREADED_MIN_BYTES", "MAX_GATHER_THREADS"]
 
 #: rows gathered per block by :func:`gather_rows` (the block stays in the L2 cache)
 GATHER_BLOCK = 256
@@ -10,8 +13,50 @@ GATHER_BLOCK = 256
 TOUCH_MIN_ROW_BYTES = 1024
 
 
+#: a gather of at least this many bytes is split over the rank's threads (numpy copies rows
+#: without holding Python's lock, so the threads gather at once)
+THREADED_MIN_BYTES = 4 << 20
+#: the most threads one rank gathers with
+MAX_GATHER_THREADS = 8
+
+
+class _Gatherers:
+    """The threads a rank gathers large batches with: its share of the cores, at most eight."""
+
+    def __init__(self):
+        self.threads, self.pool = 1, None
+
+    def set(self, threads):
+        threads = max(1, min(int(threads), MAX_GATHER_THREADS))
+        if threads != self.threads and self.pool is not None:
+            self.pool.shutdown(wait=False)
+            self.pool = None
+        self.threads = threads
+
+    def executor(self):
+        if self.pool is None:
+            # marked as synkhronos's own: they never read a user's shared variables
+            self.pool = ThreadPoolExecutor(self.threads, "synk-gather", initializer=_mark_own)
+        return self.pool
+
+
+def _mark_own():
+    threading.current_thread()._synkhronos_own = True  # type: ignore[attr-defined]
+
+
+_gatherers = _Gatherers()
+
+
+def set_gather_threads(threads):
+    """Gather large batches with ``threads`` threads (this rank's share of the cores; 1: alone)."""
+    _gatherers.set(threads)
+
+
 def gather_rows(table, indices, out):
     """``out[i] = table[indices[i]]`` for validated ``indices`` (no bounds checks).
+
+    A gather of :data:`THREADED_MIN_BYTES` or more is split over the rank's
+    gathering threads (:func:`set_gather_threads`).
 
     Gathering shuffled rows is bound by memory latency: one ``np.take`` copies
     row after row, and each row starts with a TLB miss and a cache miss that
@@ -29,6 +74,19 @@ def gather_rows(table, indices, out):
            [0., 1.],
            [8., 9.]])
     """
+    n, threads = len(indices), _gatherers.threads
+    if threads > 1 and out.nbytes >= THREADED_MIN_BYTES and n >= 2 * threads:
+        bounds = np.linspace(0, n, threads + 1).astype(int)
+        parts = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        for done in _gatherers.executor().map(
+                lambda ab: _gather(table, indices[ab[0]:ab[1]], out[ab[0]:ab[1]]), parts):
+            del done
+        return out
+    return _gather(table, indices, out)
+
+
+def _gather(table, indices, out):
+    """:func:`gather_rows` in this thread."""
     n = len(indices)
     if table.ndim < 2 or table[:1].nbytes < TOUCH_MIN_ROW_BYTES or n <= GATHER_BLOCK \
             or not table.flags.c_contiguous:

@@ -25,6 +25,7 @@ from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..platform.process_changes import changes
 from ..rank.context import RankContext
+from ..rank.rows import set_gather_threads
 from ..wire.topology import Topology
 from . import interrupts
 from .calls import Calls
@@ -152,6 +153,7 @@ class State:
                                         local_rank=self.local_master, n_local=self.n_local,
                                         cores=cores, compile_cache_dir=s.compile_cache)
             rewrites.keep_decision_in(s.compile_cache)
+            set_gather_threads(s.threads)
         except Exception as e:
             if not t.several_nodes:
                 raise

@@ -32,6 +32,7 @@ from ..platform import cpu_tuning, jax_init
 from ..platform.device_arrays import place_on_device
 from ..platform.values import stored
 from ..rank.context import RankContext
+from ..rank.rows import set_gather_threads
 from ..tracing import trace
 from ..wire.collective import shapes_of
 from ..wire.control import (
@@ -383,6 +384,7 @@ def main():
                                     compile_cache_dir=cfg["compile_cache"])
         # the worker's thread runs its programs (no async dispatch): on its own cores, as its pool
         cpu_tuning.stay_on_cores(cores)
+        set_gather_threads(cfg["threads"])
         if profiler:
             profiler.enable()
         worker.serve()
