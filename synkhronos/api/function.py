@@ -220,11 +220,14 @@ class Function:
         if plan is None:
             plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
             kept.append(plan)
-        elif not plan.batch.is_range:
-            # the kept plan of an earlier call with as many indices: only the indices are new
-            n_scat = len(self.spec.inputs)
-            plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat],
-                                               [ref.axis for ref in plan.scattered])[0])
+        else:
+            if not plan.batch.is_range:
+                # the kept plan of an earlier call with as many indices: only the indices are new
+                n_scat = len(self.spec.inputs)
+                plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat],
+                                                   [ref.axis for ref in plan.scattered])[0])
+            if plan.sliced:           # and as many rows of the sliceable shareds on every rank
+                plan = plan.with_sliced(self._plan_batch_s(batch_s, plan if plan.scattered else None))
         state.registry.ensure_shipped()
         if not state.registry.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "

@@ -6,9 +6,11 @@ same shapes and of their inputs' own dtypes (staged into the same Data), a
 fixed ``batch`` size and ``num_slices``. Such a call reuses its plan and skips
 its validation. A ``batch`` of explicit indices (a numpy array) into Data that
 are not ``minibatch`` reuses the plan of the last call with as many indices,
-and only the new indices are validated (by the caller). ``batch_s`` (rows
-checked against every rank), keywords and numpy arguments that need a cast
-always take the full path.
+and only the new indices are validated (by the caller). So does a ``batch_s``
+of one index array per rank (its rows are checked against every rank's
+lengths, which are kept until a command may change them). Other forms of
+``batch_s``, keywords and numpy arguments that need a cast always take the
+full path.
 """
 
 from __future__ import annotations
@@ -60,13 +62,16 @@ class KeptPlans:
         """``(key, staged)``: what makes a validated plan reusable (None for calls validated every
         time), and the numpy arguments the call stages, as ``(input index, array)`` pairs."""
         refused = None, ()
-        if kwargs or batch_s is not None or output_subset is not None or self._spec.sliceable_shareds:
+        if kwargs or output_subset is not None:
+            return refused
+        sliced = _per_rank_indices(batch_s) if self._spec.sliceable_shareds else None
+        if sliced is None and (batch_s is not None or self._spec.sliceable_shareds):
             return refused
         indexed = type(batch) is np.ndarray
         if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
                 or len(args) != self._n_inputs:
             return refused
-        key = [(_INDICES, batch.shape) if indexed else batch, num_slices]
+        key = [(_INDICES, batch.shape) if indexed else batch, num_slices, sliced]
         staged = []
         for i, d in enumerate(args):
             if type(d) is not Data:
@@ -93,6 +98,21 @@ class KeptPlans:
                 return False
             scratch.data[...] = value
         return True
+
+
+def _per_rank_indices(batch_s):
+    """The shapes of ``batch_s`` given as one index array per rank (a list or tuple of numpy
+    arrays, what a device-data training loop passes), or None for any other form.
+
+    Examples
+    --------
+    >>> _per_rank_indices([np.arange(3), np.arange(2)]), _per_rank_indices(None)
+    (((3,), (2,)), None)
+    """
+    if type(batch_s) not in (list, tuple) or not batch_s or \
+            any(type(b) is not np.ndarray for b in batch_s):
+        return None
+    return tuple(b.shape for b in batch_s)
 
 
 def _as_own_dtype(value, dtype_ndim):

@@ -12,14 +12,9 @@ import warnings
 from typing import Any, Callable, Sequence, Unpack
 
 import numpy as np
-import pytensor.tensor as pt
-from pytensor_ml.params import NonTrainableParameter
 
 from ..api import collectives
 from ..api.batch import parse_batch_s
-from ..api.data import data
-from ..api.function import function
-from ..api.step import Step
 from ..errors import SynkWarning, is_whole
 from ..rank.rule import check_rule
 from ..runtime.nodes import rows_of_every_node
@@ -33,6 +28,7 @@ from .single_process import make_single_process_train_function, make_train_funct
 from .step_graph import build_step_graph, call_values, givens_scalars
 from .step_graph import input_list as _input_list
 from .sync import AllReduce, Rule
+from .weighted_step import TrainStep, WeightedStep
 
 __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
            "make_train_function_theano", "run", "DataOrder", "Checks", "Checkpointing", "epoch_order",
@@ -125,7 +121,7 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
                                          state_updates, consider_constant)
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs, state_updates,
                              consider_constant)
-    step = _WeightedStep(graph, inputs[0], inputs=inputs, split_axes={inputs[0]: 0})  # the rows its weight counts
+    step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes={inputs[0]: 0})  # the rows its weight counts
     takes = inputs + graph.scalars
 
     def train_minibatch(*values, batch=None, num_slices=1, **named):
@@ -149,7 +145,7 @@ def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, g
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs + list(givens) + bounds,
                              state_updates, consider_constant)
     takes = bounds + graph.scalars
-    step = _WeightedStep(graph, inputs[0], inputs=bounds, givens=givens)
+    step = WeightedStep(graph, inputs[0], inputs=bounds, givens=givens)
 
     def train_minibatch(*values, num_slices=1, **named):
         values = call_values(values, named, takes)
@@ -157,86 +153,6 @@ def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, g
         return step(window.stop - window.start, *values, num_slices=num_slices)
 
     return step.expose(train_minibatch, takes)
-
-
-class _WeightedStep:
-    """Gradient function (row-weighted flat gradient), one all-reduce, update function.
-
-    Each device scales its local mean gradient by ``n_devices * its_rows /
-    batch_rows``; the average over devices is then the full-batch gradient.
-    """
-
-    def __init__(self, graph, x, inputs=(), **function_kwargs):
-        self.graph, self.grad_shared, self.params = graph, graph.grad_shared, graph.params
-        (target, flat_grad), = graph.grad_updates
-        dtype = self.grad_shared.type.dtype
-        batch_rows = pt.scalar("batch_rows", dtype=dtype)
-        weight = pt.cast(x.shape[0], dtype) * current().n_parallel / batch_rows
-        # the step's scalars follow its data, whole on every device (0-d inputs are broadcast)
-        self.f_grad = function(list(inputs) + graph.scalars, (graph.loss, "avg"), bcast_inputs=[batch_rows],
-                               updates=[(target, flat_grad * weight, "sum")] + graph.side_updates,
-                               name="train_grad", **function_kwargs)
-        self.f_upd = function([], updates=graph.param_updates, name="train_update")
-        self.step = Step(self.f_grad, self.grad_shared, self.f_upd, op="avg")
-        # the batch's rows travel in a Data the step writes: every call then has the same
-        # arguments, so the call's plan is validated once and reused
-        self._batch_rows = data(np.zeros((), dtype), name="batch_rows")
-
-    @serialized          # the rows written and the step that reads them: one thread's turn
-    def __call__(self, batch_rows, *inputs, **call_kwargs):
-        self._batch_rows.data[()] = batch_rows
-        return self.step(*inputs, self._batch_rows, **call_kwargs)
-
-    def expose(self, call, inputs=(), runs_on_devices=False):
-        """The user's step: ``call`` with handles on what it runs (a :class:`TrainStep`)."""
-        return TrainStep(call, self, list(inputs), runs_on_devices)
-
-
-class TrainStep:
-    """A training step as :func:`make_train_function` returns it: call it, and it knows what it trains.
-
-    Attributes
-    ----------
-    params : list of SharedVariable
-    statistics : list of SharedVariable
-        The model's statistics the step writes back (batch norm's running mean and variance).
-    optimizer_state : list of SharedVariable
-        The optimizer's state (moments, step counters, training clocks).
-    extra_state : list of SharedVariable
-        What the step's ``state_updates`` write.
-    state_variables : list of SharedVariable
-        The parameters, statistics, optimizer's state and extra state: what a
-        checkpoint of this training holds.
-    grad_shared : SharedVariable
-        The flat vector the gradients (and statistics) travel in.
-    functions : (Function, Function)
-        The gradient function and the update function.
-    inputs : list of Variable
-        What a call takes, in order: x's, then y's (or the scalars of the
-        givens' bounds), then the scalar inputs.
-    scalars : list of Variable
-        The scalar inputs (hyperparameters such as a learning rate), whole on every device.
-    runs_on_devices : bool
-        Whether :func:`run` takes it (its data in shared memory).
-    """
-
-    def __init__(self, call, step, inputs, runs_on_devices):
-        self._call = call
-        self.grad_shared, self.params = step.grad_shared, step.params
-        self.functions = (step.f_grad, step.f_upd)
-        written = [s for s, _, _ in step.f_upd.spec.updates if all(s is not p for p in step.params)]
-        self.statistics = [s for s in written if isinstance(s, NonTrainableParameter)]
-        self.optimizer_state = [s for s in written if not isinstance(s, NonTrainableParameter)]
-        self.extra_state = step.graph.state
-        self.state_variables = self.params + self.statistics + self.optimizer_state + self.extra_state
-        self.inputs, self.runs_on_devices = inputs, runs_on_devices
-        self.scalars = step.graph.scalars
-
-    def __call__(self, *data, **kwargs):
-        return self._call(*data, **kwargs)
-
-    def __repr__(self):
-        return f"TrainStep(params={[p.name for p in self.params]})"
 
 
 def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, x_shared: Any,
@@ -267,12 +183,15 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
         raise TypeError(f"make_device_train_function's step takes no inputs, but the loss or the "
                         f"rule reads the scalar inputs {[str(v) for v in graph.scalars]}; make them "
                         f"shared variables (pytensor.shared)")
-    step = _WeightedStep(graph, x, givens=[(x, x_shared), (y, y_shared)],
+    step = WeightedStep(graph, x, givens=[(x, x_shared), (y, y_shared)],
                          sliceable_shareds=[x_shared, y_shared])
 
     def train_minibatch(batch_s=None, num_slices=1):
-        lengths = collectives.get_lengths([x_shared, y_shared])
-        rows = sum(b.total for b in parse_batch_s(batch_s, lengths, ["x", "y"]))
+        if type(batch_s) in (list, tuple) and batch_s and all(type(b) is np.ndarray for b in batch_s):
+            rows = sum(len(b) for b in batch_s)        # (the step checks them against every rank)
+        else:
+            lengths = collectives.get_lengths([x_shared, y_shared])
+            rows = sum(b.total for b in parse_batch_s(batch_s, lengths, ["x", "y"]))
         return step(rows, batch_s=batch_s, num_slices=num_slices)
 
     return step.expose(train_minibatch)

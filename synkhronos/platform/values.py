@@ -20,7 +20,8 @@ import numpy as np
 
 from .internals import buffer_address, storage_cell
 
-__all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace"]
+__all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace",
+           "use_host_faces", "host_faces_wanted", "HOST_FACES_VARIABLE"]
 
 
 def stored(var: Any) -> Any:
@@ -46,6 +47,25 @@ def store(var: Any, value: Any) -> None:
 
 #: whether this process's shared variables keep numpy faces through a command (see hold_faces)
 _faces_held = [False]
+#: whether user code sees a CPU device's arrays as numpy faces (see use_host_faces)
+_host_faces = [True]
+#: the environment variable that turns the faces off (``SYNK_HOST_FACES=0``)
+HOST_FACES_VARIABLE = "SYNK_HOST_FACES"
+
+
+def use_host_faces(on: bool) -> None:
+    """Whether :func:`host_face` makes numpy faces of CPU device arrays (set at ``fork()``).
+
+    Off (``SYNK_HOST_FACES=0`` in the environment), CPU devices keep their
+    values as device arrays through every call, exactly as a GPU does: user
+    code reads them as JAX arrays, and the CPU runs the code a GPU runs.
+    """
+    _host_faces[0] = bool(on)
+
+
+def host_faces_wanted(environ: Any) -> bool:
+    """Whether ``environ`` asks for host faces (anything but ``SYNK_HOST_FACES=0``)."""
+    return environ.get(HOST_FACES_VARIABLE, "1").strip() != "0"
 
 
 def hold_faces(on: bool) -> None:
@@ -83,9 +103,9 @@ def host_face(value):
     ('ndarray', True, [0.0, 1.0, 2.0])
     """
     jax = sys.modules.get("jax")
-    if jax is None or not isinstance(value, jax.Array):     # (no JAX imported: no device array)
-        return value
-    if jax.local_devices()[0].platform != "cpu" and next(iter(value.devices())).platform != "cpu":
+    if not _host_faces[0] or jax is None or not isinstance(value, jax.Array):
+        return value            # (no faces wanted, or no JAX imported: no device array)
+    if next(iter(value.devices())).platform != "cpu":
         return value
     shape, dtype = value.shape, value.dtype
     nbytes = math.prod(shape) * dtype.itemsize

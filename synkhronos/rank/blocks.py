@@ -48,7 +48,6 @@ class Blocks:
         self.loop, self.context = loop, context
         #: the step's Data on this device (None: not yet placed; False: it does not fit)
         self._tables: list | bool | None = None
-        self._programs: dict = {}
 
     def run(self, step: int, last: int, stats: Any) -> int:
         """Run global steps from ``step`` (before ``last``) as one block; return how many ran (0:
@@ -61,6 +60,8 @@ class Blocks:
             return 0
         to_sync = loop.rule.steps_to_sync(loop.rule_state)
         length = int(min(last - step, full - i, MAX_BLOCK, math.inf if to_sync is None else to_sync))
+        # a power of two: the few lengths compile once each, however a run's steps fall
+        length = 1 << (length.bit_length() - 1) if length >= 1 else 0
         rows = spec.batch_size // loop.n_ranks
         program = self._program(rows) if length >= 1 else None
         tables = self._device_tables() if program is not None else None
@@ -82,24 +83,30 @@ class Blocks:
         return length
 
     def _program(self, rows: int) -> BlockProgram | None:
-        """The block program for steps of ``rows`` rows on this rank, or None (not yet, or never)."""
-        if rows in self._programs:
-            return self._programs[rows]
+        """The block program for steps of ``rows`` rows on this rank, or None (not yet, or never).
+
+        Kept by the rank (:attr:`RankContext.step_programs`): a later run of the
+        same step finds its programs compiled.
+        """
         loop = self.loop
+        spec = loop.spec
         shapes = tuple((rows,) + tuple(view.shape[1:]) for view in loop.views)
         runner, upd_runner = loop.grad.settled_runner(shapes), loop.update.settled_runner(())
         if runner is None or upd_runner is None:
             return None                  # the graph for these rows is not built yet: ask again
-        program = None
-        grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
-        reducer = ProgramReducer() if loop.n_ranks == 1 else \
-            loop.comm.program_reducer() if loop.comm is not None else None
-        if grad is not None and update is not None and reducer is not None:
-            op = "avg" if loop.rule.reduces_gradient else None
+        op = "avg" if loop.rule.reduces_gradient else None
+        key = ("block", spec.grad_fid, spec.update_fid, spec.grad_uid, shapes, op, id(runner))
+
+        def build():
+            grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
+            reducer = ProgramReducer() if loop.n_ranks == 1 else \
+                loop.comm.program_reducer() if loop.comm is not None else None
+            if grad is None or update is None or reducer is None:
+                return None
             program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer)
             program.runners = (loop.grad, runner, loop.update, upd_runner)
-        self._programs[rows] = program
-        return program
+            return program
+        return self.context.step_programs.get(key, build)
 
     def _device_tables(self) -> list | bool:
         """The step's Data on this device, placed at the first block (False if they do not fit)."""

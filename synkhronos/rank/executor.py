@@ -224,19 +224,22 @@ def fused_step_of(context, plan, tail_words, update_fid):
     this rank, built at first use; None if the step cannot run as one program here."""
     from ..comm.reduction import Reduce
     from .fused import FUSED_MODES, StepProgram, fused_graph
-    compiled, update = context.function(plan.fid), context.function(update_fid)
-    words_kind, uids, op_code = tail_words.get(), tail_words.get_list(), tail_words.get()
+    tail_words.get()                        # (an all-reduce: a step's tail is one)
+    uids, op_code = tail_words.get_list(), tail_words.get()
+    # what fixes this rank's program: the plan's shapes (the rows of every rank follow), the
+    # outputs it returns, the update function and what is reduced
+    key = (plan.shape_key(), tuple(plan.subset), update_fid, tuple(uids), op_code)
     if len(uids) != 1:
         return None
-    reduced = context.variable(uids[0])
-    op = Reduce.of_code(op_code)
-    shapes = _row_shapes_of(context, plan, compiled)
-    key = (plan.fid, update_fid, uids[0], op, tuple(plan.subset), shapes)
 
     def build():
+        compiled, update = context.function(plan.fid), context.function(update_fid)
+        reduced = context.variable(uids[0])
+        op = Reduce.of_code(op_code)
+        shapes = _row_shapes_of(context, plan, compiled)
         runner = compiled.settled_runner(shapes)
         upd_runner = update.settled_runner(())
-        if runner is None or upd_runner is None or runner.runs_host_code() or upd_runner.runs_host_code():
+        if runner is None or upd_runner is None:
             return None
         grad_graph, upd_graph = fused_graph(runner.fn), fused_graph(upd_runner.fn)
         modes = [compiled.output_modes[i] for i in plan.subset]
@@ -249,11 +252,13 @@ def fused_step_of(context, plan, tail_words, update_fid):
         dtypes = [jax.dtypes.canonicalize_dtype(compiled.spec.outputs[i][0].type.dtype) for i in plan.subset]
         n_plain = len(compiled.spec.all_inputs)
         gathers = tuple(range(n_plain, n_plain + len(compiled.spec.sliceable_shareds)))
+        # a graph calling host code can fail after the program started: it donates nothing, and
+        # its rank keeps what the program replaces until every rank succeeded (see .undo)
+        host = runner.runs_host_code() or upd_runner.runs_host_code()
         program = StepProgram(grad_graph, upd_graph, reduced.container.storage, op, plan.subset,
-                              modes, dtypes, reducer, gathers)
+                              modes, dtypes, reducer, gathers, may_fail=host)
         program.runners = (compiled, runner, update, upd_runner)
         return program
-    del words_kind
     return context.step_programs.get(key, build)
 
 
@@ -298,11 +303,13 @@ def run_fused_share(context, plan, program):
     if compiled.spec.sliceable_shareds:
         sliced = plan.sliced[rank]
         indices = sliced.indices if not sliced.is_range else np.arange(sliced.start, sliced.stop)
-        device_indices = to_device(np.asarray(indices, dtype=np.int32))
+        device_indices = adopt(np.array(indices, dtype=np.int32))       # (a copy of its own)
         args += [(stored(s), device_indices) for s in compiled.spec.sliceable_shareds]
     grad, runner, update, upd_runner = program.runners
     grad.continue_streams(runner)
     update.continue_streams(upd_runner)
+    if program.may_fail:
+        context.undo.keep(program.written_cells)
     if trace.on:
         trace.mark("gather rows")
     results = program(args)

@@ -178,10 +178,21 @@ class _Program:
     #: the program's name (in profiles, :func:`~synkhronos.tracing.launches.count_launches`)
     name = "synk_program"
 
-    def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, reducer: Reducer):
+    def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, reducer: Reducer,
+                 may_fail: bool = False):
         self.grad, self.update, self.op, self.reducer = grad, update, op, reducer
         self.layout = _layout(grad, update, reduced_cell)
+        #: the program calls host code, which can fail while it runs: it donates nothing
+        self.may_fail = may_fail
         self._jitted: dict = {}
+        #: per program key, whether it donates (decided at its first call)
+        self._donate: dict = {}
+
+    @property
+    def written_cells(self) -> list:
+        """The cells the program writes (what a rank keeps to undo it)."""
+        cells = self.layout.joint.cells
+        return [cells[p] for p in self.layout.written]
 
     def values(self) -> tuple[list, list]:
         """(donated values, the other values) of the joint cells, as the cells hold them now."""
@@ -191,7 +202,7 @@ class _Program:
                                                           for p, v in enumerate(held)]
 
     def _donating(self, donated_values: list) -> bool:
-        return sum(getattr(v, "nbytes", 0) for v in donated_values) >= DONATE_MIN_BYTES
+        return not self.may_fail and sum(nbytes_of(v) for v in donated_values) >= DONATE_MIN_BYTES
 
     def _program(self, key: Any, body: Callable[..., Any], donate: bool) -> Callable[..., Any]:
         import jax
@@ -221,7 +232,9 @@ class _Program:
         """Run the program of ``key`` on the cells' values and ``args`` (a pytree); store what it
         wrote."""
         donated, others = self.values()
-        donate = self._donating(donated)
+        donate = self._donate.get(key)
+        if donate is None:                   # (the sizes are the same at every call of ``key``)
+            donate = self._donate[key] = self._donating(donated)
         if donate:
             donated = [_unshared(v) for v in donated]
         program = self._program(key, body, donate)
@@ -272,14 +285,16 @@ class StepProgram(_Program):
     reducer : Reducer
     gathers : tuple of int
         Argument positions given as ``(table, indices)``: the rows are gathered inside.
+    may_fail : bool
+        The graphs call host code, which can fail while the program runs: nothing is donated.
     """
 
     name = "synk_step"
 
     def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, subset: Sequence[int],
                  modes: Sequence[str | None], dtypes: Sequence[Any], reducer: Reducer,
-                 gathers: tuple = ()):
-        super().__init__(grad, update, reduced_cell, op, reducer)
+                 gathers: tuple = (), may_fail: bool = False):
+        super().__init__(grad, update, reduced_cell, op, reducer, may_fail)
         self.subset, self.modes, self.dtypes, self.gathers = tuple(subset), tuple(modes), tuple(dtypes), gathers
 
     def _body(self, donated: list, others: list, args: list) -> tuple[list, list]:

@@ -16,6 +16,7 @@ rank (:meth:`Calls.forget_shapes`) makes every call careful again.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,18 @@ class FusedOutputs(list):
     """A fused step's outputs, reduced across the ranks inside its program (device arrays)."""
 
 
+class _Kept(NamedTuple):
+    """A fused program the master keeps (None: the step cannot be one), with the step tail its
+    key names by ``id``."""
+
+    program: Any
+    tail: Any
+
+
+#: fused programs the master keeps (by plan shapes, outputs and step tail)
+PROGRAMS_KEPT = 256
+
+
 class Calls(Part):
     """Calls of one runtime's functions (see the module notes)."""
 
@@ -40,6 +53,12 @@ class Calls(Part):
         self._plans = PlanSlots()
         #: the shape keys (CallPlan.shape_key) of calls that have run on every rank
         self._ran_everywhere = set()
+        #: every rank's shapes of shared variables, by their uids, until a command may change them
+        self._shapes: dict = {}
+        #: per function id, the uids of the shared variables its updates write
+        self._writes: dict = {}
+        #: the master's fused step programs, by plan shapes, outputs and tail
+        self._programs: dict = {}
 
     def name(self, plan):
         """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
@@ -77,6 +96,10 @@ class Calls(Part):
         """
         state = self._state
         channel, ctl, nodes = state.channel, state.channel.ctl, state.nodes
+        if self._shapes:
+            self._forget_written_shapes(plan.fid)
+            if tail is not None:
+                self._forget_written_shapes(tail.update_fid)
         index_arrays = plan.index_arrays()
         if index_arrays:
             plan.index_gen = state.data.write_indices(index_arrays)
@@ -156,10 +179,21 @@ class Calls(Part):
                 return None
         ctl = state.channel.ctl
         args = ctl.args
-        tail.fill(Words(args[STEP_COLLECTIVE_AT:]))
-        ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
         state.context.undo.begin(False)
-        return state.context.fused_step(plan, Words(args[STEP_COLLECTIVE_AT:]), tail.update_fid)
+        if n > 1:           # the workers read the step's tail
+            tail.fill(Words(args[STEP_COLLECTIVE_AT:]))
+            ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
+        key = (plan.shape_key(), tuple(plan.subset), id(tail))
+        kept = self._programs.get(key)
+        if kept is None:
+            if n == 1:
+                tail.fill(Words(args[STEP_COLLECTIVE_AT:]))
+            program = state.context.fused_step(plan, Words(args[STEP_COLLECTIVE_AT:]), tail.update_fid)
+            if len(self._programs) >= PROGRAMS_KEPT:
+                self._programs.clear()
+            # (the tail, kept with its program, keeps its id for the key)
+            kept = self._programs[key] = _Kept(program, tail)
+        return kept.program
 
     def _fused_local(self, plan, program):
         """The master's part of a fused step: its share, run as one program."""
@@ -170,9 +204,30 @@ class Calls(Part):
         return rows, values
 
     def forget_shapes(self):
-        """Count no call's shapes as run everywhere: a shared variable may have another shape on
-        some rank (a scatter, a broadcast, a value set on one rank or by the user)."""
+        """Count no call's shapes as run everywhere, and keep no shared variable's shapes: a shared
+        variable may have another shape on some rank (a scatter, a broadcast, a value set on one
+        rank or by the user)."""
         self._ran_everywhere.clear()
+        self._shapes.clear()
+
+    def shapes_known(self, uids):
+        """Every rank's shapes of the shared variables ``uids`` as last asked, or None."""
+        return self._shapes.get(uids)
+
+    def keep_shapes(self, uids, shapes):
+        """Keep every rank's shapes of ``uids`` until a command may change them."""
+        self._shapes[uids] = shapes
+
+    def _forget_written_shapes(self, fid):
+        """Before a call of function ``fid``: forget the kept shapes of the variables it updates
+        (an update may give a value of another shape)."""
+        writes = self._writes.get(fid)
+        if writes is None:
+            registry = self._state.registry
+            writes = self._writes[fid] = frozenset(registry.uid_of(s) for s, _, _ in
+                                                   registry.specs[fid].updates)
+        for uids in [u for u in self._shapes if writes.intersection(u)]:
+            del self._shapes[uids]
 
     def _undo(self):
         """Put back, on every rank of this node, what the failed command's updates replaced."""

@@ -63,9 +63,21 @@ class Collectives(Part):
                 trace.end("execute")
 
     def all_shapes(self, vars_):
-        """Per variable, its shape on every rank (one round trip)."""
+        """Per variable, its shape on every rank (one round trip, the first time: they are kept
+        until a command may change them, see :meth:`~.calls.Calls.forget_shapes`)."""
         state = self._state
         state.registry.ensure_shipped()
+        uids = tuple(state.registry.uids_of(vars_))
+        known = state.calls.shapes_known(uids)
+        if known is not None:
+            return known
+        shapes = self._ask_shapes(vars_)
+        state.calls.keep_shapes(uids, shapes)
+        return shapes
+
+    def _ask_shapes(self, vars_):
+        """Per variable, its shape on every rank, asked of every rank."""
+        state = self._state
         channel = state.channel
         Words(channel.ctl.args).put_list(state.registry.uids_of(vars_))
         own = shapes_of(stored(v) for v in vars_)

@@ -9,6 +9,7 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 
 from __future__ import annotations
 
+import math
 import pickle
 from dataclasses import replace
 from typing import Any, Protocol
@@ -299,8 +300,9 @@ class Loops(Part):
 
     def _reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
-        def nbytes(uid):
-            return np.asarray(stored(self._state.registry.shared_by_uid(uid))).nbytes
+        def nbytes(uid):          # from the shape and dtype: a device array stays where it is
+            value = stored(self._state.registry.shared_by_uid(uid))
+            return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
         if spec.rule.reduces_gradient:
             grad = nbytes(spec.grad_uid)
             return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,

@@ -24,6 +24,7 @@ from ..ipc.segments import Claim, new_prefix
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
 from ..platform.process_changes import changes
+from ..platform.values import host_faces_wanted, use_host_faces
 from ..rank.context import RankContext
 from ..rank.rows import set_gather_threads
 from ..wire.topology import Topology
@@ -125,6 +126,8 @@ class State:
         s, t = self.settings, self.topology
         started = time.monotonic()          # fork(timeout=...) counts from here, the join included
         cores = jax_init.device_cores(s.platform, s.threads, self.local_master)
+        faces = host_faces_wanted(os.environ)
+        use_host_faces(faces)
         self.channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
                                node=t.node_rank if t.several_nodes else None, local_cores=cores)
@@ -140,7 +143,7 @@ class State:
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
                 topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
                 comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,
-                profile=bool(s.profile_workers), compile_cache=s.compile_cache), env)
+                profile=bool(s.profile_workers), compile_cache=s.compile_cache, host_faces=faces), env)
         jax_init.import_modules()
         # starting is bounded by fork(timeout) (the join included), not by the stall timeout
         left = s.timeout - (time.monotonic() - started)
@@ -238,6 +241,8 @@ class State:
                                   self.nodes.every_other_node_lost())
                 self.service = None
             changes.restore()       # the environment, JAX's settings, BLAS threads, allocator
+            use_host_faces(True)
+            set_gather_threads(1)
 
     def _leave_nodes(self, clean):
         """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""

@@ -116,6 +116,13 @@ class CallPlan:
         plan.batch, plan._words = batch, None
         return plan
 
+    def with_sliced(self, sliced):
+        """This plan with other rows ``sliced`` of the sliceable shared variables, as many per
+        rank (the same shares, the same record)."""
+        plan = copy.copy(self)
+        plan.sliced, plan._words = sliced, None
+        return plan
+
     def shape_key(self):
         """What fixes the shapes every rank's graph is called with: two plans with the same key
         trace alike on every rank (the function, the rows and their split, each input's shape).
