@@ -12,7 +12,7 @@ from .internals import device_put_bare
 from .values import device_face, host_face, store, stored
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
-           "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES"]
+           "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES", "arguments_on_device"]
 
 
 def wait_until_computed(values):
@@ -91,6 +91,17 @@ def copy_large(dst, src):
 def private_empty(shape, dtype):
     """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds."""
     return _HOST_POOL.empty(shape, dtype)
+
+
+def arguments_on_device(values):
+    """``values`` with every numpy array put on this process's device, explicitly.
+
+    What a jitted call would transfer implicitly, transferred by the caller
+    (on CPU an aligned array is taken without a copy, as the call would take
+    it): the caller then waits for the computation before the arrays may
+    change (``jax.transfer_guard("disallow")`` allows these transfers).
+    """
+    return [adopt(v) if type(v) is np.ndarray else v for v in values]
 
 
 def adopt(private):

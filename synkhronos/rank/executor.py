@@ -42,12 +42,29 @@ def rows_of(view, batch, a, b, offset, into=private_empty, axis=0):
     if batch.is_range:
         return view[along(axis, slice(batch.start + a - offset, batch.start + b - offset))]
     indices = batch.indices[a:b] - offset if offset else batch.indices[a:b]
-    if not isinstance(view, np.ndarray):
-        return view[indices]
+    if not isinstance(view, np.ndarray):       # device rows: one program, the indices sent
+        return take_rows(view, adopt(np.array(indices, dtype=np.int32)))
     if axis:
         shape = view.shape[:axis] + indices.shape + view.shape[axis + 1:]
         return np.take(view, indices, axis=axis, mode="clip", out=into(shape, view.dtype))
     return gather_rows(view, indices, into(indices.shape + view.shape[1:], view.dtype))
+
+
+def take_rows(table, indices):
+    """``table[indices]`` of a device array, as one compiled program (launched as ``synk_take``);
+    indexing it directly runs op after op, each a program of its own."""
+    global _take
+    if _take is None:
+        import jax
+        import jax.numpy as jnp
+
+        def synk_take(table, indices):
+            return jnp.take(table, indices, axis=0, mode="clip")
+        _take = jax.jit(synk_take)
+    return _take(table, indices)
+
+
+_take = None
 
 
 @dataclass(frozen=True)

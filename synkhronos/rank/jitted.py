@@ -13,7 +13,7 @@ import numpy as np
 from pytensor.tensor.type import TensorType
 
 from ..compile.rewrites import raise_deferred_interrupt
-from ..platform.device_arrays import wait_until_computed
+from ..platform.device_arrays import arguments_on_device, wait_until_computed
 from ..platform.internals import calls_host_code, jit_parts
 from ..platform.values import device_face, faces_held, host_face
 
@@ -91,6 +91,8 @@ def jitted_call(fn):
         faces = faces_held()
         try:
             values = [cell[0] for cell in cells]
+            if arg_cells:         # explicitly: a device array as it is, a view of a Data sent
+                values[:n_args] = arguments_on_device(values[:n_args])
             if faces:             # other threads read the variables: numpy faces stay in the cells
                 values[n_args:] = [device_face(v) for v in values[n_args:]]
             if not chosen:

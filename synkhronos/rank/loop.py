@@ -172,7 +172,8 @@ class DeviceLoop:
             assert reduce_gradient is not None, "made with the collectives"
             reduced, = reduce_gradient([stored(self.grad_var)], "avg")
             comm.refresh()
-            store(self.grad_var, reduced)
+            # (a host result lives in memory the next all-reduce writes: the device gets a copy)
+            store(self.grad_var, to_device(reduced) if isinstance(reduced, np.ndarray) else reduced)
             self.sync_seconds += time.perf_counter() - reducing
             stats.values[LoopStats.SYNCS] += 1
             if trace.on:

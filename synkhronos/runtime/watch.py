@@ -24,6 +24,10 @@ from .processes import describe_exit
 __all__ = ["Watch"]
 
 
+#: seconds this rank's part of a collective may still take once a peer reported that it failed
+FAILED_PEER_GRACE = 2.0
+
+
 class Watch:
     """The waits of one :class:`~synkhronos.runtime.channel.Channel`, and the checks between their
     slices.
@@ -89,6 +93,15 @@ class Watch:
         deadline = time.time() + self.channel.stall_timeout
         # no spinning here: a spinning main thread would hold the GIL the collective thread needs
         self.wait_done(ranks, what=what, deadline=deadline, spin=0)
+        failed = [r for r in ranks if self.channel.ctl.state(r) == Status.ERROR]
+        if failed:
+            # a rank that failed never joins the collective: this one's part cannot finish
+            try:
+                return future.result(timeout=FAILED_PEER_GRACE)
+            except FutureTimeout:
+                self.channel.on_fault()
+                self.channel.reports.raise_for(None, failed)
+                raise
         try:
             return future.result(timeout=max(0.0, deadline - time.time()))
         except FutureTimeout:

@@ -1,0 +1,201 @@
+"""A steady training step is one compiled program, a device loop one per block: results unchanged.
+
+These tests run the accelerator's code on the CPU: ``SYNK_HOST_FACES=0`` keeps
+every value a device array, as on a GPU. They count the programs a steady step
+launches (JAX's profiler) with ``jax.transfer_guard("disallow")`` on, so any
+implicit host-device transfer raises, and they compare every result with one
+process (``make_single_process_train_function``) or with the master-driven loop.
+"""
+
+import jax
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+
+import synkhronos as synk
+from synkhronos.extensions import sync, train, updates
+from synkhronos.runtime import session
+from synkhronos.tracing.launches import count_launches
+
+pytestmark = pytest.mark.timeout(240)
+
+#: the name PyTensor's JAX linker gives every function's jitted graph
+PYTENSOR_GRAPH = "jax_funcified_fgraph"
+
+
+@pytest.fixture
+def device_arrays(monkeypatch):
+    """A runtime started with ``SYNK_HOST_FACES=0``: ``fork_with(n, collectives)``."""
+    monkeypatch.setenv("SYNK_HOST_FACES", "0")
+
+    def fork_with(n, collectives="shm"):
+        if session.active() is not None:
+            synk.close()
+        synk.fork(n, collectives=collectives)
+    yield fork_with
+    synk.close()
+
+
+def _model(seed=0, width=6):
+    """A small tanh MLP with momentum, its step on host data and on device data, and the data."""
+    rng = np.random.default_rng(seed)
+    x, y = pt.matrix("x"), pt.vector("y")
+    w1 = pytensor.shared(rng.normal(size=(5, width)) * 0.5, name="w1")
+    w2 = pytensor.shared(rng.normal(size=width) * 0.5, name="w2")
+    loss = ((pt.tanh(x @ w1) @ w2 - y) ** 2).mean()
+    step = train.make_train_function(loss, [w1, w2], x, y, updates.momentum, learning_rate=0.05)
+    x_sh = pytensor.shared(np.zeros((1, 5)), name="x_sh")
+    y_sh = pytensor.shared(np.zeros(1), name="y_sh")
+    device_step = train.make_device_train_function(loss, [w1, w2], x, y, x_sh, y_sh, updates.momentum,
+                                                   learning_rate=0.05)
+    X, Y = rng.random((960, 5)), rng.random(960)
+    return dict(step=step, device_step=device_step, params=[w1, w2], x_sh=x_sh, y_sh=y_sh, X=X, Y=Y,
+                loss=loss, x=x, y=y)
+
+
+def _launched(fn):
+    with count_launches() as launches, jax.transfer_guard("disallow"):
+        out = fn()
+    return dict(launches), out
+
+
+SLOW = pytest.mark.slow
+
+#: (devices, collectives, what one steady step launches on the master)
+STEADY = [(1, "shm", {"synk_step": 1}), (2, "jax", {"synk_step": 1}),
+          # the shared-memory collective reduces in host memory, between the two programs
+          (2, "shm", {PYTENSOR_GRAPH: 2})]
+
+
+@pytest.mark.parametrize("n, collectives, expected", STEADY)
+def test_a_steady_master_loop_step_launches_one_program(device_arrays, n, collectives, expected):
+    device_arrays(n, collectives)
+    m = _model()
+    x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+    batches = [np.random.default_rng(i).permutation(960)[:240] for i in range(4)]
+    for idx in batches[:3]:
+        m["step"](x_dat, y_dat, batch=idx)
+    launches, loss = _launched(lambda: m["step"](x_dat, y_dat, batch=batches[3]))
+    assert launches == expected
+    assert isinstance(m["params"][0].get_value(borrow=True), jax.Array)    # no host faces
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("n, collectives, expected", STEADY)
+def test_a_steady_step_on_device_data_launches_one_program(device_arrays, n, collectives, expected):
+    device_arrays(n, collectives)
+    m = _model()
+    synk.scatter([m["x_sh"], m["y_sh"]], [m["X"], m["Y"]])
+    per = 960 // n
+    batches = [[np.random.default_rng(10 * i + r).permutation(per)[:40] for r in range(n)]
+               for i in range(4)]
+    for batch_s in batches[:3]:
+        m["device_step"](batch_s=batch_s)
+    launches, _ = _launched(lambda: m["device_step"](batch_s=batches[3]))
+    # unfused, the device rows are gathered by one program of their own per variable
+    assert launches == (expected if PYTENSOR_GRAPH not in expected else
+                        {PYTENSOR_GRAPH: 2, "synk_take": 2})
+
+
+@pytest.mark.parametrize("n, collectives, expected", [(1, "shm", {"synk_steps": 1}),
+                                                      (2, "jax", {"synk_steps": 1}),
+                                                      (2, "shm", {PYTENSOR_GRAPH: 16})])
+def test_a_device_loop_block_is_one_program(device_arrays, n, collectives, expected):
+    device_arrays(n, collectives)
+    m = _model()
+    x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+    train.run(m["step"], x_dat, y_dat, 96, steps=15, check_every=15)       # its programs built
+    launches, _ = _launched(lambda: train.run(m["step"], x_dat, y_dat, 96, steps=8, check_every=8))
+    assert launches == expected
+
+
+def _single_process_steps(m, batches, scalars=()):
+    """The parameters and losses of one process stepping on ``batches`` of (X, Y)."""
+    for p, v in zip(m["params"], m["start"]):
+        p.set_value(v.copy())
+    # (PyTensor's C backend: a JAX-mode function would make a backend, and the next fork() refuses)
+    reference = train.make_single_process_train_function(m["loss"], m["params"], m["x"], m["y"],
+                                                         updates.momentum, learning_rate=0.05,
+                                                         mode="FAST_COMPILE")
+    losses = [float(reference(m["X"][idx], m["Y"][idx])) for idx in batches]
+    return [p.get_value() for p in m["params"]], losses
+
+
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), (2, "jax"), pytest.param(3, "jax", marks=SLOW),
+                                            pytest.param(3, "shm", marks=SLOW)])
+def test_fused_steps_equal_one_process(device_arrays, n, collectives):
+    """Even batches (fused on every rank) and an uneven one (three programs) in one run."""
+    device_arrays(n, collectives)
+    m = _model(seed=n)
+    m["start"] = [p.get_value().copy() for p in m["params"]]
+    x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+    rng = np.random.default_rng(5)
+    sizes = [240] * 6 + [241] + [240] * 3
+    batches = [rng.permutation(960)[:k] for k in sizes]
+    losses = [float(m["step"](x_dat, y_dat, batch=idx)) for idx in batches]
+    got = [np.asarray(p.get_value()) for p in m["params"]]
+    synk.close()
+    want, want_losses = _single_process_steps(m, batches)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
+                                            pytest.param(3, "jax", marks=SLOW)])
+def test_fused_steps_on_device_data_equal_one_process(device_arrays, n, collectives):
+    device_arrays(n, collectives)
+    m = _model(seed=10 + n)
+    m["start"] = [p.get_value().copy() for p in m["params"]]
+    synk.scatter([m["x_sh"], m["y_sh"]], [m["X"], m["Y"]])
+    per = 960 // n
+    rng = np.random.default_rng(7)
+    per_rank = [[rng.permutation(per)[:60] for _ in range(n)] for _ in range(8)]
+    losses = [float(m["device_step"](batch_s=b)) for b in per_rank]
+    got = [np.asarray(p.get_value()) for p in m["params"]]
+    synk.close()
+    batches = [np.concatenate([r * per + b for r, b in enumerate(bs)]) for bs in per_rank]
+    want, want_losses = _single_process_steps(m, batches)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
+                                            pytest.param(3, "jax", marks=SLOW)])
+def test_run_in_blocks_equals_the_master_loop(device_arrays, n, collectives):
+    """AllReduce in blocks of steps (each epoch's last, shorter step apart) against the master
+    loop over the same orders, from the same start."""
+    device_arrays(n, collectives)
+    m = _model(seed=20 + n)
+    state = m["params"] + m["step"].optimizer_state
+    start = [np.asarray(v.get_value()).copy() for v in state]
+    x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+    history = train.run(m["step"], x_dat, y_dat, 150, epochs=3, check_every=5)
+    in_blocks = [np.asarray(p.get_value()) for p in m["params"]]
+    synk.broadcast(state, start)
+    losses = []
+    for epoch in range(3):
+        order = train.epoch_order(960, epoch, 0)
+        losses += [float(m["step"](x_dat, y_dat, batch=order[i * 150:(i + 1) * 150]))
+                   for i in range(train.steps_per_epoch(960, 150))]
+    for got, want in zip(in_blocks, [np.asarray(p.get_value()) for p in m["params"]]):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+    assert history[0].loss == pytest.approx(np.mean(losses[:5]), rel=1e-9)
+
+
+@SLOW
+@pytest.mark.parametrize("rule", [sync.Average(every=3), sync.DiLoCo(every=3), sync.EASGD(every=3)])
+def test_rules_in_blocks_equal_rules_step_by_step(device_arrays, rule):
+    """The same run on the JAX runtime (blocks up to each sync point) and on shared memory
+    (step by step): the same parameters."""
+    results = []
+    for collectives in ("jax", "shm"):
+        device_arrays(2, collectives)
+        m = _model(seed=3)
+        x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+        train.run(m["step"], x_dat, y_dat, 96, steps=17, sync=rule, check_every=17)
+        results.append([np.asarray(p.get_value()) for p in m["params"]])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
