@@ -251,8 +251,8 @@ class _Program:
 
 
 #: references to a value held only by its cell, as :func:`_unshared` counts them: the cell, the
-#: list of donated values, the loop variable and getrefcount's argument
-_ONLY_IN_ITS_CELL = 4
+#: list of donated values, the comprehension's variable, the parameter and getrefcount's argument
+_ONLY_IN_ITS_CELL = 5
 
 
 def _unshared(value: Any) -> Any:
