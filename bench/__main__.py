@@ -78,12 +78,14 @@ def main(argv=None):
     elastic = elastic_bench.measure(1 if args.quick else 3)
     from bench import call_floor
     floor = call_floor.measure(1 if args.quick else 3)
+    from bench import gpu
+    on_gpu = gpu.measure(1.0 if args.quick else 2.0)          # skipped, saying why, without a GPU
 
     report.write(machine(), overhead, allreduce, batches, synk_train, gathering, compile_times,
                  loops.section(loop_results) + checkpoint_bench.section(saving)
                  + timeline_bench.section(recording) + nodes_bench.section(nodes) + pymc_bench.section(nuts)
                  + small_model.section(small) + elastic_bench.section(elastic)
-                 + call_floor.section(floor))
+                 + call_floor.section(floor) + gpu.section(on_gpu))
     report.plot(allreduce, batches, synk_train)
     loops.plot(loop_results)
     nodes_bench.plot_accuracy(nodes, os.path.join(HERE, "nodes_accuracy.png"))
