@@ -13,6 +13,8 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 
+from helpers import RaiseIfNegative, run_script
+
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
 from synkhronos.runtime import session
@@ -65,7 +67,7 @@ SLOW = pytest.mark.slow
 #: (devices, collectives, what one steady step launches on the master)
 STEADY = [(1, "shm", {"synk_step": 1}), (2, "jax", {"synk_step": 1}),
           # the shared-memory collective reduces in host memory, between the two programs
-          (2, "shm", {PYTENSOR_GRAPH: 2})]
+          pytest.param(2, "shm", {PYTENSOR_GRAPH: 2}, marks=SLOW)]
 
 
 @pytest.mark.parametrize("n, collectives, expected", STEADY)
@@ -122,7 +124,8 @@ def _single_process_steps(m, batches, scalars=()):
     return [p.get_value() for p in m["params"]], losses
 
 
-@pytest.mark.parametrize("n, collectives", [(1, "shm"), (2, "jax"), pytest.param(3, "jax", marks=SLOW),
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
+                                            pytest.param(3, "jax", marks=SLOW),
                                             pytest.param(3, "shm", marks=SLOW)])
 def test_fused_steps_equal_one_process(device_arrays, n, collectives):
     """Even batches (fused on every rank) and an uneven one (three programs) in one run."""
@@ -196,6 +199,111 @@ def test_rules_in_blocks_equal_rules_step_by_step(device_arrays, rule):
         m = _model(seed=3)
         x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
         train.run(m["step"], x_dat, y_dat, 96, steps=17, sync=rule, check_every=17)
+        results.append([np.asarray(p.get_value()) for p in m["params"]])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+# ------------------------------------------------------------------------------------------------
+# Found by the attack pass on the fused path
+# ------------------------------------------------------------------------------------------------
+
+_INTERRUPTED = """
+    import os, subprocess, sys, numpy as np, pytensor, pytensor.tensor as pt
+    import synkhronos as synk
+    from synkhronos.extensions import train, updates
+    n, collectives, what = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    synk.fork(n, collectives=collectives)
+    rng = np.random.default_rng(0)
+    x, y = pt.matrix("x"), pt.vector("y")
+    w1 = pytensor.shared(rng.normal(size=(50, 3000)) * 0.05, name="w1")     # > 1 MiB: donated
+    w2 = pytensor.shared(rng.normal(size=3000) * 0.05, name="w2")
+    loss = ((pt.tanh(x @ w1) @ w2 - y) ** 2).mean()
+    step = train.make_train_function(loss, [w1, w2], x, y, updates.momentum, learning_rate=0.002)
+    X, Y = rng.random((1200, 50)), rng.random(1200)
+    xd, yd = synk.data(X), synk.data(Y)
+    for _ in range(3):
+        step(xd, yd, batch=rng.permutation(1200)[:240])
+    subprocess.Popen(["sh", "-c", f"sleep 2; kill -INT {os.getpid()}"])      # the user's Ctrl-C
+    try:
+        if what == "steps":
+            while True:
+                step(xd, yd, batch=rng.permutation(1200)[:240])
+        train.run(step, xd, yd, 240, epochs=100000)
+    except KeyboardInterrupt:
+        print("interrupted")
+    print("readable", w1.get_value().shape, bool(np.isfinite(w2.get_value()).all()))
+    synk.close()
+    print("forks again", synk.fork(n, collectives=collectives))
+    synk.close()
+"""
+
+
+@SLOW
+@pytest.mark.parametrize("n, collectives, what", [(1, "shm", "steps"), (1, "shm", "run"),
+                                                  (2, "jax", "run"), (2, "jax", "steps")])
+def test_ctrl_c_in_fused_steps_keeps_every_value(n, collectives, what):
+    """A Ctrl-C that lands between a donating program's dispatch and its results' store is held
+    until they are stored: every variable stays readable, and the process can fork again."""
+    out = run_script(_INTERRUPTED, args=(str(n), collectives, what), timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "interrupted" in out.stdout and "readable (50, 3000) True" in out.stdout
+    assert f"forks again {n}" in out.stdout
+
+
+@SLOW
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), (2, "jax")])
+def test_a_block_that_raises_keeps_every_value(device_arrays, n, collectives):
+    """A host callback that raises inside a block of train.run: the runtime ends as for any failed
+    loop, and the values before the block are still readable (a block that runs host code donates
+    nothing)."""
+    device_arrays(n, collectives)
+    rng = np.random.default_rng(0)
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(rng.normal(size=(5, 3000)) * 0.05, name="w_raises")
+    loss = ((RaiseIfNegative()(x) @ w).sum(1) - y).mean() ** 2
+    step = train.make_train_function(loss, [w], x, y, updates.momentum, learning_rate=0.01)
+    X, Y = rng.random((960, 5)), rng.random(960)
+    X[700, 0] = -1.0
+    with pytest.raises(synk.WorkerError, match="negative"):
+        train.run(step, synk.data(X), synk.data(Y), 96, epochs=3, shuffle=False)
+    assert np.asarray(w.get_value()).shape == (5, 3000)
+    synk.close()
+    synk.fork(n, collectives=collectives)
+
+
+def test_a_shape_set_by_the_users_own_function_is_asked_again(device_arrays):
+    """A sliceable shared shrunk by the user's own JAX-mode function: batch_s past its new end is
+    refused (the kept shapes were forgotten), not read from its last row."""
+    device_arrays(2, "jax")
+    m = _model()
+    synk.scatter([m["x_sh"], m["y_sh"]], [m["X"], m["Y"]])
+    for i in range(3):
+        m["device_step"](batch_s=[np.random.default_rng(i).permutation(480)[:40] for _ in range(2)])
+    shrink = pytensor.function([], [], updates=[(m["x_sh"], m["x_sh"][:100]),
+                                                (m["y_sh"], m["y_sh"][:100])], mode="JAX")
+    shrink()                                    # the master's copy: 100 rows
+    with pytest.raises(IndexError, match="out of range"):
+        m["device_step"](batch_s=[np.full(40, 399), np.arange(40)])
+
+
+@SLOW
+def test_a_rule_overriding_after_update_below_steps_to_sync_is_asked_every_step(device_arrays):
+    """A subclass of Average that clips the parameters after every step inherits Average's
+    steps_to_sync, which cannot know that: in blocks it trains as step by step."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class ClippedAverage(sync.Average):
+        def after_update(self, state, loop, rows, batch_rows):
+            loop.set_values(loop.params, [np.clip(v, -0.3, 0.3) for v in loop.param_values()])
+            return super().after_update(state, loop, rows, batch_rows)
+    results = []
+    for collectives in ("jax", "shm"):
+        device_arrays(2, collectives)
+        m = _model(seed=4)
+        train.run(m["step"], synk.data(m["X"]), synk.data(m["Y"]), 96, steps=12,
+                  sync=ClippedAverage(every=3), check_every=12)
         results.append([np.asarray(p.get_value()) for p in m["params"]])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)

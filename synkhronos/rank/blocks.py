@@ -17,6 +17,7 @@ loop takes its steps one by one, as before.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -25,11 +26,15 @@ from ..comm import ProgramReducer
 from ..platform.device_arrays import adopt, to_device
 from ..tracing import trace
 from .fused import BlockProgram, fused_graph
+from .rule import steps_before_sync
 
-__all__ = ["Blocks", "MAX_BLOCK", "DATA_SHARE_OF_FREE_MEMORY"]
+__all__ = ["Blocks", "MAX_BLOCK", "BLOCK_SECONDS", "DATA_SHARE_OF_FREE_MEMORY"]
 
 #: the most steps one block runs (its index rows go to the device at once)
 MAX_BLOCK = 1024
+#: a block that runs longer than this (on a CPU, whose programs run in the caller) halves the next
+#: blocks: a Ctrl-C waits for the block it lands in
+BLOCK_SECONDS = 2.0
 #: a loop's data goes to a device with memory statistics only if it takes at most this share of
 #: the memory free there
 DATA_SHARE_OF_FREE_MEMORY = 0.5
@@ -48,6 +53,8 @@ class Blocks:
         self.loop, self.context = loop, context
         #: the step's Data on this device (None: not yet placed; False: it does not fit)
         self._tables: list | bool | None = None
+        #: the most steps a block may take now (see BLOCK_SECONDS)
+        self._cap = MAX_BLOCK
 
     def run(self, step: int, last: int, stats: Any) -> int:
         """Run global steps from ``step`` (before ``last``) as one block; return how many ran (0:
@@ -58,8 +65,8 @@ class Blocks:
         i = step % spec.steps_per_epoch
         if i >= full or (loop.n_ranks > 1 and spec.batch_size % loop.n_ranks):
             return 0
-        to_sync = loop.rule.steps_to_sync(loop.rule_state)
-        length = int(min(last - step, full - i, MAX_BLOCK, math.inf if to_sync is None else to_sync))
+        to_sync = steps_before_sync(loop.rule, loop.rule_state)
+        length = int(min(last - step, full - i, self._cap, math.inf if to_sync is None else to_sync))
         # a power of two: the few lengths compile once each, however a run's steps fall
         length = 1 << (length.bit_length() - 1) if length >= 1 else 0
         rows = spec.batch_size // loop.n_ranks
@@ -76,7 +83,10 @@ class Blocks:
         grad.continue_streams(runner)
         update.continue_streams(upd_runner)
         # (the gradient's reductions run inside the program: they cannot be timed apart as syncing)
+        start = time.perf_counter()
         loop.add_loss(program(tables, to_device(indices.astype(np.int32)), weight), rows)
+        if time.perf_counter() - start > BLOCK_SECONDS:
+            self._cap = max(1, length // 2)
         if trace.on:
             trace.end("compute", first=step, steps=length, rows=rows)
         loop.after_steps(rows, spec.batch_size, length, stats)
@@ -103,7 +113,10 @@ class Blocks:
                 loop.comm.program_reducer() if loop.comm is not None else None
             if grad is None or update is None or reducer is None:
                 return None
-            program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer)
+            # host code can fail while the block runs: its values are then kept, not donated
+            host = runner.runs_host_code() or upd_runner.runs_host_code()
+            program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer,
+                                   may_fail=host)
             program.runners = (loop.grad, runner, loop.update, upd_runner)
             return program
         return self.context.step_programs.get(key, build)

@@ -269,9 +269,13 @@ def fused_step_of(context, plan, tail_words, update_fid):
         dtypes = [jax.dtypes.canonicalize_dtype(compiled.spec.outputs[i][0].type.dtype) for i in plan.subset]
         n_plain = len(compiled.spec.all_inputs)
         gathers = tuple(range(n_plain, n_plain + len(compiled.spec.sliceable_shareds)))
-        # a graph calling host code can fail after the program started: it donates nothing, and
-        # its rank keeps what the program replaces until every rank succeeded (see .undo)
+        # a graph calling host code can fail after the program started: on one device it donates
+        # nothing and keeps what it replaces (see .undo); on several it is never one program, since
+        # its peers would wait in the program's collective for a rank that failed before it (the
+        # two phases keep them out of the all-reduce)
         host = runner.runs_host_code() or upd_runner.runs_host_code()
+        if host and context.n_ranks > 1:
+            return None
         program = StepProgram(grad_graph, upd_graph, reduced.container.storage, op, plan.subset,
                               modes, dtypes, reducer, gathers, may_fail=host)
         program.runners = (compiled, runner, update, upd_runner)

@@ -33,6 +33,7 @@ from ..comm import ProgramReducer as Reducer
 from ..comm.reduction import Reduce
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.internals import jit_parts
+from ..platform.interrupt_hold import can_hold, held
 from .jitted import DONATE_MIN_BYTES
 
 __all__ = ["Graph", "StepProgram", "BlockProgram", "StepPrograms", "FUSED_MODES", "fused_graph",
@@ -235,17 +236,21 @@ class _Program:
         donate = self._donate.get(key)
         if donate is None:                   # (the sizes are the same at every call of ``key``)
             donate = self._donate[key] = self._donating(donated)
+        # a Ctrl-C between the dispatch and the store would lose both the donated values and the
+        # new ones: where it cannot be held off (a thread of the master), nothing is donated
+        donate = donate and can_hold()
         if donate:
             donated = [_unshared(v) for v in donated]
         program = self._program(key, body, donate)
         glob = self.reducer.globals_of((donated, others, args))
         del donated
-        try:
-            written, results = self.reducer.locals_of(program(*glob))
-        except Exception as e:
-            raise_deferred_interrupt(e)
-            raise
-        self._store(written)
+        with held():
+            try:
+                written, results = self.reducer.locals_of(program(*glob))
+            except Exception as e:
+                raise_deferred_interrupt(e)
+                raise
+            self._store(written)
         raise_deferred_interrupt()
         return results
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import is_whole
 from .seams import RuleLoop
 
-__all__ = ["Rule", "RuleState", "rule_record", "rule_difference", "check_rule"]
+__all__ = ["Rule", "RuleState", "rule_record", "rule_difference", "check_rule", "steps_before_sync"]
 
 
 def positive_int(value, name, rule):
@@ -160,10 +160,10 @@ class Rule:
         A loop on the devices runs that many steps as one program
         (:class:`~synkhronos.rank.fused.BlockProgram`), then calls
         :meth:`after_update` for each of them: only the last may synchronise.
-        A rule that overrides :meth:`after_update` and not this hook is asked
-        after every step.
+        A rule whose :meth:`after_update` is overridden below the class that
+        defines this hook is asked after every step (:func:`steps_before_sync`).
         """
-        return None if type(self).after_update is Rule.after_update else 1
+        return None
 
     def finish(self, state: Any, loop: RuleLoop) -> None:
         """Every rank, once every rank's last step is done: leave the final parameters.
@@ -187,6 +187,29 @@ class Rule:
         """What a checkpoint keeps of this rank's state beside the variables (arrays, the same on
         every device); :meth:`resume` takes it back. A rule that ``saves_center`` keeps its center."""
         return (self.center_values(state, loop) or []) if self.saves_center else []
+
+
+def steps_before_sync(rule: Rule, state: Any) -> int | None:
+    """The local steps ``rule`` lets a rank take before it may synchronise (see
+    :meth:`Rule.steps_to_sync`): 1 where its ``after_update`` was overridden below the class whose
+    ``steps_to_sync`` answers, which cannot know what the override does after each step.
+
+    Examples
+    --------
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Clipped(Rule):
+    ...     def after_update(self, state, loop, rows, batch_rows):
+    ...         return False
+    >>> steps_before_sync(Rule(), RuleState()), steps_before_sync(Clipped(), RuleState())
+    (None, 1)
+    """
+    mro = type(rule).__mro__
+    answers = next(c for c in mro if "steps_to_sync" in vars(c))
+    updates = next(c for c in mro if "after_update" in vars(c))
+    if updates is not answers and issubclass(updates, answers):
+        return 1
+    return rule.steps_to_sync(state)
 
 
 def rule_record(rule: Rule) -> dict:

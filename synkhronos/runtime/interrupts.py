@@ -21,7 +21,6 @@ arrives. Two places would lose it or do harm:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import signal
 import sys
@@ -29,6 +28,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from ..platform.interrupt_hold import held
 from ..platform.threads import start_thread
 
 __all__ = ["install", "uninstall", "shut_down_after", "deferred", "REDELIVER_SECONDS"]
@@ -197,20 +197,10 @@ def uninstall() -> None:
     _pending.release()
 
 
-@contextlib.contextmanager
 def deferred():
-    """Hold SIGINT while the block runs (main thread only), then raise the KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        raise KeyboardInterrupt
+    """Hold SIGINT while the block runs (main thread only), then raise the KeyboardInterrupt
+    (:func:`~synkhronos.platform.interrupt_hold.held`)."""
+    return held()
 
 
 def shut_down_after(interrupt: KeyboardInterrupt, what: str, state: Any) -> str | None:

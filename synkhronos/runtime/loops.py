@@ -152,7 +152,9 @@ class Loops(Part):
                     raise
                 # a collective across nodes failed: a lost node is named, as in a call
                 nodes.raise_dead_node("train.run across nodes", e)
-        threaded = not spec.rule.asynchronous and not state.context.comm.waits_in_python
+        # (one rank has no native collective to watch: it runs here, where Ctrl-C can be held off)
+        threaded = not spec.rule.asynchronous and state.n_parallel > 1 and \
+            not state.context.comm.waits_in_python
         if trace.on:
             trace.begin("loop", f"train.run {phase}")
         try:

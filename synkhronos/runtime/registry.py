@@ -23,6 +23,9 @@ from .part import Part
 
 __all__ = ["Registry"]
 
+#: no shape a value has (a variable no call has left a value in yet)
+_ANY = object()
+
 
 class Registry(Part):
     """The functions and shared variables of one runtime, and what the workers already hold."""
@@ -37,6 +40,7 @@ class Registry(Part):
         self._by_uid = {}
         self._tensors = []             # the tensors among them: what user code reads as numpy
         self._faces = {}               # var -> its KeptFace: the face user code was given
+        self._shapes_left = {}         # var -> the shape of the value the last call left it
         self._shipped_uids = set()
         self._own_streams = {}         # id -> generator already made this node master's own stream
 
@@ -92,14 +96,16 @@ class Registry(Part):
         variables the call touched (those :meth:`values_to_devices` was given;
         None: every one).
         """
-        faces = self._faces
+        faces, left = self._faces, self._shapes_left
         for var in self._in(scope):
             cell = storage_cell(var)
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
                 cell[0] = kept.restore(device)
+                left[var] = device.shape
                 continue
             device = stored(var)
+            left[var] = np.shape(device)
             face = host_face(device)
             store(var, face)
             if face is not device:
@@ -127,9 +133,13 @@ class Registry(Part):
         threads may read the variables), every value becomes, or stays, the
         host face of its device array instead.
         """
-        held = faces_held()
+        held, left = faces_held(), self._shapes_left
         for var in self._in(scope):
             value = storage_cell(var)[0]
+            if np.shape(value) != left.get(var, _ANY):
+                # a shape other than the one a call left: the user's own function set it
+                self._state.calls.forget_shapes()
+                left[var] = np.shape(value)
             kept, device = self._kept_face(var, value)
             if device is None and type(value) is np.ndarray:
                 device = device_face(value)

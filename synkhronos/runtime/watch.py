@@ -91,8 +91,18 @@ class Watch:
             self._collective_runner = _Runner("synk-collective")
         future = self._collective_runner.submit(fn)
         deadline = time.time() + self.channel.stall_timeout
+        failed_at: list = []
+
+        def own_part_failed():
+            # this rank failed: a peer waiting for it in the collective cannot finish either
+            if not (future.done() and future.exception() is not None):
+                return
+            failed_at[:] = failed_at or [time.time()]
+            if time.time() - failed_at[0] > FAILED_PEER_GRACE:
+                self.channel.on_fault()
+                self.channel.reports.raise_for(future.exception(), [])
         # no spinning here: a spinning main thread would hold the GIL the collective thread needs
-        self.wait_done(ranks, what=what, deadline=deadline, spin=0)
+        self.wait_done(ranks, what=what, deadline=deadline, spin=0, also=own_part_failed)
         failed = [r for r in ranks if self.channel.ctl.state(r) == Status.ERROR]
         if failed:
             # a rank that failed never joins the collective: this one's part cannot finish
@@ -101,20 +111,27 @@ class Watch:
             except FutureTimeout:
                 self.channel.on_fault()
                 self.channel.reports.raise_for(None, failed)
-                raise
+                raise self.channel.reports.stalled(what, arrived=ranks,
+                                                   missing=[self.channel.master_rank]) from None
         try:
             return future.result(timeout=max(0.0, deadline - time.time()))
         except FutureTimeout:
             self.channel.on_fault()
             raise self.channel.reports.stalled(what, arrived=ranks, missing=[self.channel.master_rank]) from None
 
-    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None):
+    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None, also=None):
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
 
         ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
-        error (default: the stall timeout)."""
+        error (default: the stall timeout); ``also()``, if given, is called at every check too."""
         spin = self.channel.spin if spin is None else spin
         check = self.check(ranks, what, deadline or time.time() + self.channel.stall_timeout, bound)
+        if also is not None:
+            watched = check
+
+            def check():
+                watched()
+                also()
         try:
             for _ in ranks:
                 self.channel.ctl.done.wait(check, spin=spin)
