@@ -21,7 +21,7 @@ import numpy as np
 from .internals import buffer_address, storage_cell
 
 __all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace",
-           "use_host_faces", "host_faces_wanted", "HOST_FACES_VARIABLE"]
+           "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE"]
 
 
 def stored(var: Any) -> Any:
@@ -61,6 +61,11 @@ def use_host_faces(on: bool) -> None:
     code reads them as JAX arrays, and the CPU runs the code a GPU runs.
     """
     _host_faces[0] = bool(on)
+
+
+def host_faces_on() -> bool:
+    """True unless ``SYNK_HOST_FACES=0`` turned the faces off at ``fork()`` (see :func:`use_host_faces`)."""
+    return _host_faces[0]
 
 
 def host_faces_wanted(environ: Any) -> bool:

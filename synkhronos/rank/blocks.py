@@ -55,6 +55,9 @@ class Blocks:
         self._tables: list | bool | None = None
         #: the most steps a block may take now (see BLOCK_SECONDS)
         self._cap = MAX_BLOCK
+        #: no block can run here: unequal shares, or a reduction only between programs
+        self._never = (loop.n_ranks > 1 and (loop.spec.batch_size % loop.n_ranks or loop.comm is None
+                                             or loop.comm.program_reducer() is None))
 
     def run(self, step: int, last: int, stats: Any) -> int:
         """Run global steps from ``step`` (before ``last``) as one block; return how many ran (0:
@@ -63,7 +66,7 @@ class Blocks:
         spec = loop.spec
         full = spec.n_rows // spec.batch_size            # the epoch's steps of a whole batch
         i = step % spec.steps_per_epoch
-        if i >= full or (loop.n_ranks > 1 and spec.batch_size % loop.n_ranks):
+        if self._never or i >= full:
             return 0
         to_sync = steps_before_sync(loop.rule, loop.rule_state)
         length = int(min(last - step, full - i, self._cap, math.inf if to_sync is None else to_sync))

@@ -15,7 +15,7 @@ from pytensor.tensor.type import TensorType
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.device_arrays import arguments_on_device, wait_until_computed
 from ..platform.internals import calls_host_code, jit_parts
-from ..platform.values import device_face, faces_held, host_face
+from ..platform.values import device_face, faces_held, host_face, host_faces_on
 
 __all__ = ["jitted_call", "abstract_value", "face_updates", "donating_variant", "worth_donating",
            "copy_values_held_elsewhere", "DONATE_MIN_BYTES"]
@@ -91,7 +91,9 @@ def jitted_call(fn):
         faces = faces_held()
         try:
             values = [cell[0] for cell in cells]
-            if arg_cells:         # explicitly: a device array as it is, a view of a Data sent
+            if arg_cells and not host_faces_on():
+                # as on a GPU, every transfer explicit (with host faces, the CPU call takes its
+                # numpy views without a copy either way, and sooner)
                 values[:n_args] = arguments_on_device(values[:n_args])
             if faces:             # other threads read the variables: numpy faces stay in the cells
                 values[n_args:] = [device_face(v) for v in values[n_args:]]

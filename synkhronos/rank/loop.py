@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..platform.device_arrays import to_device
+from ..platform.device_arrays import adopt, to_device
 from ..platform.values import store, stored
 from ..tracing import trace
 from ..wire.batch import chunk
@@ -172,8 +172,9 @@ class DeviceLoop:
             assert reduce_gradient is not None, "made with the collectives"
             reduced, = reduce_gradient([stored(self.grad_var)], "avg")
             comm.refresh()
-            # (a host result lives in memory the next all-reduce writes: the device gets a copy)
-            store(self.grad_var, to_device(reduced) if isinstance(reduced, np.ndarray) else reduced)
+            # (a host result, adopted by the CPU device that computes the update before this
+            # returns: the next all-reduce writes the region only then)
+            store(self.grad_var, adopt(reduced) if isinstance(reduced, np.ndarray) else reduced)
             self.sync_seconds += time.perf_counter() - reducing
             stats.values[LoopStats.SYNCS] += 1
             if trace.on:
