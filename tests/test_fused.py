@@ -12,7 +12,6 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-
 from helpers import RaiseIfNegative, run_script
 
 import synkhronos as synk

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class Blocks:
     def __init__(self, loop: Any, context: Any):
         self.loop, self.context = loop, context
         #: the step's Data on this device (None: not yet placed; False: it does not fit)
-        self._tables: list | bool | None = None
+        self._tables: list | Literal[False] | None = None
         #: the most steps a block may take now (see BLOCK_SECONDS)
         self._cap = MAX_BLOCK
         #: no block can run here: unequal shares, or a reduction only between programs
@@ -74,8 +74,8 @@ class Blocks:
         length = 1 << (length.bit_length() - 1) if length >= 1 else 0
         rows = spec.batch_size // loop.n_ranks
         program = self._program(rows) if length >= 1 else None
-        tables = self._device_tables() if program is not None else None
-        if not tables:
+        tables = self._device_tables() if program is not None else False
+        if program is None or tables is False:
             return 0
         if trace.on:
             trace.begin("step", "block")
@@ -124,7 +124,7 @@ class Blocks:
             return program
         return self.context.step_programs.get(key, build)
 
-    def _device_tables(self) -> list | bool:
+    def _device_tables(self) -> list | Literal[False]:
         """The step's Data on this device, placed at the first block (False if they do not fit)."""
         if self._tables is None:
             views = self.loop.views

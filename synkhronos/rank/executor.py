@@ -5,6 +5,7 @@ master then reduces the ranks' results (:mod:`synkhronos.api.function`).
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def take_rows(table, indices):
     return _take(table, indices)
 
 
-_take = None
+_take: Any = None
 
 
 @dataclass(frozen=True)

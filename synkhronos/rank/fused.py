@@ -136,7 +136,7 @@ def _same_type(new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: a.astype(b.dtype) if a.dtype != b.dtype else a, new, old)
 
 
-def _one_step(grad: Graph, update: Graph, layout: _Layout, reducer: Reducer, op: str,
+def _one_step(grad: Graph, update: Graph, layout: _Layout, reducer: Reducer, op: str | None,
               args: list, values: list) -> tuple[tuple, list]:
     """Trace one step: the gradient function on ``args``, the reduction, the update function.
 
@@ -179,7 +179,7 @@ class _Program:
     #: the program's name (in profiles, :func:`~synkhronos.tracing.launches.count_launches`)
     name = "synk_program"
 
-    def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str, reducer: Reducer,
+    def __init__(self, grad: Graph, update: Graph, reduced_cell: list, op: str | None, reducer: Reducer,
                  may_fail: bool = False):
         self.grad, self.update, self.op, self.reducer = grad, update, op, reducer
         self.layout = _layout(grad, update, reduced_cell)
@@ -188,6 +188,9 @@ class _Program:
         self._jitted: dict = {}
         #: per program key, whether it donates (decided at its first call)
         self._donate: dict = {}
+        #: (gradient CompiledFunction, its runner, update CompiledFunction, its runner): whose
+        #: random streams the program continues (set by whoever builds it)
+        self.runners: tuple = ()
 
     @property
     def written_cells(self) -> list:

@@ -29,13 +29,9 @@ class Launches(collections.Counter):
     Examples
     --------
     >>> launches = Launches({"synk_step": 3, "gather": 1})
-    >>> launches.total, launches.others("synk_step")
+    >>> launches.total(), launches.others("synk_step")
     (4, {'gather': 1})
     """
-
-    @property
-    def total(self) -> int:
-        return sum(self.values())
 
     def others(self, *names: str) -> dict:
         """The launches of programs not named ``names`` (what should not be there)."""
@@ -56,7 +52,7 @@ def count_launches() -> Iterator[Launches]:
     >>> with count_launches() as launches:
     ...     y = step(step(x))
     ...     z = y[jnp.arange(2)]          # eager indexing: programs of their own
-    >>> launches["<lambda>"], launches.total > 2
+    >>> launches["<lambda>"], launches.total() > 2
     (2, True)
     """
     import jax
