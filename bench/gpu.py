@@ -143,24 +143,31 @@ def plain_pytensor(sizes, batch, seconds):
     return {"each loss": batch * _timed(one, seconds)}
 
 
-def synkhronos_ways(sizes, batch, seconds, platform="gpu"):
+def _synk_steps(sizes, batch):
+    """In a running runtime: the MLP's step on host data and on device data, and the host Data."""
     import pytensor
 
     import synkhronos as synk
     from bench.mlp import pytensor_graph
-    from synkhronos.extensions import sync, train, updates
+    from synkhronos.extensions import train, updates
+    X, Y = _data(batch)
+    x, y, loss, params = pytensor_graph(sizes)
+    step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=LR,
+                                     momentum=MOMENTUM)
+    x_sh = pytensor.shared(np.zeros((1, 784), "float32"), name="x_sh")
+    y_sh = pytensor.shared(np.zeros(1, "int32"), name="y_sh")
+    device_step = train.make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.momentum,
+                                                   learning_rate=LR, momentum=MOMENTUM)
+    synk.scatter([x_sh, y_sh], [X, Y])
+    return step, device_step, synk.data(X), synk.data(Y)
+
+
+def synkhronos_ways(sizes, batch, seconds, platform="gpu"):
+    import synkhronos as synk
+    from synkhronos.extensions import sync, train
     synk.fork(1, platform=platform)
     try:
-        X, Y = _data(batch)
-        x, y, loss, params = pytensor_graph(sizes)
-        step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=LR,
-                                         momentum=MOMENTUM)
-        x_sh = pytensor.shared(np.zeros((1, 784), "float32"), name="x_sh")
-        y_sh = pytensor.shared(np.zeros(1, "int32"), name="y_sh")
-        device_step = train.make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.momentum,
-                                                       learning_rate=LR, momentum=MOMENTUM)
-        x_dat, y_dat = synk.data(X), synk.data(Y)
-        synk.scatter([x_sh, y_sh], [X, Y])
+        step, device_step, x_dat, y_dat = _synk_steps(sizes, batch)
         rng = np.random.default_rng(1)
         batches = [rng.permutation(ROWS)[:batch] for _ in range(16)]
         state = {"i": 0, "loss": None}
@@ -202,24 +209,13 @@ def launch_counts(sizes, batch, seconds, platform="gpu"):
     """What a steady step of each way launches on the device, and whether it moves anything
     between host and device implicitly (``jax.transfer_guard("disallow")`` raises if it does)."""
     import jax
-    import pytensor
 
     import synkhronos as synk
-    from bench.mlp import pytensor_graph
-    from synkhronos.extensions import train, updates
+    from synkhronos.extensions import train
     from synkhronos.tracing.launches import count_launches
     synk.fork(1, platform=platform)
     try:
-        X, Y = _data(batch)
-        x, y, loss, params = pytensor_graph(sizes)
-        step = train.make_train_function(loss, params, x, y, updates.momentum, learning_rate=LR,
-                                         momentum=MOMENTUM)
-        x_sh = pytensor.shared(np.zeros((1, 784), "float32"), name="x_sh")
-        y_sh = pytensor.shared(np.zeros(1, "int32"), name="y_sh")
-        device_step = train.make_device_train_function(loss, params, x, y, x_sh, y_sh, updates.momentum,
-                                                       learning_rate=LR, momentum=MOMENTUM)
-        x_dat, y_dat = synk.data(X), synk.data(Y)
-        synk.scatter([x_sh, y_sh], [X, Y])
+        step, device_step, x_dat, y_dat = _synk_steps(sizes, batch)
         idx = np.random.default_rng(1).permutation(ROWS)[:batch]
         ways = {"Data + batch=": lambda: step(x_dat, y_dat, batch=idx),
                 "device data": lambda: device_step(batch_s=[idx]),

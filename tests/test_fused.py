@@ -123,6 +123,17 @@ def _single_process_steps(m, batches, scalars=()):
     return [p.get_value() for p in m["params"]], losses
 
 
+def _equal_to_one_process(m, batches, losses):
+    """The runtime's parameters and ``losses`` equal one process's on ``batches`` (the runtime is
+    closed first: the reference runs in this process)."""
+    got = [np.asarray(p.get_value()) for p in m["params"]]
+    synk.close()
+    want, want_losses = _single_process_steps(m, batches)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+
+
 @pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
                                             pytest.param(3, "jax", marks=SLOW),
                                             pytest.param(3, "shm", marks=SLOW)])
@@ -136,12 +147,7 @@ def test_fused_steps_equal_one_process(device_arrays, n, collectives):
     sizes = [240] * 6 + [241] + [240] * 3
     batches = [rng.permutation(960)[:k] for k in sizes]
     losses = [float(m["step"](x_dat, y_dat, batch=idx)) for idx in batches]
-    got = [np.asarray(p.get_value()) for p in m["params"]]
-    synk.close()
-    want, want_losses = _single_process_steps(m, batches)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+    _equal_to_one_process(m, batches, losses)
 
 
 @pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
@@ -155,13 +161,8 @@ def test_fused_steps_on_device_data_equal_one_process(device_arrays, n, collecti
     rng = np.random.default_rng(7)
     per_rank = [[rng.permutation(per)[:60] for _ in range(n)] for _ in range(8)]
     losses = [float(m["device_step"](batch_s=b)) for b in per_rank]
-    got = [np.asarray(p.get_value()) for p in m["params"]]
-    synk.close()
     batches = [np.concatenate([r * per + b for r, b in enumerate(bs)]) for bs in per_rank]
-    want, want_losses = _single_process_steps(m, batches)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-10)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
+    _equal_to_one_process(m, batches, losses)
 
 
 @pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
