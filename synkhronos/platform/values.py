@@ -21,7 +21,7 @@ import numpy as np
 from .internals import buffer_address, storage_cell
 
 __all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace",
-           "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE"]
+           "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE", "nbytes_of"]
 
 
 def stored(var: Any) -> Any:
@@ -61,6 +61,17 @@ def use_host_faces(on: bool) -> None:
     code reads them as JAX arrays, and the CPU runs the code a GPU runs.
     """
     _host_faces[0] = bool(on)
+
+
+def nbytes_of(value: Any) -> int:
+    """A numpy or device array's bytes from its shape and dtype (a device array stays where it is).
+
+    Examples
+    --------
+    >>> nbytes_of(np.zeros((3, 4), "float32"))
+    48
+    """
+    return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
 
 
 def host_faces_on() -> bool:

@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..comm import ProgramReducer
 from ..platform.device_arrays import adopt, to_device
 from ..tracing import trace
 from .fused import BlockProgram, fused_graph
@@ -57,7 +56,7 @@ class Blocks:
         self._cap = MAX_BLOCK
         #: no block can run here: unequal shares, or a reduction only between programs
         self._never = (loop.n_ranks > 1 and (loop.spec.batch_size % loop.n_ranks or loop.comm is None
-                                             or loop.comm.program_reducer() is None))
+                                             or context.program_reducer() is None))
 
     def run(self, step: int, last: int, stats: Any) -> int:
         """Run global steps from ``step`` (before ``last``) as one block; return how many ran (0:
@@ -112,8 +111,7 @@ class Blocks:
 
         def build():
             grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
-            reducer = ProgramReducer() if loop.n_ranks == 1 else \
-                loop.comm.program_reducer() if loop.comm is not None else None
+            reducer = self.context.program_reducer()
             if grad is None or update is None or reducer is None:
                 return None
             # host code can fail while the block runs: its values are then kept, not donated

@@ -123,6 +123,12 @@ class RankContext:
             run_update(update, self.undo)
         return run
 
+    def program_reducer(self):
+        """How a program reduces across the ranks inside itself: nothing to reduce on one rank,
+        else the collective implementation's way, or None if it reduces only between programs."""
+        from ..comm import ProgramReducer
+        return ProgramReducer() if self.n_ranks == 1 else self.comm.program_reducer()
+
     def fused_step(self, plan, words, update_fid):
         """The step's program on this rank (see :mod:`.fused`), or None if it cannot be one."""
         from .executor import fused_step_of

@@ -263,7 +263,7 @@ def fused_step_of(context, plan, tail_words, update_fid):
         modes = [compiled.output_modes[i] for i in plan.subset]
         if grad_graph is None or upd_graph is None or any(m not in FUSED_MODES for m in modes):
             return None
-        reducer = _reducer(context)
+        reducer = context.program_reducer()
         if reducer is None:
             return None
         import jax
@@ -282,13 +282,6 @@ def fused_step_of(context, plan, tail_words, update_fid):
         program.runners = (compiled, runner, update, upd_runner)
         return program
     return context.step_programs.get(key, build)
-
-
-def _reducer(context):
-    from ..comm import ProgramReducer
-    if context.n_ranks == 1:
-        return ProgramReducer()
-    return context.comm.program_reducer()
 
 
 def _row_shapes_of(context, plan, compiled):

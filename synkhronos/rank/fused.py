@@ -20,7 +20,6 @@ argument shapes and kept (:class:`StepPrograms`).
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,10 +33,10 @@ from ..comm.reduction import Reduce
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.internals import jit_parts
 from ..platform.interrupt_hold import can_hold, held
+from ..platform.values import nbytes_of
 from .jitted import DONATE_MIN_BYTES
 
-__all__ = ["Graph", "StepProgram", "BlockProgram", "StepPrograms", "FUSED_MODES", "fused_graph",
-           "nbytes_of"]
+__all__ = ["Graph", "StepProgram", "BlockProgram", "StepPrograms", "FUSED_MODES", "fused_graph"]
 
 #: the output modes a fused step reduces inside its program
 FUSED_MODES = (Reduce.AVG, Reduce.SUM, Reduce.MAX, Reduce.MIN, None)
@@ -156,8 +155,6 @@ def _one_step(grad: Graph, update: Graph, layout: _Layout, reducer: Reducer, op:
 def _gathered(args: list, gathers: tuple) -> list:
     """``args`` with each gathered position's (table, indices) pair replaced by the rows."""
     import jax.numpy as jnp
-    if not gathers:
-        return list(args)
     out = list(args)
     for k in gathers:
         table, indices = out[k]
@@ -200,10 +197,7 @@ class _Program:
 
     def values(self) -> tuple[list, list]:
         """(donated values, the other values) of the joint cells, as the cells hold them now."""
-        cells, donated = self.layout.joint.cells, set(self.layout.donated)
-        held = [c[0] for c in cells]
-        return [held[p] for p in self.layout.donated], [None if p in donated else v
-                                                          for p, v in enumerate(held)]
+        return self._split([c[0] for c in self.layout.joint.cells])
 
     def _donating(self, donated_values: list) -> bool:
         return not self.may_fail and sum(nbytes_of(v) for v in donated_values) >= DONATE_MIN_BYTES
@@ -342,8 +336,10 @@ class BlockProgram(_Program):
         import jax
         import jax.numpy as jnp
         tables, index_rows, weight_rows = args
-        fixed = self._merge([None] * len(donated), others)
         written_at = self.layout.written
+        merged = self._merge(donated, others)
+        start = [merged[p] for p in written_at]
+        fixed = others            # (what the steps write comes from the carry, step by step)
 
         def step(carry, indices):
             values = list(fixed)
@@ -355,7 +351,6 @@ class BlockProgram(_Program):
             new = [_same_type(values[p], old) for p, old in zip(written_at, carry)]
             return new, outs[0].astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
 
-        start = [self._merge(donated, others)[p] for p in written_at]
         written, losses = jax.lax.scan(step, start, index_rows)
         return written, jnp.sum(losses)
 
@@ -379,9 +374,3 @@ class StepPrograms:
             self._kept.pop(next(iter(self._kept)))
         made = self._kept[key] = build()
         return made
-
-
-def nbytes_of(value: Any) -> int:
-    """A value's bytes from its shape and dtype (no copy of a device array to the host)."""
-    return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
-

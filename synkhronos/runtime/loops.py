@@ -9,7 +9,6 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 
 from __future__ import annotations
 
-import math
 import pickle
 from dataclasses import replace
 from typing import Any, Protocol
@@ -19,7 +18,7 @@ import numpy as np
 
 from ..comm import Reservation
 from ..errors import SynkError, WorkerError
-from ..platform.values import stored
+from ..platform.values import nbytes_of, stored
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .part import Part
@@ -302,9 +301,8 @@ class Loops(Part):
 
     def _reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
-        def nbytes(uid):          # from the shape and dtype: a device array stays where it is
-            value = stored(self._state.registry.shared_by_uid(uid))
-            return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
+        def nbytes(uid):
+            return nbytes_of(stored(self._state.registry.shared_by_uid(uid)))
         if spec.rule.reduces_gradient:
             grad = nbytes(spec.grad_uid)
             return Reservation(nbytes=grad + 64, result_bytes=grad, reduce_bytes=grad,
