@@ -12,12 +12,15 @@ donates nothing.
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import signal
 import threading
 from collections.abc import Iterator
 
 __all__ = ["held", "can_hold"]
+
+_SIGINT = int(signal.SIGINT)
 
 
 def can_hold() -> bool:
@@ -54,13 +57,15 @@ def held() -> Iterator[None]:
         yield
         return
     arrived: list = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    # ``_signal`` is what ``signal`` wraps: the same calls without converting to and from enums,
+    # which cost as much as the rest of a small step's host path
+    previous = _signal.signal(_SIGINT, lambda signum, frame: arrived.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(_SIGINT, previous)
     if arrived:
         if callable(previous):
             previous(signal.SIGINT, None)         # the handler in place decides (Python's raises)
-        elif previous == signal.SIG_DFL:
+        elif previous == _signal.SIG_DFL:
             raise KeyboardInterrupt

@@ -17,7 +17,7 @@ from pytensor.tensor.type import TensorType
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
 from ..platform.internals import storage_cell
-from ..platform.values import KeptFace, faces_held, store, stored
+from ..platform.values import KeptFace, faces_held, host_faces_on, store, stored
 from ..wire.control import ARGS, Op
 from .part import Part
 
@@ -97,8 +97,12 @@ class Registry(Part):
         None: every one).
         """
         faces, left = self._faces, self._shapes_left
+        plain = not host_faces_on() and not faces_held()
         for var in self._in(scope):
             cell = storage_cell(var)
+            if plain and var not in faces:        # a device array stays one: only its shape is kept
+                left[var] = np.shape(cell[0])
+                continue
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
                 cell[0] = kept.restore(device)
@@ -133,9 +137,16 @@ class Registry(Part):
         threads may read the variables), every value becomes, or stays, the
         host face of its device array instead.
         """
-        held, left = faces_held(), self._shapes_left
+        held, left, faces = faces_held(), self._shapes_left, self._faces
         for var in self._in(scope):
             value = storage_cell(var)[0]
+            shape = getattr(value, "shape", None)
+            if not held and type(value) is not np.ndarray and shape is not None and var not in faces:
+                # a device array (or a value of the user's own with its shape), as it stays
+                if shape != left.get(var, _ANY):
+                    self._state.calls.forget_shapes()
+                    left[var] = shape
+                continue
             if np.shape(value) != left.get(var, _ANY):
                 # a shape other than the one a call left: the user's own function set it
                 self._state.calls.forget_shapes()

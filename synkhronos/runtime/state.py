@@ -126,7 +126,8 @@ class State:
         s, t = self.settings, self.topology
         started = time.monotonic()          # fork(timeout=...) counts from here, the join included
         cores = jax_init.device_cores(s.platform, s.threads, self.local_master)
-        faces = host_faces_wanted(os.environ)
+        # (only a CPU device's arrays have faces: on any other, every value is a device array)
+        faces = host_faces_wanted(os.environ) and s.platform == "cpu"
         use_host_faces(faces)
         self.channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
