@@ -307,3 +307,50 @@ def test_a_rule_overriding_after_update_below_steps_to_sync_is_asked_every_step(
         results.append([np.asarray(p.get_value()) for p in m["params"]])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+def _wide_model(seed=0, features=1200):
+    """Linear regression whose step's rows are megabytes (what goes up from pinned buffers)."""
+    rng = np.random.default_rng(seed)
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(rng.normal(size=features) * 0.01, name="w")
+    loss = ((x @ w - y) ** 2).mean()
+    step = train.make_train_function(loss, [w], x, y, updates.momentum, learning_rate=0.05)
+    return dict(step=step, params=[w], loss=loss, x=x, y=y, X=rng.random((960, features)),
+                Y=rng.random(960), start=[w.get_value().copy()])
+
+
+@pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW)])
+def test_large_rows_go_up_from_pinned_buffers_and_equal_one_process(device_arrays, n, collectives):
+    """Steps whose rows (2.3 MB a rank) are gathered into pinned buffers, reused while earlier
+    steps may still be in flight (no loss is read until the end), equal one process."""
+    from synkhronos.platform.pinned import pinned_buffers
+    device_arrays(n, collectives)
+    m = _wide_model(seed=n)
+    x_dat, y_dat = synk.data(m["X"]), synk.data(m["Y"])
+    rng = np.random.default_rng(9)
+    batches = [rng.permutation(960)[:240 * n] for _ in range(12)]
+    losses = [m["step"](x_dat, y_dat, batch=idx) for idx in batches]
+    assert pinned_buffers() is not None and pinned_buffers().kept_bytes > 0
+    _equal_to_one_process(m, batches, [float(v) for v in losses])
+
+
+def test_a_pinned_buffer_is_written_again_only_when_free(device_arrays):
+    """A buffer held by its face, or whose transfer is in flight, is never handed out again; what
+    was sent keeps its values when the buffer is rewritten."""
+    from synkhronos.platform.pinned import SLOTS_PER_SHAPE, PinnedBuffers
+    device_arrays(1)            # (the JAX backend of the runtime; one of this test's own would stay)
+    buffers = PinnedBuffers(jax.devices()[0])
+    held = buffers.empty((512, 1024), "float32")
+    held[:] = 1.0
+    sent = buffers.send(held)
+    again = buffers.empty((512, 1024), "float32")
+    assert again.ctypes.data != held.ctypes.data            # the first face is still held
+    del held, again
+    reused = buffers.empty((512, 1024), "float32")
+    reused[:] = 2.0
+    assert float(sent.sum()) == 512 * 1024                   # the first transfer kept its values
+    faces = [reused] + [buffers.empty((512, 1024), "float32") for _ in range(SLOTS_PER_SHAPE)]
+    assert faces[-1] is None                                 # all held: the caller goes the usual way
+    assert buffers.empty((16, 16), "float32") is None        # too small to pay off
+    assert buffers.send(np.zeros((512, 1024), "float32")) is None

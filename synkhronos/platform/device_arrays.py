@@ -9,6 +9,7 @@ import numpy as np
 
 from ..ipc.buffers import BufferPool
 from .internals import device_put_bare
+from .pinned import PINNED_MIN_BYTES, pinned_buffers
 from .values import device_face, host_face, store, stored
 
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
@@ -89,8 +90,11 @@ def copy_large(dst, src):
 
 
 def private_empty(shape, dtype):
-    """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds."""
-    return _HOST_POOL.empty(shape, dtype)
+    """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds
+    (on a device with pinned host memory, a large one is pinned: see :mod:`.pinned`)."""
+    pinned = pinned_buffers()
+    made = pinned.empty(shape, dtype) if pinned is not None else None
+    return made if made is not None else _HOST_POOL.empty(shape, dtype)
 
 
 def arguments_on_device(values):
@@ -110,6 +114,11 @@ def adopt(private):
     On CPU the device array is a view of ``private`` and keeps it alive.
     """
     import jax
+    pinned = pinned_buffers()
+    if pinned is not None and private.nbytes >= PINNED_MIN_BYTES:
+        sent = pinned.send(private)
+        if sent is not None:
+            return sent
     device = jax.local_devices()[0]
     adopted = device_put_bare(private, device)
     return adopted if adopted is not None else jax.device_put(private, device)

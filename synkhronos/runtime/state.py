@@ -23,6 +23,7 @@ from ..errors import SynkError
 from ..ipc.segments import Claim, new_prefix
 from ..platform import jax_init
 from ..platform.coordination import ServiceProcess
+from ..platform.pinned import use_pinned
 from ..platform.process_changes import changes
 from ..platform.values import host_faces_wanted, use_host_faces
 from ..rank.context import RankContext
@@ -129,6 +130,7 @@ class State:
         # (only a CPU device's arrays have faces: on any other, every value is a device array)
         faces = host_faces_wanted(os.environ) and s.platform == "cpu"
         use_host_faces(faces)
+        use_pinned(not faces)          # (values stay device arrays: rows go up from pinned memory)
         self.channel = Channel(self.prefix, self.n_local, self.local_master, s.spin,
                                s.stall_timeout, on_fault=self.abort, rank_offset=t.offset,
                                node=t.node_rank if t.several_nodes else None, local_cores=cores)
@@ -243,6 +245,7 @@ class State:
                 self.service = None
             changes.restore()       # the environment, JAX's settings, BLAS threads, allocator
             use_host_faces(True)
+            use_pinned(False)
             set_gather_threads(1)
 
     def _leave_nodes(self, clean):

@@ -30,6 +30,7 @@ from ..ipc.packing import pack_arrays, packed_nbytes, write_pickle
 from ..ipc.segments import GrowableSegment, SegmentMirror
 from ..platform import cpu_tuning, jax_init
 from ..platform.device_arrays import place_on_device
+from ..platform.pinned import use_pinned
 from ..platform.values import stored, use_host_faces
 from ..rank.context import RankContext
 from ..rank.rows import set_gather_threads
@@ -362,6 +363,7 @@ def _end_by_sigterm():
 def main():
     cfg = json.loads(os.environ["SYNK_WORKER"])
     use_host_faces(cfg["host_faces"])
+    use_pinned(not cfg["host_faces"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cfg["die_with_parent"]:
         _die_with_parent()
