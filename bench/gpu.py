@@ -264,7 +264,8 @@ def measure(seconds, parts=PARTS, timeout=150):
     found, what = gpu_present()
     if not found:
         return {"skipped": what}
-    result: dict = {"gpu": what}
+    import jax
+    result: dict = {"gpu": what, "jax": jax.__version__}
     for part in parts:
         for model in (("small",) if part == "counts" else MODELS):
             cmd = [python(), "-m", "bench.gpu", "--part", part, "--model", model, "--seconds", str(seconds)]
@@ -313,7 +314,10 @@ def section(r):
             return kept
         return [TITLE, "", f"Skipped: {r['skipped']}. `python -m bench.gpu` on a machine with a GPU "
                 "(a JAX GPU plugin installed) measures this section.", ""]
-    L = [TITLE, "", f"On one {r['gpu']}, samples/s. Small: MLP 784-1024-1024-10 at batch 4096; big: "
+    L = [TITLE, "", f"Measured by `python -m bench.gpu` on a machine with {os.cpu_count()} CPU cores, JAX "
+         f"{r.get('jax', '?')}; every other section was measured on the "
+         "CPU machine named at the top.", "",
+         f"On one {r['gpu']}, samples/s. Small: MLP 784-1024-1024-10 at batch 4096; big: "
          "784-4096-4096-4096-10 at batch 8192; SGD with momentum, float32.", "",
          "| way | small | big |", "|---|---|---|"]
     fmt = (lambda v: f"{v / 1e6:.2f} M" if isinstance(v, (int, float)) else "—")
