@@ -19,7 +19,7 @@ from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
 from .split_axes import check_data_axis
 
-__all__ = ["Data", "data", "condition_value", "release_large_staging", "staging_data",
+__all__ = ["Data", "data", "condition_value", "as_pytensor_takes", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]
 
 #: a Data that stages numpy arguments is kept for the next call only up to this size
@@ -49,6 +49,24 @@ def condition_value(value, dtype, ndim, force_cast=False, what="value", cast_hin
                             f"{cast_hint or 'pass force_cast=True'}")
         arr = arr.astype(dtype)
     return arr
+
+
+def as_pytensor_takes(var, value, what, downcast=False):
+    """A value that is not a numpy array (a Python or numpy scalar, a list) as ``pytensor.function``
+    takes it for input ``var``: weakly typed, so an ``int`` fits an ``iscalar`` and a ``float`` a
+    ``float32`` input when it keeps its value (a float always fits a ``floatX`` input).
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> as_pytensor_takes(pt.iscalar("i"), 3, "i").dtype
+    dtype('int32')
+    """
+    try:
+        return var.type.filter(value, strict=False, allow_downcast=True if downcast else None)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{what}: {e}; convert it first, or build the function with "
+                        f"synk.function(..., allow_input_downcast=True)") from None
 
 
 def _check_oversize(oversize):

@@ -19,19 +19,18 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 from pytensor.tensor.type import TensorType
 
-from ..comm.reduction import reduce_outputs
+from ..comm.reduction import owned, reduce_outputs
 from ..errors import WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import set_precision
 from ..rank.compiled import CompiledFunction
-from ..runtime.calls import FusedOutputs
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
 from .batch import check_num_slices, node_local, parse_batch, parse_batch_s
 from .batch_shaped import BatchShapedState
-from .data import Data, condition_value, data, release_large_staging
+from .data import Data, as_pytensor_takes, condition_value, data, release_large_staging
 from .hints import CallRows, add_hint
 from .kept_plans import KeptPlans
 from .recording import compile_on_master, record
@@ -133,8 +132,7 @@ class Function:
         """
         if self._rows is not None:         # the rows the scalars select, as pytensor.function takes them
             args = tuple(self._rows.reference_arguments(args))
-        out = [np.asarray(o, dtype=dtype)
-               for o, (_, dtype, _) in zip(self._run_reference(args), self._reductions)]
+        out = [owned(o, dtype) for o, (_, dtype, _) in zip(self._run_reference(args), self._reductions)]
         return out[0] if self._bare else out
 
     as_theano = as_pytensor
@@ -236,11 +234,11 @@ class Function:
             trace.begin("call", self.name, since)
             trace.mark("plan")
         try:
-            ran = state.calls.run(plan, result_record(self.spec, plan), tail)
+            # (a fused step's outputs are reduced inside its program: device arrays, not waited for)
+            outputs = state.calls.run(plan, result_record(self.spec, plan), tail,
+                                      reduce=lambda rows, columns: self._reduce(plan, rows, columns))
             if since is not None:
                 trace.mark("wait for devices")
-            # a fused step's outputs were reduced inside its program (device arrays, not waited for)
-            outputs = ran if isinstance(ran, FusedOutputs) else self._reduce(plan, *ran)
         except WorkerError as e:
             if e.how == "raised":
                 add_hint(e, self._call_rows(plan), self.spec)
@@ -359,6 +357,8 @@ class Function:
                                 f"make it a bcast_input")
             check_argument_shape(var, name, value.shape, self._axes.of(i, value) if scattered else None)
             return value
+        if not isinstance(value, np.ndarray):
+            value = as_pytensor_takes(var, value, f"argument for input {name!r}", self._downcast)
         arr = condition_value(value, var.type.dtype, var.type.ndim, what=f"argument for input {name!r}",
                               force_cast=self._downcast,
                               cast_hint="build the function with synk.function(..., "
@@ -469,3 +469,4 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here
     state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows, local_updates)
+

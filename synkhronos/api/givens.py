@@ -43,6 +43,8 @@ from pytensor.graph.traversal import applys_between, graph_inputs, io_toposort
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, indices_from_subtensor
 
+from .data import as_pytensor_takes
+
 __all__ = ["RowsFromGivens", "RECIPE"]
 
 _MISSING = object()
@@ -288,7 +290,7 @@ class RowsFromGivens:
         """The slices' bounds (None where a slice gives none) for the scalars in ``arguments``,
         computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
         fn, reads, present = self._bounds
-        scalars = [np.asarray(getattr(arguments[i], "data", arguments[i])) for i in reads]
+        scalars = [self._scalar(i, getattr(arguments[i], "data", arguments[i])) for i in reads]
         for i, value in zip(reads, scalars):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"input {self._user[i].name or i!r} selects the rows of the givens' "
@@ -301,6 +303,13 @@ class RowsFromGivens:
             if None not in key and len(self._bounds_of) < BOUNDS_KEPT:
                 self._bounds_of[key] = bounds
         return bounds
+
+    def _scalar(self, i, value):
+        """Argument ``i`` of a call as a numpy array, a Python number typed as pytensor.function
+        types it (``index = pt.iscalar()`` called as ``f(1)``)."""
+        if isinstance(value, (np.ndarray, np.generic)) or not isinstance(value, (int, float)):
+            return np.asarray(value)
+        return as_pytensor_takes(self._user[i], value, f"input {self._user[i].name or i!r}")
 
     def selected_rows(self, window):
         """Rows ``window`` of each row input's shared variable, from its value as it is now.

@@ -8,8 +8,8 @@ import enum
 
 import numpy as np
 
-__all__ = ["Reduce", "GATHER", "OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode", "check_update_mode",
-           "Accumulator", "reduce_ranks", "reduce_outputs"]
+__all__ = ["owned", "Reduce", "GATHER", "OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode",
+           "check_update_mode", "Accumulator", "reduce_ranks", "reduce_outputs"]
 
 
 class Reduce(enum.StrEnum):
@@ -161,6 +161,13 @@ def reduce_ranks(mode, values, rows, axis=0):
         if mode == "avg":
             return np.dot(values, rows) / sum(rows)
         return COMBINE[mode].reduce(values)
+    shapes = {np.shape(v) for v in values}
+    if len(shapes) > 1:
+        # (numpy would broadcast a (3, 1) part into a (3, 2) one: a number, and a wrong one)
+        raise ValueError(f"the devices' parts of an output have the shapes {sorted(shapes)}, which mode "
+                         f"{mode!r} cannot combine element by element; an output that keeps rows (or "
+                         f"columns made of them, like x.T) needs mode 'gather' (with split_axes for "
+                         f"another axis) or None")
     if mode == "avg":
         total = sum(rows)
         out = sum(v * (r / total) for v, r in zip(values, rows))
@@ -198,5 +205,21 @@ def reduce_outputs(columns, subset, rows, master_rank, reductions):
                 column = column[ranks] if isinstance(column, np.ndarray) else [column[r] for r in ranks]
             value = reduce_ranks(mode, column, weights, axis)
         # JAX may compute some reductions wider than the graph declares; return the declared dtype.
-        reduced.append(np.asarray(value, dtype=dtype))
+        reduced.append(owned(value, dtype))
     return reduced
+
+
+def owned(value, dtype):
+    """``value`` as a writeable numpy array of ``dtype`` that the caller owns (a device array's
+    read-only host view, or the master's own result, is copied).
+
+    Examples
+    --------
+    >>> view = np.arange(3.0)
+    >>> view.flags.writeable = False
+    >>> out = owned(view, "float64")
+    >>> out.flags.writeable, out is view
+    (True, False)
+    """
+    out = np.asarray(value, dtype=dtype)
+    return out if out.flags.writeable and out.flags.owndata else np.array(out)

@@ -68,7 +68,7 @@ class Calls(Part):
         """
         return ("a call of", self._state.registry.specs[plan.fid].name, f"({plan.arguments_text()})")
 
-    def run(self, plan, record, tail=None):
+    def run(self, plan, record, tail=None, reduce=None):
         """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
 
         The caller has brought the workers up to date (``Registry.ensure_shipped``)
@@ -84,6 +84,11 @@ class Calls(Part):
             What every rank runs after its share, in the same command, if every
             rank computed its share: a collective, then a function without
             inputs (a training step's all-reduce and update; one node only).
+        reduce : callable, optional
+            ``reduce(rows, columns)``: what the call returns instead of ``(rows,
+            columns)``. A reduction that raises (an output whose rows do not
+            combine in its mode) undoes the call's updates on every rank, as
+            any failed call does.
 
         Returns
         -------
@@ -135,10 +140,10 @@ class Calls(Part):
             if nodes is not None and state.is_open:
                 nodes.tell_failed(self.name(plan), e)
             raise
-        if keep_all:
-            self._ran_everywhere.add(shapes)
         if not plan.subset and nodes is None:      # a call selecting no outputs (only updates)
-            return None, []
+            if keep_all:
+                self._ran_everywhere.add(shapes)
+            return reduce(None, []) if reduce is not None else (None, [])
         rows = ctl.rows.tolist()
         columns: list
         if fields is not None:
@@ -155,7 +160,18 @@ class Calls(Part):
             except Exception:
                 self._undo()          # another node failed: this one's call did not happen either
                 raise
-        return (rows, columns) if plan.subset else (None, [])
+        result = (rows, columns) if plan.subset else (None, [])
+        if reduce is not None:
+            try:
+                result = reduce(*result)
+            except Exception:
+                # (the first run of these shapes kept what its updates replaced: a reduction fails
+                # the same way for the same shapes, so a later run of them never gets here)
+                self._undo()
+                raise
+        if keep_all:
+            self._ran_everywhere.add(shapes)
+        return result
 
     def _fused_program(self, plan, tail):
         """The master's program of a step run as one program on every rank, or None if it cannot be.

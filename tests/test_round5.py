@@ -1,0 +1,96 @@
+"""What a careless user met in the fifth outside round, each against ``pytensor.function``: a call
+whose output cannot be reduced changes nothing; Python scalars are taken as ``pytensor.function``
+takes them; every output is an array the caller owns. On 1, 2 and 3 devices."""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from test_programs import forked
+
+import synkhronos as synk
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+def device_count(request):
+    return request.param
+
+
+@pytest.fixture
+def devices(device_count):
+    yield forked(device_count)
+
+
+@pytest.mark.parametrize("mode", ["sum", "avg", "max"])
+def test_a_call_whose_output_does_not_reduce_keeps_no_update(devices, mode):
+    """``x.T`` has no row axis first: on several devices its parts do not add up. The call raises
+    and every rank's ``w`` stays where it was, retry after retry."""
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(2), name=f"w_unreducible_{mode}")
+    f = synk.function([x], (x.T, mode), updates=[(w, w + 1)])
+    X = np.arange(15.0).reshape(5, 3)
+    if devices.n_parallel == 1:          # nothing to combine: it runs as pytensor.function does
+        np.testing.assert_allclose(f(X), X.T)
+        assert w.get_value()[0] == 1
+        return
+    for _ in range(3):
+        with pytest.raises(ValueError):
+            f(X)
+        assert w.get_value()[0] == 0
+    assert [float(v[0]) for v in synk.gather(w)] == [0.0] * devices.n_parallel
+    ok = synk.function([x], (x.sum(0), mode), updates=[(w, w + 1)])
+    ok(X)                                # the runtime is usable, and updates apply once
+    assert w.get_value()[0] == 1
+
+
+def test_python_scalars_fit_narrow_0d_inputs_as_in_pytensor(devices):
+    i, k = pt.iscalar("i"), pt.scalar("k", dtype="int16")
+    x = pt.vector("x")
+    f = synk.function([x], (x * i + k, "gather"), bcast_inputs=[i, k])
+    ref = pytensor.function([x, i, k], x * i + k)
+    X = np.arange(6.0)
+    np.testing.assert_array_equal(f(X, 3, 2), ref(X, 3, 2))
+    with pytest.raises(TypeError, match="allow_input_downcast"):
+        f(X, 2 ** 40, 1)                 # an int that does not fit: pytensor.function refuses it too
+    with pytest.raises((TypeError, OverflowError)):
+        ref(X, 2 ** 40, 1)
+
+
+def test_givens_index_given_a_python_int(devices):
+    """The Theano tutorials' minibatch index: ``index = pt.iscalar()``, called as ``f(1)``."""
+    X = np.arange(40.0).reshape(20, 2)
+    data = pytensor.shared(X, name="tut_data")
+    index, x = pt.iscalar("index"), pt.matrix("x")
+    f = synk.function([index], (x.sum(), "sum"), givens={x: data[index * 10:(index + 1) * 10]})
+    assert float(f(1)) == pytest.approx(X[10:20].sum(), rel=1e-12)
+
+
+def test_a_float_learning_rate_under_float32(devices):
+    """``f(X, 0.1)`` with ``floatX=float32``: a Python float fits a floatX input, as in PyTensor."""
+    with pytensor.config.change_flags(floatX="float32"):
+        x, lr = pt.vector("x"), pt.scalar("lr")
+        f = synk.function([x], (x * lr, "gather"), bcast_inputs=[lr])
+        ref = pytensor.function([x, lr], x * lr)
+        X = np.arange(6, dtype="float32")
+        np.testing.assert_array_equal(f(X, 0.1), ref(X, 0.1))
+    with pytest.raises(TypeError, match="allow_input_downcast"):
+        f(X, 0.1)          # under float64 a float32 input keeps refusing 0.1, as pytensor.function does
+
+
+@pytest.mark.parametrize("mode", [None, "sum", "avg", "max", "gather"])
+def test_every_output_is_an_array_the_caller_owns(devices, mode):
+    x = pt.matrix("x")
+    out = x * 2 if mode in (None, "gather") else (x * 2).sum(0)
+    f = synk.function([x], (out, mode))
+    X = np.arange(12.0).reshape(6, 2)
+    first = [f(X), f.as_pytensor(X)]
+    want = [a.copy() for a in first]
+    for got, w in zip(first, want):
+        assert got.flags.writeable and got.flags.owndata
+        got -= 1                         # the usual in-place edit
+        np.testing.assert_array_equal(got, w - 1)
+    # nothing the runtime or PyTensor keeps was edited with them
+    np.testing.assert_array_equal(f(X), want[0])
+    np.testing.assert_array_equal(f.as_pytensor(X), want[1])
