@@ -6,6 +6,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from helpers import run_script
 from test_programs import forked
 
 import synkhronos as synk
@@ -94,3 +95,37 @@ def test_every_output_is_an_array_the_caller_owns(devices, mode):
     # nothing the runtime or PyTensor keeps was edited with them
     np.testing.assert_array_equal(f(X), want[0])
     np.testing.assert_array_equal(f.as_pytensor(X), want[1])
+
+
+_INTERRUPTED_CALLS = """
+    import os, subprocess, sys, numpy as np, pytensor, pytensor.tensor as pt
+    import synkhronos as synk
+    n = int(sys.argv[1])
+    for attempt in range(4):
+        synk.fork(n)
+        x = pt.vector("x")
+        w = pytensor.shared(np.zeros(200000), name="w")              # 1.6 MB: donated
+        f = synk.function([x], (x.sum(), "sum"), updates=[(w, w * 0.5 + x.mean())])
+        X = np.ones(64)
+        f(X)
+        subprocess.Popen(["sh", "-c", f"sleep {0.7 + 0.23 * attempt}; kill -INT {os.getpid()}"])
+        try:
+            while True:
+                f(X)
+        except KeyboardInterrupt:
+            print("interrupted")
+        value = w.get_value()
+        print("readable", value.shape, bool(np.all(value == value[0])), 0 < value[0] <= 2)
+        synk.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2])
+def test_ctrl_c_in_a_donating_call_keeps_every_value(n):
+    """Ctrl-C landing anywhere in a loop of calls that donate their updated value: always
+    KeyboardInterrupt, the value readable at a completed call's, and fork() works again."""
+    out = run_script(_INTERRUPTED_CALLS, args=(str(n),), timeout=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("interrupted") == 4, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("readable (200000,) True True") == 4, out.stdout

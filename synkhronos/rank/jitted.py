@@ -6,6 +6,7 @@ its pieces). :func:`jitted_call` calls the jitted graph itself, donating large
 update buffers when that pays (:func:`donating_variant`).
 """
 
+import contextlib
 import sys
 from typing import Any
 
@@ -15,6 +16,7 @@ from pytensor.tensor.type import TensorType
 from ..compile.rewrites import raise_deferred_interrupt
 from ..platform.device_arrays import arguments_on_device, wait_until_computed
 from ..platform.internals import calls_host_code, jit_parts
+from ..platform.interrupt_hold import can_hold, held
 from ..platform.values import device_face, faces_held, host_face, host_faces_on
 
 __all__ = ["jitted_call", "abstract_value", "face_updates", "donating_variant", "worth_donating",
@@ -103,12 +105,18 @@ def jitted_call(fn):
             if undo is not None and (host or undo.keep_all):
                 undo.keep(update_cells)       # before the copy below: a kept value is not donated
             if graph is donating:
-                if faces:         # a reader may hold the old value's face: never overwrite it
+                # a reader may hold the old value's face: never overwrite it; and a Ctrl-C between
+                # the dispatch and the store below would lose both the old values and the new:
+                # where it cannot be held off (a thread of the master), nothing is donated
+                if faces or not can_hold():
                     graph = jit
                 else:
                     copy_values_held_elsewhere(values, donated)
-            outputs = graph(*values)
-            del values
+            with held() if graph is donating else contextlib.nullcontext():
+                outputs = graph(*values)
+                del values
+                for i, storage in updates:
+                    storage[0] = host_face(outputs[i]) if faces else outputs[i]
         except Exception as e:
             raise_deferred_interrupt(e)
             outputs = fn(*args)       # raises again, with PyTensor's account of the failing node
@@ -118,8 +126,6 @@ def jitted_call(fn):
         finally:
             for cell in arg_cells:
                 cell[0] = None
-        for i, storage in updates:
-            storage[0] = host_face(outputs[i]) if faces else outputs[i]
         # JAX returns before the computation has run, and the arguments are views of shared memory
         # that the caller may rewrite as soon as the call returns (the next batch into the same
         # Data): wait for it. Without arguments nothing can change under the computation, and it

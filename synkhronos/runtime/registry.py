@@ -173,7 +173,9 @@ class Registry(Part):
         import jax
         for _, var in self._shared.values():
             value = device_face(stored(var))
-            if isinstance(value, jax.Array):
+            # (a deleted array, which no held Ctrl-C should leave, stays as it is: the teardown
+            # that follows must finish for fork() to work again)
+            if isinstance(value, jax.Array) and not value.is_deleted():
                 store(var, np.array(value))
 
     # --- bringing the workers up to date ---------------------------------------------------------
