@@ -154,3 +154,61 @@ def test_a_pooled_buffer_is_reused_only_once_nothing_views_it():
     assert zero_copy                     # adopted by the device, not copied
     assert while_adopted != address      # the device array viewed it
     assert after == address              # free again once the device array was gone
+
+
+GROW_FAILS = """
+import numpy as np, pytensor.tensor as pt, synkhronos as synk
+synk.fork(2)
+x = pt.matrix("x")
+f = synk.function([x], (x.sum(), "sum"))
+rows = np.arange(24.0).reshape(8, 3)
+d = synk.data(rows)
+for what, grow in [("SET_VALUE", lambda: d.set_value(np.ones((2000000, 3)))),
+                   ("SET_LENGTH", lambda: d.set_length(2000000))]:
+    try:
+        grow()
+        print(what, "no error", flush=True)
+    except MemoryError:
+        print(what, "MemoryError", flush=True)
+    print("KEPT", np.array_equal(d.data, rows), float(f(d)) == rows.sum(), flush=True)
+synk.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _private_shm_works(), reason="needs root and unshare -m for a private /dev/shm")
+def test_a_data_that_cannot_grow_keeps_its_rows():
+    """Growing past a 32 MB /dev/shm raises MemoryError, and the Data keeps its rows for the next call."""
+    out = run_with_small_shm(GROW_FAILS, size="32m")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:-1] == ["SET_VALUE MemoryError", "KEPT True True",
+                                           "SET_LENGTH MemoryError", "KEPT True True"], out.stdout
+
+
+def test_names_another_process_holds_are_skipped(synk2):
+    """Files made in /dev/shm under the run's next segment names (another local user can list the
+    run's prefix) are skipped: new Data, numpy arguments and a Data's growth all work, the
+    strangers' files are left alone, and no data is lost."""
+    rt = synk2
+    first = rt.data._next_id
+    squatted = [f"/dev/shm/{rt.prefix}_d{i}g{g}" for i in range(first, first + 40) for g in range(1, 4)]
+    squatted += [f"/dev/shm/{rt.prefix}_ixg{g}" for g in range(rt.data.indices.gen + 1, rt.data.indices.gen + 4)]
+    made = []
+    try:
+        for path in squatted:
+            if not os.path.exists(path):
+                with open(path, "wb"):
+                    made.append(path)
+        x = pt.matrix("x")
+        f = synk.function([x], (x.sum(), "sum"))
+        X = np.arange(12.0).reshape(4, 3)
+        d = synk.data(X)
+        assert float(f(d)) == X.sum()
+        assert float(f(2 * X)) == 2 * X.sum()
+        d.set_length(400)
+        np.testing.assert_array_equal(d.data[:4], X)
+        assert float(f(d)) == X.sum()
+        assert all(os.path.getsize(p) == 0 for p in made)      # never written, never ours
+    finally:
+        for path in made:
+            os.unlink(path)

@@ -394,6 +394,10 @@ class Segment:
         self.tracked = False
 
 
+#: names of a growable segment tried before giving up (each taken by another file is skipped)
+NAME_TRIES = 1000
+
+
 class GrowableSegment:
     """A segment owned by one process that is replaced by a larger one when needed.
 
@@ -429,13 +433,32 @@ class GrowableSegment:
         return self.segment
 
     def ensure(self, nbytes, oversize=1.0):
-        """Make the segment hold at least ``nbytes``; return True if it was replaced."""
+        """Make the segment hold at least ``nbytes``; return True if it was replaced.
+
+        The larger segment is made before the old one is freed, so a segment
+        that cannot be made (``MemoryError``: ``/dev/shm`` full) leaves the old
+        one, and what it holds, as it was. A name that another process holds
+        (``/dev/shm`` is listable by every local user, and the names are
+        predictable) is skipped for the next generation's.
+        """
         if self.segment is not None and self.segment.size >= nbytes:
             return False
-        self.free()
-        self.gen += 1
         size = round_up(int(max(nbytes, 1) * oversize), _ALIGN)
-        self.segment = Segment(self.name(), size, create=True, track=self.track)
+        gen = self.gen
+        for _ in range(NAME_TRIES):
+            gen += 1
+            try:
+                made = Segment(self.name(gen), size, create=True, track=self.track)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RuntimeError(f"the next {NAME_TRIES} names of shared-memory segment {self.base} "
+                               f"are all held by other files in /dev/shm: another local user may "
+                               f"be squatting them; remove them, or close() and fork() again "
+                               f"(a new run draws a new random prefix)")
+        self.free()
+        self.segment, self.gen = made, gen
         return True
 
     def free(self):
