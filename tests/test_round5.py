@@ -129,3 +129,92 @@ def test_ctrl_c_in_a_donating_call_keeps_every_value(n):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("interrupted") == 4, out.stdout + out.stderr[-2000:]
     assert out.stdout.count("readable (200000,) True True") == 4, out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Strangers at the elastic rendezvous (node 0's launcher)
+# ------------------------------------------------------------------------------------------------
+
+def _joins(server):
+    """Whether a launcher can still join ``server`` and be given a round."""
+    from synkhronos.platform.rendezvous import RendezvousClient
+    client = RendezvousClient(server.address, node_rank=0, timeout=5)
+    try:
+        client.join()
+        return client.next_message(5)["nnodes"] == 1
+    finally:
+        client.close()
+
+
+def test_an_unbounded_line_is_dropped_and_the_rendezvous_serves_on():
+    import socket
+
+    from synkhronos.platform.rendezvous import MAX_LINE_BYTES, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
+    try:
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as flood:
+            sent, dropped = 0, False
+            try:
+                while sent < 64 * MAX_LINE_BYTES:          # 4 MiB and no newline
+                    flood.sendall(b"x" * (1 << 16))
+                    sent += 1 << 16
+                flood.settimeout(5)
+                dropped = flood.recv(1) == b""
+            except OSError:                                # reset by the server: dropped too
+                dropped = True
+        assert dropped
+        assert _joins(server)
+    finally:
+        server.close()
+
+
+def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
+    import socket
+    import time
+
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=1.0)
+    host, port = server.address.rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(SPARE_CONNECTIONS + 40):            # past the bound: the extra ones closed at once
+            idle.append(socket.create_connection((host, int(port))))
+        time.sleep(0.5)
+        assert server._open <= 2 + SPARE_CONNECTIONS
+        time.sleep(1.5)                                    # past join_seconds: every idle one dropped
+        assert server._open == 0
+        assert _joins(server)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+_OUT_OF_DESCRIPTORS = """
+    import resource, socket, time
+    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
+    host, port = server.address.rsplit(":", 1)
+    held = []
+    try:
+        while True:                        # a stranger takes every descriptor the process has
+            held.append(socket.create_connection((host, int(port)), timeout=2))
+    except OSError:
+        pass
+    time.sleep(0.5)                        # the server's accept fails for want of descriptors
+    for s in held:
+        s.close()
+    time.sleep(0.5)
+    client = RendezvousClient(server.address, node_rank=0, timeout=5)
+    client.join()
+    print("joined", client.next_message(5)["nnodes"])
+    client.close(); server.close()
+"""
+
+
+def test_the_rendezvous_serves_on_after_running_out_of_descriptors():
+    out = run_script(_OUT_OF_DESCRIPTORS, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "joined 1" in out.stdout

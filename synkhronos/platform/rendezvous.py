@@ -34,6 +34,14 @@ __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost"]
 
 #: why a round ends when a launcher joins it (a change of membership, not a failure)
 JOINED = "a node joined"
+#: the longest message line; a connection sending more is dropped (the launchers' are far shorter)
+MAX_LINE_BYTES = 64 << 10
+#: seconds a connection may take to join; one that has not by then is dropped
+JOIN_SECONDS = 10.0
+#: connections served at once beyond the run's launchers (strangers beyond it are closed at once)
+SPARE_CONNECTIONS = 64
+#: seconds the accepting thread rests after an error (out of descriptors, say) before it goes on
+ACCEPT_RETRY_SECONDS = 0.05
 
 
 class RendezvousLost(ConnectionError):
@@ -58,7 +66,7 @@ def _free_port(host):
 class RendezvousServer:
     """Node 0's side: who is here, which round runs, and on which nodes."""
 
-    def __init__(self, address, min_nodes, max_nodes, settle=1.0, job=""):
+    def __init__(self, address, min_nodes, max_nodes, settle=1.0, job="", join_seconds=JOIN_SECONDS):
         host, _, port = address.rpartition(":")
         self.host = host.strip("[]")
         self.min_nodes, self.max_nodes, self.settle = min_nodes, max_nodes, settle
@@ -68,6 +76,9 @@ class RendezvousServer:
         self._members = {}          # connection -> (joined at, preferred node rank)
         self._waiting = set()       # connections that asked for the next round
         self._round, self._running, self._done = 0, [], set()
+        self._join_seconds = join_seconds
+        self._open = 0              # connections being served
+        self._max_open = 2 * max_nodes + SPARE_CONNECTIONS
         self._listener = socket.create_server((self.host, int(port)), family=_family(self.host),
                                               reuse_port=False)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -80,23 +91,43 @@ class RendezvousServer:
 
     # --- connections --------------------------------------------------------------------------
     def _accept(self):
+        """Serve every connection in a thread of its own, at most ``_max_open`` at once; an error
+        accepting one (out of file descriptors, a connection reset) is waited out, never the end."""
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                return
+                if self._closed:
+                    return
+                time.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            with self._lock:
+                full = self._open >= self._max_open
+                self._open += 0 if full else 1
+            if full:                            # a flood of strangers: closed at once
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
 
     def _serve(self, conn):
         try:
-            for line in conn.makefile("r"):
+            conn.settimeout(self._join_seconds)     # until it joins: a silent stranger is dropped
+            reader = conn.makefile("rb")
+            while True:
+                line = reader.readline(MAX_LINE_BYTES + 1)
+                if not line or len(line) > MAX_LINE_BYTES:
+                    break                       # gone, or a line no launcher sends: dropped
                 message = json.loads(line)
                 if not isinstance(message, dict) or not self._on_message(conn, message):
                     break                       # a stranger, or garbage: dropped, counted nowhere
+                if conn in self._members:
+                    conn.settimeout(None)       # a launcher is quiet while its round runs
         except Exception:                       # whatever a stranger sends ends its connection only
             pass
         finally:
             self._on_drop(conn)
+            with self._lock:
+                self._open -= 1
             try:
                 conn.close()
             except OSError:
