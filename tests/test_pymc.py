@@ -63,7 +63,50 @@ def bounded(n=N_ROWS, seed=2):
     return model
 
 
-MODELS = {"logistic": logistic_regression, "hierarchical": hierarchical, "bounded": bounded}
+def centred(n=N_ROWS, seed=4):
+    """A covariate centred on the mean of all its rows (a pm.Data): computed once, on all rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=n) + 3.0
+    y = 0.7 * (x - x.mean()) + rng.normal(size=n)
+    with pm.Model() as model:
+        xd = pm.Data("x", x)
+        beta = pm.Normal("beta", 0, 1)
+        pm.Normal("y", beta * (xd - xd.mean()), 1.0, observed=y)
+    return model
+
+
+def autoregressive(n=N_ROWS, seed=5):
+    """A hand-written AR(1): each row's mean reads the row before it (a lagged copy of the data)."""
+    import pytensor.tensor as pt
+    rng = np.random.default_rng(seed)
+    z = np.zeros(n)
+    for t in range(1, n):
+        z[t] = 0.6 * z[t - 1] + rng.normal()
+    with pm.Model() as model:
+        rho = pm.Normal("rho", 0, 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        zd = pm.Data("z_data", z)
+        pm.Normal("z", rho * pt.concatenate([[0.0], zd[:-1]]), sigma, observed=z)
+    return model
+
+
+def group_table(n=N_ROWS, seed=6):
+    """A pm.Data table of one value per group, read through a group index, with as many groups as
+    observations (its length is the row count by coincidence: not rows)."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=n)
+    g = rng.integers(0, n, size=n)
+    y = 1.5 * table[g] + rng.normal(size=n)
+    with pm.Model() as model:
+        t = pm.Data("table", table)
+        gd = pm.Data("g", g)
+        beta = pm.Normal("beta", 0, 1)
+        pm.Normal("y", beta * t[gd], 1.0, observed=y)
+    return model
+
+
+MODELS = {"logistic": logistic_regression, "hierarchical": hierarchical, "bounded": bounded,
+          "centred": centred, "autoregressive": autoregressive, "group_table": group_table}
 
 
 def random_points(model, k=3, seed=3):
@@ -255,11 +298,25 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
         pm.Normal("obs", mu, 1, observed=data)
     _refused(data_in_a_prior, "'mu' reads the values of shared_y")
 
-    def mean_over_rows():
+    def parameter_mixing_rows():
+        import pytensor.tensor as pt
         data = pm.Data("x", y)
         mu = pm.Normal("mu")
-        pm.Normal("centered", mu + data - data.mean(), 1, observed=y)
-    _refused(mean_over_rows, "log-likelihood of 'centered' is not a sum over rows")
+        pm.Normal("running", pt.cumsum(mu * data), 1, observed=y)
+    _refused(parameter_mixing_rows, "log-likelihood of 'running' reads the rows of x through a cumulative")
+
+    def mean_of_parameter_times_rows():
+        data = pm.Data("x", y)
+        mu = pm.Normal("mu")
+        pm.Normal("centered", mu * data - (mu * data).mean(), 1, observed=y)
+    _refused(mean_of_parameter_times_rows, "'centered' reads the rows of x through a reduction")
+
+    def rows_read_through_a_parameter_index():
+        import pytensor.tensor as pt
+        data = pm.Data("x", y)
+        k = pm.Categorical("k", np.ones(20) / 20)
+        pm.Normal("picked", data[pt.arange(20) * 0 + k], 1, observed=y)
+    _refused(rows_read_through_a_parameter_index, "'picked' reads the rows of x through an index")
 
     def one_parameter_per_row():
         z = pm.Normal("z", shape=20)

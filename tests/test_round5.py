@@ -66,6 +66,7 @@ def test_givens_index_given_a_python_int(devices):
     index, x = pt.iscalar("index"), pt.matrix("x")
     f = synk.function([index], (x.sum(), "sum"), givens={x: data[index * 10:(index + 1) * 10]})
     assert float(f(1)) == pytest.approx(X[10:20].sum(), rel=1e-12)
+    assert float(f(np.int64(1))) == pytest.approx(X[10:20].sum(), rel=1e-12)   # as pytensor.function
 
 
 def test_a_float_learning_rate_under_float32(devices):

@@ -43,7 +43,7 @@ from pytensor.graph.traversal import applys_between, graph_inputs, io_toposort
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, indices_from_subtensor
 
-from .data import as_pytensor_takes
+from .data import Data, as_pytensor_takes
 
 __all__ = ["RowsFromGivens", "RECIPE"]
 
@@ -290,7 +290,9 @@ class RowsFromGivens:
         """The slices' bounds (None where a slice gives none) for the scalars in ``arguments``,
         computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
         fn, reads, present = self._bounds
-        scalars = [self._scalar(i, getattr(arguments[i], "data", arguments[i])) for i in reads]
+        # (a Data or a constant given for a scalar: its value; a numpy scalar's .data is its bytes)
+        scalars = [self._scalar(i, arguments[i].data if isinstance(arguments[i], Constant | Data) else arguments[i])
+                   for i in reads]
         for i, value in zip(reads, scalars):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"input {self._user[i].name or i!r} selects the rows of the givens' "
@@ -307,7 +309,7 @@ class RowsFromGivens:
     def _scalar(self, i, value):
         """Argument ``i`` of a call as a numpy array, a Python number typed as pytensor.function
         types it (``index = pt.iscalar()`` called as ``f(1)``)."""
-        if isinstance(value, (np.ndarray, np.generic)) or not isinstance(value, (int, float)):
+        if isinstance(value, np.ndarray) or not isinstance(value, (int, float, np.generic)):
             return np.asarray(value)
         return as_pytensor_takes(self._user[i], value, f"input {self._user[i].name or i!r}")
 

@@ -23,6 +23,8 @@ from pytensor.graph.traversal import ancestors, graph_inputs
 from pytensor.tensor.random.type import RandomType
 from pytensor.tensor.shape import Shape, Shape_i
 
+from .rows import RowsMixed, check_rows_kept_apart, fold_data
+
 __all__ = ["UnsplittableModel", "SplitModel", "split_model", "CHECKED_ROWS"]
 
 #: rows of each half that the row check evaluates (see _check_rows_are_independent)
@@ -94,19 +96,26 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
             raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood is "
                                     f"one number over all its rows (a multivariate distribution over the "
                                     f"rows?), which cannot be split over the devices")
+    given = _row_data(row_terms, n_rows)         # (what the priors must not read)
+    # what reads data and no parameter is computed once, on all rows; what is left must keep rows apart
+    row_terms, _ = fold_data(row_terms)
     row_data = _row_data(row_terms, n_rows)
     if not row_data:
         names = ", ".join(rv.name for rv in observed)
         raise UnsplittableModel(f"the likelihood of {names} reads no array of {n_rows} rows: nothing to "
                                 f"split over the devices")
-    once_terms = _once_terms(model, row_data, jacobian)
+    try:
+        check_rows_kept_apart(row_terms, [rv.name for rv in observed], row_data)
+    except RowsMixed as e:
+        raise UnsplittableModel(f"{e}; such a likelihood cannot be split over the devices") from None
+    once_terms = _once_terms(model, given + [v for v in row_data if v not in given], jacobian)
     row_inputs = [_row_input(var, i) for i, var in enumerate(row_data)]
     local_rows = row_inputs[0].shape[0]
     replace = dict(zip(row_data, row_inputs))
     replace.update(_row_counts(model, row_terms, n_rows, local_rows, set(row_data)))
     rebuilt = clone_replace(row_terms, replace=replace, rebuild_strict=False)
     split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows)
-    _check_rows_are_independent(model, observed, split)
+    _check_rows_are_independent(model, observed, split, jacobian)
     return split
 
 
@@ -241,35 +250,87 @@ def _apply_nodes(term):
 
 # --- the row check -----------------------------------------------------------------------------------
 
-def _check_rows_are_independent(model, observed, split):
-    """Each row's log-likelihood must depend on that row alone: computed on the first rows, and on
-    the halves of them, the terms must agree (a mean over the rows, a shape fixed to the row count or
-    a variable with one value per row would not)."""
+def _check_rows_are_independent(model, observed, split, jacobian=True):
+    """Each row's log-likelihood must depend on that row alone, and the split must be PyMC's model.
+
+    At the initial point and at random points around it: the terms computed on the first rows and
+    on the halves of them must agree (a mean over the rows, a shape fixed to the row count or a
+    variable with one value per row would not), and the log-density and its gradient summed over
+    two halves of all the rows, plus the terms counted once, must equal PyMC's.
+    """
     n = min(CHECKED_ROWS, split.n_rows // 2)
     if n == 0:
         return
-    point = model.initial_point()
     value_vars = list(model.value_vars)
     fn = pytensor.function([*split.row_inputs, *value_vars], split.row_terms, mode="FAST_COMPILE",
                            on_unused_input="ignore")
-    args = [point[v.name] for v in value_vars]
     rows = {part: [value[part] for value in split.row_values]
             for part in (slice(0, 2 * n), slice(0, n), slice(n, 2 * n))}
-    results = {}
-    for part, values in rows.items():
-        try:
-            results[part] = fn(*values, *args)
-        except Exception as err:        # what PyTensor raises on shapes varies by op
-            raise UnsplittableModel(_unsplit_shapes(model, observed, split.n_rows, err)) from None
-    whole, first, second = (results[p] for p in rows)
-    for rv, w, a, b in zip(observed, whole, first, second):
-        if np.ndim(w) == 0 or np.shape(w)[0] != 2 * n:
-            raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood "
-                                    f"is one number over all its rows, which cannot be split over the devices")
-        if not np.allclose(np.concatenate([a, b]), w, rtol=1e-9, atol=0, equal_nan=True):
-            raise UnsplittableModel(f"the log-likelihood of {rv.name!r} is not a sum over rows: a row's "
-                                    f"term changes with the other rows (a mean or a sum over the data in "
-                                    f"the model?); such a likelihood cannot be split over the devices")
+    points = _check_points(model)
+    for point in points:
+        args = [point[v.name] for v in value_vars]
+        results = {}
+        for part, values in rows.items():
+            try:
+                results[part] = fn(*values, *args)
+            except Exception as err:        # what PyTensor raises on shapes varies by op
+                raise UnsplittableModel(_unsplit_shapes(model, observed, split.n_rows, err)) from None
+        whole, first, second = (results[p] for p in rows)
+        for rv, w, a, b in zip(observed, whole, first, second):
+            if np.ndim(w) == 0 or np.shape(w)[0] != 2 * n:
+                raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood "
+                                        f"is one number over all its rows, which cannot be split over the devices")
+            if not np.allclose(np.concatenate([a, b]), w, rtol=1e-9, atol=0, equal_nan=True):
+                raise UnsplittableModel(f"the log-likelihood of {rv.name!r} is not a sum over rows: a row's "
+                                        f"term changes with the other rows (a mean or a sum over the data in "
+                                        f"the model?); such a likelihood cannot be split over the devices")
+    _check_against_pymc(model, split, points, jacobian)
+
+
+#: random points (besides the initial one) the split is checked at, and their spread
+CHECK_POINTS, CHECK_SPREAD = 2, 0.5
+
+
+def _check_points(model):
+    """The initial point and :data:`CHECK_POINTS` random points around it (unconstrained values)."""
+    start = model.initial_point()
+    rng = np.random.default_rng(0)
+    points = [start]
+    for _ in range(CHECK_POINTS):
+        points.append({name: (value + CHECK_SPREAD * rng.normal(size=np.shape(value))).astype(value.dtype)
+                       if np.issubdtype(np.asarray(value).dtype, np.floating) else value
+                       for name, value in start.items()})
+    return points
+
+
+def _check_against_pymc(model, split, points, jacobian):
+    """The split log-density and gradient, summed over two halves of the rows, equal PyMC's."""
+    value_vars = list(model.value_vars)
+    floats = [v for v in value_vars if v.type.dtype.startswith("float")]
+    rows_total = pt.add(*[t.sum() for t in split.row_terms])
+    once_total = pt.add(*[t.sum() for t in split.once_terms]) if split.once_terms else pt.constant(0.0)
+    ours = pytensor.function([*split.row_inputs, *value_vars],
+                             [rows_total, *pytensor.grad(rows_total, floats, disconnected_inputs="ignore")],
+                             mode="FAST_COMPILE", on_unused_input="ignore")
+    once = pytensor.function(value_vars, [once_total, *pytensor.grad(once_total, floats,
+                                                                     disconnected_inputs="ignore")],
+                             mode="FAST_COMPILE", on_unused_input="ignore")
+    logp = model.logp(jacobian=jacobian)
+    theirs = pytensor.function(value_vars, [logp, *pytensor.grad(logp, floats, disconnected_inputs="ignore")],
+                               mode="FAST_COMPILE", on_unused_input="ignore")
+    half = split.n_rows // 2
+    for point in points:
+        args = [point[v.name] for v in value_vars]
+        got = [np.asarray(a, dtype=float) for a in once(*args)]
+        for part in (slice(0, half), slice(half, None)):
+            got = [g + np.asarray(a, dtype=float) for g, a in
+                   zip(got, ours(*[value[part] for value in split.row_values], *args))]
+        want = [np.asarray(a, dtype=float) for a in theirs(*args)]
+        if not all(np.allclose(g, w, rtol=1e-6, atol=1e-8, equal_nan=True) for g, w in zip(got, want)):
+            raise UnsplittableModel(f"the model's log-density split over the rows does not equal PyMC's "
+                                    f"(at a random point: {float(got[0])!r} against {float(want[0])!r}): a "
+                                    f"row's term depends on other rows in a way synkhronos cannot follow; "
+                                    f"such a model cannot be split over the devices")
 
 
 def _unsplit_shapes(model, observed, n_rows, err):
