@@ -211,3 +211,27 @@ def test_training_helpers_count_the_step_rows_on_axis_0_of_x(runtime, rng):
     with pytest.raises(ValueError, match=r"train.run.*axis 0.*mask \(axis 1\)"):
         train.run(step, [x_dat, m_dat], y_dat, 4, steps=2)
     close(step(x_dat, m_dat, y_dat, batch=[1, 2]), single(X[[1, 2]], M[:, [1, 2]], Y[[1, 2]]))
+
+
+def test_a_scan_over_an_embedding_of_the_rows_is_refused_and_the_bcast_route_runs(runtime):
+    """DeepLearningTutorials' rnnslu: a sentence's word indices, read through an embedding and
+    reshaped, then scanned with a carried state. Split, each device would restart the recurrence
+    halfway: refused, naming split_axes and bcast_inputs; given whole, it equals pytensor.function."""
+    rng = np.random.default_rng(0)
+    emb = pytensor.shared(rng.normal(size=(20, 4)), name="emb_slu")
+    wx = pytensor.shared(rng.normal(size=(4, 5)), name="wx_slu")
+    wh = pytensor.shared(rng.normal(size=(5, 5)) * 0.5, name="wh_slu")
+    w = pytensor.shared(rng.normal(size=(5, 7)), name="w_slu")
+    idxs = pt.ivector("idxs")
+    x = emb[idxs].reshape((idxs.shape[0], 4))
+    h = pytensor.scan(lambda x_t, h: pt.tanh(x_t @ wx + h @ wh), sequences=[x], outputs_info=pt.zeros(5),
+                      return_updates=False)
+    y_pred = pt.argmax(h @ w, axis=1)
+    sentence = np.array([3, 5, 1, 1, 7, 9, 2, 2], dtype="int32")
+    want = pytensor.function([idxs], y_pred)(sentence)
+    split = synk.function([idxs], (y_pred, "gather"), name="classify")
+    if runtime.n_parallel > 1:
+        with pytest.raises(ValueError, match=r"scan runs over axis 0 of scattered input 'idxs'.*bcast_input"):
+            split(sentence)
+    whole = synk.function([], (y_pred, None), bcast_inputs=[idxs], name="classify_whole")
+    np.testing.assert_array_equal(whole(sentence), want)

@@ -23,8 +23,8 @@ from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.scan.op import Scan
 from pytensor.tensor.elemwise import DimShuffle, Elemwise
-from pytensor.tensor.shape import SpecifyShape
-from pytensor.tensor.subtensor import Subtensor
+from pytensor.tensor.shape import Reshape, SpecifyShape
+from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 
 from ..comm.reduction import GATHER
 
@@ -139,6 +139,11 @@ def _keeps_axis0(node, row_var):
         return bool(op.new_order) and op.new_order[0] == 0
     if isinstance(op, Subtensor):          # a slice of the rows (reversed, or stepped) keeps axis 0
         return node.inputs[0] is row_var and (not op.idx_list or isinstance(op.idx_list[0], slice))
+    if isinstance(op, AdvancedSubtensor):
+        # a table read at each row's index (an embedding: ``emb[idxs]``) has one row per index
+        return len(node.inputs) > 1 and node.inputs[1] is row_var and node.inputs[0] is not row_var
+    if isinstance(op, Reshape):            # (whatever the new axis 0 holds, it runs over the rows)
+        return node.inputs[0] is row_var and out.type.ndim > 0
     return isinstance(op, SpecifyShape) and node.inputs[0] is row_var
 
 
@@ -156,8 +161,9 @@ def rows_scanned(inputs, graph_vars):
 
     Followed from each input through what keeps its axis 0 in place
     (elementwise ops, slices of the rows, transpositions that leave axis 0
-    first). Split along axis 0, such an input would give every device only
-    its own steps, each starting the state anew.
+    first), a table read at each row's index (an embedding), and reshapes.
+    Split along axis 0, such an input would give every device only its own
+    steps, each starting the state anew.
 
     Examples
     --------
@@ -209,8 +215,9 @@ def check_rows_not_scanned(function_name, scanned, names):
         f"from step to step, and the call splits the rows along axis 0 over the devices: each device "
         f"would scan only its own steps, each starting the state anew. For time-major data "
         f"(time, samples) declare the axis of the samples: synk.function(..., "
-        f"{time_major_example(which)}), or synk.data(value, split_axis=1); to split the steps on "
-        f"purpose, declare {time_major_example(which, 0)}")
+        f"{time_major_example(which)}), or synk.data(value, split_axis=1); for one sequence per "
+        f"call (a sentence's word indices), give it as a bcast_input, which every device reads "
+        f"whole; to split the steps on purpose, declare {time_major_example(which, 0)}")
 
 
 class RowAxes:
