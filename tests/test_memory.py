@@ -212,3 +212,38 @@ def test_names_another_process_holds_are_skipped(synk2):
     finally:
         for path in made:
             os.unlink(path)
+
+
+SQUATTED_CLOSE = """
+import os, numpy as np, pytensor.tensor as pt, synkhronos as synk
+from synkhronos.runtime import session
+synk.fork(2)
+prefix = session.current().prefix
+names = [f"{prefix}_{k}1g{g}" for k in "rw" for g in range(1, 6)]
+names += [f"{prefix}_d{i}g{g}" for i in range(6) for g in range(1, 4)]
+made = []
+for name in names:
+    path = "/dev/shm/" + name
+    if not os.path.exists(path):
+        open(path, "wb").close()
+        os.chown(path, 65534, 65534)          # another user's (nobody)
+        made.append(path)
+x = pt.matrix("x")
+f = synk.function([x], (x * 2, "gather"))
+for rows in (4, 4000, 40000):                 # results that make the workers grow their segments
+    X = np.ones((rows, 8))
+    assert np.array_equal(f(X), 2 * X)
+synk.close()
+print("KEPT", all(os.path.exists(p) for p in made), len(made) > 0)
+for p in made:
+    os.unlink(p)
+print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files as another user")
+def test_close_leaves_another_users_files_under_the_runs_names():
+    from helpers import run_script
+    out = run_script(SQUATTED_CLOSE, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "KEPT True True" in out.stdout and "LEFT []" in out.stdout, out.stdout

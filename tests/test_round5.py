@@ -219,3 +219,41 @@ def test_the_rendezvous_serves_on_after_running_out_of_descriptors():
     out = run_script(_OUT_OF_DESCRIPTORS, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "joined 1" in out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# A value set in the one script is every device's (ports: dropout flags, use_noise)
+# ------------------------------------------------------------------------------------------------
+
+def test_set_value_in_the_script_reaches_every_device(devices):
+    """Theano-MPI's SetDropoutOff() and Platoon's use_noise: ``flag.set_value(0)`` before validation
+    means every device, as in one process (a 0-d value included)."""
+    x = pt.matrix("x")
+    flag = pytensor.shared(np.float64(1.0), name="flag_noise")
+    scale = pytensor.shared(np.ones(3), name="scale_noise")
+    f = synk.function([x], ((x * flag * scale).sum(), "sum"))
+    ref = pytensor.function([x], (x * flag * scale).sum())
+    X = np.arange(15.0).reshape(5, 3)
+    assert float(f(X)) == pytest.approx(float(ref(X)))
+    flag.set_value(0.0)
+    scale.set_value(np.array([1.0, 2.0, 3.0]))
+    assert float(f(X)) == pytest.approx(float(ref(X)))       # 0: no device kept the old flag
+    flag.set_value(1.0)
+    assert float(f(X)) == pytest.approx(float(ref(X)))
+    assert [float(v) for v in synk.gather(flag)] == [1.0] * devices.n_parallel
+    np.testing.assert_array_equal(synk.gather(scale), [[1.0, 2.0, 3.0]] * devices.n_parallel)
+
+
+def test_values_synkhronos_set_per_device_stay_per_device(devices):
+    """synk.set_value(rank, ...) and a broadcast are synkhronos's own: the next call keeps each
+    device's value (as Average's and EASGD's per-device parameters are kept)."""
+    if devices.n_parallel == 1:
+        pytest.skip("one device: nothing per device")
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(3), name="w_per_device")
+    f = synk.function([x], ((x * w).sum(), "sum"))
+    synk.set_value(1, w, np.ones(3))
+    X = np.ones((6, 3))
+    f(X)
+    want = [[0.0] * 3, [1.0] * 3] + [[0.0] * 3] * (devices.n_parallel - 2)
+    np.testing.assert_array_equal(synk.gather(w), want)

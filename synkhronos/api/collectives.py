@@ -262,12 +262,7 @@ def broadcast(shared_vars: Shareds, values: Any = None, nccl: bool | None = None
             var.set_value(condition_value(value, var.type.dtype, var.type.ndim,
                                           what=f"value for {var}",
                                           cast_hint=_COLLECTIVE_CAST))
-    shapes = shapes_of(stored(v) for v in vars_)
-
-    def fill(w):
-        kinds.broadcast.encode(w, state.registry.uids_of(vars_), shapes)
-    sizes = [math.prod(shape) for shape in shapes]
-    state.collectives.run(fill, Reservation(_group_bytes(vars_, sizes)))
+    state.collectives.broadcast_from_master(vars_)
 
 
 @serialized

@@ -41,7 +41,7 @@ import numpy as np
 
 from .buffers import round_up
 
-__all__ = ["new_prefix", "Claim", "Segment", "GrowableSegment", "SegmentMirror", "unlink",
+__all__ = ["new_prefix", "Claim", "Segment", "GrowableSegment", "SegmentMirror", "unlink", "unlink_if_ours",
            "Sweep", "stale_segments", "remove_stale_segments", "SEGMENT_DIRECTORY"]
 
 log = logging.getLogger(__name__)
@@ -286,6 +286,14 @@ def unlink(name, tracked=False):
         if tracked:
             _unregister(name)
     return True
+
+
+def unlink_if_ours(name):
+    """Unlink segment ``name`` if it is this user's regular file (a name another user made, say to
+    squat the run's next names, is left alone); True if it was unlinked."""
+    if _not_ours(os.path.join(SEGMENT_DIRECTORY, name)) != "":
+        return False
+    return unlink(name)
 
 
 def _unregister(name):

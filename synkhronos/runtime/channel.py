@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import SynkError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
-from ..ipc.segments import GrowableSegment, SegmentMirror, unlink
+from ..ipc.segments import GrowableSegment, SegmentMirror, unlink_if_ours
 from ..platform.cpu_tuning import on_cores
 from ..wire.control import ControlBlock, Decision, Op, Status
 from .reports import RankReports
@@ -270,8 +270,11 @@ class Channel:
     def release(self):
         """Unlink the channel's segments, the workers' result and warning segments included.
 
-        A worker's segments are unlinked by every generation it may have made
-        (workers are gone by now; their resource trackers unlink the rest).
+        A worker's segments are unlinked by the generation it published and the
+        next one (made, if it died growing it, before the old one was freed);
+        workers are gone by now, and their resource trackers unlink the rest.
+        Only this user's files are unlinked: another user may hold a name the
+        worker skipped.
         """
         self.payload.free()
         for rank in self.worker_ranks:
@@ -279,6 +282,6 @@ class Channel:
                                         ("w", self.worker_warnings[rank], ControlBlock.WARN_GEN)):
                 mirror.release()
                 gen = int(self.ctl.status[rank, field])
-                for g in range(max(1, gen - 1), gen + 2):
-                    unlink(f"{self.prefix}_{kind}{rank}g{g}")
+                for g in range(max(1, gen), gen + 2):
+                    unlink_if_ours(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()

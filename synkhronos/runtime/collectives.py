@@ -8,14 +8,17 @@ rank's shapes.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.device_arrays import place_on_device
 from ..platform.values import host_face, stored
+from ..rank import collectives as kinds
 from ..tracing import trace
-from ..wire.collective import Kind, kind_name, shapes_of
+from ..wire.collective import Kind, dtype_groups, kind_name, shapes_of
 from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
 from .part import Part
@@ -120,6 +123,20 @@ class Collectives(Part):
         state.channel.send_pickled(state.registry.uids_of(vars_))
         state.channel.command(Op.GET_SHARED, ranks=[rank])
         return state.channel.read_result_arrays(rank, copy=copy)
+
+    def broadcast_from_master(self, vars_):
+        """Copy the master's values of ``vars_`` to every rank (``synk.broadcast``; and a value set
+        in the master, at the next call: see ``Registry.values_to_devices``)."""
+        state = self._state
+        shapes = shapes_of(stored(v) for v in vars_)
+        sizes = [math.prod(shape) for shape in shapes]
+        # each variable may start on a 64-byte boundary in its dtype group's flat buffer
+        largest = max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
+                      for idx in dtype_groups(vars_))
+
+        def fill(w):
+            kinds.broadcast.encode(w, state.registry.uids_of(vars_), shapes)
+        self.run(fill, Reservation(largest))
 
     def set_values(self, rank, vars_, arrays):
         """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).

@@ -129,7 +129,8 @@ class Registry(Part):
 
     def values_to_devices(self, scope=None):
         """Take the master's shared values back as device arrays, before a synkhronos call
-        (``scope``: only those variables, the call's own; None: every one).
+        (``scope``: only those variables, the call's own; None: every one); return the variables
+        the master's script set since the last call, which every device is to take.
 
         A host face becomes its device array again; a numpy value the user set
         is copied to the device (every rank computes on device arrays). While
@@ -138,6 +139,7 @@ class Registry(Part):
         host face of its device array instead.
         """
         held, left, faces = faces_held(), self._shapes_left, self._faces
+        set_here = []
         for var in self._in(scope):
             value = storage_cell(var)[0]
             shape = getattr(value, "shape", None)
@@ -166,7 +168,18 @@ class Registry(Part):
             if isinstance(value, np.ndarray):      # set by the user: maybe of another shape
                 value = to_device(value.astype(var.type.dtype, copy=False))
                 self._state.calls.forget_shapes()
+                set_here.append(var)
             store(var, value)
+        return self._for_every_device(set_here)
+
+    def _for_every_device(self, set_here):
+        """Of the variables the master's script set (``set_value``, or a plain PyTensor function's
+        update), those every device takes at this call: all but the scattered data (whose rows
+        differ by device: set them with ``synk.scatter``)."""
+        if not set_here:
+            return []
+        scattered = set(self.scattered_shared())
+        return [var for var in set_here if var not in scattered]
 
     def detach_values(self):
         """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""

@@ -84,7 +84,11 @@ def serialized(fn=None, *, touches=None):
                 if outermost and state is not None:
                     scope = touches(*args) if touches is not None else None
                     hold_faces(other_threads_alive())
-                    state.registry.values_to_devices(scope)
+                    set_here = state.registry.values_to_devices(scope)
+                    if set_here and state.n_parallel > 1:
+                        # a value set in the one script is every device's (Average's and EASGD's
+                        # per-device values, and synk.set_value's, are stored by synkhronos)
+                        state.collectives.broadcast_from_master(set_here)
                 return fn(*args, **kwargs)
             except WorkerError as e:
                 if not outermost or verbose():

@@ -312,7 +312,7 @@ class ShmComm(Comm):
         for h, a in zip(layout.hosts, layout.offsets):
             stacked = private_empty((self.n_ranks,) + h.shape, h.dtype)
             for r in range(self.n_ranks):
-                copy_large(stacked[r], slots[r][a:a + h.size].reshape(h.shape))
+                copy_large(stacked[r, ...], slots[r][a:a + h.size].reshape(h.shape))
             out.append(adopt(stacked))
         self.barrier()
         return out
