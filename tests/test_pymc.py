@@ -105,8 +105,49 @@ def group_table(n=N_ROWS, seed=6):
     return model
 
 
+def mixture(n=N_ROWS, seed=7):
+    """pm.NormalMixture (PyMC writes its log-density with an OpFromGraph and a concatenation along
+    the components' axis: neither mixes rows)."""
+    rng = np.random.default_rng(seed)
+    y = np.where(rng.uniform(size=n) < 0.4, -1.0, 1.5) + 0.5 * rng.normal(size=n)
+    with pm.Model() as model:
+        w = pm.Dirichlet("w", np.ones(2))
+        mu = pm.Normal("mu", [-1.0, 1.0], 1.0, shape=2)
+        pm.NormalMixture("y", w=w, mu=mu, sigma=0.5, observed=y)
+    return model
+
+
+def softmax_regression(n=N_ROWS, seed=8):
+    """Multinomial logistic regression: a softmax over the categories of each row, and the row's
+    category read at the row's own position."""
+    import pytensor.tensor as pt
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 2))
+    y = rng.integers(0, 3, size=n)
+    with pm.Model() as model:
+        B = pm.Normal("B", 0, 1, shape=(2, 3))
+        pm.Categorical("y", p=pt.special.softmax(X @ B, axis=-1), observed=y)
+    return model
+
+
+def group_covariate(n=N_ROWS, seed=9):
+    """A group-level covariate built from parameters and a pm.Data table of one value per group,
+    with as many groups as rows, read at each row's group: a table, broadcast whole."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(size=n)
+    g = rng.integers(0, n, size=n)
+    y = 0.5 + 1.2 * u[g] + rng.normal(size=n)
+    with pm.Model() as model:
+        ud, gd = pm.Data("u", u), pm.Data("g", g)
+        g0, g1 = pm.Normal("g0"), pm.Normal("g1")
+        a = g0 + g1 * ud
+        pm.Normal("y", a[gd], 1.0, observed=y)
+    return model
+
+
 MODELS = {"logistic": logistic_regression, "hierarchical": hierarchical, "bounded": bounded,
-          "centred": centred, "autoregressive": autoregressive, "group_table": group_table}
+          "centred": centred, "autoregressive": autoregressive, "group_table": group_table,
+          "mixture": mixture, "softmax": softmax_regression, "group_covariate": group_covariate}
 
 
 def random_points(model, k=3, seed=3):
@@ -311,12 +352,14 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
         pm.Normal("centered", mu * data - (mu * data).mean(), 1, observed=y)
     _refused(mean_of_parameter_times_rows, "'centered' reads the rows of x through a reduction")
 
-    def rows_read_through_a_parameter_index():
+    def rows_also_read_through_a_parameter_index():
         import pytensor.tensor as pt
         data = pm.Data("x", y)
+        mu = pm.Normal("mu")
         k = pm.Categorical("k", np.ones(20) / 20)
-        pm.Normal("picked", data[pt.arange(20) * 0 + k], 1, observed=y)
-    _refused(rows_read_through_a_parameter_index, "'picked' reads the rows of x through an index")
+        # x as rows (mu * x) and as a table read at k: split, a device's table would lack rows
+        pm.Normal("picked", mu * data + data[pt.arange(20) * 0 + k], 1, observed=y)
+    _refused(rows_also_read_through_a_parameter_index, "'picked'")
 
     def one_parameter_per_row():
         z = pm.Normal("z", shape=20)

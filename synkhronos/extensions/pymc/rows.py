@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 import pytensor
+from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import clone_replace
-from pytensor.graph.traversal import io_toposort
+from pytensor.graph.traversal import ancestors, io_toposort
 from pytensor.raise_op import CheckAndRaise
 from pytensor.tensor.basic import Join
 from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
@@ -39,11 +40,43 @@ from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 from pytensor.tensor.type import TensorType
 from pytensor.tensor.variable import TensorConstant
 
-__all__ = ["fold_data", "check_rows_kept_apart", "RowsMixed"]
+__all__ = ["fold_data", "check_rows_kept_apart", "RowsMixed", "inline_op_from_graphs"]
 
 
 class RowsMixed(ValueError):
-    """A path from an array of rows to the likelihood that mixes rows (the message names both)."""
+    """A path from an array of rows to the likelihood that mixes rows (the message names both).
+
+    ``source`` is the array of rows; ``as_table`` is True when it reached the likelihood as a table
+    read at indices (a group-level array as long as the rows by coincidence: not rows).
+    """
+
+    def __init__(self, message: str, source: Variable | None = None, as_table: bool = False):
+        super().__init__(message)
+        self.source, self.as_table = source, as_table
+
+
+def inline_op_from_graphs(terms: list) -> list:
+    """``terms`` with every ``OpFromGraph`` (PyMC's ``LogSumExp`` in a mixture, say) replaced by
+    its inner graph: such an op keeps its inputs' types, row count included, so a device's rows
+    could not go through it; inlined, every op sees the rows it is given."""
+    while True:
+        nodes = [v.owner for v in ancestors(terms) if v.owner is not None and isinstance(v.owner.op, OpFromGraph)]
+        if not nodes:
+            return list(terms)
+        replace = {}
+        for node in nodes:
+            replace.update(zip(node.outputs, _inner_graph_on(node.op, node.inputs)))
+        terms = clone_replace(list(terms), replace=replace, rebuild_strict=False)
+
+
+def _inner_graph_on(op: Any, inputs: list) -> list:
+    """The outputs of ``op``'s inner graph rebuilt on ``inputs``, node by node (each node's own
+    ``make_node``: types follow the inputs)."""
+    mapped = dict(zip(op.inner_inputs, inputs))
+    for inner in io_toposort(op.inner_inputs, op.inner_outputs):
+        made = inner.op.make_node(*[mapped.get(v, v) for v in inner.inputs])
+        mapped.update(zip(inner.outputs, made.outputs))
+    return [mapped.get(v, v) for v in op.inner_outputs]
 
 
 def _is_data_leaf(var: Variable) -> bool:
@@ -134,7 +167,7 @@ def check_rows_kept_apart(terms: list, names: list, row_data: list) -> None:
     the log-likelihood of 'obs' reads the rows of x through a sort, which mixes rows: each device would see only its own
     """
     for term, name in zip(terms, names):
-        rows: dict = {var: var.name or "an array of the observed rows" for var in row_data}
+        rows: dict = {var: var for var in row_data}       # what follows the rows -> whose rows
         valued = _value_ancestors(term)
         for node in io_toposort([], [term]):
             if not any(out in valued for out in node.outputs):
@@ -144,8 +177,10 @@ def check_rows_kept_apart(terms: list, names: list, row_data: list) -> None:
                 continue
             mixed = _mixes_rows(node, rows)
             if mixed is not None:
-                raise RowsMixed(f"the log-likelihood of {name!r} reads the rows of {source} through "
-                                f"{mixed}, which mixes rows: each device would see only its own")
+                table = isinstance(node.op, AdvancedSubtensor) and node.inputs[0] in rows
+                raise RowsMixed(f"the log-likelihood of {name!r} reads the rows of "
+                                f"{source.name or 'an array of the observed rows'} through {mixed}, "
+                                f"which mixes rows: each device would see only its own", source, table)
             if not isinstance(node.op, Shape | Shape_i):
                 for out in node.outputs:
                     rows[out] = source
@@ -188,10 +223,16 @@ def _mixes_rows(node: Any, rows: dict) -> str | None:
         first = op.idx_list[0] if op.idx_list else slice(None)
         return None if first == slice(None) else "a slice, shift or pick of rows"
     if isinstance(op, AdvancedSubtensor):
-        if inputs[0] in rows:
-            return "an index that is not the row position"
-        return None                           # a parameter (a group table) read at each row's index
+        if inputs[0] not in rows:
+            return None                       # a parameter (a group table) read at each row's index
+        first = op.idx_list[0] if op.idx_list else slice(None)
+        if first == slice(None) or (not isinstance(first, slice) and _is_row_position(inputs[1])):
+            return None                       # rows kept in place, other axes indexed per row
+        return "an index that is not the row position"
     if isinstance(op, Join):
+        axis = op.axis if hasattr(op, "axis") else None
+        if isinstance(axis, int) and axis % node.outputs[0].type.ndim != 0:
+            return None                       # (each row's entries side by side: a mixture's)
         return "a concatenation"
     if isinstance(op, SortOp | ArgSortOp):
         return "a sort"
@@ -205,6 +246,20 @@ def _mixes_rows(node: Any, rows: dict) -> str | None:
     if getattr(op, "name", None) == "Scan" or type(op).__name__ == "Scan":
         return "a scan"
     return None
+
+
+def _is_row_position(index: Variable) -> bool:
+    """Whether ``index`` is ``arange(rows)``, maybe reshaped: each row reads its own position."""
+    while index.owner is not None and isinstance(index.owner.op, Reshape | DimShuffle):
+        index = index.owner.inputs[0]
+    if index.owner is None or type(index.owner.op).__name__ != "ARange":
+        return False
+    start, _, step = index.owner.inputs
+    return _constant_is(start, 0) and _constant_is(step, 1)
+
+
+def _constant_is(var: Variable, value: int) -> bool:
+    return isinstance(var, Constant) and np.ndim(var.data) == 0 and int(var.data) == value
 
 
 def _is_matrix_product(op: Any) -> bool:

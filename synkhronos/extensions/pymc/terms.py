@@ -20,10 +20,11 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Constant
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors, graph_inputs
+from pytensor.tensor.basic import Alloc
 from pytensor.tensor.random.type import RandomType
 from pytensor.tensor.shape import Shape, Shape_i
 
-from .rows import RowsMixed, check_rows_kept_apart, fold_data
+from .rows import RowsMixed, check_rows_kept_apart, fold_data, inline_op_from_graphs
 
 __all__ = ["UnsplittableModel", "SplitModel", "split_model", "CHECKED_ROWS"]
 
@@ -96,6 +97,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
             raise UnsplittableModel(f"observed variable {rv.name!r} has no row axis: its log-likelihood is "
                                     f"one number over all its rows (a multivariate distribution over the "
                                     f"rows?), which cannot be split over the devices")
+    row_terms = inline_op_from_graphs(row_terms)
     given = _row_data(row_terms, n_rows)         # (what the priors must not read)
     # what reads data and no parameter is computed once, on all rows; what is left must keep rows apart
     row_terms, _ = fold_data(row_terms)
@@ -104,10 +106,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
         names = ", ".join(rv.name for rv in observed)
         raise UnsplittableModel(f"the likelihood of {names} reads no array of {n_rows} rows: nothing to "
                                 f"split over the devices")
-    try:
-        check_rows_kept_apart(row_terms, [rv.name for rv in observed], row_data)
-    except RowsMixed as e:
-        raise UnsplittableModel(f"{e}; such a likelihood cannot be split over the devices") from None
+    row_data = _rows_kept_apart(row_terms, [rv.name for rv in observed], row_data)
     once_terms = _once_terms(model, given + [v for v in row_data if v not in given], jacobian)
     row_inputs = [_row_input(var, i) for i, var in enumerate(row_data)]
     local_rows = row_inputs[0].shape[0]
@@ -181,6 +180,21 @@ def _row_input(var, i):
     return pt.tensor(dtype=var.type.dtype, shape=(None, *var.type.shape[1:]), name=name)
 
 
+def _rows_kept_apart(row_terms, names, row_data):
+    """``row_data`` less the arrays that reach the likelihood only as tables read at indices (as
+    long as the rows by coincidence: they go whole to every device); refused if any other array
+    of rows mixes rows on its way."""
+    row_data = list(row_data)
+    while True:
+        try:
+            check_rows_kept_apart(row_terms, names, row_data)
+            return row_data
+        except RowsMixed as e:
+            if not e.as_table or e.source not in row_data:
+                raise UnsplittableModel(f"{e}; such a likelihood cannot be split over the devices") from None
+            row_data.remove(e.source)
+
+
 def _row_counts(model, row_terms, n_rows, local_rows, row_data):
     """Replacements of the row count where the likelihood holds it: a size vector, a dim length."""
     dim_lengths = {id(v) for v in model.dim_lengths.values()}
@@ -193,6 +207,13 @@ def _row_counts(model, row_terms, n_rows, local_rows, row_data):
             replace[var] = pt.concatenate([pt.cast(local_rows, var.type.dtype)[None], rest])
         elif id(var) in dim_lengths and var.type.ndim == 0 and int(_value_of(var)) == n_rows:
             replace[var] = pt.cast(local_rows, var.type.dtype)  # type: ignore[index]
+    # the rows' length an array is broadcast to (PyMC's mixtures broadcast each component's terms)
+    for var in ancestors(row_terms):
+        node = var.owner
+        if node is not None and isinstance(node.op, Alloc) and len(node.inputs) > 1:
+            length = node.inputs[1]
+            if isinstance(length, Constant) and np.ndim(length.data) == 0 and int(length.data) == n_rows:
+                replace[length] = pt.cast(local_rows, length.type.dtype)
     return replace
 
 
