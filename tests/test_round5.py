@@ -6,22 +6,15 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+import test_programs
 from helpers import run_script
-from test_programs import forked
 
 import synkhronos as synk
 
 pytestmark = pytest.mark.timeout(300)
 
-
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
-def device_count(request):
-    return request.param
-
-
-@pytest.fixture
-def devices(device_count):
-    yield forked(device_count)
+#: the fixtures of every device count (one fork per count)
+device_count, devices = test_programs.device_count, test_programs.devices
 
 
 @pytest.mark.parametrize("mode", ["sum", "avg", "max"])
