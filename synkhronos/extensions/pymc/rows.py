@@ -63,7 +63,7 @@ def inline_op_from_graphs(terms: list) -> list:
         nodes = [v.owner for v in ancestors(terms) if v.owner is not None and isinstance(v.owner.op, OpFromGraph)]
         if not nodes:
             return list(terms)
-        replace = {}
+        replace: dict = {}
         for node in nodes:
             replace.update(zip(node.outputs, _inner_graph_on(node.op, node.inputs)))
         terms = clone_replace(list(terms), replace=replace, rebuild_strict=False)

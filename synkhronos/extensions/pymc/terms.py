@@ -330,14 +330,13 @@ def _check_against_pymc(model, split, points, jacobian):
     floats = [v for v in value_vars if v.type.dtype.startswith("float")]
     rows_total = pt.add(*[t.sum() for t in split.row_terms])
     once_total = pt.add(*[t.sum() for t in split.once_terms]) if split.once_terms else pt.constant(0.0)
-    ours = pytensor.function([*split.row_inputs, *value_vars],
-                             [rows_total, *pytensor.grad(rows_total, floats, disconnected_inputs="ignore")],
+    def with_gradient(total):
+        return [total, *_gradients(total, floats)]
+    ours = pytensor.function([*split.row_inputs, *value_vars], with_gradient(rows_total),
                              mode="FAST_COMPILE", on_unused_input="ignore")
-    once = pytensor.function(value_vars, [once_total, *pytensor.grad(once_total, floats,
-                                                                     disconnected_inputs="ignore")],
-                             mode="FAST_COMPILE", on_unused_input="ignore")
-    logp = model.logp(jacobian=jacobian)
-    theirs = pytensor.function(value_vars, [logp, *pytensor.grad(logp, floats, disconnected_inputs="ignore")],
+    once = pytensor.function(value_vars, with_gradient(once_total), mode="FAST_COMPILE",
+                             on_unused_input="ignore")
+    theirs = pytensor.function(value_vars, with_gradient(model.logp(jacobian=jacobian)),
                                mode="FAST_COMPILE", on_unused_input="ignore")
     half = split.n_rows // 2
     for point in points:
@@ -352,6 +351,12 @@ def _check_against_pymc(model, split, points, jacobian):
                                     f"(at a random point: {float(got[0])!r} against {float(want[0])!r}): a "
                                     f"row's term depends on other rows in a way synkhronos cannot follow; "
                                     f"such a model cannot be split over the devices")
+
+
+def _gradients(total, wrt) -> list:
+    """The gradient of ``total`` with respect to each of ``wrt`` (zero where it does not depend)."""
+    grads = pytensor.grad(total, wrt, disconnected_inputs="ignore") if wrt else []
+    return list(grads)  # type: ignore[arg-type]
 
 
 def _unsplit_shapes(model, observed, n_rows, err):
