@@ -87,7 +87,7 @@ def _is_data_leaf(var: Variable) -> bool:
     return isinstance(var, Constant)
 
 
-def fold_data(terms: list, what: str = "the likelihood") -> tuple[list, list]:
+def fold_data(terms: list) -> tuple[list, list]:
     """``terms`` with each largest sub-expression that reads data values and no parameter replaced
     by its value (see the module notes); returns ``(terms, folded constants)``.
 
