@@ -212,7 +212,7 @@ FORKS_ITS_OWN = "synkhronos"
 NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "synkhronos.api.data",
                    "synkhronos.api.function", "synkhronos.api.step", "synkhronos.api.checkpoint",
                    "synkhronos.extensions.updates", "synkhronos.extensions.train",
-                   "synkhronos.platform.device_arrays", "synkhronos.platform.values",
+                   "synkhronos.platform.device_arrays", "synkhronos.platform.values", "synkhronos.platform.pinned",
                    "synkhronos.platform.internals"]
 #: modules of an optional extra: their examples run where the extra is installed
 NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc"}
