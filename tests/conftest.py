@@ -112,3 +112,16 @@ def pytest_sessionfinish(session):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def no_jax_backend_left_in_the_test_process():
+    """A test that leaves a JAX backend in the test process, with no runtime open, fails here: every
+    later fork() in the same worker would be refused ("a JAX backend already exists"), far from it."""
+    yield
+    from synkhronos.platform.internals import jax_backend_exists
+    if session.active() is None and jax_backend_exists():
+        from jax.extend import backend
+        backend.clear_backends()             # (the next tests fork as they would have)
+        pytest.fail("this test left a JAX backend in the test process: run JAX code only in a runtime "
+                    "(inside synk.fork()) or in a subprocess")

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .internals import jax_backend_exists
+
 __all__ = ["PinnedBuffers", "use_pinned", "pinned_buffers", "PINNED_MIN_BYTES"]
 
 #: smaller host arrays go the ordinary way (a pinned transfer pays off on megabytes)
@@ -136,6 +138,8 @@ def pinned_buffers() -> PinnedBuffers | None:
     """This process's :class:`PinnedBuffers`, or None (see :func:`use_pinned`)."""
     made = _pinned[1]
     if made is None and _pinned[0]:
+        if not jax_backend_exists():
+            return None         # (outside a runtime's JAX backend: never make one here)
         import jax
         device = jax.local_devices()[0]
         kinds = {m.kind for m in device.addressable_memories()}
