@@ -213,6 +213,7 @@ NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "sy
                    "synkhronos.api.function", "synkhronos.api.step", "synkhronos.api.checkpoint",
                    "synkhronos.extensions.updates", "synkhronos.extensions.train",
                    "synkhronos.platform.device_arrays", "synkhronos.platform.values", "synkhronos.platform.pinned",
+                   "synkhronos.tracing.launches",
                    "synkhronos.platform.internals"]
 #: modules of an optional extra: their examples run where the extra is installed
 NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc"}
