@@ -33,7 +33,7 @@ from ..platform.values import stored
 from ..rank import collectives as kinds
 from ..runtime.session import current, serialized
 from ..wire.batch import Batch, chunk
-from ..wire.collective import Keep, dtype_groups, shapes_of
+from ..wire.collective import Keep, dtype_groups, group_bytes, shapes_of
 from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
 from .shapes import check_shared_shape
@@ -152,15 +152,6 @@ def get_lengths(shared_vars: Shareds) -> list:
     return lengths[0] if single else lengths
 
 
-def _group_bytes(vars_, sizes):
-    """Largest byte size over the dtype groups, given each variable's item count.
-
-    Each variable may start on a 64-byte boundary in a group's flat buffer.
-    """
-    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
-               for idx in dtype_groups(vars_))
-
-
 def _require_equal_shapes(vars_, shapes, what):
     for var, per_rank in zip(vars_, shapes):
         if len(set(per_rank)) > 1:
@@ -224,7 +215,7 @@ def reduction_command(state, vars_, op, keep=Keep.ALL):
     """
     op = _check_op(op, vars_)
     own = shapes_of(stored(v) for v in vars_)
-    nbytes = _group_bytes(vars_, [math.prod(s) for s in own])
+    nbytes = group_bytes(vars_, [math.prod(s) for s in own])
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w):
@@ -369,7 +360,7 @@ def _gather(state, vars_, keep, nd_up):
     def fill(w):
         kinds.gather.encode(w, state.registry.uids_of(vars_), keep, nd_up, shapes)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
-    return state.collectives.run(fill, Reservation(_group_bytes(vars_, padded)))
+    return state.collectives.run(fill, Reservation(group_bytes(vars_, padded)))
 
 
 # ------------------------------------------------------------------------------------------------

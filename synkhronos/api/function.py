@@ -469,4 +469,3 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here
     state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows, local_updates)
-

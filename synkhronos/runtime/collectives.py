@@ -18,7 +18,7 @@ from ..platform.device_arrays import place_on_device
 from ..platform.values import host_face, stored
 from ..rank import collectives as kinds
 from ..tracing import trace
-from ..wire.collective import Kind, dtype_groups, kind_name, shapes_of
+from ..wire.collective import Kind, group_bytes, kind_name, shapes_of
 from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
 from .part import Part
@@ -130,13 +130,10 @@ class Collectives(Part):
         state = self._state
         shapes = shapes_of(stored(v) for v in vars_)
         sizes = [math.prod(shape) for shape in shapes]
-        # each variable may start on a 64-byte boundary in its dtype group's flat buffer
-        largest = max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
-                      for idx in dtype_groups(vars_))
 
         def fill(w):
             kinds.broadcast.encode(w, state.registry.uids_of(vars_), shapes)
-        self.run(fill, Reservation(largest))
+        self.run(fill, Reservation(group_bytes(vars_, sizes)))
 
     def set_values(self, rank, vars_, arrays):
         """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).

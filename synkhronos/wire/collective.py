@@ -12,7 +12,7 @@ import numpy as np
 
 from .control import enum_name
 
-__all__ = ["Kind", "Keep", "kind_name", "dtype_groups", "shapes_of"]
+__all__ = ["Kind", "Keep", "kind_name", "dtype_groups", "group_bytes", "shapes_of"]
 
 
 class Kind(enum.IntEnum):
@@ -60,3 +60,12 @@ def dtype_groups(vars_):
     for i, var in enumerate(vars_):
         groups.setdefault(var.type.dtype, []).append(i)
     return groups.values()
+
+
+def group_bytes(vars_, sizes):
+    """Largest byte size over the dtype groups of ``vars_``, given each variable's item count.
+
+    Each variable may start on a 64-byte boundary in a group's flat buffer.
+    """
+    return max(sum(sizes[i] * np.dtype(vars_[i].type.dtype).itemsize + 64 for i in idx)
+               for idx in dtype_groups(vars_))
