@@ -19,7 +19,7 @@ from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..errors import SynkWarning
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
-from ..platform.internals import check_function_graph, jit_parts
+from ..platform.internals import check_function_graph, jit_parts, storage_cell
 from ..platform.jax_init import platform
 from ..platform.threads import start_thread
 from ..platform.values import faces_held, store, stored
@@ -141,12 +141,18 @@ class CompiledFunction:
         self.output_modes = [m for _, m in spec.outputs]
         # named as the user's variables, so that PyTensor's messages name what the user wrote
         self.sliced_inputs = [] if reference else [s.type(name=s.name) for s in spec.sliceable_shareds]
-        #: which of a call's arguments carry its rows: the scattered and the sliced inputs
-        n_all = len(spec.all_inputs)
-        self._row_args = list(range(len(spec.inputs))) + \
+        #: which of a call's arguments pick the graph rebuilt for their shapes: those that carry its
+        #: rows (the scattered and the sliced inputs), and the broadcast arrays (a sequence a scan
+        #: runs over has its length as a constant then)
+        n_in, n_all = len(spec.inputs), len(spec.all_inputs)
+        self._row_args = list(range(n_in)) + \
+            [i for i in range(n_in, n_all) if spec.all_inputs[i].type.ndim] + \
             list(range(n_all, n_all + len(self.sliced_inputs)))
         self._run_no_updates = None
-        #: (shapes, updates applied) -> runner of the graph rebuilt on them, the most recent kept
+        #: the storage cell of each shared variable a graph rebuilt per shape reads at its present
+        #: shape (see _rebuilt): its shape is part of what a rebuilt graph was built for
+        self._shape_cells = self._cells_of_shaped_shareds(spec)
+        #: ((row shapes, shared shapes), updates applied) -> runner of the graph rebuilt on them, the most recent kept
         self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(self._rebuilt_runner)
         #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
         self._shapes_met: set | None = set() if check and self._row_args else None
@@ -178,6 +184,18 @@ class CompiledFunction:
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
+    @staticmethod
+    def _cells_of_shaped_shareds(spec):
+        """{shared variable: its storage cell}, for each one with axes that a graph reads whole (not
+        a random generator, not one sliced per call)."""
+        sliced = set(spec.sliceable_shareds)
+        return {s: storage_cell(s) for s in spec.shared_variables()
+                if s.type.ndim and not is_generator(s) and s not in sliced}
+
+    def _shared_shapes(self):
+        """The present shape of each shared variable in ``_shape_cells``."""
+        return tuple(cell[0].shape for cell in self._shape_cells.values())
+
     def _compiled_ahead(self):
         """Wait for the compile ahead, if one is running: the call then finds its program compiled."""
         if self._compiling is not None:
@@ -203,10 +221,13 @@ class CompiledFunction:
         user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
         return user + list(replace.items())
 
-    def _graph(self, shapes=None):
-        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given."""
-        return spec_graph(self.spec, self.spec.all_inputs + self.sliced_inputs, self._givens(),
-                          self.spec.inputs + self.sliced_inputs, shapes)
+    def _graph(self, shapes=None, shared_shapes=()):
+        """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given
+        (and on the shared variables of ``_shape_cells`` at ``shared_shapes``)."""
+        fixed = dict(zip(self._shape_cells, shared_shapes))
+        arguments = self.spec.all_inputs + self.sliced_inputs
+        return spec_graph(self.spec, arguments, self._givens(), [arguments[i] for i in self._row_args],
+                          shapes, fixed)
 
     def _check(self):
         """Raise what building the graph would raise before PyTensor's rewrites (a missing input...)."""
@@ -214,9 +235,9 @@ class CompiledFunction:
         check_function_graph(inputs, outputs, updates=upd + generators, givens=givens,
                              **self.spec.pytensor_kwargs())
 
-    def _compile(self, updates, shapes=None):
+    def _compile(self, updates, shapes=None, shared_shapes=()):
         spec = self.spec
-        inputs, outputs, upd, generators, givens = self._graph(shapes)
+        inputs, outputs, upd, generators, givens = self._graph(shapes, shared_shapes)
         if not updates:      # their values come back as outputs, to accumulate over slices
             outputs, upd = outputs + [v for _, v in upd], []
         with warnings.catch_warnings():
@@ -315,10 +336,11 @@ class CompiledFunction:
         shapes = tuple(shapes)
         if self.by_rows is None:
             self._shapes_first.add(shapes)
-        return self._row_variant(shapes, updates)
+        return self._row_variant((shapes, self._shared_shapes()), updates)
 
     def _rebuilt_runner(self, shapes, updates):
-        return self._runner(self._compile(updates, shapes))
+        rows, shared = shapes
+        return self._runner(self._compile(updates, rows, shared))
 
     def _call(self, args, updates, undo=None):
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
@@ -377,7 +399,7 @@ class CompiledFunction:
         try:
             result = self._invoke(self._free_runner(updates), args, undo)
         except Exception as e:
-            if not self._row_args or self._free_rows_ran:
+            if not (self._row_args or self._shape_cells) or self._free_rows_ran:
                 raise
             failure = e
         else:

@@ -285,7 +285,8 @@ def fused_step_of(context, plan, tail_words, update_fid):
 
 
 def _row_shapes_of(context, plan, compiled):
-    """The shapes of this rank's row-carrying arguments in ``plan`` (what picks the graph)."""
+    """The shapes of this rank's arguments in ``plan`` that pick the graph: the row-carrying ones and
+    the broadcast arrays (see :class:`~.compiled.CompiledFunction`)."""
     rank, n_ranks = context.share_of_call(plan)
     share = share_of(plan, rank, n_ranks)
     rows = share.hi - share.lo
@@ -294,6 +295,7 @@ def _row_shapes_of(context, plan, compiled):
         shape = list(ref.shape)
         shape[ref.axis] = rows
         shapes.append(tuple(shape))
+    shapes += [tuple(ref.shape) for ref in plan.bcast if len(ref.shape)]
     if compiled.spec.sliceable_shareds:
         sliced = plan.sliced[rank]
         for s in compiled.spec.sliceable_shareds:

@@ -4,6 +4,7 @@ JAX traces some graphs only with concrete shapes; such a graph is rebuilt on
 inputs of the shapes a call brings (:func:`rebuild_on`), which always traces.
 """
 
+import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.traversal import toposort
 
@@ -64,12 +65,16 @@ def needs_static_shapes(e):
         (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
 
 
-def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
+def spec_graph(spec, inputs, givens, row_inputs, shapes=None, shared_shapes=None):
     """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
 
     With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
     replaced by an input of that static shape and the graphs are rebuilt on
-    it (:func:`rebuild_on`); the givens are applied in that rebuild
+    it (:func:`rebuild_on`); each shared variable in ``shared_shapes`` (a
+    dict: shared variable -> shape) is read through ``specify_shape`` at that
+    shape, so that shape arithmetic on a parameter (the length of a slice of
+    a flat parameter vector, which a reshape takes) folds to constants JAX
+    can trace. The givens are applied in that rebuild
     (PyTensor's own substitution would not carry the new static shapes on),
     so none are left to give. A node that refuses an axis of length 1 (a
     scan whose inner graph was built on a free axis refuses a broadcastable
@@ -80,13 +85,14 @@ def spec_graph(spec, inputs, givens, row_inputs, shapes=None):
     generators = list(spec.generator_updates)
     if shapes is None:
         return inputs, outputs, updates, generators, givens
+    shared_shapes = shared_shapes or {}
     try:
-        return _rebuilt(inputs, givens, row_inputs, shapes, outputs, updates, generators)
+        return _rebuilt(inputs, givens, row_inputs, shapes, shared_shapes, outputs, updates, generators)
     except TypeError:
         loose = [_ones_free(v.type.shape, shape) for v, shape in zip(row_inputs, shapes)]
         if loose == [tuple(shape) for shape in shapes]:
             raise
-        return _rebuilt(inputs, givens, row_inputs, loose, outputs, updates, generators)
+        return _rebuilt(inputs, givens, row_inputs, loose, shared_shapes, outputs, updates, generators)
 
 
 def _ones_free(declared, shape):
@@ -100,11 +106,13 @@ def _ones_free(declared, shape):
     return tuple(None if n == 1 and d is None else n for d, n in zip(declared, shape))
 
 
-def _rebuilt(inputs, givens, row_inputs, shapes, outputs, updates, generators):
-    """:func:`spec_graph`'s graphs rebuilt on ``row_inputs`` of static ``shapes``."""
+def _rebuilt(inputs, givens, row_inputs, shapes, shared_shapes, outputs, updates, generators):
+    """:func:`spec_graph`'s graphs rebuilt on ``row_inputs`` of static ``shapes``, and on the shared
+    variables of ``shared_shapes`` at theirs."""
     replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
-    given = rebuild_on([v for _, v in givens], replace)
-    substitute = {**replace, **{k: v for (k, _), v in zip(givens, given)}}
+    fixed = {s: pt.specify_shape(s, shape) for s, shape in shared_shapes.items()}
+    given = rebuild_on([v for _, v in givens], {**replace, **fixed})
+    substitute = {**replace, **fixed, **{k: v for (k, _), v in zip(givens, given)}}
     pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]
     flat = rebuild_on(sum(pieces, []), substitute)
     new = []

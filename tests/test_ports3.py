@@ -1,0 +1,121 @@
+"""Programs written elsewhere, third round: the idioms of DeepLearningTutorials, Theano-MPI,
+Platoon and PyMC as their authors wrote them. Every result is compared with single-process
+PyTensor on the same data."""
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from helpers import close
+
+import synkhronos as synk
+from synkhronos.runtime import session
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def forked(n):
+    """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
+    if session.active() is not None and session.active().n_parallel != n:
+        synk.close()
+    if session.active() is None:
+        synk.fork(n)
+    return session.current()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+def device_count(request):
+    """Module-scoped so that pytest runs every test of one device count together (one fork)."""
+    return request.param
+
+
+@pytest.fixture
+def devices(device_count):
+    yield forked(device_count)
+
+
+# ------------------------------------------------------------------------------------------------
+# A flat parameter vector, sliced and reshaped (DeepLearningTutorials' logistic_cg.py)
+# ------------------------------------------------------------------------------------------------
+
+def flat_theta_model(X, Y, batch_size):
+    """logistic_cg.py's model: W and b are slices of one flat shared ``theta``, rows come by givens."""
+    n_in, n_out = X.shape[1], 3
+    theta = pytensor.shared(np.zeros(n_in * n_out + n_out), name="theta")
+    W = theta[0:n_in * n_out].reshape((n_in, n_out))
+    b = theta[n_in * n_out:n_in * n_out + n_out]
+    data_x = pytensor.shared(X, name="data_x")
+    data_y = pt.cast(pytensor.shared(Y.astype(float), name="data_y"), "int32")
+    offset, x, y = pt.lscalar("offset"), pt.matrix("x"), pt.ivector("y")
+    p_y = pt.special.softmax(x @ W + b, axis=-1)
+    cost = -pt.mean(pt.log(p_y)[pt.arange(y.shape[0]), y])
+    givens = {x: data_x[offset:offset + batch_size], y: data_y[offset:offset + batch_size]}
+    return theta, offset, cost, pt.grad(cost, theta), givens
+
+
+@pytest.mark.slow
+def test_a_slice_of_a_flat_parameter_vector_reshaped_trains_as_in_one_process(devices, rng):
+    """The gradient of ``theta[0:k].reshape(...)`` reshapes by ``min(k, len(theta))``: JAX traces
+    that only if the length of ``theta`` is a constant in the graph."""
+    X, Y = rng.normal(size=(60, 4)), rng.integers(0, 3, size=60)
+    theta, offset, cost, grad, givens = flat_theta_model(X, Y, 20)
+    ours = synk.function([offset], [cost, grad], givens=givens)
+    theirs = pytensor.function([offset], [cost, grad], givens=givens)
+    value = rng.normal(size=theta.get_value().shape)
+    for step in range(3):
+        theta.set_value(value)
+        for o in (0, 20, 40):
+            for a, b in zip(ours(o), theirs(o)):
+                close(a, b, rtol=1e-10)
+        value = value - 0.5 * theirs(0)[1]
+
+
+def test_an_update_function_without_inputs_on_a_flat_vector_runs(synk2, rng):
+    """No argument brings rows, and the graph still needs the parameter's length as a constant."""
+    theta = pytensor.shared(rng.normal(size=7), name="theta_alone")
+    square = (theta[0:6].reshape((2, 3)) ** 2).sum()
+    step = synk.function([], square, updates=[(theta, theta - 0.25 * pt.grad(square, theta))])
+    reference = theta.get_value().copy()
+    for _ in range(3):
+        expected = (reference[:6] ** 2).sum()
+        close(step(), expected)
+        reference[:6] -= 0.25 * 2 * reference[:6]
+    close(theta.get_value(), reference)
+    # a new length is a new graph, not a stale constant
+    longer = rng.normal(size=9)
+    theta.set_value(longer)
+    close(step(), (longer[:6] ** 2).sum())
+    close(theta.get_value()[6:], longer[6:])
+
+
+# ------------------------------------------------------------------------------------------------
+# A broadcast sequence a scan runs over (Platoon's LSTM, one sentence per call)
+# ------------------------------------------------------------------------------------------------
+
+def masked_recurrence():
+    """Platoon's LSTM example in small: a masked recurrence over time-major ``x``, its length
+    ``x.shape[0]`` given as ``n_steps``, its state allocated from ``x.shape[1]``."""
+    x, mask, y = pt.tensor3("x_seq"), pt.matrix("mask"), pt.ivector("y_seq")
+    U = pytensor.shared(np.eye(3) * 0.5, name="U_rec")
+
+    def step(m, x_t, h):
+        return m[:, None] * pt.tanh(h @ U + x_t) + (1 - m)[:, None] * h
+    h = pytensor.scan(step, sequences=[mask, x], outputs_info=[pt.alloc(np.float64(0), x.shape[1], 3)],
+                      n_steps=x.shape[0], return_updates=False)
+    proj = (h * mask[:, :, None]).sum(axis=0) / mask.sum(axis=0)[:, None]
+    cost = -pt.log(pt.special.softmax(proj, axis=-1)[pt.arange(y.shape[0]), y]).mean()
+    return x, mask, y, U, cost
+
+
+@pytest.mark.slow
+def test_a_broadcast_sequence_of_any_length_runs_a_scan_as_in_one_process(devices, rng):
+    """The gradient of a scan over a broadcast input allocates by its length: each length is a graph."""
+    x, mask, y, U, cost = masked_recurrence()
+    ours = synk.function([], [cost, pt.grad(cost, U)], bcast_inputs=[x, mask, y])
+    theirs = pytensor.function([x, mask, y], [cost, pt.grad(cost, U)])
+    for length in (5, 7, 5):
+        X, M = rng.normal(size=(length, 4, 3)), (rng.random((length, 4)) < 0.8).astype(float)
+        M[0] = 1
+        Y = rng.integers(0, 3, size=4).astype("int32")
+        for a, b in zip(ours(X, M, Y), theirs(X, M, Y)):
+            close(a, b, rtol=1e-10)
