@@ -119,3 +119,38 @@ def test_a_broadcast_sequence_of_any_length_runs_a_scan_as_in_one_process(device
         Y = rng.integers(0, 3, size=4).astype("int32")
         for a, b in zip(ours(X, M, Y), theirs(X, M, Y)):
             close(a, b, rtol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# Each cause of a shape JAX cannot compile gets its own fix
+# ------------------------------------------------------------------------------------------------
+
+def test_a_givens_selection_along_another_axis_is_refused_when_built(synk2, rng):
+    """Theano-MPI's crop through givens: ``data[:, :, :, i:i + k]`` cannot be split, nor compiled."""
+    data = pytensor.shared(rng.normal(size=(6, 2, 4, 8)), name="images")
+    i, x = pt.lscalar("i"), pt.tensor4("x")
+    with pytest.raises(TypeError, match=r"along axis 3 of a shared variable.*axis first.*synk\.data"):
+        synk.function([i], x.sum(), givens={x: data[:, :, :, i:i + 4]})
+    f = synk.function([i], (x.sum(), "sum"), givens={x: data[i:i + 3]})    # the runtime goes on
+    close(f(2), data.get_value()[2:5].sum())
+
+
+def test_a_crop_at_computed_offsets_is_named_with_a_constant_length_range(synk2, rng):
+    x, i, j = pt.tensor4("x"), pt.lscalar("i"), pt.lscalar("j")
+    X = rng.normal(size=(6, 2, 8, 8))
+    f = synk.function([x, i, j], (x[:, :, i:i + 4, j:j + 4] ** 2).sum())
+    with pytest.raises(synk.WorkerError) as raised:
+        f(X, 1, 2)
+    assert "the slice Subtensor{:, :, start:stop, start:stop} of x has bounds computed from values" \
+        in raised.value.hint and "pt.arange" in raised.value.hint
+    rows, cols = i + pt.arange(4), j + pt.arange(4)
+    g = synk.function([x, i, j], ((x[:, :, rows[:, None], cols[None, :]] ** 2).sum(), "sum"))
+    close(g(X, 1, 2), (X[:, :, 1:5, 2:6] ** 2).sum())
+
+
+def test_a_shape_computed_from_a_value_is_not_blamed_on_the_inputs_axes(synk2, rng):
+    x, n = pt.matrix("x"), pt.lscalar("n")
+    f = synk.function([x, n], pt.arange(n).sum() + x.sum())
+    with pytest.raises(synk.WorkerError) as raised:
+        f(rng.normal(size=(4, 3)), 3)
+    assert "computed from a value" in raised.value.hint and "declare" not in raised.value.hint

@@ -102,13 +102,20 @@ def _rowwise_base(expression):
 
 
 def _picks_rows(value, scalars):
-    """True if given ``value`` picks rows of shared data by ``scalars``.
+    """True if given ``value`` picks rows of shared data by ``scalars`` (see :func:`_axis_picked`)."""
+    return _axis_picked(value, scalars) is not None
+
+
+def _axis_picked(value, scalars):
+    """The first axis along which given ``value`` picks entries of shared data by ``scalars``, or None.
 
     ``x[i:i + 3]``, ``x[i::2]``, ``x[arange(i, i + 3)]`` pick rows (of ``x``
     read from a shared variable, ``i`` one of the function's scalars),
     whatever is done with them after: their number depends on a value, which
     no device's JAX function can compile, so only the tutorials' row slice
-    can take them. An integer index (``x[i]``) picks one row and keeps none.
+    can take them. ``x[:, :, :, i:i + 3]`` picks along axis 3 so, and no
+    device can compile it either. An integer index (``x[i]``) picks one
+    entry and keeps none.
     """
     scalars = set(scalars)
     leaves = list(graph_inputs([value]))
@@ -116,15 +123,15 @@ def _picks_rows(value, scalars):
     reads_scalar = {v: v in scalars for v in leaves}
     for node in io_toposort(leaves, [value]):
         if isinstance(node.op, (Subtensor, AdvancedSubtensor)) and reads_shared[node.inputs[0]]:
-            first = indices_from_subtensor(node.inputs[1:], node.op.idx_list)[0]
-            parts = [first.start, first.stop, first.step] if isinstance(first, slice) else \
-                [first] if first.ndim > 0 else []  # type: ignore[attr-defined]
-            if any(p is not None and reads_scalar[p] for p in parts):
-                return True
+            for axis, index in enumerate(indices_from_subtensor(node.inputs[1:], node.op.idx_list)):
+                parts = [index.start, index.stop, index.step] if isinstance(index, slice) else \
+                    [index] if getattr(index, "ndim", 0) > 0 else []
+                if any(p is not None and reads_scalar.get(p, False) for p in parts):
+                    return axis
         for out in node.outputs:
             reads_shared[out] = any(reads_shared[v] for v in node.inputs)
             reads_scalar[out] = any(reads_scalar[v] for v in node.inputs)
-    return False
+    return None
 
 
 #: the sets of scalar values whose slice bounds a function keeps
@@ -186,10 +193,17 @@ class RowsFromGivens:
                               if isinstance(v, SharedVariable) and v.ndim == 0]  # type: ignore[attr-defined]
             if found is not None and _bounds_read_only(found, scalars):
                 slices.append(found)
-            elif _picks_rows(value, scalars + shared_scalars):
+            elif (axis := _axis_picked(value, scalars + shared_scalars)) is not None:
                 read = [str(v) for v in shared_scalars if _picks_rows(value, [v])]
                 hint = (f" (it reads the bounds from the shared variables {read}: pass them as "
                         f"scalar inputs of the function instead)") if read else ""
+                if axis:
+                    raise TypeError(
+                        f"{name}: givens replaces {key} by {value}, which selects along axis {axis} "
+                        f"of a shared variable by scalar inputs: the length it keeps would depend on a "
+                        f"value, which no device can compile, and synkhronos splits only rows "
+                        f"(shared[start:stop]){hint}; lay the data out with that axis first, or "
+                        f"{RECIPE}")
                 raise TypeError(
                     f"{name}: givens replaces {key} by {value}, which selects rows of a shared "
                     f"variable in a way synkhronos cannot split over the devices (it splits "

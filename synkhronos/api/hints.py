@@ -32,7 +32,8 @@ class CallRows:
 #: an error about shapes (its first line says so): the only kind a batch size in the graph causes
 _SHAPE_ERROR = re.compile(r"shape|broadcast|dimension|\bsize\b", re.IGNORECASE)
 #: a shape that a trace could not make concrete (not a matter of rows)
-_STATIC_SHAPES = re.compile(r"Shapes must be 1D sequences of concrete values|Tracer")
+_STATIC_SHAPES = re.compile(r"Shapes must be 1D sequences of concrete values|Tracer|"
+                            r"JAX requires the arguments of .* to be constants")
 
 
 def _share_of(rows):
@@ -55,8 +56,48 @@ def _rows_hint(error, rows, spec):
 def _static_shapes_hint(error, rows, spec):
     if not _STATIC_SHAPES.search(error.message):
         return None
-    return ("the graph needs a concrete shape that synkhronos could not give it by compiling per "
-            "row count; declare the input's other axes in its type (pt.tensor(shape=(None, 28, 28)))")
+    sliced = _slice_at_computed_bounds(spec) if spec is not None else None
+    if sliced is not None:
+        return (f"the slice {sliced} has bounds computed from values (an input, a random draw), so "
+                f"the length it keeps is not a constant JAX can compile; index by a range of constant "
+                f"length instead (x[:, :, i + pt.arange(24)], a crop of 24 from offset i), or crop "
+                f"on the host before the call")
+    # every argument's and parameter's shape is a constant in the graph compiled per shape: what
+    # JAX could not make concrete was computed from a value
+    return ("the graph needs a shape (a length, a range, a reshape) computed from a value: an input's, "
+            "a parameter's or a draw's, not their shapes, and JAX compiles only shapes it knows; "
+            "compute it from constants and shapes (x.shape[0]), or pass what is computed on the host")
+
+
+def _slice_at_computed_bounds(spec):
+    """A slice in the function's graph whose bounds depend on a value, not only on shapes and
+    constants (as text), or None."""
+    from pytensor.graph.traversal import apply_ancestors
+    from pytensor.tensor.subtensor import IncSubtensor, Subtensor
+    for node in apply_ancestors(spec.graph_vars()):
+        if isinstance(node.op, (Subtensor, IncSubtensor)):
+            first = 2 if isinstance(node.op, IncSubtensor) else 1
+            slices = [i for i in node.op.idx_list if isinstance(i, slice)]
+            if slices and any(_value_dependent(b) for b in node.inputs[first:]):
+                return f"{node.op} of {node.inputs[0]}"
+    return None
+
+
+def _value_dependent(var):
+    """True if ``var`` is computed from an input's or a parameter's value, not only from shapes."""
+    from pytensor.graph.basic import Constant
+    from pytensor.tensor.shape import Shape, Shape_i
+    stack, seen = [var], set()
+    while stack:
+        v = stack.pop()
+        if v in seen or isinstance(v, Constant):
+            continue
+        seen.add(v)
+        if v.owner is None:
+            return True
+        if not isinstance(v.owner.op, (Shape, Shape_i)):
+            stack.extend(v.owner.inputs)
+    return False
 
 
 def _conversion_hint(error, rows, spec):
