@@ -154,3 +154,76 @@ def test_a_shape_computed_from_a_value_is_not_blamed_on_the_inputs_axes(synk2, r
     with pytest.raises(synk.WorkerError) as raised:
         f(rng.normal(size=(4, 3)), 3)
     assert "computed from a value" in raised.value.hint and "declare" not in raised.value.hint
+
+
+# ------------------------------------------------------------------------------------------------
+# Small things a port meets
+# ------------------------------------------------------------------------------------------------
+
+def test_an_integer_output_under_avg_names_every_mode_that_fits(synk2):
+    x = pt.matrix("x")
+    with pytest.raises(TypeError, match=r"'gather'.*predictions.*None.*'sum'.*cast"):
+        synk.function([x], pt.argmax(x, axis=1))
+    predict = synk.function([x], (pt.argmax(x, axis=1), "gather"))
+    X = np.eye(5)[[1, 3, 0, 4, 2]]
+    np.testing.assert_array_equal(predict(X), [1, 3, 0, 4, 2])
+
+
+def test_a_model_holding_functions_deep_copies_with_handles_on_the_same_functions(synk2, rng):
+    import copy
+    x = pt.matrix("x")
+    W = pytensor.shared(rng.normal(size=(3, 2)), name="W_copy")
+    model = {"W": W, "predict": synk.function([x], (x @ W, "gather"))}
+    twin = copy.deepcopy(model)
+    X = rng.normal(size=(5, 3))
+    assert twin["predict"] is not model["predict"]
+    close(twin["predict"](X), X @ W.get_value())
+    close(model["predict"](X), X @ W.get_value())
+
+
+def test_fork_prints_nothing_when_jax_was_imported_first(tmp_path):
+    """XLA's log level cannot reach a process that loaded JAX already: the service's notice that its
+    tasks are recoverable is taken off the process's own stderr."""
+    import subprocess
+    import sys
+    script = tmp_path / "quiet.py"
+    script.write_text("import jax, pytensor\nimport synkhronos as synk\nsynk.fork(2)\nsynk.close()\n"
+                      "print('done')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "done\n" and done.stderr == "", done.stderr
+
+
+def test_a_float32_program_prints_no_truncation_notice_and_a_float64_cast_is_said_once(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "f32.py"
+    script.write_text(
+        "import warnings, numpy as np, pytensor, pytensor.tensor as pt\n"
+        "pytensor.config.floatX = 'float32'\n"
+        "import synkhronos as synk\n"
+        "synk.fork(2)\n"
+        "x, y = pt.matrix('x'), pt.ivector('y')\n"
+        "W = pytensor.shared(np.zeros((5, 3), 'float32'), name='W')\n"
+        "cost = -pt.mean(pt.log(pt.special.softmax(x @ W, axis=-1))[pt.arange(y.shape[0]), y])\n"
+        "f = synk.function([x, y], cost, updates=[(W, W - 0.1 * pt.grad(cost, W))], local_updates=True)\n"
+        "X, Y = np.ones((8, 5), 'float32'), np.arange(8, dtype='int32') % 3\n"
+        "print(round(float(f(X, Y)), 4))\n"
+        "g = synk.function([x], (x.astype('float64').sum(), 'sum'))\n"
+        "h = synk.function([x], (x.astype('float64').mean(), 'avg'))\n"
+        "print(g(X), h(X))\n"
+        "synk.close()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["1.0986", "40.0 1.0"], done.stdout
+    said = [line for line in done.stderr.splitlines() if "Warning" in line]
+    assert len(said) == 1 and "Cast{float64} of x computes in float32" in said[0], done.stderr
+    assert "truncated" not in done.stderr
+
+
+def test_local_updates_name_an_unnamed_parameter_by_its_place_and_shape(synk2):
+    x = pt.matrix("x")
+    kernel = pytensor.shared(np.zeros((3, 2)))
+    with pytest.warns(synk.LocalUpdatesWarning, match=r"the unnamed 2-d shared variable of shape "
+                                                      r"\(3, 2\) \(update 1\)"):
+        synk.function([x], [], updates=[(kernel, kernel + x[:3, :2])])

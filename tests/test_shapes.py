@@ -101,8 +101,9 @@ def test_a_graph_that_traces_on_free_rows_is_built_so_at_its_second_row_count(sy
     with open(path) as fh:
         builds = [(e["pid"], e["args"]["shapes"]) for e in json.load(fh)["traceEvents"]
                   if e.get("cat") == "compile" and e["name"] == "build free_rows"]
-    for rank in (0, 1):       # 6 rows: 3 each; 9 rows: the graph on free rows, for 9 and 13 rows alike
-        assert [shapes for pid, shapes in builds if pid == rank] == ["((3, 3),)", "any rows"], builds
+    for rank in (0, 1):       # 6 rows: 3 each (and w, a broadcast array, at its shape); 9 rows: the
+        # graph on free rows, for 9 and 13 rows alike
+        assert [shapes for pid, shapes in builds if pid == rank] == ["((3, 3), (3, 2))", "any rows"], builds
 
 
 @pytest.mark.slow

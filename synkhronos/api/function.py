@@ -12,6 +12,7 @@ the results.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Sequence, Union
 
 import numpy as np
@@ -120,6 +121,26 @@ class Function:
 
     def __repr__(self):
         return f"synk.Function({self.name!r})"
+
+    def __deepcopy__(self, memo: dict) -> Function:
+        """A new handle on the same compiled function, as ``copy.copy`` makes: what a
+        ``copy.deepcopy`` of a model that holds functions gets (a runtime's function is not data
+        to duplicate).
+
+        Examples
+        --------
+        >>> import copy
+        >>> import pytensor.tensor as pt
+        >>> import synkhronos as synk
+        >>> x = pt.vector("x")
+        >>> f = synk.function([x], (x.sum(), "sum"))
+        >>> g = copy.deepcopy({"f": f})["f"]
+        >>> g is not f, float(g([1.0, 2.0]))
+        (True, 3.0)
+        """
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        return clone
 
     # --- single process reference ---------------------------------------------------------
     @serialized

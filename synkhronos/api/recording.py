@@ -22,7 +22,7 @@ from pytensor.graph.traversal import ancestors
 
 from ..comm.reduction import check_output_mode, check_update_mode
 from ..compile import graph_updates, randomness, shipping
-from ..errors import LocalUpdatesWarning
+from ..errors import LocalUpdatesWarning, SynkWarning
 from ..platform import compile_cache
 from ..platform.internals import unsampleable_in_jax
 from ..rank.compiled import CompiledFunction
@@ -73,6 +73,7 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)
     _check_jax_can_sample(spec)
+    _say_once_if_a_float64_cast_computes_in_32_bits(spec)
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     return spec, bare, rows
 
@@ -169,10 +170,43 @@ def _update_names(targets, triples):
     >>> triples = [(W1, None, None), (b, None, None), (W2, None, None)]
     >>> _update_names([W1, W2, b], triples)
     ['W (update 1)', 'W (update 3)', 'b']
+    >>> import numpy as np
+    >>> _update_names([kernel := pytensor.shared(np.zeros((2, 3)))], [(kernel, None, None)])
+    ['the unnamed 2-d shared variable of shape (2, 3) (update 1)']
     """
     names = [str(s) for s, _, _ in triples]
     place = {id(s): i for i, (s, _, _) in enumerate(triples)}
-    return [f"{s} (update {place[id(s)] + 1})" if names.count(str(s)) > 1 else str(s) for s in targets]
+
+    def named(s):
+        if s.name is None:     # PyTensor's own text would be its type, as <Tensor4(float32, ...)>
+            return f"the unnamed {s.type.ndim}-d shared variable of shape {s.get_value(borrow=True).shape} " \
+                f"(update {place[id(s)] + 1})"
+        return f"{s} (update {place[id(s)] + 1})" if names.count(str(s)) > 1 else str(s)
+    return [named(s) for s in targets]
+
+
+#: whether this process has said that a float64 cast computes in float32 (see below)
+_SAID_64_BITS = [False]
+
+
+def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
+    """Under floatX float32 JAX computes without 64-bit types: say once, naming the op, when a
+    graph casts to float64 (the user wrote it; PyTensor's own 64-bit index arithmetic is exact in
+    32 bits and goes unsaid)."""
+    import pytensor
+    from pytensor.graph.traversal import apply_ancestors
+    from pytensor.scalar.basic import Cast
+    from pytensor.tensor.elemwise import Elemwise
+    if _SAID_64_BITS[0] or pytensor.config.floatX == "float64":
+        return
+    for node in apply_ancestors(spec.graph_vars()):
+        if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Cast) and \
+                node.outputs[0].type.dtype == "float64":
+            _SAID_64_BITS[0] = True
+            warnings.warn(f"{spec.name}: {node.op} of {node.inputs[0]} computes in float32 on the "
+                          f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)",
+                          SynkWarning, stacklevel=5)
+            return
 
 
 def _check_jax_can_sample(spec):

@@ -5,12 +5,10 @@ array (``jax.make_array_from_single_device_arrays``); XLA lowers ``psum`` /
 ``pmax`` / ``pmin`` / ``all_gather`` to the platform's collective library.
 """
 
-import contextlib
-import os
-import sys
 
 import numpy as np
 
+from ..platform.native_output import GLOO_CONNECTED, native_lines_dropped
 from .base import Comm, ProgramReducer
 from .reduction import GATHER, Reduce
 
@@ -105,7 +103,7 @@ class JaxComm(Comm):
             (self.n_ranks * local.shape[0],), self.sharding, [local])
         if not self._connected:
             # Gloo prints "[Gloo] Rank r is connected to ..." on stdout as the ranks first connect
-            with _stdout_silenced():
+            with native_lines_dropped(1, GLOO_CONNECTED):
                 out = self._program(key, body)(glob).addressable_data(0).block_until_ready()
             self._connected = True
         else:
@@ -169,21 +167,6 @@ class MeshReducer(ProgramReducer):
     def locals_of(self, tree):
         import jax
         return jax.tree_util.tree_map(lambda a: a.addressable_data(0), tree)
-
-
-@contextlib.contextmanager
-def _stdout_silenced():
-    """Send this process's file descriptor 1 to /dev/null for the block (C++ libraries print there)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def _flat(values):

@@ -67,7 +67,9 @@ def check_output_mode(var, mode):
         raise ValueError(f"output mode {mode!r} for {var} is not one of {list(OUTPUT_MODES)}")
     if mode == "avg" and _is_integer(var.type.dtype):
         raise TypeError(f"output {var} has integer dtype {var.type.dtype}, which 'avg' cannot "
-                        f"average exactly; use 'sum' (and divide yourself) or cast it to float")
+                        f"average exactly: give it as ({var}, 'gather') for each row's value (predictions), "
+                        f"({var}, None) for the master's own, ({var}, 'sum') to add the devices' (and "
+                        f"divide yourself), or cast it to float")
     if mode == GATHER and var.type.ndim == 0:
         raise TypeError(f"output {var} is 0-d; 'gather' concatenates along axis 0, so give it "
                         f"at least one dimension (e.g. pt.shape_padleft) or choose another mode")

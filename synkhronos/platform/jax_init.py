@@ -20,10 +20,12 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 
 from . import compile_cache, compile_spans, coordination, cpu_blas, cpu_tuning, internals
+from .native_output import RECOVERABLE_TASKS, TASK_WATCH_CANCELLED, native_lines_dropped
 from .process_changes import changes
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
@@ -190,6 +192,30 @@ def set_precision(float_x):
     changes.record("pytensor.config.floatX", lambda: setattr(pytensor.config, "floatX", earlier))
     pytensor.config.floatX = float_x
     _configure_jax("jax_enable_x64", float_x == "float64")
+    if float_x != "float64":
+        _quiet_truncation_notices()
+
+
+#: JAX's notice, at each trace, that a 64-bit dtype computes in 32 bits (with x64 off, as floatX
+#: float32 has it): PyTensor's own graphs hold int64 index arithmetic (``arange``, shapes) and
+#: float64 accumulators, so every float32 program would print it
+TRUNCATION_NOTICE = r"Explicitly requested dtype \w+ requested in \w+ is not available"
+
+
+def _quiet_truncation_notices():
+    """Ignore :data:`TRUNCATION_NOTICE` in this process until close (a float64 cast the user wrote is
+    said once, in one line, when the function is built: see synkhronos.api.recording)."""
+    if any(f[0] == "ignore" and getattr(f[1], "pattern", None) == TRUNCATION_NOTICE
+           for f in warnings.filters):
+        return
+    warnings.filterwarnings("ignore", message=TRUNCATION_NOTICE, category=UserWarning)
+    entry = warnings.filters[0]
+
+    def restore():
+        if entry in warnings.filters:
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
+            getattr(warnings, "_filters_mutated", lambda: None)()
+    changes.record("the filter of JAX's truncation notices", restore)
 
 
 def _configure_jax(name, value):
@@ -280,7 +306,9 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
     # binds its ranks
     if (several_nodes or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
         raise TimeoutError(f"no coordination service listened at {coordinator} within {timeout:.1f} s")
-    with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised():
+    # the service (made here in rank 0) says it has recoverable tasks, which synkhronos asks for
+    with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised(), \
+            native_lines_dropped(2, RECOVERABLE_TASKS):
         jax.distributed.initialize(
             coordinator_address=coordinator,
             coordinator_bind_address=coordinator,   # the given address only, never all interfaces
@@ -320,7 +348,8 @@ def shutdown_process():
         return
     jax = import_jax()
     try:
-        jax.distributed.shutdown()
+        with native_lines_dropped(2, TASK_WATCH_CANCELLED):
+            jax.distributed.shutdown()
     finally:
         from jax.extend import backend
         backend.clear_backends()

@@ -19,12 +19,12 @@ from ..compile.rewrites import compile_mode, raise_deferred_interrupt
 from ..errors import SynkWarning
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
-from ..platform.internals import check_function_graph, jit_parts, storage_cell
+from ..platform.internals import check_function_graph, jit_parts
 from ..platform.jax_init import platform
 from ..platform.threads import start_thread
 from ..platform.values import faces_held, store, stored
 from ..tracing import trace
-from .graphs import needs_static_shapes, spec_graph
+from .graphs import needs_static_shapes, shaped_shared_cells, spec_graph
 from .jitted import abstract_value, face_updates, jitted_call
 
 __all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "MANY_SHAPES"]
@@ -151,7 +151,7 @@ class CompiledFunction:
         self._run_no_updates = None
         #: the storage cell of each shared variable a graph rebuilt per shape reads at its present
         #: shape (see _rebuilt): its shape is part of what a rebuilt graph was built for
-        self._shape_cells = self._cells_of_shaped_shareds(spec)
+        self._shape_cells = shaped_shared_cells(spec)
         #: ((row shapes, shared shapes), updates applied) -> runner of the graph rebuilt on them, the most recent kept
         self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(self._rebuilt_runner)
         #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
@@ -183,18 +183,6 @@ class CompiledFunction:
         self._compiling = None if reference else compile_ahead(self._run)
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
-
-    @staticmethod
-    def _cells_of_shaped_shareds(spec):
-        """{shared variable: its storage cell}, for each one with axes that a graph reads whole (not
-        a random generator, not one sliced per call)."""
-        sliced = set(spec.sliceable_shareds)
-        return {s: storage_cell(s) for s in spec.shared_variables()
-                if s.type.ndim and not is_generator(s) and s not in sliced}
-
-    def _shared_shapes(self):
-        """The present shape of each shared variable in ``_shape_cells``."""
-        return tuple(cell[0].shape for cell in self._shape_cells.values())
 
     def _compiled_ahead(self):
         """Wait for the compile ahead, if one is running: the call then finds its program compiled."""
@@ -336,7 +324,7 @@ class CompiledFunction:
         shapes = tuple(shapes)
         if self.by_rows is None:
             self._shapes_first.add(shapes)
-        return self._row_variant((shapes, self._shared_shapes()), updates)
+        return self._row_variant((shapes, tuple(c[0].shape for c in self._shape_cells.values())), updates)
 
     def _rebuilt_runner(self, shapes, updates):
         rows, shared = shapes

@@ -8,7 +8,10 @@ import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.traversal import toposort
 
-__all__ = ["rebuild_on", "spec_graph", "needs_static_shapes"]
+from ..compile.randomness import is_generator
+from ..platform.internals import storage_cell
+
+__all__ = ["rebuild_on", "spec_graph", "needs_static_shapes", "shaped_shared_cells"]
 
 
 def rebuild_on(variables, replace):
@@ -46,6 +49,15 @@ def rebuild_on(variables, replace):
             outs = node.clone_with_new_inputs(inputs, strict=False).outputs
         memo.update(zip(node.outputs, outs))
     return [memo.get(v, v) for v in variables]
+
+
+def shaped_shared_cells(spec):
+    """{shared variable: its storage cell}, for each of ``spec``'s shared variables with axes that
+    its graphs read whole (not a random generator, not one sliced per call): a graph rebuilt per
+    shape reads each at its present shape (see :func:`spec_graph`)."""
+    sliced = set(spec.sliceable_shareds)
+    return {s: storage_cell(s) for s in spec.shared_variables()
+            if getattr(s.type, "ndim", 0) and not is_generator(s) and s not in sliced}
 
 
 def needs_static_shapes(e):
