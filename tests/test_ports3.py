@@ -227,3 +227,70 @@ def test_local_updates_name_an_unnamed_parameter_by_its_place_and_shape(synk2):
     with pytest.warns(synk.LocalUpdatesWarning, match=r"the unnamed 2-d shared variable of shape "
                                                       r"\(3, 2\) \(update 1\)"):
         synk.function([x], [], updates=[(kernel, kernel + x[:3, :2])])
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter groups: Theano-MPI's momentum, 2x the rate for biases and weight decay on weights only
+# ------------------------------------------------------------------------------------------------
+
+def theano_mpi_momentum(loss, params, lr, mu, lr_scales, decays):
+    """Theano-MPI's own update, written as it is: ``v <- mu v - lr * lr_m * (g + eta p); p <- p + v``."""
+    updates = []
+    for p, lr_m, eta in zip(params, lr_scales, decays):
+        v = pytensor.shared(np.zeros_like(p.get_value()), name=f"vel_{p.name}")
+        g = pytensor.grad(loss, p)
+        v_next = mu * v - lr * lr_m * (g + eta * p)
+        updates += [(v, v_next), (p, p + v_next)]
+    return updates
+
+
+@pytest.mark.slow
+def test_parameter_groups_train_as_theano_mpis_momentum_with_biases_at_twice_the_rate(devices, rng):
+    from synkhronos.extensions import train, updates
+    X, Y = rng.normal(size=(40, 5)), rng.integers(0, 3, size=40).astype("int32")
+    start = [rng.normal(size=(5, 4)) * 0.5, rng.normal(size=4) * 0.1, rng.normal(size=(4, 3)) * 0.5,
+             rng.normal(size=3) * 0.1]
+
+    def model(tag):
+        W1, b1, W2, b2 = (pytensor.shared(v.copy(), name=f"{n}_{tag}")
+                          for n, v in zip(["W1", "b1", "W2", "b2"], start))
+        x, y = pt.matrix("x"), pt.ivector("y")
+        p = pt.special.softmax(pt.tanh(x @ W1 + b1) @ W2 + b2, axis=-1)
+        return x, y, -pt.mean(pt.log(p)[pt.arange(y.shape[0]), y]), [W1, b1, W2, b2]
+
+    x, y, loss, (W1, b1, W2, b2) = model("synk")
+    groups = [{"params": [W1, W2], "weight_decay": 5e-3}, {"params": [b1, b2], "lr_scale": 2.0}]
+    step = train.make_train_function(loss, groups, x, y, updates.momentum, learning_rate=0.1, momentum=0.9)
+    rx, ry, rloss, rparams = model("ref")
+    reference = pytensor.function([rx, ry], rloss, updates=theano_mpi_momentum(
+        rloss, rparams, 0.1, 0.9, [1.0, 2.0, 1.0, 2.0], [5e-3, 0.0, 5e-3, 0.0]))
+    x_dat, y_dat = synk.data(X), synk.data(Y)
+    for batch in np.split(np.arange(40), 4) * 2:
+        close(step(x_dat, y_dat, batch=batch), reference(X[batch], Y[batch]), rtol=1e-9)
+    for ours, theirs in zip([W1, b1, W2, b2], rparams):
+        close(ours.get_value(), theirs.get_value(), rtol=1e-9, atol=1e-12)
+    # the same groups in the device loop
+    for p, v in zip([W1, b1, W2, b2], start):
+        p.set_value(v.copy())
+    for p, v in zip(rparams, start):
+        p.set_value(v.copy())
+    for s in step.optimizer_state:
+        s.set_value(np.zeros_like(s.get_value()))
+    reference2 = pytensor.function([rx, ry], rloss, updates=theano_mpi_momentum(
+        rloss, rparams, 0.1, 0.9, [1.0, 2.0, 1.0, 2.0], [5e-3, 0.0, 5e-3, 0.0]))
+    train.run(step, x_dat, y_dat, batch_size=10, epochs=1, shuffle=False)
+    for i in range(4):
+        reference2(X[i * 10:(i + 1) * 10], Y[i * 10:(i + 1) * 10])
+    for ours, theirs in zip([W1, b1, W2, b2], rparams):
+        close(ours.get_value(), theirs.get_value(), rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_group_with_a_torch_lr_is_refused_naming_lr_scale(synk2):
+    from synkhronos.extensions import train, updates
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.zeros(3), name="w_group")
+    loss = ((x @ w - y) ** 2).mean()
+    with pytest.raises(TypeError, match="lr_scale"):
+        train.make_train_function(loss, [{"params": [w], "lr": 0.2}], x, y, updates.sgd, 0.1)
+    with pytest.raises(TypeError, match="listed twice"):
+        train.make_train_function(loss, [w, {"params": [w], "weight_decay": 0.1}], x, y, updates.sgd, 0.1)

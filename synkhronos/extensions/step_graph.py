@@ -39,6 +39,7 @@ from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors, graph_inputs, io_toposort
 
 from ..comm.reduction import check_update_mode
+from .updates import plain_parameters
 
 __all__ = ["StepGraph", "build_step_graph", "input_list", "givens_scalars", "call_values"]
 
@@ -111,7 +112,7 @@ def build_step_graph(loss, params, update_rule, args, kwargs, known, state_updat
     reads = [loss] + [value for _, value in param_updates] + [value for _, value, _ in state]
     scalars = _scalar_inputs(reads, known)
     param_updates, carried = _carry_scalars(list(param_updates), scalars)
-    return StepGraph(loss, list(params), list(grad_updates), param_updates, grad_shared, scalars,
+    return StepGraph(loss, plain_parameters(params), list(grad_updates), param_updates, grad_shared, scalars,
                      carried, state)
 
 

@@ -46,7 +46,8 @@ from .statistics import carried_statistics
 #: what every rule returns: (grad_updates, param_updates, grad_shared)
 FlatStep = tuple[list, list, Any]
 
-__all__ = ["flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
+__all__ = ["parameter_groups", "plain_parameters", "GROUP_SETTINGS",
+           "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
            "from_optim", "sgd", "momentum", "nesterov_momentum", "adagrad", "rmsprop", "adadelta",
            "adam", "adamax", "apply_momentum", "apply_nesterov_momentum", "sgd_nonflat"]
 
@@ -183,6 +184,66 @@ def nonflat_grads(loss: Any, params: Sequence[Any]) -> tuple[list, list]:
     return grads_shared, grads
 
 
+#: what a parameter group may set besides its ``"params"`` (see :func:`parameter_groups`)
+GROUP_SETTINGS = ("lr_scale", "weight_decay")
+
+
+def parameter_groups(params: Sequence[Any]) -> tuple[list, dict, dict]:
+    """``(parameters, {parameter: learning-rate scale}, {parameter: weight decay})`` of ``params``.
+
+    ``params`` lists shared variables, or groups of them as torch's optimizers
+    take them: dicts with ``"params"`` and any of ``"lr_scale"`` (the group's
+    learning rate as a multiple of the rule's) and ``"weight_decay"`` (added
+    to the gradient as ``weight_decay * parameter``, torch's L2 form), or both
+    mixed. A parameter outside any group has a scale of 1 and no decay.
+
+    Raises
+    ------
+    TypeError
+        For a group without ``"params"``, a setting that is not one of
+        :data:`GROUP_SETTINGS`, or a parameter listed twice.
+
+    Examples
+    --------
+    >>> W, b = pytensor.shared(np.zeros((3, 2)), name="W"), pytensor.shared(np.zeros(2), name="b")
+    >>> params, scale, decay = parameter_groups([{"params": [W], "weight_decay": 5e-4},
+    ...                                          {"params": [b], "lr_scale": 2.0}])
+    >>> [p.name for p in params], {p.name: v for p, v in scale.items()}, {p.name: v for p, v in decay.items()}
+    (['W', 'b'], {'b': 2.0}, {'W': 0.0005})
+    """
+    flat: list = []
+    scale: dict = {}
+    decay: dict = {}
+    for item in params:
+        if not isinstance(item, dict):
+            flat.append(item)
+            continue
+        if "params" not in item:
+            raise TypeError(f"a parameter group is a dict with 'params' (a list of shared variables) and "
+                            f"any of {list(GROUP_SETTINGS)}; got the keys {sorted(item)}")
+        unknown = sorted(set(item) - {"params", *GROUP_SETTINGS})
+        if unknown:
+            hint = " (a group's own rate is lr_scale: its rate over the rule's)" if "lr" in unknown else ""
+            raise TypeError(f"a parameter group takes {list(GROUP_SETTINGS)} besides 'params'; got "
+                            f"{unknown}{hint}")
+        group = list(item["params"])
+        flat += group
+        for p in group:
+            if float(item.get("lr_scale", 1.0)) != 1.0:
+                scale[p] = float(item["lr_scale"])
+            if float(item.get("weight_decay", 0.0)):
+                decay[p] = float(item["weight_decay"])
+    twice = [p.name or str(p) for i, p in enumerate(flat) if any(p is q for q in flat[:i])]
+    if twice:
+        raise TypeError(f"the parameters {twice} are listed twice: give each to one group")
+    return flat, scale, decay
+
+
+def plain_parameters(params: Sequence[Any]) -> list:
+    """The shared variables of ``params``, its groups opened (see :func:`parameter_groups`)."""
+    return parameter_groups(params)[0]
+
+
 def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatStep:
     """Wrap a :mod:`pytensor_ml.optim` transform into ``(grad_updates, param_updates, grad_shared)``.
 
@@ -200,7 +261,12 @@ def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatSte
         Any pytensor-ml optimizer transform, e.g. ``optim.adam(1e-3)`` or
         ``optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))``.
     loss : TensorVariable
-    params : list of SharedVariable
+    params : list of SharedVariable, or of parameter groups
+        Groups as torch's optimizers take them, with their own learning-rate
+        scale and weight decay (:func:`parameter_groups`): the decay joins the
+        reduced gradient, and the scale multiplies the rule's step of each
+        parameter (for every rule here, whose step is its rate times what it
+        computes, that is the rule at the scaled rate).
 
     Raises
     ------
@@ -217,10 +283,13 @@ def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatSte
     >>> grad_shared.get_value().shape
     (3,)
     """
-    params = list(params)
+    params, scale, decay = parameter_groups(params)
     grad_updates, grad_shared, grads, write_backs = _flat_step(loss, params)
+    grads = [g + decay[p] * p if p in decay else g for g, p in zip(grads, params)]
     rule_updates = transform([g.astype(p.type.dtype) for g, p in zip(grads, params)], params)
     _check_rule_writes(rule_updates, params, write_backs)
+    for p, factor in scale.items():
+        rule_updates[p] = p + factor * (rule_updates[p] - p)
     # A rule computing in floatX (e.g. float64 rates) must still store each variable's own dtype.
     param_updates = [(var, value if value.type.dtype == var.type.dtype else value.astype(var.type.dtype))
                      for var, value in rule_updates.items()] + write_backs
@@ -337,6 +406,9 @@ def sgd_nonflat(loss: Any, params: Sequence[Any], learning_rate: float) -> FlatS
     Returns ``(grad_updates, param_updates, grads_shared)``; all-reduce the
     whole list ``grads_shared`` (one launch per dtype) before the update.
     """
+    params, scale, decay = parameter_groups(params)
+    if scale or decay:
+        raise TypeError("sgd_nonflat takes no group settings: use updates.sgd, which applies them")
     grads_shared, grads = nonflat_grads(loss, params)
     grad_updates = [(g_s, g.astype(g_s.type.dtype)) for g_s, g in zip(grads_shared, grads)]
     param_updates = [(p, (p - learning_rate * g_s).astype(p.type.dtype))
