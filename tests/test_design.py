@@ -216,7 +216,7 @@ NEEDS_A_RUNTIME = ["synkhronos.api.lifecycle", "synkhronos.api.collectives", "sy
                    "synkhronos.tracing.launches",
                    "synkhronos.platform.internals"]
 #: modules of an optional extra: their examples run where the extra is installed
-NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc"}
+NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc", "synkhronos.extensions.pymc.sampling": "pymc"}
 NEEDS_A_RUNTIME += [m for m, extra in NEEDS_AN_EXTRA.items() if importlib.util.find_spec(extra)]
 
 

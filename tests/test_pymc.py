@@ -241,6 +241,47 @@ def test_nuts_posterior_agrees_with_pymc_nuts_within_monte_carlo_error(synk2):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sample_takes_what_pm_sample_takes_and_agrees_with_it(synk2):
+    """The pymc-examples line, pm.sample(..., target_accept=0.95), with pm.sample swapped for ours."""
+    model = hierarchical(n=60)
+    kwargs = dict(draws=300, tune=300, chains=2, progressbar=False, compute_convergence_checks=False,
+                  target_accept=0.95)
+    with model:
+        ours = spm.sample(random_seed=21, **kwargs)
+        theirs = pm.sample(random_seed=22, cores=1, **kwargs)
+    assert type(ours) is type(theirs) and set(ours.posterior.data_vars) == set(theirs.posterior.data_vars)
+    assert ours.posterior["mu"].shape == (2, 300)
+    # the step took target_accept: after tuning, the mean acceptance is near it, not near 0.8
+    assert float(ours.sample_stats["acceptance_rate"].mean()) > 0.9
+    a, b = posterior_summary(ours, ["mu", "sigma"]), posterior_summary(theirs, ["mu", "sigma"])
+    for name in ["mu", "sigma"]:
+        mean1, sd1, se_mean1, se_sd1 = a[name]
+        mean2, sd2, se_mean2, se_sd2 = b[name]
+        assert np.all(np.abs(mean1 - mean2) <= 4 * np.hypot(se_mean1, se_mean2)), (name, mean1, mean2)
+    # chains start apart, jittered as pm.sample starts its own NUTS
+    with model:
+        tuned = spm.sample(draws=1, tune=0, chains=2, random_seed=3, progressbar=False,
+                           compute_convergence_checks=False, discard_tuned_samples=False)
+    assert not np.allclose(tuned.posterior["mu"].values[0], tuned.posterior["mu"].values[1])
+
+
+def test_sample_refuses_what_it_cannot_serve_and_says_cores_once(synk2):
+    model = hierarchical(n=20)
+    with model:
+        with pytest.raises(ValueError, match="leave nuts_sampler out"):
+            spm.sample(10, nuts_sampler="numpyro")
+        with pytest.raises(ValueError, match="'auto'.*pm.sample for the others"):
+            spm.sample(10, init="advi+adapt_diag")
+        with pytest.raises(ValueError, match="pass them to that step"):
+            spm.sample(10, step=spm.NUTS(), target_accept=0.9)
+        with pytest.warns(synk.SynkWarning, match="cores=4: the devices of synkhronos are driven"):
+            idata = spm.sample(5, tune=5, chains=1, cores=4, random_seed=2, progressbar=False,
+                               compute_convergence_checks=False, nuts={"max_treedepth": 4})
+    assert idata.posterior["mu"].shape == (1, 5)
+
+
+@pytest.mark.slow
 def test_nuts_beside_another_step_method(synk2):
     """NUTS on some variables, Metropolis on the rest: the values outside the gradient follow the chain."""
     model = hierarchical(n=40)

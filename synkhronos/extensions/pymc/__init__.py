@@ -5,10 +5,11 @@ observed data, plus the priors. :func:`logp_dlogp_function` computes it and its
 gradient with each device taking its share of the rows of every observed
 variable (and of the covariates and indices their likelihood reads); the
 priors, the Jacobian terms of transformed variables and the potentials that
-read no rows are counted once. :class:`NUTS` is PyMC's sampler on that
-function, for ``pm.sample(step=..., cores=1)``, and :func:`find_MAP` is
-``pm.find_MAP`` on it. A model whose likelihood does not split by rows is
-refused with :class:`UnsplittableModel`, naming the variable and why.
+read no rows are counted once. :func:`sample` is ``pm.sample`` with PyMC's
+NUTS on that function (the same arguments, ``target_accept`` included, and the
+same ``InferenceData``); :class:`NUTS` is that step, for ``pm.sample(step=...,
+cores=1)`` beside other steps; and :func:`find_MAP` is ``pm.find_MAP`` on it.
+A model whose likelihood does not split by rows is refused with :class:`UnsplittableModel`, naming the variable and why.
 
 Needs the optional extra: ``pip install "synkhronos[pymc]"``.
 
@@ -40,7 +41,8 @@ except ImportError as err:       # the extra is not installed
     raise ImportError("synkhronos.extensions.pymc needs PyMC: pip install 'synkhronos[pymc]'") from err
 
 from .density import LogpDlogp, logp_dlogp_function
+from .sampling import sample
 from .steps import NUTS, find_MAP
 from .terms import UnsplittableModel
 
-__all__ = ["logp_dlogp_function", "NUTS", "find_MAP", "LogpDlogp", "UnsplittableModel"]
+__all__ = ["logp_dlogp_function", "NUTS", "find_MAP", "sample", "LogpDlogp", "UnsplittableModel"]

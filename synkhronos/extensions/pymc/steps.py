@@ -75,15 +75,20 @@ class NUTS(pm.NUTS):
     vars : list, optional
         The variables to sample (default: every continuous one); others may be
         sampled by other step methods beside it.
+    density : LogpDlogp, optional
+        The model's density over those variables, if already built
+        (:func:`~.density.logp_dlogp_function`).
     **kwargs
         As ``pm.NUTS`` (``target_accept``, ``max_treedepth``, ...).
     """
 
-    def __init__(self, model: Any = None, *, vars: Any = None, **kwargs: Any):
+    def __init__(self, model: Any = None, *, vars: Any = None, density: LogpDlogp | None = None, **kwargs: Any):
         model = modelcontext(model)
         grad_vars = (model.continuous_value_vars if vars is None
                      else get_value_vars_from_user_vars(vars, model))
-        self.density = logp_dlogp_function(model, grad_vars=grad_vars)
+        if density is not None and list(density.grad_vars) != list(grad_vars):
+            raise ValueError("the density given is not over the variables this step samples")
+        self.density = density if density is not None else logp_dlogp_function(model, grad_vars=grad_vars)
         super().__init__(vars=vars, model=model, logp_dlogp_func=_SamplerFunction(self.density), **kwargs)
 
     def __reduce__(self):
