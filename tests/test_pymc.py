@@ -5,6 +5,7 @@ sampler and ``pm.find_MAP`` on the same model. Skipped without the ``pymc`` extr
 """
 
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -186,7 +187,7 @@ def devices(request):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_logp_and_dlogp_equal_pymc_on_every_device_count(devices, name):
     model, _, _ = pymc_reference(name)
-    f = spm.logp_dlogp_function(model)
+    f = spm.logp_dlogp_function(model, where="devices")
     assert_equals_pymc(f, name)
     # the likelihood really is split: each device's share of the rows is its own
     assert f.fn.spec.inputs and len(f.fn.spec.bcast_inputs) >= 1
@@ -195,7 +196,7 @@ def test_logp_and_dlogp_equal_pymc_on_every_device_count(devices, name):
 @pytest.mark.slow
 def test_without_jacobian_equals_pymc(synk2):
     model, _, _ = pymc_reference("bounded")
-    f = spm.logp_dlogp_function(model, jacobian=False)
+    f = spm.logp_dlogp_function(model, jacobian=False, where="devices")
     logp = model.compile_logp(jacobian=False)
     dlogp = model.compile_dlogp(jacobian=False)
     for point in random_points(model):
@@ -208,7 +209,7 @@ def test_outside_the_support_is_minus_infinity_as_in_pymc(synk2):
     with pm.Model() as scale:
         s = pm.Normal("s", 1, 1)
         pm.Normal("y", 0, s, observed=np.ones(6))      # s < 0 is outside the likelihood's support
-    g = spm.logp_dlogp_function(scale)
+    g = spm.logp_dlogp_function(scale, where="devices")
     assert g({"s": np.array(-1.0)})[0] == scale.compile_logp()({"s": np.array(-1.0)}) == -np.inf
 
 
@@ -230,7 +231,7 @@ def test_nuts_posterior_agrees_with_pymc_nuts_within_monte_carlo_error(synk2):
     model = logistic_regression(n=300)
     kwargs = dict(draws=400, tune=300, chains=2, cores=1, progressbar=False, compute_convergence_checks=False)
     with model:
-        ours = pm.sample(step=spm.NUTS(), random_seed=11, **kwargs)
+        ours = pm.sample(step=spm.NUTS(where="devices"), random_seed=11, **kwargs)
         theirs = pm.sample(step=pm.NUTS(), random_seed=12, **kwargs)
     assert type(ours) is type(theirs) and set(ours.posterior.data_vars) == set(theirs.posterior.data_vars)
     a, b = posterior_summary(ours, ["a", "b"]), posterior_summary(theirs, ["a", "b"])
@@ -249,7 +250,7 @@ def test_sample_takes_what_pm_sample_takes_and_agrees_with_it(synk2):
     kwargs = dict(draws=300, tune=300, chains=2, progressbar=False, compute_convergence_checks=False,
                   target_accept=0.95)
     with model:
-        ours = spm.sample(random_seed=21, **kwargs)
+        ours = spm.sample(random_seed=21, **kwargs, where="devices")
         theirs = pm.sample(random_seed=22, cores=1, **kwargs)
     assert type(ours) is type(theirs) and set(ours.posterior.data_vars) == set(theirs.posterior.data_vars)
     assert ours.posterior["mu"].shape == (2, 300)
@@ -263,7 +264,7 @@ def test_sample_takes_what_pm_sample_takes_and_agrees_with_it(synk2):
     # chains start apart, jittered as pm.sample starts its own NUTS
     with model:
         tuned = spm.sample(draws=1, tune=0, chains=2, random_seed=3, progressbar=False,
-                           compute_convergence_checks=False, discard_tuned_samples=False)
+                           compute_convergence_checks=False, discard_tuned_samples=False, where="devices")
     assert not np.allclose(tuned.posterior["mu"].values[0], tuned.posterior["mu"].values[1])
 
 
@@ -271,14 +272,14 @@ def test_sample_refuses_what_it_cannot_serve_and_says_cores_once(synk2):
     model = hierarchical(n=20)
     with model:
         with pytest.raises(ValueError, match="leave nuts_sampler out"):
-            spm.sample(10, nuts_sampler="numpyro")
+            spm.sample(10, nuts_sampler="numpyro", where="devices")
         with pytest.raises(ValueError, match="'auto'.*pm.sample for the others"):
-            spm.sample(10, init="advi+adapt_diag")
+            spm.sample(10, init="advi+adapt_diag", where="devices")
         with pytest.raises(ValueError, match="pass them to that step"):
-            spm.sample(10, step=spm.NUTS(), target_accept=0.9)
+            spm.sample(10, step=spm.NUTS(where="devices"), target_accept=0.9, where="devices")
         with pytest.warns(synk.SynkWarning, match="cores=4: the devices of synkhronos are driven"):
             idata = spm.sample(5, tune=5, chains=1, cores=4, random_seed=2, progressbar=False,
-                               compute_convergence_checks=False, nuts={"max_treedepth": 4})
+                               compute_convergence_checks=False, nuts={"max_treedepth": 4}, where="devices")
     assert idata.posterior["mu"].shape == (1, 5)
 
 
@@ -287,7 +288,7 @@ def test_nuts_beside_another_step_method(synk2):
     """NUTS on some variables, Metropolis on the rest: the values outside the gradient follow the chain."""
     model = hierarchical(n=40)
     with model:
-        step = spm.NUTS(vars=[model["mu"], model["offset"], model["sigma"]])
+        step = spm.NUTS(vars=[model["mu"], model["offset"], model["sigma"]], where="devices")
         point = model.initial_point()
         point["tau_log__"] = np.array(0.4)
         step._logp_dlogp_func._extra_vars_shared["tau_log__"].set_value(point["tau_log__"])
@@ -304,14 +305,14 @@ def test_chains_in_processes_of_their_own_are_refused_and_the_runtime_stays_usab
     """pm.sample(cores=2): a forked chain process refuses to compute (the devices are driven from
     this process); where PyMC pickles the step instead, it falls back to sampling in this process."""
     model, _, _ = pymc_reference("logistic")
-    f = spm.logp_dlogp_function(model)
+    f = spm.logp_dlogp_function(model, where="devices")
     kwargs = dict(draws=5, tune=5, chains=2, cores=2, random_seed=1, progressbar=False,
                   compute_convergence_checks=False)
     with model, pytest.raises(Exception, match="pass cores=1 to pm.sample"):
-        pm.sample(step=spm.NUTS(), mp_ctx="fork", **kwargs)
+        pm.sample(step=spm.NUTS(where="devices"), mp_ctx="fork", **kwargs)
     assert_equals_pymc(f, "logistic")
     with model:
-        idata = pm.sample(step=spm.NUTS(), mp_ctx="forkserver", **kwargs)
+        idata = pm.sample(step=spm.NUTS(where="devices"), mp_ctx="forkserver", **kwargs)
     assert idata.posterior["b"].shape == (2, 5, 3)
 
 
@@ -319,7 +320,7 @@ def test_chains_in_processes_of_their_own_are_refused_and_the_runtime_stays_usab
 @pytest.mark.parametrize("name", ["logistic", "bounded"])
 def test_find_map_equals_pymc_find_map(synk2, name):
     model, _, _ = pymc_reference(name)
-    ours = spm.find_MAP(model=model)
+    ours = spm.find_MAP(model=model, where="devices")
     with pytest.warns(FutureWarning):       # as ours stops (see MAP_FTOL), and as PyMC's own does
         theirs = pm.find_MAP(model=model, progressbar=False, ftol=MAP_FTOL)
         default = pm.find_MAP(model=model, progressbar=False)
@@ -327,13 +328,38 @@ def test_find_map_equals_pymc_find_map(synk2, name):
     for key in theirs:
         np.testing.assert_allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(ours[key], default[key], rtol=1e-4, atol=1e-6)
-    idata = spm.find_MAP(model=model, return_inferencedata=True)
+    idata = spm.find_MAP(model=model, return_inferencedata=True, where="devices")
     reference = pm.find_MAP(model=model, return_inferencedata=True, jitter=False, progressbar=False)
     assert set(idata.children) == set(reference.children)
     # pm.find_MAP's signature: the method first, the model by keyword
-    by_position = spm.find_MAP("BFGS", model=model, use_grad=True, jitter=None)
+    by_position = spm.find_MAP("BFGS", model=model, use_grad=True, jitter=None, where="devices")
     for key in theirs:
         np.testing.assert_allclose(by_position[key], theirs[key], rtol=1e-3, atol=1e-6)   # BFGS, not L-BFGS-B
+
+
+def test_a_likelihood_too_small_to_gain_is_computed_here_and_said_once(synk2, monkeypatch):
+    """where="auto" times PyMC's own function and the devices' at the initial point and keeps the
+    faster: 40 rows gain nothing from a call through the runtime."""
+    from synkhronos.extensions.pymc import density
+    monkeypatch.setattr(density, "_SAID_HERE", [False])      # said once per process: this test's
+    model, _, _ = pymc_reference("hierarchical")
+    with pytest.warns(synk.SynkWarning, match=r"ms in this process as PyMC compiles it and .* ms on the "
+                                              r"devices: too small to gain.*where='devices'"):
+        f = spm.logp_dlogp_function(model)
+    assert f.here is not None
+    assert_equals_pymc(f, "hierarchical")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # said once
+        g = spm.logp_dlogp_function(model, where="here")
+    assert g.here is not None and spm.logp_dlogp_function(model, where="devices").here is None
+    with pytest.raises(ValueError, match="where='gpu' is not one of"):
+        spm.logp_dlogp_function(model, where="gpu")
+    # a NUTS step on it samples as on the devices, values outside the gradient included
+    with model:
+        step = spm.NUTS(vars=[model["mu"], model["offset"], model["sigma"]], where="here")
+        idata = pm.sample(draws=10, tune=10, chains=1, cores=1, step=[step, pm.Metropolis([model["tau"]])],
+                          random_seed=5, progressbar=False, compute_convergence_checks=False)
+    assert idata.posterior["tau"].shape == (1, 10)
 
 
 def radon_like(times, seed=0):
@@ -363,7 +389,7 @@ def test_find_map_reaches_the_maximum_over_many_rows(synk2):
     with pytest.warns(FutureWarning):
         short = pm.find_MAP(model=model, progressbar=False)
         best = pm.find_MAP(model=model, progressbar=False, ftol=1e-15, gtol=1e-9, maxiter=20000)
-    ours = spm.find_MAP(model=model)
+    ours = spm.find_MAP(model=model, where="devices")
     at = {name: {k: p[k] for k in names} for name, p in (("short", short), ("best", best), ("ours", ours))}
     assert logp(at["ours"]) >= logp(at["best"]) - 1e-4
     assert logp(at["ours"]) >= logp(at["short"]) - 1e-6
@@ -379,16 +405,16 @@ def test_find_map_refuses_what_it_cannot_do_over_the_devices(synk2):
                            (dict(backend="numba"), "leave backend out"),
                            (dict(compile_kwargs={}), "leave compile_kwargs out")]:
         with pytest.raises(ValueError, match=match):
-            spm.find_MAP(model=model, **options)
+            spm.find_MAP(model=model, **options, where="devices")
     with pytest.raises(TypeError, match="give the model as model="):
-        spm.find_MAP(model)
+        spm.find_MAP(model, where="devices")
 
 
 def _refused(build, match):
     with pm.Model() as model:
         build()
     with pytest.raises(spm.UnsplittableModel, match=match):
-        spm.logp_dlogp_function(model)
+        spm.logp_dlogp_function(model, where="devices")
 
 
 @pytest.mark.slow
@@ -455,13 +481,13 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
     with pytest.warns(Warning):      # PyMC's ImputationWarning
         _refused(missing_values, r"'gaps' has missing values .* imputes as a free variable 'gaps_unobserved'")
     # refused before anything ran: the runtime still computes
-    assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0]), "bounded")
+    assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0], where="devices"), "bounded")
 
 
 @pytest.mark.slow
 def test_nothing_left_behind(synk2):
     model, _, _ = pymc_reference("bounded")
-    f = spm.logp_dlogp_function(model)
+    f = spm.logp_dlogp_function(model, where="devices")
     f(model.initial_point())
     workers = worker_children()
     del f

@@ -8,6 +8,8 @@ counted once, exactly as PyMC counts them, whatever the device count.
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,12 +24,22 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 
 from ...api.data import data
 from ...api.function import function
+from ...errors import SynkWarning
 from .terms import SplitModel, split_model
 
-__all__ = ["LogpDlogp", "logp_dlogp_function"]
+__all__ = ["LogpDlogp", "logp_dlogp_function", "WHERE"]
 
 
-def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True) -> LogpDlogp:
+#: where a density may be computed (see :func:`logp_dlogp_function`)
+WHERE = ("auto", "devices", "here")
+#: evaluations timed per way when ``where="auto"`` chooses (the median counts)
+TIMED_CALLS = 7
+#: whether this process has said that a density runs here (said once)
+_SAID_HERE = [False]
+
+
+def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True,
+                        where: str = "auto") -> LogpDlogp:
     """The model's joint log-density and its gradient, the likelihood split over the devices.
 
     Parameters
@@ -40,6 +52,13 @@ def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobi
     jacobian : bool
         Whether the log-density holds the Jacobian terms of the transformed
         variables (as ``model.logp(jacobian=...)``; ``pm.find_MAP`` leaves them out).
+    where : {"auto", "devices", "here"}
+        ``"devices"``: split over the runtime's devices. ``"here"``: in this
+        process, as PyMC compiles it. ``"auto"`` (default) times both at the
+        model's initial point when built and keeps the faster, saying once
+        when that is here: a likelihood too small to gain from the devices
+        (each evaluation is one call through the runtime) then costs what it
+        costs in PyMC alone.
 
     Returns
     -------
@@ -57,9 +76,14 @@ def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobi
     The data are copied into shared memory (``synk.data``) when the function
     is built; after ``pm.set_data`` build it again.
     """
+    if where not in WHERE:
+        raise ValueError(f"where={where!r} is not one of {list(WHERE)}")
     model = modelcontext(model)
     grad_vars = list(model.continuous_value_vars if grad_vars is None else grad_vars)
-    return LogpDlogp(model, split_model(model, jacobian), grad_vars)
+    density = LogpDlogp(model, split_model(model, jacobian), grad_vars)
+    if where != "devices":
+        density.compute_here_if_faster(jacobian, always=where == "here")
+    return density
 
 
 class LogpDlogp:
@@ -85,6 +109,30 @@ class LogpDlogp:
         self._point_map_info = q.point_map_info
         self._q = data(q.data.astype(self._joined.type.dtype))
         self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
+        #: PyMC's own function of the density in this process, when it computes here (else None)
+        self.here: Any = None
+
+    def compute_here_if_faster(self, jacobian: bool, always: bool = False) -> None:
+        """Compute in this process, as PyMC compiles the density, if that is faster than the devices
+        at the model's initial point (or ``always``); say so once."""
+        from pymc.model.core import ValueGradFunction
+        model, point = self.model, self.model.initial_point()
+        here = ValueGradFunction([model.logp(jacobian=jacobian)], self.grad_vars,
+                                 {v: point[v.name] for v in self.extra_vars}, model=model,
+                                 initial_point=point, ravel_inputs=True)
+        here.trust_input = True
+        q = DictToArrayBijection.map({v.name: point[v.name] for v in self.grad_vars}).data
+        on_devices = _median_seconds(lambda: self.raveled(q))
+        in_process = _median_seconds(lambda: here._pytensor_function(q))
+        if not always and in_process >= on_devices:
+            return
+        self.here = here
+        if not always and not _SAID_HERE[0]:
+            _SAID_HERE[0] = True
+            warnings.warn(f"the log-density of {model.name or 'the model'} takes {1e3 * in_process:.3g} ms "
+                          f"in this process as PyMC compiles it and {1e3 * on_devices:.3g} ms on the devices: "
+                          f"too small to gain, it is computed here (said once; where='devices' "
+                          f"splits it anyway)", SynkWarning, stacklevel=4)
 
     def _graph(self, split, point, check_bounds):
         """The four outputs (rows' logp and gradient, once-terms' logp and gradient) on a joined input."""
@@ -105,6 +153,8 @@ class LogpDlogp:
         for d, var in zip(self._extras, self.extra_vars):
             if var.name in point:
                 d[...] = point[var.name]
+        if self.here is not None:
+            self.here.set_extra_values({v.name: point[v.name] for v in self.extra_vars if v.name in point})
 
     def extra_value(self, name: str) -> np.ndarray:
         """The value the variable ``name`` (outside the gradient) holds."""
@@ -112,6 +162,9 @@ class LogpDlogp:
 
     def raveled(self, q: np.ndarray) -> tuple[float, np.ndarray]:
         """``(logp, dlogp)`` at ``q``, the gradient's variables raveled and joined."""
+        if self.here is not None:
+            logp, dlogp = self.here._pytensor_function(q)
+            return float(logp), np.asarray(dlogp).astype(self.dtype, copy=False)
         self._q[:] = q
         lik, dlik, prior, dprior = self.fn(*self._rows, self._q, *self._extras)
         return float(lik + prior), (dlik + dprior).astype(self.dtype, copy=False)
@@ -126,3 +179,14 @@ class LogpDlogp:
     def point_map_info(self) -> tuple:
         """Names, shapes, sizes and dtypes of the raveled vector's pieces (PyMC's ``RaveledVars``)."""
         return self._point_map_info
+
+
+def _median_seconds(call, calls=TIMED_CALLS):
+    """The median time of ``call()`` over ``calls`` calls, after one that compiles."""
+    call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

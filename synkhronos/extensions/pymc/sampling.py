@@ -34,7 +34,7 @@ INITS = ("adapt_diag", "jitter+adapt_diag")
 def sample(draws: int = 1000, *, tune: int | None = None, chains: int | None = None, cores: int | None = None,
            random_seed: Any = None, step: Any = None, init: str = "auto", initvals: Any = None,
            jitter_max_retries: int = 10, nuts_sampler: str | None = None, model: Any = None,
-           **kwargs: Any) -> Any:
+           where: str = "auto", **kwargs: Any) -> Any:
     """``pm.sample`` with NUTS on the devices: the same arguments, the same ``InferenceData``.
 
     Parameters
@@ -53,6 +53,8 @@ def sample(draws: int = 1000, *, tune: int | None = None, chains: int | None = N
         ``pm.sample`` starts them; any other is refused, naming these.
     nuts_sampler : str, optional
         None or ``"pymc"``: the sampler is PyMC's NUTS.
+    where : {"auto", "devices", "here"}
+        Where the density is computed (see :func:`~.density.logp_dlogp_function`).
     **kwargs
         What else ``pm.sample`` takes (``progressbar``, ``idata_kwargs``,
         ``compute_convergence_checks``, ``var_names``...) goes to it; the
@@ -97,9 +99,9 @@ def sample(draws: int = 1000, *, tune: int | None = None, chains: int | None = N
                          f"('jitter+adapt_diag') or 'adapt_diag', or pm.sample for the others")
     if any(v not in model.continuous_value_vars for v in model.value_vars):
         # pm.sample too starts a compound step unjittered, with NUTS's own mass matrix
-        return pm.sample(step=NUTS(model=model, **nuts_kwargs), initvals=initvals, **common)
+        return pm.sample(step=NUTS(model=model, where=where, **nuts_kwargs), initvals=initvals, **common)
     seeds = [int(rng.integers(2**30)) for rng in get_random_generator(random_seed).spawn(chains)]
-    density = logp_dlogp_function(model)
+    density = logp_dlogp_function(model, where=where)
     starts = _chain_starts(model, density, initvals, seeds, "jitter" in init, jitter_max_retries)
     mean = np.mean([DictToArrayBijection.map(p).data for p in starts], axis=0)
     potential = QuadPotentialDiagAdapt(len(mean), mean, np.ones_like(mean), 10, rng=seeds[0])

@@ -78,17 +78,21 @@ class NUTS(pm.NUTS):
     density : LogpDlogp, optional
         The model's density over those variables, if already built
         (:func:`~.density.logp_dlogp_function`).
+    where : {"auto", "devices", "here"}
+        Where the density is computed (see :func:`~.density.logp_dlogp_function`).
     **kwargs
         As ``pm.NUTS`` (``target_accept``, ``max_treedepth``, ...).
     """
 
-    def __init__(self, model: Any = None, *, vars: Any = None, density: LogpDlogp | None = None, **kwargs: Any):
+    def __init__(self, model: Any = None, *, vars: Any = None, density: LogpDlogp | None = None,
+                 where: str = "auto", **kwargs: Any):
         model = modelcontext(model)
         grad_vars = (model.continuous_value_vars if vars is None
                      else get_value_vars_from_user_vars(vars, model))
         if density is not None and list(density.grad_vars) != list(grad_vars):
             raise ValueError("the density given is not over the variables this step samples")
-        self.density = density if density is not None else logp_dlogp_function(model, grad_vars=grad_vars)
+        self.density = density if density is not None else \
+            logp_dlogp_function(model, grad_vars=grad_vars, where=where)
         super().__init__(vars=vars, model=model, logp_dlogp_func=_SamplerFunction(self.density), **kwargs)
 
     def __reduce__(self):
@@ -107,7 +111,7 @@ def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | Non
              jitter: bool | None = None, jitter_max_retries: int = 10, random_seed: Any = None,
              progressbar: Any = False, compute_hessian: bool = False, return_inferencedata: bool = False,
              idata_kwargs: dict | None = None, model: Any = None, backend: str | None = None,
-             compile_kwargs: dict | None = None, **optimizer_kwargs: Any) -> Any:
+             compile_kwargs: dict | None = None, where: str = "auto", **optimizer_kwargs: Any) -> Any:
     """The maximum a posteriori point, as ``pm.find_MAP`` finds it, on every device.
 
     Takes ``pm.find_MAP``'s arguments. The optimizer is the one
@@ -136,6 +140,8 @@ def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | Non
     model : pymc.Model, optional
     backend, compile_kwargs : optional
         Refused when set: the density is compiled for the devices (JAX on each).
+    where : {"auto", "devices", "here"}
+        Where the density is computed (see :func:`~.density.logp_dlogp_function`).
     **optimizer_kwargs
         Passed to the optimizer (``maxiter``, ``tol``, ...). L-BFGS-B gets
         ``ftol=MAP_FTOL`` unless ``ftol`` or ``tol`` is given: scipy's own is
@@ -153,7 +159,7 @@ def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | Non
     jittered = {model.values_to_rvs[v] for v in grad_vars} if jitter else set()
     [initial] = make_initial_point_fns_per_chain(model=model, overrides=initvals, jitter_rvs=jittered, chains=1)
     start = initial(int(rng.integers(2**30)))
-    density = logp_dlogp_function(model, grad_vars=grad_vars, jacobian=False)
+    density = logp_dlogp_function(model, grad_vars=grad_vars, jacobian=False, where=where)
     density.set_extra_values(start)
 
     def loss(x):
