@@ -2,6 +2,8 @@
 Platoon and PyMC as their authors wrote them. Every result is compared with single-process
 PyTensor on the same data."""
 
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -294,3 +296,52 @@ def test_a_parameter_group_with_a_torch_lr_is_refused_naming_lr_scale(synk2):
         train.make_train_function(loss, [{"params": [w], "lr": 0.2}], x, y, updates.sgd, 0.1)
     with pytest.raises(TypeError, match="listed twice"):
         train.make_train_function(loss, [w, {"params": [w], "weight_decay": 0.1}], x, y, updates.sgd, 0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Waits spin only while spinning costs nobody
+# ------------------------------------------------------------------------------------------------
+
+def test_a_wait_preempted_while_spinning_stops_spinning_for_a_while():
+    """Busy processes on the waiting thread's own core: its spin is preempted, and the process's
+    waits then block without spinning (the busy processes get the core)."""
+    import ctypes
+    import subprocess
+    import sys
+    import threading
+    import time
+    from synkhronos.ipc import semaphores
+    cell = ctypes.create_string_buffer(semaphores.SEMAPHORE_BYTES)
+    sem = semaphores.Semaphore(ctypes.addressof(cell))
+    sem.init()
+    core = sorted(os.sched_getaffinity(0))[0]
+    busy = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                              "while True: pass"]) for _ in range(2)]
+    saved = os.sched_getaffinity(0)
+    try:
+        time.sleep(0.3)                                    # the busy processes are running on it
+        os.sched_setaffinity(0, {core})
+        poster = threading.Timer(0.5, sem.post)
+        poster.start()
+        semaphores._spin_from[0], semaphores._back_off_s[0] = 0.0, semaphores.BACK_OFF_S[0]
+        start = time.perf_counter()
+        sem.wait(lambda: None, spin=0.4)                   # spins into the busy processes' slices
+        poster.join()
+        # preempted within the spin: waits block for the shortest back-off from then, the next one longer
+        shortest = semaphores.BACK_OFF_S[0]
+        assert start + shortest < semaphores._spin_from[0] < start + 0.4 + shortest
+        assert semaphores._back_off_s[0] == 2 * shortest
+        os.sched_setaffinity(0, saved)
+        for b in busy:
+            b.kill()
+            b.wait()
+        time.sleep(2 * shortest)
+        sem.post()
+        sem.wait(lambda: None, spin=0.4)                   # acquired spinning: the back-off starts over
+        assert semaphores._back_off_s[0] == shortest
+    finally:
+        os.sched_setaffinity(0, saved)
+        for b in busy:
+            b.kill()
+            b.wait()
+        semaphores._spin_from[0] = 0.0

@@ -494,3 +494,21 @@ def test_nothing_left_behind(synk2):
     synk.close()
     assert not [n for n in synk_segments() if n.startswith(synk2.prefix)]
     assert not set(workers) & set(worker_children())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_ported_radon_model_samples_the_posterior_pymc_samples():
+    """pymc-examples' varying-intercept model with pm.sample swapped for synk_pymc.sample."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "demos", "pymc_radon.py"), "--draws", "300",
+                          "--tune", "300"], capture_output=True, text=True, timeout=500,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stdout + out.stderr
+    means = [line.split()[-2:] for line in out.stdout.splitlines() if line.startswith("posterior mean of")]
+    assert len(means) == 4
+    for alone, ours in means:
+        assert abs(float(alone) - float(ours)) < 0.05, out.stdout

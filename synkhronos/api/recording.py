@@ -191,8 +191,8 @@ _SAID_64_BITS = [False]
 
 def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
     """Under floatX float32 JAX computes without 64-bit types: say once, naming the op, when a
-    graph casts to float64 (the user wrote it; PyTensor's own 64-bit index arithmetic is exact in
-    32 bits and goes unsaid)."""
+    graph casts a float to float64 (the user wrote it, to compute wider; PyTensor's own casts of
+    counts and index arithmetic go unsaid)."""
     import pytensor
     from pytensor.graph.traversal import apply_ancestors
     from pytensor.scalar.basic import Cast
@@ -201,7 +201,7 @@ def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
         return
     for node in apply_ancestors(spec.graph_vars()):
         if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Cast) and \
-                node.outputs[0].type.dtype == "float64":
+                node.outputs[0].type.dtype == "float64" and node.inputs[0].type.dtype in ("float16", "float32"):
             _SAID_64_BITS[0] = True
             warnings.warn(f"{spec.name}: {node.op} of {node.inputs[0]} computes in float32 on the "
                           f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)",

@@ -2,7 +2,10 @@
 
 A :class:`Semaphore` is a ``sem_t`` at an offset of a segment every process maps;
 waits are sliced, calling a check between slices, so no wait can hang on a
-process that died.
+process that died. A wait spins first, to wake microseconds sooner, only while
+spinning costs nobody: once a spin is preempted (the machine's cores are all
+taken, by other jobs or more processes than cores), this process's waits block
+at once for a while, longer each time it happens again.
 """
 
 import ctypes
@@ -10,7 +13,7 @@ import ctypes.util
 import errno
 import time
 
-__all__ = ["Semaphore", "semaphores_in", "SEMAPHORE_BYTES"]
+__all__ = ["Semaphore", "semaphores_in", "SEMAPHORE_BYTES", "PREEMPTED_S", "BACK_OFF_S"]
 
 #: bytes a semaphore takes in a segment (a sem_t, padded to its own cache line)
 SEMAPHORE_BYTES = 64
@@ -63,17 +66,48 @@ class Semaphore:
             return False
 
     def wait(self, check, spin=100e-6, slice_=0.1):
-        """Acquire, spinning ``spin`` seconds first, then calling ``check()`` between slices.
+        """Acquire, spinning up to ``spin`` seconds first while spinning is free (see
+        :data:`PREEMPTED_S`), then calling ``check()`` between slices.
 
         ``check`` raises to abandon the wait (a dead peer, a timeout).
         """
-        if spin > 0:
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:
+        if spin > 0 and _may_spin():
+            now = time.perf_counter()
+            end, last = now + spin, now
+            while now < end:
                 if self.try_acquire():
+                    _back_off_s[0] = BACK_OFF_S[0]
                     return
+                now = time.perf_counter()
+                if now - last > PREEMPTED_S:      # the kernel gave this core to another task
+                    _back_off(now)
+                    break
+                last = now
         while not self.acquire(slice_):
             check()
+
+
+#: a gap this long between two looks of a spinning wait means the kernel took its core away for
+#: another task: the machine has no core to spare, and a spin there takes the time slice a peer
+#: needs to finish what the wait waits for
+PREEMPTED_S = 1e-3
+#: how long this process's waits block without spinning after a spin was preempted: the first
+#: time the shortest (a lone preemption is mostly the kernel's own work), doubling with each spin
+#: preempted again up to the longest (other jobs keep the cores), back to the shortest once a spin
+#: acquires
+BACK_OFF_S = (0.01, 1.0)
+#: the perf_counter time from which waits may spin again, and the back-off the next preemption gets
+_spin_from = [0.0]
+_back_off_s = [BACK_OFF_S[0]]
+
+
+def _may_spin():
+    return time.perf_counter() >= _spin_from[0]
+
+
+def _back_off(now):
+    _spin_from[0] = now + _back_off_s[0]
+    _back_off_s[0] = min(2 * _back_off_s[0], BACK_OFF_S[1])
 
 
 def semaphores_in(segment, offset, count, create):
