@@ -310,6 +310,7 @@ def test_a_wait_preempted_while_spinning_stops_spinning_for_a_while():
     import sys
     import threading
     import time
+
     from synkhronos.ipc import semaphores
     cell = ctypes.create_string_buffer(semaphores.SEMAPHORE_BYTES)
     sem = semaphores.Semaphore(ctypes.addressof(cell))
