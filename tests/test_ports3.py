@@ -346,3 +346,23 @@ def test_a_wait_preempted_while_spinning_stops_spinning_for_a_while():
             b.kill()
             b.wait()
         semaphores._spin_from[0] = 0.0
+
+
+def test_a_worker_that_aborts_in_native_code_is_named_with_where_it_was():
+    """A C++ abort (NUTS's std::bad_cast once) ends a worker by SIGABRT: the error names the Python
+    frame that called into native code, and carries every thread's stack."""
+    from helpers import AbortOnHost
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2)
+    try:
+        x = pt.vector("x")
+        f = synk.function([x], (AbortOnHost()(x).sum(), "sum"))
+        with pytest.raises(synk.WorkerError) as raised:
+            f(np.ones(4))
+        error = raised.value
+        assert error.exc_type == "killed by SIGABRT" and error.how == "died"
+        assert "in native code called from" in str(error) and "_abort" in str(error)
+        assert "Current thread" in error.worker_traceback
+    finally:
+        synk.close()

@@ -2,14 +2,16 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-__all__ = ["free_port", "package_env", "launch_worker", "describe_exit", "reap"]
+__all__ = ["free_port", "package_env", "launch_worker", "native_crash_site", "describe_exit", "reap"]
 
 
 def free_port():
@@ -37,11 +39,48 @@ def launch_worker(settings, env):
     (``die_with_parent``); otherwise it watches the master's pid alone.
     """
     env = package_env(env)
-    settings = dict(settings, master_pid=os.getpid(),
+    # where the worker's Python stacks go if it dies in native code (faulthandler): a file
+    # already unlinked, so nothing is left behind however either process ends
+    fault_log = tempfile.TemporaryFile()
+    settings = dict(settings, master_pid=os.getpid(), fault_fd=fault_log.fileno(),
                     die_with_parent=threading.current_thread() is threading.main_thread())
     env["SYNK_WORKER"] = json.dumps(settings)
-    return subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.worker"], env=env,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.worker"], env=env,
+                            stdin=subprocess.DEVNULL, pass_fds=(fault_log.fileno(),))
+    proc.fault_log = fault_log  # type: ignore[attr-defined]  # read by native_crash_site
+    return proc
+
+
+def native_crash_site(proc) -> tuple[str, str]:
+    """(where, stacks): the innermost Python frame of the thread of ``proc`` (a worker) that died in
+    native code, and every thread's stack as faulthandler wrote them; ("", "") if it wrote none.
+
+    Examples
+    --------
+    >>> _innermost_frame("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+    ...                  '  File "/x/jitted.py", line 120 in call\n  File "/x/compiled.py", line 9 in run\n')
+    'call (/x/jitted.py, line 120)'
+    """
+    log = getattr(proc, "fault_log", None)
+    if log is None:
+        return "", ""
+    try:
+        log.seek(0)
+        stacks = log.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return "", ""
+    return _innermost_frame(stacks), stacks
+
+
+def _innermost_frame(stacks):
+    """``"function (file, line N)"`` of the first frame of faulthandler's current thread, or ""."""
+    lines = stacks.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
+    for line in lines[starts[-1] + 1:] if starts else []:
+        found = re.match(r'\s*File "(.+)", line (\d+) in (.+)', line)
+        if found:
+            return f"{found.group(3)} ({found.group(1)}, line {found.group(2)})"
+    return ""
 
 
 def describe_exit(code):
@@ -71,3 +110,6 @@ def reap(procs, within=5.0):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+        log = getattr(p, "fault_log", None)
+        if log is not None:
+            log.close()

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import SynkError, WorkerError
 from ..platform.threads import start_thread
 from ..wire.control import ControlBlock, Status, op_name
-from .processes import describe_exit
+from .processes import describe_exit, native_crash_site
 
 __all__ = ["Watch"]
 
@@ -162,10 +162,14 @@ class Watch:
         dead = {r: self.channel.procs[r].poll() for r in ranks if self.channel.procs[r].poll() is not None}
         if dead:
             rank, code = next(iter(dead.items()))
+            where, stacks = native_crash_site(self.channel.procs[rank])
             self.channel.on_fault()
+            inside = f", in native code called from {where} (every thread's stack: " \
+                f"error.worker_traceback)" if where else ""
             raise WorkerError(rank + self.channel.rank_offset, "died", describe_exit(code),
-                              f"worker process ended during {what}; the runtime was shut down, "
-                              f"call synk.fork() to start again", node=self.channel.node)
+                              f"worker process ended during {what}{inside}; the runtime was shut down, "
+                              f"call synk.fork() to start again", worker_traceback=stacks,
+                              node=self.channel.node)
 
     def loop_check(self, ranks, what, poll=0.02):
         """The loop's check: workers alive, none failed, and steps still being made.

@@ -9,6 +9,7 @@ process goes away.
 import cProfile
 import ctypes
 import ctypes.util
+import faulthandler
 import json
 import logging
 import os
@@ -362,6 +363,8 @@ def _end_by_sigterm():
 
 def main():
     cfg = json.loads(os.environ["SYNK_WORKER"])
+    if cfg.get("fault_fd") is not None:   # a death in native code leaves its Python stacks to the master
+        faulthandler.enable(file=cfg["fault_fd"], all_threads=True)
     use_host_faces(cfg["host_faces"])
     use_pinned(not cfg["host_faces"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
