@@ -366,3 +366,50 @@ def test_a_worker_that_aborts_in_native_code_is_named_with_where_it_was():
         assert "Current thread" in error.worker_traceback
     finally:
         synk.close()
+
+
+def test_fork_works_without_a_stderr(tmp_path):
+    """A daemon's stderr: None in Python, or file descriptor 2 closed."""
+    import subprocess
+    import sys
+    for prelude in ("import sys\nsys.stderr = None\n", "import os\nos.close(2)\n"):
+        script = tmp_path / "no_stderr.py"
+        script.write_text(prelude + "import numpy as np, pytensor.tensor as pt\nimport synkhronos as synk\n"
+                          "synk.fork(2)\nx = pt.vector('x')\n"
+                          "print(float(synk.function([x], (x.sum(), 'sum'))(np.ones(6))))\nsynk.close()\n")
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout == "6.0\n", (prelude, done.stdout, done.stderr)
+
+
+def test_an_integer_index_beside_a_computed_range_is_not_blamed():
+    from synkhronos.api.hints import _slice_at_computed_bounds
+    from synkhronos.wire.spec import FunctionSpec
+    x, k, n = pt.matrix("x"), pt.lscalar("k"), pt.lscalar("n")
+    out = x[:, k].sum() + pt.arange(n).sum()
+    spec = FunctionSpec(0, "f", [x], [k, n], [(out, "avg")], [], [], [])
+    assert _slice_at_computed_bounds(spec) is None
+    crop = FunctionSpec(0, "g", [x], [k], [(x[:, k:k + 3].sum(), "avg")], [], [], [])
+    assert _slice_at_computed_bounds(crop) == "Subtensor{:, start:stop} of x"
+
+
+def test_a_group_may_name_one_parameter_alone():
+    from synkhronos.extensions.updates import parameter_groups
+    W = pytensor.shared(np.zeros(2), name="W_alone")
+    params, scale, decay = parameter_groups([{"params": W, "lr_scale": 2.0}])
+    assert params == [W] and scale == {W: 2.0} and decay == {}
+
+
+def test_a_float64_parameter_under_float32_is_said_once(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "wide.py"
+    script.write_text(
+        "import numpy as np, pytensor, pytensor.tensor as pt\npytensor.config.floatX = 'float32'\n"
+        "import synkhronos as synk\nsynk.fork(2)\nx = pt.matrix('x')\n"
+        "W = pytensor.shared(np.full((3, 1), 1 + 1e-12), name='W')\n"
+        "f = synk.function([x], ((x @ W).sum(), 'sum'))\ng = synk.function([x], ((x @ W).mean(), 'avg'))\n"
+        "print(float(f(np.ones((4, 3), 'float32'))))\nsynk.close()\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "Warning" in line]
+    assert len(said) == 1 and "W is float64, and on the devices it computes and is kept in float32" in said[0]

@@ -410,6 +410,31 @@ def test_find_map_refuses_what_it_cannot_do_over_the_devices(synk2):
         spm.find_MAP(model, where="devices")
 
 
+def test_a_model_that_does_not_split_is_computed_here_unless_the_devices_are_asked_for(synk2, monkeypatch):
+    """Two observed variables of 40 and 7 rows: PyMC runs it, so where='auto' and 'here' do too (said
+    once, with the reason); where='devices' refuses it, naming 'here'."""
+    from synkhronos.extensions.pymc import density
+    monkeypatch.setattr(density, "_SAID_HERE", [False])
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 5)
+        pm.Normal("y", a, 1, observed=np.arange(40.0))
+        pm.Normal("y2", a, 3, observed=np.arange(7.0))
+    logp, dlogp = model.compile_logp(), model.compile_dlogp()
+    with pytest.raises(spm.UnsplittableModel, match="different row counts.*where='here'"):
+        spm.logp_dlogp_function(model, where="devices")
+    with pytest.warns(synk.SynkWarning, match="does not split over the devices .*different row counts"):
+        auto = spm.logp_dlogp_function(model)
+    for f in (auto, spm.logp_dlogp_function(model, where="here")):
+        for point in ({"a": np.array(0.5)}, {"a": np.array(-2.0)}):
+            value, grad = f(point)
+            np.testing.assert_allclose(value, logp(point), rtol=1e-12)
+            np.testing.assert_allclose(grad, dlogp(point), rtol=1e-12)
+    with model:
+        idata = spm.sample(20, tune=20, chains=1, random_seed=3, progressbar=False,
+                           compute_convergence_checks=False)
+    assert idata.posterior["a"].shape == (1, 20)
+
+
 def _refused(build, match):
     with pm.Model() as model:
         build()

@@ -73,12 +73,14 @@ def _slice_at_computed_bounds(spec):
     """A slice in the function's graph whose bounds depend on a value, not only on shapes and
     constants (as text), or None."""
     from pytensor.graph.traversal import apply_ancestors
-    from pytensor.tensor.subtensor import IncSubtensor, Subtensor
+    from pytensor.tensor.subtensor import IncSubtensor, Subtensor, indices_from_subtensor
     for node in apply_ancestors(spec.graph_vars()):
         if isinstance(node.op, (Subtensor, IncSubtensor)):
             first = 2 if isinstance(node.op, IncSubtensor) else 1
-            slices = [i for i in node.op.idx_list if isinstance(i, slice)]
-            if slices and any(_value_dependent(b) for b in node.inputs[first:]):
+            entries = indices_from_subtensor(node.inputs[first:], node.op.idx_list)
+            bounds = [b for e in entries if isinstance(e, slice) for b in (e.start, e.stop, e.step)
+                      if b is not None]
+            if any(_value_dependent(b) for b in bounds):    # (an integer index keeps no length)
                 return f"{node.op} of {node.inputs[0]}"
     return None
 

@@ -190,14 +190,22 @@ _SAID_64_BITS = [False]
 
 
 def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
-    """Under floatX float32 JAX computes without 64-bit types: say once, naming the op, when a
-    graph casts a float to float64 (the user wrote it, to compute wider; PyTensor's own casts of
-    counts and index arithmetic go unsaid)."""
+    """Under floatX float32 JAX computes without 64-bit types: say once, naming it, when a function
+    reads a float64 input or shared variable, or casts a float to float64 (the user wrote it, to
+    compute wider; PyTensor's own casts of counts and index arithmetic go unsaid)."""
     import pytensor
     from pytensor.graph.traversal import apply_ancestors
     from pytensor.scalar.basic import Cast
     from pytensor.tensor.elemwise import Elemwise
     if _SAID_64_BITS[0] or pytensor.config.floatX == "float64":
+        return
+    wide = [v for v in list(spec.all_inputs) + spec.shared_variables()
+            if getattr(v.type, "dtype", None) == "float64"]
+    if wide:
+        _SAID_64_BITS[0] = True
+        warnings.warn(f"{spec.name}: {wide[0]} is float64, and on the devices it computes and is kept in "
+                      f"float32: floatX is float32, which turns JAX's 64-bit types off (said once); "
+                      f"declare it float32, or set floatX to float64", SynkWarning, stacklevel=5)
         return
     for node in apply_ancestors(spec.graph_vars()):
         if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Cast) and \

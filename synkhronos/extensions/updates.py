@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+from pytensor.graph.basic import Variable
 from pytensor_ml import optim
 from pytensor_ml.pytensorf import collect_clock_updates
 
@@ -192,7 +193,7 @@ def parameter_groups(params: Sequence[Any]) -> tuple[list, dict, dict]:
     """``(parameters, {parameter: learning-rate scale}, {parameter: weight decay})`` of ``params``.
 
     ``params`` lists shared variables, or groups of them as torch's optimizers
-    take them: dicts with ``"params"`` and any of ``"lr_scale"`` (the group's
+    take them: dicts with ``"params"`` (a list, or one variable) and any of ``"lr_scale"`` (the group's
     learning rate as a multiple of the rule's) and ``"weight_decay"`` (added
     to the gradient as ``weight_decay * parameter``, torch's L2 form), or both
     mixed. A parameter outside any group has a scale of 1 and no decay.
@@ -226,7 +227,7 @@ def parameter_groups(params: Sequence[Any]) -> tuple[list, dict, dict]:
             hint = " (a group's own rate is lr_scale: its rate over the rule's)" if "lr" in unknown else ""
             raise TypeError(f"a parameter group takes {list(GROUP_SETTINGS)} besides 'params'; got "
                             f"{unknown}{hint}")
-        group = list(item["params"])
+        group = [item["params"]] if isinstance(item["params"], Variable) else list(item["params"])
         flat += group
         for p in group:
             if float(item.get("lr_scale", 1.0)) != 1.0:

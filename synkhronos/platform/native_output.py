@@ -39,19 +39,31 @@ def native_lines_dropped(fd: int, *patterns: re.Pattern) -> Iterator[None]:
     ...     _ = os.write(1, b"noise from C++\\n")   # gone; any other line would come back
     """
     stream = sys.stdout if fd == 1 else sys.stderr
-    stream.flush()
-    saved = os.dup(fd)
+    try:
+        saved = os.dup(fd)
+    except OSError:              # the descriptor is closed (a daemon's stderr): nothing to keep from
+        yield
+        return
+    _flush(stream)
     with tempfile.TemporaryFile() as caught:
         os.dup2(caught.fileno(), fd)
         try:
             yield
         finally:
-            stream.flush()
+            _flush(stream)
             os.dup2(saved, fd)
             os.close(saved)
             caught.seek(0)
             kept = [line for line in caught.read().splitlines(keepends=True)
                     if not any(p.search(line.decode(errors="replace")) for p in patterns)]
             if kept:
-                stream.flush()
-                os.write(fd, b"".join(kept))
+                _flush(stream)
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"".join(kept))
+
+
+def _flush(stream):
+    """Flush ``stream`` if there is one (``sys.stderr`` is None in a process started without it)."""
+    if stream is not None:
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()

@@ -25,7 +25,7 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 from ...api.data import data
 from ...api.function import function
 from ...errors import SynkWarning
-from .terms import SplitModel, split_model
+from .terms import SplitModel, UnsplittableModel, split_model
 
 __all__ = ["LogpDlogp", "logp_dlogp_function", "WHERE"]
 
@@ -53,12 +53,16 @@ def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobi
         Whether the log-density holds the Jacobian terms of the transformed
         variables (as ``model.logp(jacobian=...)``; ``pm.find_MAP`` leaves them out).
     where : {"auto", "devices", "here"}
-        ``"devices"``: split over the runtime's devices. ``"here"``: in this
-        process, as PyMC compiles it. ``"auto"`` (default) times both at the
-        model's initial point when built and keeps the faster, saying once
-        when that is here: a likelihood too small to gain from the devices
-        (each evaluation is one call through the runtime) then costs what it
-        costs in PyMC alone.
+        ``"devices"``: split over the runtime's devices (a model whose
+        likelihood does not split is refused). ``"here"``: in this process,
+        as PyMC compiles it. ``"auto"`` (default) times both at the model's
+        initial point when built and keeps the faster, saying once when that
+        is here: a likelihood too small to gain from the devices (each
+        evaluation is one call through the runtime) then costs what it costs
+        in PyMC alone; a model that does not split is computed here, said
+        once with the reason. Either way computes the same density, to
+        rounding: a seeded chain may differ between the two by that
+        rounding, so pass ``where`` for draws equal bit for bit from run to run.
 
     Returns
     -------
@@ -80,9 +84,20 @@ def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobi
         raise ValueError(f"where={where!r} is not one of {list(WHERE)}")
     model = modelcontext(model)
     grad_vars = list(model.continuous_value_vars if grad_vars is None else grad_vars)
-    density = LogpDlogp(model, split_model(model, jacobian), grad_vars)
-    if where != "devices":
-        density.compute_here_if_faster(jacobian, always=where == "here")
+    split, unsplittable = None, None
+    if where != "here":
+        try:
+            split = split_model(model, jacobian)
+        except UnsplittableModel as why:
+            if where == "devices":
+                raise UnsplittableModel(f"{why}; where='here' (or 'auto') computes it in this process, "
+                                        f"as PyMC does") from None
+            unsplittable = str(why)
+    density = LogpDlogp(model, split, grad_vars)
+    if split is None:
+        density.compute_here(jacobian, why=unsplittable)
+    elif where == "auto":
+        density.compute_here_if_faster(jacobian)
     return density
 
 
@@ -94,45 +109,66 @@ class LogpDlogp:
     other value variables then keep the values of ``f.set_extra_values``.
     """
 
-    def __init__(self, model, split: SplitModel, grad_vars):
+    def __init__(self, model, split: SplitModel | None, grad_vars):
         self.model = model
         self.grad_vars = grad_vars
         self.extra_vars = [v for v in model.value_vars if v not in grad_vars]
         point = model.initial_point()
         self.dtype = np.result_type(*[point[v.name].dtype for v in grad_vars]) if grad_vars else np.float64
+        q = DictToArrayBijection.map({v.name: point[v.name] for v in grad_vars})
+        self._point_map_info = q.point_map_info
+        #: PyMC's own function of the density in this process, when it computes here (else None)
+        self.here: Any = None
+        #: the function on the devices (None for a model that does not split: it computes here)
+        self.fn: Any = None
+        self._extras: list = []
+        if split is None:
+            return
         outputs, self._joined = self._graph(split, point, model.check_bounds)
         self.fn = function(split.row_inputs, list(zip(outputs, ["sum", "sum", None, None])),
                            bcast_inputs=[self._joined, *self.extra_vars],
                            name=f"pymc_logp_dlogp_{model.name or 'model'}", on_unused_input="ignore")
         self._rows = [data(value, var=var) for var, value in zip(split.row_inputs, split.row_values)]
-        q = DictToArrayBijection.map({v.name: point[v.name] for v in grad_vars})
-        self._point_map_info = q.point_map_info
         self._q = data(q.data.astype(self._joined.type.dtype))
         self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
-        #: PyMC's own function of the density in this process, when it computes here (else None)
-        self.here: Any = None
 
-    def compute_here_if_faster(self, jacobian: bool, always: bool = False) -> None:
+    def compute_here(self, jacobian: bool, why: str | None = None) -> None:
+        """Compute in this process, as PyMC compiles the density; ``why`` (the reason the
+        likelihood does not split over the devices) is said once."""
+        self.here = self._pymc_function(jacobian)
+        if why is not None and not _SAID_HERE[0]:
+            _SAID_HERE[0] = True
+            warnings.warn(f"the likelihood of {self.model.name or 'the model'} does not split over the devices "
+                          f"({why}): it is computed in this process as PyMC compiles it (said once; "
+                          f"where='devices' refuses it)", SynkWarning, stacklevel=4)
+
+    def compute_here_if_faster(self, jacobian: bool) -> None:
         """Compute in this process, as PyMC compiles the density, if that is faster than the devices
-        at the model's initial point (or ``always``); say so once."""
+        at the model's initial point; say so once."""
+        here = self._pymc_function(jacobian)
+        point = self.model.initial_point()
+        q = DictToArrayBijection.map({v.name: point[v.name] for v in self.grad_vars}).data
+        on_devices = _median_seconds(lambda: self.raveled(q))
+        in_process = _median_seconds(lambda: here._pytensor_function(q))
+        if in_process >= on_devices:
+            return
+        self.here = here
+        if not _SAID_HERE[0]:
+            _SAID_HERE[0] = True
+            warnings.warn(f"the log-density of {self.model.name or 'the model'} takes {1e3 * in_process:.3g} ms "
+                          f"in this process as PyMC compiles it and {1e3 * on_devices:.3g} ms on the devices: "
+                          f"too small to gain, it is computed here (said once; where='devices' "
+                          f"splits it anyway)", SynkWarning, stacklevel=4)
+
+    def _pymc_function(self, jacobian):
+        """PyMC's own value-and-gradient function of the density (raveled inputs, trusted)."""
         from pymc.model.core import ValueGradFunction
         model, point = self.model, self.model.initial_point()
         here = ValueGradFunction([model.logp(jacobian=jacobian)], self.grad_vars,
                                  {v: point[v.name] for v in self.extra_vars}, model=model,
                                  initial_point=point, ravel_inputs=True)
         here.trust_input = True
-        q = DictToArrayBijection.map({v.name: point[v.name] for v in self.grad_vars}).data
-        on_devices = _median_seconds(lambda: self.raveled(q))
-        in_process = _median_seconds(lambda: here._pytensor_function(q))
-        if not always and in_process >= on_devices:
-            return
-        self.here = here
-        if not always and not _SAID_HERE[0]:
-            _SAID_HERE[0] = True
-            warnings.warn(f"the log-density of {model.name or 'the model'} takes {1e3 * in_process:.3g} ms "
-                          f"in this process as PyMC compiles it and {1e3 * on_devices:.3g} ms on the devices: "
-                          f"too small to gain, it is computed here (said once; where='devices' "
-                          f"splits it anyway)", SynkWarning, stacklevel=4)
+        return here
 
     def _graph(self, split, point, check_bounds):
         """The four outputs (rows' logp and gradient, once-terms' logp and gradient) on a joined input."""
@@ -158,6 +194,8 @@ class LogpDlogp:
 
     def extra_value(self, name: str) -> np.ndarray:
         """The value the variable ``name`` (outside the gradient) holds."""
+        if self.fn is None:
+            return np.array(self.here.get_extra_values()[name])
         return np.array(self._extras[[v.name for v in self.extra_vars].index(name)].data)
 
     def raveled(self, q: np.ndarray) -> tuple[float, np.ndarray]:
