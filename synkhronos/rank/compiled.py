@@ -149,11 +149,16 @@ class CompiledFunction:
             [i for i in range(n_in, n_all) if spec.all_inputs[i].type.ndim] + \
             list(range(n_all, n_all + len(self.sliced_inputs)))
         self._run_no_updates = None
-        #: the storage cell of each shared variable a graph rebuilt per shape reads at its present
-        #: shape (see _rebuilt): its shape is part of what a rebuilt graph was built for
+        #: the storage cell of each shared variable a graph rebuilt per shape may read at its present
+        #: shape (see spec_graph), and whether it does: only once a graph rebuilt on the arguments'
+        #: shapes alone failed to trace (a slice of a flat parameter vector reshaped); its shape is
+        #: then part of what a rebuilt graph was built for. (Fixed always, a scan's rewrites can turn
+        #: a length JAX traces into one it cannot.)
         self._shape_cells = shaped_shared_cells(spec)
+        self._shareds_fixed = False
         #: ((row shapes, shared shapes), updates applied) -> runner of the graph rebuilt on them, the most recent kept
-        self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(self._rebuilt_runner)
+        self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(
+            lambda shapes, updates: self._runner(self._compile(updates, *shapes)))
         #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
         self._shapes_met: set | None = set() if check and self._row_args else None
         #: the PyTensor function on free rows (updates applied), or None while not built
@@ -324,11 +329,19 @@ class CompiledFunction:
         shapes = tuple(shapes)
         if self.by_rows is None:
             self._shapes_first.add(shapes)
-        return self._row_variant((shapes, tuple(c[0].shape for c in self._shape_cells.values())), updates)
+        fixed = tuple(c[0].shape for c in self._shape_cells.values()) if self._shareds_fixed else ()
+        return self._row_variant((shapes, fixed), updates)
 
-    def _rebuilt_runner(self, shapes, updates):
-        rows, shared = shapes
-        return self._runner(self._compile(updates, rows, shared))
+    def _invoke_for_shapes(self, shapes, args, updates, undo):
+        """Run the graph rebuilt on ``shapes``; if JAX cannot trace it, rebuilt on the shared variables'
+        present shapes too (from then on, see ``_shareds_fixed``). A trace fails before anything runs."""
+        try:
+            return self._invoke(self._for_shapes(shapes, updates), args, undo)
+        except Exception as e:
+            if self._shareds_fixed or not self._shape_cells or not needs_static_shapes(e):
+                raise
+        self._shareds_fixed = True
+        return self._invoke(self._for_shapes(shapes, updates), args, undo)
 
     def _call(self, args, updates, undo=None):
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
@@ -338,7 +351,7 @@ class CompiledFunction:
         if self.by_rows is None and not self._shapes_first:
             return self._first_call(shapes, args, updates, undo)
         if self.by_rows or shapes in self._shapes_first:
-            return self._invoke(self._for_shapes(shapes, updates), args, undo)
+            return self._invoke_for_shapes(shapes, args, updates, undo)
         return self._free_or_by_rows(args, updates, undo)
 
     def _count_shape(self, shapes):
@@ -360,7 +373,7 @@ class CompiledFunction:
         """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure
         (JAX's account, with the graph's line) is then the call's error."""
         try:
-            return self._invoke(self._for_shapes(shapes, updates), args, undo)
+            return self._invoke_for_shapes(shapes, args, updates, undo)
         except Exception:
             self._shapes_first.discard(shapes)
         try:
@@ -395,8 +408,7 @@ class CompiledFunction:
             self._settle(False)
             return result
         try:          # tracing on free rows failed: the graph rebuilt on these shapes may not
-            result = self._invoke(self._for_shapes([args[i].shape for i in self._row_args], updates),
-                                  args, undo)
+            result = self._invoke_for_shapes(tuple(args[i].shape for i in self._row_args), args, updates, undo)
         except Exception:
             raise failure from None
         self._settle(True)

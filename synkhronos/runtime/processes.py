@@ -52,7 +52,7 @@ def launch_worker(settings, env):
 
 
 def native_crash_site(proc) -> tuple[str, str]:
-    """(where, stacks): the innermost Python frame of the thread of ``proc`` (a worker) that died in
+    r"""(where, stacks): the innermost Python frame of the thread of ``proc`` (a worker) that died in
     native code, and every thread's stack as faulthandler wrote them; ("", "") if it wrote none.
 
     Examples
