@@ -1,6 +1,7 @@
 # make demo  - set up .venv (Python >= 3.12 found automatically) and run the main demo
 # make test  - set up .venv and run the fast tier of the tests (a few minutes)
 # make test-all - every test (what CI runs), with the 25 slowest
+# make test-gpu - the GPU tier on one GPU (skipped, saying why, without one)
 # make bench - set up .venv and run the benchmarks (bench/RESULTS.md)
 # make bench-quick - the headline ratios in a few minutes, beside their goals
 # make lint  - set up .venv and check the code (ruff, mypy)
@@ -8,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test test-all demo bench bench-quick docs clean lint
+.PHONY: all venv test test-all test-gpu demo bench bench-quick docs clean lint
 
 all: test
 
@@ -24,11 +25,15 @@ $(STAMP): pyproject.toml setup.py
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not serial" --durations=25 tests
-	$(PY) -m pytest -q -m serial --durations=25 tests
+	$(PY) -m pytest -q -n 2 -m "not serial and not gpu" --durations=25 tests
+	$(PY) -m pytest -q -m "serial and not gpu" --durations=25 tests
+
+# the GPU tier: one GPU, when JAX finds one (else every test says it was skipped, and why)
+test-gpu: $(STAMP)
+	SYNK_TEST_GPU=1 $(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

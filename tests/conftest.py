@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-import synkhronos as synk
-from synkhronos.runtime import session
+# The suite tests the CPU path and simulates devices with processes, whatever accelerator the machine
+# has: JAX_PLATFORMS=cpu makes fork()'s default the CPU, as it makes JAX's. The GPU tier (make
+# test-gpu, SYNK_TEST_GPU=1) runs tests/test_gpu.py on the GPU instead.
+if not os.environ.get("SYNK_TEST_GPU"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import synkhronos as synk  # noqa: E402
+from synkhronos.runtime import session  # noqa: E402
 
 N_PARALLEL = 2
 

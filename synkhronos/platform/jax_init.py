@@ -96,7 +96,11 @@ def _count_in_subprocess(platform):
 
 
 def default_platform():
-    """``"gpu"`` when a JAX GPU plugin is installed and finds a device, else ``"cpu"``."""
+    """``"gpu"`` when a JAX GPU plugin is installed and finds a device, else ``"cpu"``; and
+    ``"cpu"`` whenever ``JAX_PLATFORMS`` names no GPU platform (``JAX_PLATFORMS=cpu``), as for JAX."""
+    named = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if named and not {"gpu", "cuda", "rocm"} & set(named):
+        return "cpu"
     if has_gpu_plugin() and _count_in_subprocess("gpu") > 0:
         return "gpu"
     return "cpu"
