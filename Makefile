@@ -2,6 +2,7 @@
 # make test  - set up .venv and run the fast tier of the tests (a few minutes)
 # make test-all - every test (what CI runs), with the 25 slowest
 # make test-gpu - the GPU tier on one GPU (skipped, saying why, without one)
+# make test-jax-oldest - the fast tier with the oldest supported JAX, in .venv-jax-oldest
 # make bench - set up .venv and run the benchmarks (bench/RESULTS.md)
 # make bench-quick - the headline ratios in a few minutes, beside their goals
 # make lint  - set up .venv and check the code (ruff, mypy)
@@ -9,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test test-all test-gpu demo bench bench-quick docs clean lint
+.PHONY: all venv test test-all test-gpu test-jax-oldest demo bench bench-quick docs clean lint
 
 all: test
 
@@ -34,6 +35,16 @@ test-all: $(STAMP)
 # the GPU tier: one GPU, when JAX finds one (else every test says it was skipped, and why)
 test-gpu: $(STAMP)
 	SYNK_TEST_GPU=1 $(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
+
+# the oldest JAX the supported range holds (pyproject.toml), in a venv of its own: make test there
+OLDEST_JAX := 0.11.2
+VENV_OLD   := .venv-jax-oldest
+test-jax-oldest:
+	@PYBIN=$$(sh tools/find_python.sh) || exit 1; \
+	if [ ! -x $(VENV_OLD)/bin/python ]; then "$$PYBIN" -m venv $(VENV_OLD) || exit 1; fi
+	$(VENV_OLD)/bin/python -m pip install -q -e ".[test,demo,pymc]" "jax==$(OLDEST_JAX)" "jaxlib==$(OLDEST_JAX)"
+	$(VENV_OLD)/bin/python -c "import jax; assert jax.__version__ == '$(OLDEST_JAX)', jax.__version__"
+	$(VENV_OLD)/bin/python -m pytest -q -m "not slow and not gpu" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -71,7 +71,7 @@ def supported_versions() -> dict:
     Examples
     --------
     >>> str(supported_versions()["jax"])
-    '<0.13,>=0.12'
+    '<0.13,>=0.11.2'
     """
     from packaging.requirements import Requirement
     try:
