@@ -402,3 +402,14 @@ def _abort(values):
 
 
 AbortOnHost = _host_identity("AbortOnHost", _abort, "Identity that aborts a worker natively.")
+
+
+def forked(n):
+    """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
+    import synkhronos as synk
+    from synkhronos.runtime import session
+    if session.active() is not None and session.active().n_parallel != n:
+        synk.close()
+    if session.active() is None:
+        synk.fork(n)
+    return session.current()

@@ -8,21 +8,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close
+from helpers import close, forked
 
 import synkhronos as synk
 from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def forked(n):
-    """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
-    if session.active() is not None and session.active().n_parallel != n:
-        synk.close()
-    if session.active() is None:
-        synk.fork(n)
-    return session.current()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")

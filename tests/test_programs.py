@@ -10,7 +10,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close
+from helpers import close, forked
 from pytensor_ml import optim
 from pytensor_ml.activations import ReLU
 from pytensor_ml.layers import BatchNorm, Linear, Sequential
@@ -24,21 +24,11 @@ from pytensor_ml.pytensorf import (
 
 import synkhronos as synk
 from synkhronos.extensions import sync, train, updates
-from synkhronos.runtime import session
 
 pytestmark = pytest.mark.timeout(300)
 
 #: rows of every step: uneven over 2 and 3 devices
 BATCHES = [13, 8, 11, 13]
-
-
-def forked(n):
-    """A runtime of ``n`` devices (the suite's 2-device one is re-forked by the next fixture)."""
-    if session.active() is not None and session.active().n_parallel != n:
-        synk.close()
-    if session.active() is None:
-        synk.fork(n)
-    return session.current()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
