@@ -51,7 +51,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 demo: $(STAMP)
-	$(PY) demos/mnist.py --variant cpu --devices 2 --epochs 10
+	$(PY) demos/mnist.py --epochs 10
 
 bench: $(STAMP)
 	$(PY) -m bench

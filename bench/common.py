@@ -70,7 +70,7 @@ def block_ratios(blocks, first=0, second=1):
 def busy_peer(seconds=120):
     """A second process calling the tiny benchmark function in a loop while the block runs."""
     proc = subprocess.Popen([python(), "-m", "bench.busy_call", str(seconds)], stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                            text=True, env=source_env())
     try:
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError("bench.busy_call did not start")
@@ -89,7 +89,7 @@ def _helper(kind, *args):
     """
     proc = subprocess.Popen([python(), "-m", "bench.common", kind, *map(str, args)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
+                            env=source_env())
 
     def ask():
         proc.stdin.write("go\n")
@@ -106,7 +106,7 @@ def _helper(kind, *args):
 
 def run_json(cmd, env=None, timeout=900):
     """Run a helper script that prints one JSON line last; return the parsed dict (or an error)."""
-    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    full_env = source_env(**(env or {}))
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     except (subprocess.TimeoutExpired, FileNotFoundError) as e:
@@ -157,6 +157,13 @@ def emit(result):
 
 def python():
     return sys.executable
+
+
+def source_env(**variables):
+    """This process's environment with the project first on ``PYTHONPATH`` (what was there stays
+    after it: a GPU image's wheels may be), plus ``variables``."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **variables)
 
 
 def _in_lockstep(step, repeat, barrier, out):

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from bench.common import ROOT, python, section_main
+from bench.common import ROOT, python, section_main, source_env
 
 TITLE = "## 12. Elastic runs: the time a lost node and a returning node cost"
 KILL_AT = 60
@@ -72,7 +72,7 @@ def _launch(node, port, out, tmp):
     inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{c}'" for c in cmd)
     log = open(os.path.join(tmp, f"launcher{node}.log"), "a")
     return subprocess.Popen(["unshare", "-m", "sh", "-c", inner], cwd=ROOT,
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=log, stderr=log)
+                            env=source_env(), stdout=log, stderr=log)
 
 
 def _wait_for(path, timeout):

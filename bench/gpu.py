@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from bench.common import ROOT, emit, python, write_section
+from bench.common import ROOT, emit, python, source_env, write_section
 
 TITLE = "## 14. One GPU: synkhronos beside raw JAX, plain PyTensor and PyTorch"
 MODELS = {"small": ((784, 1024, 1024, 10), 4096), "big": ((784, 4096, 4096, 4096, 10), 8192)}
@@ -239,18 +239,12 @@ WAYS = {"jax": raw_jax, "torch": torch_tf32, "pytensor": plain_pytensor, "synk":
         "counts": launch_counts}
 
 
-def _env():
-    """This process's environment with the project first on the path (and whatever was there after)."""
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path)
-
-
 def gpu_present():
     """(True, name) if JAX finds a GPU, else (False, why); asked in a process of its own."""
     code = "import jax; d = jax.devices('gpu'); print(d[0].device_kind)"
     try:
         out = subprocess.run([python(), "-c", code], capture_output=True, text=True, timeout=120,
-                             env=_env())
+                             env=source_env())
     except subprocess.TimeoutExpired:
         return False, "asking JAX for a GPU took over 120 s"
     if out.returncode != 0:
@@ -271,7 +265,7 @@ def measure(seconds, parts=PARTS, timeout=150):
             cmd = [python(), "-m", "bench.gpu", "--part", part, "--model", model, "--seconds", str(seconds)]
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                     env=_env())
+                                     env=source_env())
                 lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
                 got = json.loads(lines[-1]) if lines else \
                     {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}

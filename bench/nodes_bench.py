@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from bench.common import HERE, ROOT, block_ratios, interleaved_medians, python, spread
+from bench.common import HERE, ROOT, block_ratios, interleaved_medians, python, source_env, spread
 
 NODE_SCRIPT = os.path.join(HERE, "nodes_bench.py")
 
@@ -216,7 +216,7 @@ def _run_nodes(n_nodes, per_node, batches, steps, rounds, tmp):
                "node", out, ",".join(map(str, batches)), str(steps), str(rounds)]
         inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{c}'" for c in cmd)
         procs.append(subprocess.Popen(["unshare", "-m", "sh", "-c", inner], cwd=ROOT,
-                                      env=dict(os.environ, PYTHONPATH=ROOT),
+                                      env=source_env(),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     errors = []
     for p in procs:

@@ -400,7 +400,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=VARIANTS, default="cpu")
     p.add_argument("--model", default="mlp", help="mlp, bn_mlp, custom_mlp:DEPTH,WIDTH or cnn")
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to train on (default: 2, or 1 where there is only one: a one-GPU machine)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch", type=int, default=128, help="global batch size")
     p.add_argument("--lr", type=float, default=0.05)
@@ -415,6 +416,8 @@ def main(argv=None):
     p.add_argument("--timeline", default=None,
                    help="write every rank's timeline there (Chrome trace JSON: open it in Perfetto)")
     args = p.parse_args(argv)
+    if args.devices is None:
+        args.devices = 1 if args.variant == "single" else min(2, synk.get_n_devices())
     h = run(args.variant, args.model, args.epochs, args.batch, args.lr, args.devices, args.data,
             args.plot, loop=args.loop, sync_rule=args.sync, checkpoint_dir=args.checkpoint_dir,
             resume=args.resume, timeline=args.timeline)

@@ -116,6 +116,14 @@ def check_an_error_keeps_every_variable(n, failing_rank):
         close(m_r, before[r][1] + 2.0)
 
 
+def source_env(*paths, **variables):
+    """This process's environment with the checkout (then ``paths``) first on ``PYTHONPATH``, plus
+    ``variables``. What was on the path stays after them: a GPU image's wheels may be there."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, *paths, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **variables)
+
+
 def run_script(code, timeout=120, env=None, args=()):
     """Run ``code`` (dedented) in a fresh Python with this checkout and these helpers importable.
 
@@ -124,9 +132,7 @@ def run_script(code, timeout=120, env=None, args=()):
     ``args`` become ``sys.argv[1:]``.
     """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join([root, os.path.join(root, "tests")])
-    environ = dict(os.environ, PYTHONPATH=path, **(env or {}))
-    environ = {k: v for k, v in environ.items() if v is not None}
+    environ = {k: v for k, v in source_env(os.path.join(root, "tests"), **(env or {})).items() if v is not None}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
                           text=True, timeout=timeout, env=environ)
 

@@ -13,7 +13,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from conftest import N_PARALLEL, segments_left_behind, synk_segments
-from helpers import run_script
+from helpers import run_script, source_env
 
 import synkhronos as synk
 from synkhronos.api import checkpoint
@@ -152,7 +152,7 @@ for step in range(1, 10**6):
 def test_a_kill_during_save_leaves_the_previous_checkpoint_whole(tmp_path):
     """20 writers of 32 MB checkpoints, each SIGKILLed at a random point: the file is always whole."""
     path = str(tmp_path / "c.safetensors")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = source_env()
     rng = random.Random(0)
     last_step = 0
     for _ in range(20):

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import run_script
+from helpers import run_script, source_env
 
 import synkhronos as synk
 from synkhronos.platform import compile_cache
@@ -52,7 +52,7 @@ def run(tmp_path, cache, name, n=2, float_x="float64", collectives="shm", env=No
     timeline = str(tmp_path / f"{name}.json")
     args = [str(cache), timeline, str(n), float_x, collectives]
     if background:
-        environ = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        environ = source_env(**(env or {}))
         return subprocess.Popen([sys.executable, "-c", RUN, *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=environ), timeline
     out = run_script(RUN, timeout=240, env=env, args=args)

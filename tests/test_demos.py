@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "demos"))
 import mnist  # noqa: E402
 import tutorial_logreg  # noqa: E402
 import tutorial_lstm  # noqa: E402
-from helpers import close  # noqa: E402
+from helpers import close, source_env  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -168,7 +168,7 @@ def test_idx_and_npz_loaders(tmp_path, rng):
 def test_demo_scripts_have_help(script):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", script), "--help"],
                          capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=source_env())
     assert out.returncode == 0 and "usage" in out.stdout
 
 
@@ -179,7 +179,7 @@ def test_demo_scripts_have_help(script):
 def test_tours_and_resnet_run_clean(args):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "demos", args[0]), *args[1:]],
                          capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=source_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MISMATCH" not in out.stdout
 

@@ -3,14 +3,12 @@ fork() is undone by close(), the supported versions are the pinned ones, docstri
 
 import ast
 import doctest
+import glob
 import importlib
 import os
-import pkgutil
 
 import pytest
 from helpers import run_script
-
-import synkhronos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "synkhronos")
@@ -58,9 +56,12 @@ def _is_module(name):
 
 
 def _modules():
-    for info in pkgutil.walk_packages(synkhronos.__path__, "synkhronos."):
-        spec = importlib.util.find_spec(info.name)
-        yield info.name, spec.origin
+    """(module name, path) of every module of the package, found on disk: importing would skip the
+    modules of a package whose optional dependency is missing (``extensions.pymc`` without PyMC)."""
+    top = os.path.dirname(PACKAGE)
+    for path in sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)):
+        name = os.path.relpath(path, top)[:-len(".py")].replace(os.sep, ".")
+        yield name.removesuffix(".__init__"), path
 
 
 def _graph():
@@ -201,6 +202,8 @@ def test_supported_versions_are_the_pinned_ones():
     pins = {Requirement(r).name: Requirement(r).specifier
             for r in tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["dependencies"]}
     supported = supported_versions()
+    if not supported:
+        pytest.skip("synkhronos runs from a checkout never installed here: no metadata to read the pins from")
     assert set(supported) == set(READS_INTERNALS_OF)
     for name in READS_INTERNALS_OF:
         assert supported[name] == pins[name], name

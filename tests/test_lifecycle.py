@@ -11,7 +11,7 @@ import numpy as np
 import pytensor.tensor as pt
 import pytest
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import close
+from helpers import close, source_env
 
 import synkhronos as synk
 
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(code, timeout=120):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = source_env()
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -137,7 +137,7 @@ def test_profile_workers_writes_one_file_per_worker(tmp_path):
         f(np.arange(4.0))
         synk.close()
     """)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=ROOT))
+        env=source_env())
     assert out.returncode == 0, out.stderr
     import pstats
     stats = pstats.Stats(str(tmp_path / "synk_profile_rank1.prof"))

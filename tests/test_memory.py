@@ -12,7 +12,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from conftest import synk_segments
-from helpers import close
+from helpers import close, source_env
 
 import synkhronos as synk
 from synkhronos.api.data import STAGING_KEEP_BYTES
@@ -34,7 +34,7 @@ def run_with_small_shm(code, size="64m"):
     python = f"{sys.executable} -c '{textwrap.dedent(code)}'"
     return subprocess.run(["unshare", "-m", "sh", "-c",
                            f"mount -t tmpfs -o size={size} tmpfs /dev/shm && {python}"],
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+                          capture_output=True, text=True, timeout=120, env=source_env())
 
 
 FULL_SHM = """

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from conftest import segments_left_behind, synk_segments
+from helpers import source_env
 
 from synkhronos.api import checkpoint
 from synkhronos.platform.cluster import find_node
@@ -62,7 +63,7 @@ def start_nodes(script, args, n_nodes, per_node, logs, private_shm=True, only=No
             inner = "mount -t tmpfs tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in launch)
             launch = ["unshare", "-m", "sh", "-c", inner]
         log = open(os.path.join(logs, f"node{node}.log"), "w")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), SYNK_TEST_NODES=str(logs))
+        env = source_env(HERE, SYNK_TEST_NODES=str(logs))
         procs.append(subprocess.Popen(launch, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     return procs
 
@@ -183,7 +184,7 @@ def test_a_taken_coordinator_port_is_named_and_fork_works_after(tmp_path):
         "synk.close()\n")
     before = set(synk_segments())
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                         cwd=ROOT, env=source_env())
     assert run.returncode == 0, run.stderr[-2000:]
     assert "RAISED True" in run.stdout and "is the port in use" in run.stdout, run.stdout
     assert "AGAIN 2" in run.stdout, run.stdout

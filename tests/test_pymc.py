@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import pytest
 from conftest import synk_segments, worker_children
+from helpers import source_env
 
 pm = pytest.importorskip("pymc")
 az = pytest.importorskip("arviz")
@@ -531,7 +532,7 @@ def test_the_ported_radon_model_samples_the_posterior_pymc_samples():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "demos", "pymc_radon.py"), "--draws", "300",
                           "--tune", "300"], capture_output=True, text=True, timeout=500,
-                         env=dict(os.environ, PYTHONPATH=root))
+                         env=source_env())
     assert out.returncode == 0, out.stdout + out.stderr
     means = [line.split()[-2:] for line in out.stdout.splitlines() if line.startswith("posterior mean of")]
     assert len(means) == 4

@@ -17,7 +17,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import HoldingShmComm, InsideCall, close, marker_path, run_script, wait_for_marker
+from helpers import HoldingShmComm, InsideCall, close, marker_path, run_script, source_env, wait_for_marker
 
 import synkhronos as synk
 from synkhronos.extensions import train, updates
@@ -205,10 +205,9 @@ def test_starting_the_workers_is_bounded_by_the_fork_timeout_not_the_stall_timeo
 
 def _script(code, marker_dir="."):
     """Start a master script; its calls create markers in ``marker_dir`` (see helpers.InsideCall)."""
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(marker_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=path))
+                            env=source_env(os.path.join(ROOT, "tests")))
 
 
 def _read_ready(proc):
@@ -369,7 +368,7 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
         return {name for name in synk_segments() if name.startswith(marker.read_text() + "_")}
 
     proc = subprocess.Popen([sys.executable, str(script), str(marker)], start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+                            env=source_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not marker.exists() and time.time() < deadline:
@@ -385,7 +384,7 @@ def test_a_run_killed_whole_leaves_segments_that_fork_and_cleanup_remove(tmp_pat
     assert set(listed.stdout.split()) >= left and "segment(s) left by runs" in listed.stdout
     assert left <= set(synk_segments())                      # a dry run removes nothing
     other = subprocess.Popen([sys.executable, str(script), str(tmp_path / "other")],   # a live run
-                             start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                             start_new_session=True, env=source_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (tmp_path / "other").exists() and time.time() < deadline + 60:

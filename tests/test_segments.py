@@ -15,6 +15,7 @@ import time
 
 import pytest
 from conftest import N_PARALLEL, synk_segments
+from helpers import source_env
 
 import synkhronos as synk
 from synkhronos.runtime import session
@@ -101,7 +102,7 @@ def test_a_live_run_of_another_pid_namespace_keeps_its_segments(tmp_path, namesp
     command = [sys.executable, str(script), str(ready), str(go), str(result), pid]
     if namespace == "own PID namespace":
         command = ["unshare", "--pid", "--fork", "--mount-proc"] + command
-    run = subprocess.Popen(command, start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT),
+    run = subprocess.Popen(command, start_new_session=True, env=source_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(ready, run)
@@ -250,7 +251,7 @@ def test_children_made_by_os_fork_neither_end_nor_keep_the_runs_lock(tmp_path):
     script.write_text(textwrap.dedent(FORKING_RUN))
     ready, stays = tmp_path / "ready", tmp_path / "stays"
     run = subprocess.Popen([sys.executable, str(script), str(ready), str(stays)],
-                           start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                           start_new_session=True, env=source_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     child = None
     try:

@@ -13,6 +13,7 @@ different sizes in a collective.
 """
 
 import contextlib
+import gc
 import importlib.metadata
 import json
 import logging
@@ -351,11 +352,16 @@ def shutdown_process():
     if "jax" not in sys.modules:
         return
     jax = import_jax()
+    from jax.experimental.compilation_cache import compilation_cache
+    from jax.extend import backend
     try:
+        # a GPU backend holds the coordination client: its task watch is cancelled, and logged,
+        # when the backend is dropped, so that is filtered as well
         with native_lines_dropped(2, TASK_WATCH_CANCELLED):
-            jax.distributed.shutdown()
+            try:
+                jax.distributed.shutdown()
+            finally:
+                backend.clear_backends()
+                gc.collect()
     finally:
-        from jax.extend import backend
-        backend.clear_backends()
-        from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()     # JAX opens its cache once per process: the next fork anew

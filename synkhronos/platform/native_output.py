@@ -23,8 +23,10 @@ __all__ = ["native_lines_dropped", "RECOVERABLE_TASKS", "GLOO_CONNECTED", "TASK_
 RECOVERABLE_TASKS = re.compile(r"Using experimental recoverable task feature")
 #: Gloo's "[Gloo] Rank r is connected to n peer ranks" as the ranks first connect
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected")
-#: the coordination service's watch of each task, cancelled by the runtime's own shutdown
-TASK_WATCH_CANCELLED = re.compile(r"WatchTasksAsync failed|CANCELLED|grpc_util\.h")
+#: the coordination service's watch of each task, cancelled by the runtime's own shutdown: gRPC's
+#: error, its "additional information" lines and the source location it was raised at
+TASK_WATCH_CANCELLED = re.compile(r"WatchTasks|GRPC error information|grpc_util\.h|grpc_status|"
+                                  r"Error received from peer|CANCELLED: ")
 
 
 @contextlib.contextmanager
