@@ -11,18 +11,12 @@ import numpy as np
 import pytensor.tensor as pt
 import pytest
 from conftest import N_PARALLEL, child_pids, synk_segments
-from helpers import close, source_env
+from helpers import close, run_script, source_env
 
 import synkhronos as synk
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_script(code, timeout=120):
-    env = source_env()
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
 
 
 def test_second_fork_raises(synk2):
@@ -75,6 +69,33 @@ def test_counting_devices_creates_no_context():
     """)
     n, n_gpu, exists = out.stdout.split()
     assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
+
+
+@pytest.mark.parametrize("host_faces", ["1", "0"], ids=["host-faces", "device-values"])
+def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_faces):
+    """What synkhronos keeps (functions, steps, Data, shared values) no longer holds JAX's backend
+    after close(): a GPU's memory is given back, and the backend's watch of the coordination
+    service ends before the service does (its failures would be logged at exit)."""
+    out = run_script("""
+        import gc, numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        from synkhronos.extensions import train, updates
+        synk.fork(2)
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.zeros(3), name="w_kept")
+        loss = ((x @ w - y) ** 2).mean()
+        step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1)
+        f = synk.function([x, y], (loss, "avg"))
+        X = np.random.default_rng(0).normal(size=(64, 3))
+        xd, yd = synk.data(X), synk.data(X @ np.ones(3))
+        for _ in range(3):
+            step(X, X @ np.ones(3))
+            f(xd, yd, batch=32)
+        synk.close()
+        gc.collect()
+        print(sum(type(o).__name__ == "Client" for o in gc.get_objects()), float(w.get_value()[0]) > 0)
+    """, env={"SYNK_HOST_FACES": host_faces})
+    assert out.stdout.split() == ["0", "True"], out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.slow

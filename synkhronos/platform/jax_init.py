@@ -338,6 +338,14 @@ def device_cores(platform, threads, local_rank):
     return cpu_tuning.cores_of(threads, local_rank) if platform == "cpu" else None
 
 
+def _collect_garbage(rounds: int = 3) -> None:
+    """Collect until a round frees nothing: objects that die in stages (a finalizer freeing what
+    holds the backend) need more than one."""
+    for _ in range(rounds):
+        if not gc.collect():
+            return
+
+
 def forget_runtime_in_child():
     """In a child made by ``os.fork()``: leave the parent's JAX runtime alone (see
     :func:`synkhronos.platform.internals.detach_inherited_jax`)."""
@@ -355,13 +363,15 @@ def shutdown_process():
     from jax.experimental.compilation_cache import compilation_cache
     from jax.extend import backend
     try:
-        # a GPU backend holds the coordination client: its task watch is cancelled, and logged,
-        # when the backend is dropped, so that is filtered as well
+        # the backend goes first, the reverse of its making: a GPU backend watches the coordination
+        # service's tasks, and logs that watch's end (filtered here) or, outliving the service,
+        # its failures when it tries again
         with native_lines_dropped(2, TASK_WATCH_CANCELLED):
             try:
-                jax.distributed.shutdown()
-            finally:
+                internals.forget_devices()
                 backend.clear_backends()
-                gc.collect()
+                _collect_garbage()
+            finally:
+                jax.distributed.shutdown()
     finally:
         compilation_cache.reset_cache()     # JAX opens its cache once per process: the next fork anew

@@ -24,9 +24,10 @@ RECOVERABLE_TASKS = re.compile(r"Using experimental recoverable task feature")
 #: Gloo's "[Gloo] Rank r is connected to n peer ranks" as the ranks first connect
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected")
 #: the coordination service's watch of each task, cancelled by the runtime's own shutdown: gRPC's
-#: error, its "additional information" lines and the source location it was raised at
-TASK_WATCH_CANCELLED = re.compile(r"WatchTasks|GRPC error information|grpc_util\.h|grpc_status|"
-                                  r"Error received from peer|CANCELLED: ")
+#: error, its "additional information", status and source-location lines, and the blank lines between
+TASK_WATCH_CANCELLED = re.compile(r"WatchTasks|GRPC error information|grpc_util\.h|grpc_status|CANCELLED|"
+                                  r"Source Location Trace|DerivedStatus|failed to connect to all addresses|"
+                                  r"^\s*$")
 
 
 @contextlib.contextmanager

@@ -479,3 +479,11 @@ class CompiledFunction:
             undo.keep([shared.container.storage for shared, _, _ in self.spec.updates])
         for (shared, _, _), value in zip(self.spec.updates, values):
             store(shared, value.astype(shared.type.dtype))
+
+
+def release_programs(compiled: CompiledFunction) -> None:
+    """Drop ``compiled``'s programs, which hold the JAX backend: the runtime closes, and a backend
+    (a GPU's memory) must be able to go with it though the user keeps the function."""
+    compiled._compiled_ahead()
+    compiled.function = compiled._run = compiled._run_no_updates = None
+    compiled._row_variant.cache_clear()

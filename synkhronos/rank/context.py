@@ -72,6 +72,10 @@ class RankContext:
     _programs: Any = field(default=None, repr=False)
     _uploads: Any = field(default=None, repr=False)
 
+    def release_programs(self) -> None:
+        """Drop the step programs and uploads, which hold the JAX backend (the runtime closes)."""
+        self._programs = self._uploads = None
+
     @property
     def step_programs(self):
         """The fused step programs this rank built (see :mod:`.fused`), made at first use."""

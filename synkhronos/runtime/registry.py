@@ -18,6 +18,7 @@ from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
 from ..platform.internals import storage_cell
 from ..platform.values import KeptFace, faces_held, host_faces_on, store, stored
+from ..rank.compiled import release_programs
 from ..wire.control import ARGS, Op
 from .part import Part
 
@@ -190,6 +191,13 @@ class Registry(Part):
             # that follows must finish for fork() to work again)
             if isinstance(value, jax.Array) and not value.is_deleted():
                 store(var, np.array(value))
+        self._faces.clear()         # a face's memory is its device array's
+
+    def release_programs(self):
+        """Drop every function's compiled programs: they hold the JAX backend, which must be able
+        to go when the runtime closes though the user keeps the functions."""
+        for compiled in self.compiled.values():
+            release_programs(compiled)
 
     # --- bringing the workers up to date ---------------------------------------------------------
     def ensure_shipped(self):

@@ -227,6 +227,8 @@ class State:
             self._release_segments()
             self.claim.release()
             self.registry.detach_values()
+            self.registry.release_programs()
+            self.context.release_programs()
             self.is_open = False
             if self.nodes is not None:
                 try:

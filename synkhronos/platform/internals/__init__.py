@@ -47,6 +47,7 @@ import contextlib
 import ctypes
 import importlib.metadata
 import os
+import pathlib
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -66,7 +67,8 @@ READS_INTERNALS_OF = ("pytensor", "jax", "jaxlib")
 def supported_versions() -> dict:
     """``{name: SpecifierSet}`` of the libraries in :data:`READS_INTERNALS_OF`, as synkhronos requires them.
 
-    Empty when synkhronos runs from a checkout that was never installed (no metadata to read).
+    Read from the installed metadata, or, in a checkout that was never installed, from its
+    ``pyproject.toml``; empty when neither is there.
 
     Examples
     --------
@@ -77,7 +79,7 @@ def supported_versions() -> dict:
     try:
         requirements = importlib.metadata.requires("synkhronos") or []
     except importlib.metadata.PackageNotFoundError:
-        return {}
+        requirements = _checkout_requirements()
     found = {}
     for text in requirements:
         requirement = Requirement(text)
@@ -401,6 +403,23 @@ def _bare_put_parts():
 #: dtype, device) the abstract value and sharding it hands JAX
 _BARE_PUT: list = []
 _BARE_PUT_ARGS: dict = {}
+
+
+def _checkout_requirements() -> list[str]:
+    """The dependencies in the ``pyproject.toml`` of the checkout synkhronos runs from, if any."""
+    import tomllib
+    path = pathlib.Path(__file__).resolve().parents[3] / "pyproject.toml"
+    try:
+        project = tomllib.loads(path.read_text())["project"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return []
+    return list(project.get("dependencies", [])) if project.get("name") == "synkhronos" else []
+
+
+def forget_devices() -> None:
+    """Drop what this module keeps of the backend's devices, so that the backend, and a GPU's
+    memory, can go when the runtime closes."""
+    _BARE_PUT_ARGS.clear()
 
 
 def buffer_address(array: Any) -> int:
