@@ -338,12 +338,13 @@ def device_cores(platform, threads, local_rank):
     return cpu_tuning.cores_of(threads, local_rank) if platform == "cpu" else None
 
 
-def _collect_garbage(rounds: int = 3) -> None:
-    """Collect until a round frees nothing: objects that die in stages (a finalizer freeing what
-    holds the backend) need more than one."""
+def _collect_until_gone(refs: list, rounds: int = 3) -> None:
+    """Collect garbage until the objects of weak references ``refs`` are gone (at most ``rounds``
+    times): what holds a backend can die in stages, a finalizer freeing the next holder."""
     for _ in range(rounds):
-        if not gc.collect():
+        if all(ref() is None for ref in refs):
             return
+        gc.collect()
 
 
 def forget_runtime_in_child():
@@ -352,11 +353,15 @@ def forget_runtime_in_child():
     internals.detach_inherited_jax()
 
 
-def shutdown_process():
+def shutdown_process(collect: bool = True) -> None:
     """Leave the multi-process runtime and drop the backend and the compile cache, so that fork()
     can run again. What :func:`initialize_process` changed in the process (JAX's settings, the BLAS
     threads, the allocator's settings) is given back by the process's
-    :data:`~synkhronos.platform.process_changes.changes`, after this."""
+    :data:`~synkhronos.platform.process_changes.changes`, after this.
+
+    With ``collect``, garbage is collected until the backend is gone, before the coordination
+    service stops (a process that ends next has no need).
+    """
     if "jax" not in sys.modules:
         return
     jax = import_jax()
@@ -368,9 +373,10 @@ def shutdown_process():
         # its failures when it tries again
         with native_lines_dropped(2, TASK_WATCH_CANCELLED):
             try:
+                clients = internals.backend_clients()
                 internals.forget_devices()
                 backend.clear_backends()
-                _collect_garbage()
+                _collect_until_gone(clients if collect else [])
             finally:
                 jax.distributed.shutdown()
     finally:

@@ -404,7 +404,8 @@ def main():
             profiler.dump_stats(f"synk_profile_rank{worker.rank}.prof")
         worker.cleanup()
     try:
-        jax_init.shutdown_process()
+        # the process ends next, and what holds its backend with it: no collecting first
+        jax_init.shutdown_process(collect=False)
     except Exception:       # the master may have left the JAX runtime first
         log.debug("leaving the JAX runtime failed in rank %d", worker.rank, exc_info=True)
     return 0
