@@ -237,6 +237,7 @@ def test_docstring_examples_run(module):
     assert failures == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_docstring_examples_of_the_public_api_run_in_a_runtime():
     out = run_script(f"""

@@ -71,7 +71,8 @@ def test_counting_devices_creates_no_context():
     assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
 
 
-@pytest.mark.parametrize("host_faces", ["1", "0"], ids=["host-faces", "device-values"])
+@pytest.mark.parametrize("host_faces", [pytest.param("1", marks=pytest.mark.slow), "0"],
+                         ids=["host-faces", "device-values"])
 def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_faces):
     """What synkhronos keeps (functions, steps, Data, shared values) no longer holds JAX's backend
     after close(): a GPU's memory is given back, and the backend's watch of the coordination

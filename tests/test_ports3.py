@@ -359,6 +359,7 @@ def test_a_worker_that_aborts_in_native_code_is_named_with_where_it_was():
         synk.close()
 
 
+@pytest.mark.slow
 def test_fork_works_without_a_stderr(tmp_path):
     """A daemon's stderr: None in Python, or file descriptor 2 closed."""
     import subprocess
