@@ -1,6 +1,7 @@
 """Exception types raised by synkhronos."""
 
 import builtins
+import enum
 import functools
 import linecache
 import os
@@ -8,7 +9,7 @@ import re
 import sys
 import traceback
 
-__all__ = ["SynkError", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
+__all__ = ["SynkError", "Failure", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
            "SynkWarning", "LocalUpdatesWarning", "exception_name", "graph_line", "verbose", "is_whole"]
 
 
@@ -102,6 +103,21 @@ def graph_line(e):
     return None
 
 
+class Failure(enum.StrEnum):
+    """How a rank failed (:attr:`WorkerError.how`); each compares equal to its name in lower case.
+
+    Examples
+    --------
+    >>> Failure("died") is Failure.DIED, Failure.RAISED == "raised", f"{Failure.DIED}"
+    (True, True, 'died')
+    """
+
+    #: the rank raised an exception and is still alive: the runtime stays usable
+    RAISED = "raised"
+    #: the rank's process ended: the runtime has been shut down
+    DIED = "died"
+
+
 class WorkerError(SynkError):
     """A rank failed: it raised an exception, or its process died.
 
@@ -115,10 +131,10 @@ class WorkerError(SynkError):
     ----------
     rank : int
         Rank of the failing process (the first, if several failed alike).
-    how : str
-        ``"raised"`` when the rank raised an exception and is still alive
-        (the runtime stays usable), ``"died"`` when the process ended (the
-        runtime has been shut down; call ``fork()`` again).
+    how : Failure or str
+        :attr:`Failure.RAISED` (``"raised"``) when the rank raised an exception and
+        is still alive (the runtime stays usable), :attr:`Failure.DIED` (``"died"``)
+        when the process ended (the runtime has been shut down; call ``fork()`` again).
     exc_type : str
         Qualified name of the rank's exception type, or the way the process
         ended (e.g. ``"killed by SIGKILL"``).
@@ -164,7 +180,7 @@ class WorkerError(SynkError):
         >>> isinstance(e, ValueError), isinstance(e, WorkerError), e.rank
         (True, True, 1)
         """
-        return _with_builtin_type(exc_type)(rank, "raised", exc_type, message, worker_traceback,
+        return _with_builtin_type(exc_type)(rank, Failure.RAISED, exc_type, message, worker_traceback,
                                             where=where)
 
     @classmethod
@@ -176,7 +192,7 @@ class WorkerError(SynkError):
 
     def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None, where=None):
         self.rank = rank
-        self.how = how
+        self.how = Failure(how)
         self.exc_type = exc_type
         self.message = message
         self.worker_traceback = worker_traceback
@@ -194,7 +210,7 @@ class WorkerError(SynkError):
         return named if self.node is None else f"{named} (node {self.node})"
 
     def __str__(self):
-        lines = [f"{self._who()} {self.how}: {self.exc_type}: {self.message}" if self.how != "raised"
+        lines = [f"{self._who()} {self.how}: {self.exc_type}: {self.message}" if self.how is not Failure.RAISED
                  else f"{self._who()} raised {self.exc_type}: {self.message}"]
         lines += [f"  rank {r} raised {t}: {m}" for r, t, m in self.others]
         if self.where:
@@ -216,7 +232,7 @@ class WorkerError(SynkError):
 
 def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=None, where=None,
                           ranks=None, others=(), hint=None):
-    if how == "raised":
+    if Failure(how) is Failure.RAISED:
         error = WorkerError.raised(rank, exc_type, message, worker_traceback, where=where)
         error.node = node
     else:

@@ -99,6 +99,29 @@ def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_
     assert out.stdout.split() == ["0", "True"], out.stdout + out.stderr[-2000:]
 
 
+def test_after_close_a_call_of_new_shapes_leaves_no_backend_and_as_pytensor_lets_fork_run_again():
+    """The values a call of new shapes keeps to undo are let go at close(); as_pytensor after close
+    computes in a backend of its own that goes with its result, so fork() runs again."""
+    out = run_script("""
+        import gc, numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        synk.fork(2)
+        x = pt.vector("x")
+        w = pytensor.shared(np.zeros(3), name="w_once")
+        f = synk.function([x], (x.sum() + w.sum(), "sum"), updates=[(w, w + 1)])
+        f(np.arange(4.0))                                   # once: its shapes are new
+        synk.close()
+        gc.collect()
+        print(sum(type(o).__name__ == "Client" for o in gc.get_objects()))
+        print(float(f.as_pytensor(np.arange(4.0))), w.get_value().tolist())
+        synk.fork(2)
+        g = synk.function([x], (x.sum(), "sum"), updates=[(w, w + 1)])
+        print(float(g(np.arange(4.0))), np.asarray(synk.get_value(1, w)).tolist())
+        synk.close()
+    """, env={"SYNK_HOST_FACES": "0"})
+    assert out.stdout.split("\n")[:3] == ["0", "9.0 [2.0, 2.0, 2.0]", "6.0 [3.0, 3.0, 3.0]"], out.stdout + out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_function_before_fork_and_exit_cleanup():
     out = run_script("""

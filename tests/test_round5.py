@@ -185,6 +185,34 @@ def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
         server.close()
 
 
+def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
+    """A per-receive timeout alone would keep them forever (a "slowloris")."""
+    import socket
+    import time
+
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=1.0)
+    host, port = server.address.rsplit(":", 1)
+    slow = [socket.create_connection((host, int(port))) for _ in range(2 + SPARE_CONNECTIONS)]
+    try:
+        for s in slow:
+            s.sendall(b"{")
+        start = time.monotonic()
+        while time.monotonic() - start < 2.5:              # a byte each 0.3 s, past the join time
+            for s in slow:
+                try:
+                    s.sendall(b" ")
+                except OSError:
+                    pass
+            time.sleep(0.3)
+        assert server._open == 0
+        assert _joins(server)
+    finally:
+        for s in slow:
+            s.close()
+        server.close()
+
+
 _OUT_OF_DESCRIPTORS = """
     import resource, socket, time
     from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer

@@ -28,7 +28,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from ..comm import Reservation
 from ..comm.reduction import Reduce
 from ..compile import randomness
-from ..errors import ShapeMismatch, WorkerError, is_whole
+from ..errors import Failure, ShapeMismatch, WorkerError, is_whole
 from ..platform.values import stored
 from ..rank import collectives as kinds
 from ..runtime.session import current, serialized
@@ -229,7 +229,7 @@ def shapes_named_on_mismatch(state, vars_, what):
     try:
         yield
     except WorkerError as e:
-        if e.how == "raised" and e.exc_type.endswith(ShapeMismatch.__qualname__):
+        if e.how is Failure.RAISED and e.exc_type.endswith(ShapeMismatch.__qualname__):
             _require_equal_shapes(vars_, state.collectives.all_shapes(vars_), what)
         raise
 

@@ -21,10 +21,10 @@ from pytensor.graph.basic import Variable
 from pytensor.tensor.type import TensorType
 
 from ..comm.reduction import owned, reduce_outputs
-from ..errors import WorkerError
+from ..errors import Failure, WorkerError
 from ..ipc.packing import dtype_code
-from ..platform.jax_init import set_precision
-from ..rank.compiled import CompiledFunction
+from ..platform.jax_init import backend_exists, drop_backend, set_precision
+from ..rank.compiled import CompiledFunction, release_programs
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
@@ -160,9 +160,21 @@ class Function:
 
     def _run_reference(self, args):
         """Run the plain PyTensor function, compiled for any rows (or per shape if JAX needs it)."""
-        if self._reference is None:
-            self._reference = CompiledFunction(self.spec, reference=True)
-        return self._reference.run(list(args))
+        # no runtime runs and JAX has no backend: one made here would keep fork() from running
+        # again, so it goes once the results are the caller's
+        backend_made_here = active() is None and not backend_exists()
+        try:
+            if self._reference is None:
+                self._reference = CompiledFunction(self.spec, reference=True)
+            return [np.asarray(out) for out in self._reference.run(list(args))] if backend_made_here \
+                else self._reference.run(list(args))
+        finally:
+            if backend_made_here:
+                for shared, _, _ in self.spec.updates:      # the master's copies, updated here
+                    shared.container.storage[0] = np.asarray(shared.container.storage[0])
+                if self._reference is not None:
+                    release_programs(self._reference)
+                drop_backend()
 
     def build_inputs(self, *values, force_cast: bool = False, oversize: float = 1.,
                      minibatch: bool = False) -> list[Data]:
@@ -261,7 +273,7 @@ class Function:
             if since is not None:
                 trace.mark("wait for devices")
         except WorkerError as e:
-            if e.how == "raised":
+            if e.how is Failure.RAISED:
                 add_hint(e, self._call_rows(plan), self.spec)
             raise
         finally:

@@ -19,6 +19,7 @@ from pytensor.tensor.type import TensorType
 from ..comm import Reservation
 from ..platform.values import stored
 from ..runtime.session import active, current, serialized
+from ..runtime.state import State
 from ..wire.collective import shapes_of
 from .collectives import (
     all_reduce,
@@ -104,14 +105,20 @@ class Step:
         state = active()
         return self.touched if self.call._state is state and self.update._state is state else None
 
-    @serialized(touches=touched_now)
-    def __call__(self, *args, **call_kwargs):
-        """Run the step with the call's arguments (``batch=``, ``num_slices=`` ...); return what the
-        call returns."""
+    def check_current(self) -> State:
+        """The running runtime, if the step's functions belong to it; else raise, saying to build
+        the step again (a runtime closed since) or to fork (none runs)."""
         state = current()
         if self.update._state is not state:
             raise RuntimeError(f"{self.update} was built before the runtime it belonged to was "
                                f"closed; build it again after fork()")
+        return state
+
+    @serialized(touches=touched_now)
+    def __call__(self, *args, **call_kwargs):
+        """Run the step with the call's arguments (``batch=``, ``num_slices=`` ...); return what the
+        call returns."""
+        state = self.check_current()
         if not state.fuses_steps:
             result = self.call(*args, **call_kwargs)
             all_reduce(self.reduced, self.op)

@@ -33,7 +33,7 @@ array([0.001, 0.001, 0.001])
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import pytensor
@@ -44,8 +44,16 @@ from pytensor_ml.pytensorf import collect_clock_updates
 
 from .statistics import carried_statistics
 
-#: what every rule returns: (grad_updates, param_updates, grad_shared)
-FlatStep = tuple[list, list, Any]
+
+class FlatStep(NamedTuple):
+    """What every rule returns, in this order (it unpacks as a 3-tuple)."""
+
+    #: updates writing the gradient (and batch statistics) into the flat vector
+    grad_updates: list
+    #: updates applying the rule to the parameters from the all-reduced vector
+    param_updates: list
+    #: the flat vector to all-reduce between the two (a list of vectors for ``sgd_nonflat``)
+    grad_shared: Any
 
 __all__ = ["parameter_groups", "plain_parameters", "GROUP_SETTINGS",
            "flatten_vars", "unflatten_vars", "vars_flat_size", "flat_unflat_grads", "nonflat_grads",
@@ -296,7 +304,7 @@ def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatSte
                      for var, value in rule_updates.items()] + write_backs
     written = dict(param_updates)
     clocks = collect_clock_updates([loss, *rule_updates.values()], already_written=written)
-    return grad_updates, param_updates + list(clocks.items()), grad_shared
+    return FlatStep(grad_updates, param_updates + list(clocks.items()), grad_shared)
 
 
 def _check_rule_writes(rule_updates, params, write_backs):
@@ -414,4 +422,4 @@ def sgd_nonflat(loss: Any, params: Sequence[Any], learning_rate: float) -> FlatS
     grad_updates = [(g_s, g.astype(g_s.type.dtype)) for g_s, g in zip(grads_shared, grads)]
     param_updates = [(p, (p - learning_rate * g_s).astype(p.type.dtype))
                      for p, g_s in zip(params, grads_shared)]
-    return grad_updates, param_updates, grads_shared
+    return FlatStep(grad_updates, param_updates, grads_shared)

@@ -50,6 +50,7 @@ class WeightedStep:
     # the rows written and the step that reads them: one thread's turn
     @serialized(touches=touched_now)
     def __call__(self, batch_rows, *inputs, **call_kwargs):
+        self.step.check_current()       # before the rows' Data, which a closed runtime freed
         self._batch_rows.data[()] = batch_rows
         return self.step(*inputs, self._batch_rows, **call_kwargs)
 

@@ -35,10 +35,14 @@ for _fn, _args in (("sem_init", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]),
 
 
 class Semaphore:
-    """A process-shared POSIX semaphore living at ``address`` inside a segment."""
+    """A process-shared POSIX semaphore living at ``address`` inside a segment.
 
-    def __init__(self, address):
+    ``memory`` (the segment's mapping) is kept alive as long as the semaphore is.
+    """
+
+    def __init__(self, address, memory=None):
         self.address = address
+        self._memory = memory
 
     def init(self):
         if _libc.sem_init(self.address, 1, 0) != 0:
@@ -116,7 +120,7 @@ def semaphores_in(segment, offset, count, create):
     ``create`` initializes them (the segment's creator does, once).
     """
     base = ctypes.addressof(ctypes.c_char.from_buffer(segment.mm, offset))
-    sems = [Semaphore(base + SEMAPHORE_BYTES * i) for i in range(count)]
+    sems = [Semaphore(base + SEMAPHORE_BYTES * i, segment.mm) for i in range(count)]
     if create:
         for sem in sems:
             sem.init()

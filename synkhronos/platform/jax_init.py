@@ -32,7 +32,7 @@ from .process_changes import changes
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
            "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache",
-           "import_jax", "import_modules", "global_random_states_kept"]
+           "import_jax", "import_modules", "global_random_states_kept", "drop_backend"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
             "TF_CPP_MIN_LOG_LEVEL")
@@ -338,6 +338,16 @@ def device_cores(platform, threads, local_rank):
     return cpu_tuning.cores_of(threads, local_rank) if platform == "cpu" else None
 
 
+def drop_backend(collect: bool = True) -> None:
+    """Drop this process's JAX backend (fork() runs only in a process without one); with
+    ``collect``, garbage is collected until its client is gone."""
+    from jax.extend import backend
+    clients = internals.backend_clients() if collect else []
+    internals.forget_devices()
+    backend.clear_backends()
+    _collect_until_gone(clients)
+
+
 def _collect_until_gone(refs: list, rounds: int = 3) -> None:
     """Collect garbage until the objects of weak references ``refs`` are gone (at most ``rounds``
     times): what holds a backend can die in stages, a finalizer freeing the next holder."""
@@ -366,17 +376,13 @@ def shutdown_process(collect: bool = True) -> None:
         return
     jax = import_jax()
     from jax.experimental.compilation_cache import compilation_cache
-    from jax.extend import backend
     try:
         # the backend goes first, the reverse of its making: a GPU backend watches the coordination
         # service's tasks, and logs that watch's end (filtered here) or, outliving the service,
         # its failures when it tries again
         with native_lines_dropped(2, TASK_WATCH_CANCELLED):
             try:
-                clients = internals.backend_clients()
-                internals.forget_devices()
-                backend.clear_backends()
-                _collect_until_gone(clients if collect else [])
+                drop_backend(collect)
             finally:
                 jax.distributed.shutdown()
     finally:

@@ -23,11 +23,15 @@ __all__ = ["native_lines_dropped", "RECOVERABLE_TASKS", "GLOO_CONNECTED", "TASK_
 RECOVERABLE_TASKS = re.compile(r"Using experimental recoverable task feature")
 #: Gloo's "[Gloo] Rank r is connected to n peer ranks" as the ranks first connect
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected")
-#: the coordination service's watch of each task, cancelled by the runtime's own shutdown: gRPC's
-#: error, its "additional information", status and source-location lines, and the blank lines between
-TASK_WATCH_CANCELLED = re.compile(r"WatchTasks|GRPC error information|grpc_util\.h|grpc_status|CANCELLED|"
-                                  r"Source Location Trace|DerivedStatus|failed to connect to all addresses|"
-                                  r"^\s*$")
+#: the coordination service's watch of each task, ended by the runtime's own shutdown: the absl log
+#: line (``W0101 00:00:00.000000 1234 pjrt_client.cc:1605] WatchTasksAsync failed ...``) and the lines
+#: gRPC adds under it (its "additional information", a ``:STATUS:`` line, the source-location trace)
+TASK_WATCH_CANCELLED = re.compile(
+    r"^[EWIF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] .*(WatchTasks|CANCELLED)"
+    r"|^Additional GRPC error information from remote target coordination_service"
+    r"|^:[A-Z_]+:"
+    r"|^=== Source Location Trace: ==="
+    r"|^\S+/(tsl|xla)/\S+\.(h|cc):\d+\s*$")
 
 
 @contextlib.contextmanager
@@ -57,12 +61,28 @@ def native_lines_dropped(fd: int, *patterns: re.Pattern) -> Iterator[None]:
             os.dup2(saved, fd)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True)
-                    if not any(p.search(line.decode(errors="replace")) for p in patterns)]
+            kept = _lines_kept(caught.read().splitlines(keepends=True), patterns)
             if kept:
                 _flush(stream)
                 with contextlib.suppress(OSError):
                     os.write(fd, b"".join(kept))
+
+
+def _lines_kept(lines: list[bytes], patterns: tuple[re.Pattern, ...]) -> list[bytes]:
+    """The lines that match none of ``patterns``, less the blank lines that close a dropped block.
+
+    Examples
+    --------
+    >>> _lines_kept([b"noise\\n", b"\\n", b"kept\\n", b"\\n"], (re.compile("noise"),))
+    [b'kept\\n', b'\\n']
+    """
+    kept, dropping = [], False
+    for line in lines:
+        text = line.decode(errors="replace")
+        dropping = any(p.search(text) for p in patterns) or (dropping and not text.strip())
+        if not dropping:
+            kept.append(line)
+    return kept
 
 
 def _flush(stream):

@@ -24,6 +24,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -110,6 +111,10 @@ class RendezvousServer:
             threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
 
     def _serve(self, conn):
+        # a stranger that has not joined in time is cut off, however slowly it keeps sending
+        deadline = threading.Timer(self._join_seconds, self._drop_unless_joined, args=(conn,))
+        deadline.daemon = True
+        deadline.start()
         try:
             conn.settimeout(self._join_seconds)     # until it joins: a silent stranger is dropped
             reader = conn.makefile("rb")
@@ -121,10 +126,12 @@ class RendezvousServer:
                 if not isinstance(message, dict) or not self._on_message(conn, message):
                     break                       # a stranger, or garbage: dropped, counted nowhere
                 if conn in self._members:
+                    deadline.cancel()
                     conn.settimeout(None)       # a launcher is quiet while its round runs
         except Exception:                       # whatever a stranger sends ends its connection only
             pass
         finally:
+            deadline.cancel()
             self._on_drop(conn)
             with self._lock:
                 self._open -= 1
@@ -132,6 +139,12 @@ class RendezvousServer:
                 conn.close()
             except OSError:
                 pass
+
+    def _drop_unless_joined(self, conn):
+        """The join time is up: a connection that is not a member's is shut, ending its reader."""
+        if conn not in self._members:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _on_message(self, conn, message):
         """Handle one message; False for one that ends the connection (a join of another run)."""

@@ -73,8 +73,10 @@ class RankContext:
     _uploads: Any = field(default=None, repr=False)
 
     def release_programs(self) -> None:
-        """Drop the step programs and uploads, which hold the JAX backend (the runtime closes)."""
+        """Drop the step programs, the uploads and the values the last command kept to undo, which
+        hold the JAX backend (the runtime closes)."""
         self._programs = self._uploads = None
+        self.undo.begin(keep_all=False)
 
     @property
     def step_programs(self):

@@ -285,3 +285,4 @@ class Channel:
                 for g in range(max(1, gen), gen + 2):
                     unlink_if_ours(f"{self.prefix}_{kind}{rank}g{g}")
         self.ctl.unlink()
+        self.ctl.close()

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 import numpy as np
 
 from ..comm import Reservation
-from ..errors import SynkError, WorkerError
+from ..errors import Failure, SynkError, WorkerError
 from ..platform.values import nbytes_of, stored
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .part import Part
+
+if TYPE_CHECKING:
+    from .nodes import NodeLink
 
 __all__ = ["Loops", "TrainParts"]
 
@@ -238,6 +241,13 @@ class Loops(Part):
         self._centers[spec.loop_id] = center
         self._routes[spec.loop_id] = where
 
+    @property
+    def _nodes(self) -> NodeLink:
+        """The link to the other nodes: the paths that use it run on several nodes only."""
+        nodes = self._state.nodes
+        assert nodes is not None, "on several nodes only"
+        return nodes
+
     def _running_server(self):
         """Node 0's center server, started now if there is none or it ended."""
         from .centers import CenterServer
@@ -245,8 +255,9 @@ class Loops(Part):
             self._server.stop()
             self._server = None
         if self._server is None:
-            self._server = CenterServer(self._state.topology.coordinator.rsplit(":", 1)[0],
-                                        on_death=self._server_ended)
+            coordinator = self._state.topology.coordinator
+            assert coordinator is not None, "a center server runs on several nodes only"
+            self._server = CenterServer(coordinator.rsplit(":", 1)[0], on_death=self._server_ended)
         return self._server
 
     def _server_ended(self, why):
@@ -257,7 +268,7 @@ class Loops(Part):
             return                       # no loop uses it: the next one starts another
         self._server_died = why
         try:
-            self._state.nodes.client.key_value_set(GONE_KEY, why, allow_overwrite=True)
+            self._nodes.client.key_value_set(GONE_KEY, why, allow_overwrite=True)
         except Exception:                # noqa: BLE001 - no service: the nodes' beats say the rest
             pass
 
@@ -284,9 +295,9 @@ class Loops(Part):
 
     def _center_lost(self, why):
         """The error of every node whose run lost node 0's center server (the runtime shut down)."""
-        nodes = self._state.nodes
+        nodes = self._nodes
         nodes.on_fault()
-        return WorkerError(nodes.topology.ranks_of(0)[0], "died", "center server lost",
+        return WorkerError(nodes.topology.ranks_of(0)[0], Failure.DIED, "center server lost",
                            f"{why} during an asynchronous train.run, which cannot go on without it; "
                            f"this node's runtime was shut down, call synk.fork() on every node to "
                            f"start again", node=0)
@@ -294,10 +305,10 @@ class Loops(Part):
     def _check_node_zero(self):
         """While a device of another node waits for node 0's center: this node's runtime, the nodes."""
         self._state.channel.watch.during_collective()
-        self._state.nodes.check_nodes_alive()
+        self._nodes.check_nodes_alive()
 
     def _node_zero_silent(self, waited):
-        raise self._state.nodes.node_died(0, 0, f"node 0's center has not answered for {waited:.0f} s")
+        raise self._nodes.node_died(0, 0, f"node 0's center has not answered for {waited:.0f} s")
 
     def _reservation(self, spec):
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import NodesDiverged, StallError, WorkerError
+from ..errors import Failure, NodesDiverged, StallError, WorkerError
 from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
 from ..platform.threads import start_thread
@@ -237,7 +237,7 @@ class NodeLink:
         while time.monotonic() < deadline:
             self.check_nodes_alive()
             time.sleep(0.2)
-        raise WorkerError(self.topology.offset, "raised", type(error).__name__, f"{doing}: {error}",
+        raise WorkerError(self.topology.offset, Failure.RAISED, type(error).__name__, f"{doing}: {error}",
                           node=self.topology.node_rank) from error
 
     # --- what the masters tell each other ------------------------------------------------------
@@ -266,7 +266,7 @@ class NodeLink:
 
     def error_on(self, node, what):
         """The error this node raises for a failure on another ``node``."""
-        return WorkerError(self.topology.ranks_of(node)[0], "raised", "error on another node",
+        return WorkerError(self.topology.ranks_of(node)[0], Failure.RAISED, "error on another node",
                            f"node {node}: {what}", node=node)
 
     def tell_failed(self, what, error):
@@ -295,7 +295,7 @@ class NodeLink:
     def node_died(self, node, rank, why):
         self.lost.add(node)
         self.on_fault()
-        return WorkerError(rank, "died", "node lost", f"{why}; this node's runtime was shut down, "
+        return WorkerError(rank, Failure.DIED, "node lost", f"{why}; this node's runtime was shut down, "
                            f"call synk.fork() on every node to start again", node=node)
 
 

@@ -11,6 +11,8 @@ import tempfile
 import threading
 import time
 
+from ..wire.worker_settings import WorkerSettings
+
 __all__ = ["free_port", "package_env", "launch_worker", "native_crash_site", "describe_exit", "reap"]
 
 
@@ -30,8 +32,8 @@ def package_env(env=None):
     return env
 
 
-def launch_worker(settings, env):
-    """Start ``python -m synkhronos.runtime.worker`` with ``settings`` (a JSON-able dict) and ``env``.
+def launch_worker(settings: WorkerSettings, env: dict | None) -> subprocess.Popen:
+    """Start ``python -m synkhronos.runtime.worker`` with ``settings`` and ``env``.
 
     The worker finds this checkout first on its path, then the master's.
     Linux sends the parent-death signal when the *thread* that started the
@@ -42,8 +44,8 @@ def launch_worker(settings, env):
     # where the worker's Python stacks go if it dies in native code (faulthandler): a file
     # already unlinked, so nothing is left behind however either process ends
     fault_log = tempfile.TemporaryFile()
-    settings = dict(settings, master_pid=os.getpid(), fault_fd=fault_log.fileno(),
-                    die_with_parent=threading.current_thread() is threading.main_thread())
+    settings = WorkerSettings(**settings, master_pid=os.getpid(), fault_fd=fault_log.fileno(),
+                              die_with_parent=threading.current_thread() is threading.main_thread())
     env["SYNK_WORKER"] = json.dumps(settings)
     proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.worker"], env=env,
                             stdin=subprocess.DEVNULL, pass_fds=(fault_log.fileno(),))

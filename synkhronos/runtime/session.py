@@ -142,7 +142,7 @@ def lock():
     return _life.lock
 
 
-def current():
+def current() -> State:
     """Return the running :class:`State`, or raise (saying what to do) if there is none."""
     state = _life.state
     if state is None:
@@ -158,12 +158,12 @@ def current():
     return state
 
 
-def active():
+def active() -> State | None:
     """The running :class:`State`, or None."""
     return _life.state
 
 
-def forked_from():
+def forked_from() -> int | None:
     """In a child made by ``os.fork()`` of a master: the master's pid; else None."""
     return _life.forked_from
 

@@ -29,6 +29,7 @@ from ..platform.values import host_faces_wanted, use_host_faces
 from ..rank.context import RankContext
 from ..rank.rows import set_gather_threads
 from ..wire.topology import Topology
+from ..wire.worker_settings import WorkerSettings
 from . import interrupts
 from .calls import Calls
 from .channel import Channel
@@ -142,7 +143,7 @@ class State:
             self.service = ServiceProcess(coordinator, self.n_parallel,
                                           jax_init.NODE_HEARTBEAT_TIMEOUT, env)
         for rank in self.worker_ranks:
-            self.channel.procs[rank] = launch_worker(dict(
+            self.channel.procs[rank] = launch_worker(WorkerSettings(
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
                 topology=t.to_dict(), platform=s.platform, timeout=s.timeout, spin=s.spin,
                 comm=class_path(s.collectives), float_x=self.float_x(), threads=s.threads,

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from ..errors import SynkError, WorkerError
+from ..errors import Failure, SynkError, WorkerError
 from ..platform.threads import start_thread
 from ..wire.control import ControlBlock, Status, op_name
 from .processes import describe_exit, native_crash_site
@@ -166,7 +166,7 @@ class Watch:
             self.channel.on_fault()
             inside = f", in native code called from {where} (every thread's stack: " \
                 f"error.worker_traceback)" if where else ""
-            raise WorkerError(rank + self.channel.rank_offset, "died", describe_exit(code),
+            raise WorkerError(rank + self.channel.rank_offset, Failure.DIED, describe_exit(code),
                               f"worker process ended during {what}{inside}; the runtime was shut down, "
                               f"call synk.fork() to start again", worker_traceback=stacks,
                               node=self.channel.node)

@@ -48,6 +48,7 @@ from ..wire.control import (
 )
 from ..wire.plan import PlanMemo, result_record
 from ..wire.topology import Topology
+from ..wire.worker_settings import WorkerSettings
 from .data_store import DataMirrors
 
 _PR_SET_PDEATHSIG = 1
@@ -75,7 +76,7 @@ class Worker:
     and ``n_devices`` count every device of every node (what the work is split by).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: WorkerSettings) -> None:
         self.rank = cfg["rank"]
         self.n_ranks = cfg["n_ranks"]
         self.topology = Topology(**cfg["topology"])
@@ -91,7 +92,7 @@ class Worker:
         self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=True)
         #: warnings this rank's commands raised, for the master to show through its own filters
         self.warnings_out = GrowableSegment(f"{prefix}_w{self.rank}", track=True)
-        self.pending_warnings = []
+        self.pending_warnings: list = []
         self.payload = SegmentMirror(f"{prefix}_p")
         self.datas = DataMirrors(prefix)
         self.functions: dict = {}
@@ -113,7 +114,7 @@ class Worker:
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
                          Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STEP: self.step,
                          Op.UNDO: self.context.undo.restore, Op.STOP: lambda: None}
-        self.loops = {}             # loop id -> this rank's DeviceLoop, from its first phase to finish
+        self.loops: dict = {}       # loop id -> this rank's DeviceLoop, from its first phase to finish
 
     def check_master(self):
         if os.getppid() != self.master_pid:
@@ -362,9 +363,10 @@ def _end_by_sigterm():
 
 
 def main():
-    cfg = json.loads(os.environ["SYNK_WORKER"])
-    if cfg.get("fault_fd") is not None:   # a death in native code leaves its Python stacks to the master
-        faulthandler.enable(file=cfg["fault_fd"], all_threads=True)
+    cfg: WorkerSettings = json.loads(os.environ["SYNK_WORKER"])
+    fault_fd = cfg.get("fault_fd")
+    if fault_fd is not None:   # a death in native code leaves its Python stacks to the master
+        faulthandler.enable(file=fault_fd, all_threads=True)
     use_host_faces(cfg["host_faces"])
     use_pinned(not cfg["host_faces"])
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -249,3 +249,11 @@ class ControlBlock:
 
     def unlink(self):
         self.segment.unlink()
+
+    def close(self):
+        """Let this process's mapping go, once nothing else holds a view or a semaphore of it
+        (a runtime that closed keeps no descriptor of a block it no longer uses)."""
+        self.header = self.args = self.status = self.rows = None
+        self._record_fields = {}
+        self.go, self.done = [], None
+        self.segment.release()

@@ -1,0 +1,48 @@
+"""The native lines synkhronos drops from a process's output, and that it drops nothing else
+(in-process: no runtime)."""
+
+import os
+
+from synkhronos.platform.native_output import TASK_WATCH_CANCELLED, native_lines_dropped
+
+#: what a close() on one GPU printed (JAX 0.11.2 with its CUDA plugin): the backend's watch of the
+#: coordination service's tasks, cancelled, then failing once the service was gone
+GPU_TASK_WATCH = "\n".join([
+    ('E0101 00:00:00.000000    1040 coordination_service_agent.cc:369] WatchTasksAsync failed fo'
+     'r task 0: CANCELLED: Cancelled'),
+    ('Additional GRPC error information from remote target coordination_service while calling /x'
+     'la.coordination.CoordinationService/WatchTasks:'),
+    ":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']",
+    '=== Source Location Trace: === ',
+    'external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89',
+    '',
+    ('W0101 00:00:01.741165    4552 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: UNAV'
+     'AILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:49477: Fa'
+     'iled to connect to remote host: Connection refused'),
+    ('Additional GRPC error information from remote target coordination_service while calling /x'
+     'la.coordination.CoordinationService/WatchTasks:'),
+    (':UNAVAILABLE:failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:49477'
+     ': Failed to connect to remote host: Connection refused'),
+    '=== Source Location Trace: === ',
+    'external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89',
+    '',
+    '',
+])
+
+#: what the user's own code may print in the same moment (a finalizer run by close()'s collection)
+USERS_OWN = "USER: order 42 CANCELLED by customer\n\nUSER: other line\nW: a warning of the user's\n"
+
+
+def _through_the_filter(capfd, text):
+    with native_lines_dropped(2, TASK_WATCH_CANCELLED):
+        os.write(2, text.encode())
+    return capfd.readouterr().err
+
+
+def test_the_gpu_backends_task_watch_lines_are_dropped_whole(capfd):
+    assert _through_the_filter(capfd, GPU_TASK_WATCH) == ""
+
+
+def test_the_users_own_lines_are_kept_even_beside_them(capfd):
+    assert _through_the_filter(capfd, USERS_OWN) == USERS_OWN
+    assert _through_the_filter(capfd, GPU_TASK_WATCH + USERS_OWN + GPU_TASK_WATCH) == USERS_OWN
