@@ -6,11 +6,12 @@
 # make bench - set up .venv and run the benchmarks (bench/RESULTS.md)
 # make bench-quick - the headline ratios in a few minutes, beside their goals
 # make lint  - set up .venv and check the code (ruff, mypy)
+# make sizes - the largest modules and classes (reported, not capped)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: all venv test test-all test-gpu test-jax-oldest demo bench bench-quick docs clean lint
+.PHONY: all venv test test-all test-gpu test-jax-oldest demo bench bench-quick docs clean lint sizes
 
 all: test
 
@@ -64,3 +65,6 @@ clean:
 
 docs: $(STAMP)
 	$(PY) tools/gen_api_docs.py
+
+sizes:
+	$(PY) .ci/sizes

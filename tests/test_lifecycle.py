@@ -119,7 +119,8 @@ def test_after_close_a_call_of_new_shapes_leaves_no_backend_and_as_pytensor_lets
         print(float(g(np.arange(4.0))), np.asarray(synk.get_value(1, w)).tolist())
         synk.close()
     """, env={"SYNK_HOST_FACES": "0"})
-    assert out.stdout.split("\n")[:3] == ["0", "9.0 [2.0, 2.0, 2.0]", "6.0 [3.0, 3.0, 3.0]"], out.stdout + out.stderr[-2000:]
+    expected = ["0", "9.0 [2.0, 2.0, 2.0]", "6.0 [3.0, 3.0, 3.0]"]
+    assert out.stdout.split("\n")[:3] == expected, out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.slow

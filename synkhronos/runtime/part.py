@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .state import State
-
 __all__ = ["Part"]
 
 
@@ -19,5 +14,5 @@ class Part:
         The runtime it belongs to (its channel, Data store, topology, the other parts).
     """
 
-    def __init__(self, state: State) -> None:
-        self._state: State = state
+    def __init__(self, state):
+        self._state = state
