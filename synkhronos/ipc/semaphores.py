@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import time
+from typing import Callable
 
 __all__ = ["Semaphore", "semaphores_in", "SEMAPHORE_BYTES", "PREEMPTED_S", "BACK_OFF_S"]
 
@@ -87,6 +88,32 @@ class Semaphore:
                     _back_off(now)
                     break
                 last = now
+        while not self.acquire(slice_):
+            check()
+
+
+class ClosedSemaphore:
+    """What a :class:`Semaphore` of a segment that was let go becomes: one nobody posts any more
+    (a post is lost; a wait calls ``check()`` between slices, as for a peer that never posts).
+
+    Examples
+    --------
+    >>> closed = ClosedSemaphore()
+    >>> closed.post(); closed.try_acquire(), closed.acquire(0.001)
+    (False, False)
+    """
+
+    def post(self) -> None:
+        pass
+
+    def try_acquire(self) -> bool:
+        return False
+
+    def acquire(self, timeout: float) -> bool:
+        time.sleep(timeout)
+        return False
+
+    def wait(self, check: Callable[[], None], spin: float = 0.0, slice_: float = 0.1) -> None:
         while not self.acquire(slice_):
             check()
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
-from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
+from ..ipc.semaphores import SEMAPHORE_BYTES, ClosedSemaphore, semaphores_in
 
 __all__ = [
     "ControlBlock", "Op", "op_name", "enum_name", "Status", "Decision", "Header", "Field", "Words",
@@ -251,9 +251,11 @@ class ControlBlock:
         self.segment.unlink()
 
     def close(self):
-        """Let this process's mapping go, once nothing else holds a view or a semaphore of it
-        (a runtime that closed keeps no descriptor of a block it no longer uses)."""
-        self.header = self.args = self.status = self.rows = None
+        """Let this process's mapping go (a runtime that closed keeps no descriptor of a block it
+        no longer uses): the header and statuses become copies of their last values, to report
+        from, and the semaphores ones nobody posts."""
+        self.header, self.args, self.status = self.header.copy(), self.args.copy(), self.status.copy()
+        self.rows = self.status[:, self.ROWS]
         self._record_fields = {}
-        self.go, self.done = [], None
+        self.go, self.done = [ClosedSemaphore() for _ in self.go], ClosedSemaphore()
         self.segment.release()
