@@ -123,6 +123,27 @@ def test_after_close_a_call_of_new_shapes_leaves_no_backend_and_as_pytensor_lets
     assert out.stdout.split("\n")[:3] == expected, out.stdout + out.stderr[-2000:]
 
 
+def test_as_pytensor_after_close_goes_on_with_its_random_stream():
+    out = run_script("""
+        import numpy as np, pytensor, pytensor.tensor as pt
+        from pytensor.tensor.random.utils import RandomStream
+        import synkhronos as synk
+        x = pt.matrix("x")
+        def graph():
+            return x.sum() + RandomStream(seed=1).normal(size=())
+        X = np.zeros((4, 3))
+        synk.fork(2)
+        g = synk.function([x], (graph(), "sum"))
+        got = [float(g.as_pytensor(X))]
+        synk.close()
+        got += [float(g.as_pytensor(X)) for _ in range(3)]
+        plain = pytensor.function([x], graph(), mode="JAX")      # (its backend, made last, stays)
+        want = [float(plain(X)) for _ in range(4)]
+        print(np.allclose(got, want), len(set(got)))
+    """)
+    assert out.stdout.split() == ["True", "4"], out.stdout + out.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_function_before_fork_and_exit_cleanup():
     out = run_script("""

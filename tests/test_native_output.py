@@ -3,7 +3,7 @@
 
 import os
 
-from synkhronos.platform.native_output import TASK_WATCH_CANCELLED, native_lines_dropped
+from synkhronos.platform.native_output import TASK_WATCH_CANCELLED, TASK_WATCH_DETAIL, native_lines_dropped
 
 #: what a close() on one GPU printed (JAX 0.11.2 with its CUDA plugin): the backend's watch of the
 #: coordination service's tasks, cancelled, then failing once the service was gone
@@ -30,11 +30,13 @@ GPU_TASK_WATCH = "\n".join([
 ])
 
 #: what the user's own code may print in the same moment (a finalizer run by close()'s collection)
-USERS_OWN = "USER: order 42 CANCELLED by customer\n\nUSER: other line\nW: a warning of the user's\n"
+USERS_OWN = ("USER: order 42 CANCELLED by customer\n\nUSER: other line\nW: a warning of the user's\n"
+             ":TODO: a line of the user's\n\nsrc/xla/mything.cc:12\n"
+             "W0101 00:00:00.000000 1234 my.py:1] job CANCELLED by user\n")
 
 
 def _through_the_filter(capfd, text):
-    with native_lines_dropped(2, TASK_WATCH_CANCELLED):
+    with native_lines_dropped(2, TASK_WATCH_CANCELLED, continued_by=TASK_WATCH_DETAIL):
         os.write(2, text.encode())
     return capfd.readouterr().err
 

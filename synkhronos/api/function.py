@@ -24,7 +24,7 @@ from ..comm.reduction import owned, reduce_outputs
 from ..errors import Failure, WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import backend_exists, drop_backend, set_precision
-from ..rank.compiled import CompiledFunction, release_programs
+from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
@@ -172,8 +172,7 @@ class Function:
             if backend_made_here:
                 for shared, _, _ in self.spec.updates:      # the master's copies, updated here
                     shared.container.storage[0] = np.asarray(shared.container.storage[0])
-                if self._reference is not None:
-                    release_programs(self._reference)
+                # (the reference keeps its programs: they hold its random streams' private state)
                 drop_backend()
 
     def build_inputs(self, *values, force_cast: bool = False, oversize: float = 1.,

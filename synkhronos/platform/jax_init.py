@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from . import compile_cache, compile_spans, coordination, cpu_blas, cpu_tuning, internals
-from .native_output import RECOVERABLE_TASKS, TASK_WATCH_CANCELLED, native_lines_dropped
+from .native_output import RECOVERABLE_TASKS, TASK_WATCH_CANCELLED, TASK_WATCH_DETAIL, native_lines_dropped
 from .process_changes import changes
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
@@ -380,7 +380,7 @@ def shutdown_process(collect: bool = True) -> None:
         # the backend goes first, the reverse of its making: a GPU backend watches the coordination
         # service's tasks, and logs that watch's end (filtered here) or, outliving the service,
         # its failures when it tries again
-        with native_lines_dropped(2, TASK_WATCH_CANCELLED):
+        with native_lines_dropped(2, TASK_WATCH_CANCELLED, continued_by=TASK_WATCH_DETAIL):
             try:
                 drop_backend(collect)
             finally:
