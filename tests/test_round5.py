@@ -213,6 +213,31 @@ def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
         server.close()
 
 
+def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
+    import socket
+    import time
+
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousClient, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=30.0)
+    host, port = server.address.rsplit(":", 1)
+    strangers = [socket.create_connection((host, int(port))) for _ in range(2 + SPARE_CONNECTIONS)]
+    try:
+        time.sleep(0.5)
+        client = RendezvousClient(server.address, node_rank=0, timeout=5)
+        try:
+            message = client.next_message(5)
+        finally:
+            client.close()
+        assert message["kind"] == "refused" and "connections open at once" in message["why"], message
+        server.close()                      # long before the join time: the strangers are cut off
+        time.sleep(0.5)
+        assert server._open == 0
+    finally:
+        for s in strangers:
+            s.close()
+        server.close()
+
+
 _OUT_OF_DESCRIPTORS = """
     import resource, socket, time
     from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer

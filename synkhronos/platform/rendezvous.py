@@ -79,6 +79,7 @@ class RendezvousServer:
         self._round, self._running, self._done = 0, [], set()
         self._join_seconds = join_seconds
         self._open = 0              # connections being served
+        self._connections: set = set()  # the sockets of those connections
         self._max_open = 2 * max_nodes + SPARE_CONNECTIONS
         self._listener = socket.create_server((self.host, int(port)), family=_family(self.host),
                                               reuse_port=False)
@@ -105,12 +106,16 @@ class RendezvousServer:
             with self._lock:
                 full = self._open >= self._max_open
                 self._open += 0 if full else 1
-            if full:                            # a flood of strangers: closed at once
+            if full:                            # a flood of strangers: told so, and closed at once
+                self._tell(conn, {"kind": "refused", "why": f"the rendezvous has {self._max_open} "
+                                  f"connections open at once (a flood?); start this node again"})
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
 
     def _serve(self, conn):
+        with self._lock:
+            self._connections.add(conn)
         # a stranger that has not joined in time is cut off, however slowly it keeps sending
         deadline = threading.Timer(self._join_seconds, self._drop_unless_joined, args=(conn,))
         deadline.daemon = True
@@ -135,6 +140,7 @@ class RendezvousServer:
             self._on_drop(conn)
             with self._lock:
                 self._open -= 1
+                self._connections.discard(conn)
             try:
                 conn.close()
             except OSError:
@@ -244,7 +250,7 @@ class RendezvousServer:
             pass
         self._listener.close()
         with self._lock:
-            for c in list(self._members):
+            for c in list(self._connections):   # members and strangers: each one's thread ends
                 try:
                     c.shutdown(socket.SHUT_RDWR)
                     c.close()
