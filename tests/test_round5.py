@@ -2,6 +2,8 @@
 whose output cannot be reduced changes nothing; Python scalars are taken as ``pytensor.function``
 takes them; every output is an array the caller owns. On 1, 2 and 3 devices."""
 
+import contextlib
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -163,38 +165,46 @@ def test_an_unbounded_line_is_dropped_and_the_rendezvous_serves_on():
         server.close()
 
 
-def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
+@contextlib.contextmanager
+def _strangers_at_a_rendezvous(count, join_seconds):
+    """A rendezvous for one node, and ``count`` connections to it that never join; every one is
+    closed after the block, and the server too."""
     import socket
+
+    from synkhronos.platform.rendezvous import RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0,
+                              join_seconds=join_seconds)
+    host, port = server.address.rsplit(":", 1)
+    strangers = []
+    try:
+        for _ in range(count):
+            strangers.append(socket.create_connection((host, int(port))))
+        yield server, strangers
+    finally:
+        for s in strangers:
+            s.close()
+        server.close()
+
+
+def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousServer
-    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=1.0)
-    host, port = server.address.rsplit(":", 1)
-    idle = []
-    try:
-        for _ in range(SPARE_CONNECTIONS + 40):            # past the bound: the extra ones closed at once
-            idle.append(socket.create_connection((host, int(port))))
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS
+    # past the bound: the extra ones closed at once
+    with _strangers_at_a_rendezvous(SPARE_CONNECTIONS + 40, join_seconds=1.0) as (server, _):
         time.sleep(0.5)
         assert server._open <= 2 + SPARE_CONNECTIONS
         time.sleep(1.5)                                    # past join_seconds: every idle one dropped
         assert server._open == 0
         assert _joins(server)
-    finally:
-        for s in idle:
-            s.close()
-        server.close()
 
 
 def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
     """A per-receive timeout alone would keep them forever (a "slowloris")."""
-    import socket
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousServer
-    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=1.0)
-    host, port = server.address.rsplit(":", 1)
-    slow = [socket.create_connection((host, int(port))) for _ in range(2 + SPARE_CONNECTIONS)]
-    try:
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS
+    with _strangers_at_a_rendezvous(2 + SPARE_CONNECTIONS, join_seconds=1.0) as (server, slow):
         for s in slow:
             s.sendall(b"{")
         start = time.monotonic()
@@ -207,21 +217,13 @@ def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
             time.sleep(0.3)
         assert server._open == 0
         assert _joins(server)
-    finally:
-        for s in slow:
-            s.close()
-        server.close()
 
 
 def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
-    import socket
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousClient, RendezvousServer
-    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0, join_seconds=30.0)
-    host, port = server.address.rsplit(":", 1)
-    strangers = [socket.create_connection((host, int(port))) for _ in range(2 + SPARE_CONNECTIONS)]
-    try:
+    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousClient
+    with _strangers_at_a_rendezvous(2 + SPARE_CONNECTIONS, join_seconds=30.0) as (server, _):
         time.sleep(0.5)
         client = RendezvousClient(server.address, node_rank=0, timeout=5)
         try:
@@ -232,10 +234,6 @@ def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
         server.close()                      # long before the join time: the strangers are cut off
         time.sleep(0.5)
         assert server._open == 0
-    finally:
-        for s in strangers:
-            s.close()
-        server.close()
 
 
 _OUT_OF_DESCRIPTORS = """

@@ -24,6 +24,7 @@ from ..comm.reduction import owned, reduce_outputs
 from ..errors import Failure, WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import backend_exists, drop_backend, set_precision
+from ..platform.values import store, stored
 from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
@@ -166,12 +167,12 @@ class Function:
         try:
             if self._reference is None:
                 self._reference = CompiledFunction(self.spec, reference=True)
-            return [np.asarray(out) for out in self._reference.run(list(args))] if backend_made_here \
-                else self._reference.run(list(args))
+            outputs = self._reference.run(list(args))
+            return [np.asarray(out) for out in outputs] if backend_made_here else outputs
         finally:
             if backend_made_here:
                 for shared, _, _ in self.spec.updates:      # the master's copies, updated here
-                    shared.container.storage[0] = np.asarray(shared.container.storage[0])
+                    store(shared, np.asarray(stored(shared)))
                 # (the reference keeps its programs: they hold its random streams' private state)
                 drop_backend()
 
