@@ -19,7 +19,7 @@ from pytensor.link.jax.dispatch import jax_funcify
 from synkhronos.comm import ShmComm
 from synkhronos.comm.shm.paths import PIPELINED
 from synkhronos.extensions.sync import EASGD, AllReduce, Downpour, RateLimited, Rule, RuleState
-from synkhronos.rank.seams import RuleLoop
+from synkhronos.seams.loop import RuleLoop
 
 
 def reference(f, *arrays):
@@ -341,7 +341,7 @@ def digits_step(spec, rule, learning_rate):
     return data, step, params, (x, y, loss, accuracy)
 
 
-# --- extension points written only against their contracts (synkhronos.rank.seams) ---------------
+# --- extension points written only against their contracts (synkhronos.seams.loop) ---------------
 
 @dataclass
 class _ToyRows(RuleState):
@@ -351,7 +351,7 @@ class _ToyRows(RuleState):
 
 @dataclass(frozen=True)
 class ToyAverage(Rule):
-    """A sync rule that uses nothing of the loop but :class:`~synkhronos.rank.seams.RuleLoop`:
+    """A sync rule that uses nothing of the loop but :class:`~synkhronos.seams.loop.RuleLoop`:
     every ``every`` steps, the parameters averaged, each device weighted by its rows since the last."""
 
     every: int = 1
@@ -377,7 +377,7 @@ class ToyAverage(Rule):
 
 
 class ListCenter:
-    """A center client (:class:`~synkhronos.rank.seams.CenterClient`) held in this process: blocks
+    """A center client (:class:`~synkhronos.seams.loop.CenterClient`) held in this process: blocks
     merged by a rule's ``merge``, and a counter of units of work."""
 
     def __init__(self, blocks, merge):

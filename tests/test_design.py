@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "synkhronos")
 
 #: layers from the top; a module may import its own layer and the ones below, never one above
-LAYERS = ["face", "entry", "extensions", "api", "runtime", "rank", "compile", "wire", "comm",
+LAYERS = ["face", "entry", "extensions", "api", "runtime", "rank", "compile", "wire", "seams", "comm",
           "platform", "ipc", "tracing", "errors"]
 #: the modules at the package root: the face, the entry points (python -m ...), the errors
 ROOT_MODULES = {"synkhronos": "face", "synkhronos.checkpoint": "face", "synkhronos.launch": "entry",

@@ -6,6 +6,7 @@ import pickle
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytensor
@@ -157,7 +158,7 @@ def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
 
 
 def test_a_rule_written_against_the_rule_loop_contract_alone_runs_as_the_built_in_one(synk2, rng):
-    """ToyAverage (tests/helpers.py) uses only synkhronos.rank.seams.RuleLoop; it computes what
+    """ToyAverage (tests/helpers.py) uses only synkhronos.seams.loop.RuleLoop; it computes what
     Average does, rows unevenly split included."""
     built_in, init = assert_rules_agree(rng, 7, sync.Average(every=3), ToyAverage(every=3), 1e-12, 1e-14,
                                         epochs=2)
@@ -167,9 +168,9 @@ def test_a_rule_written_against_the_rule_loop_contract_alone_runs_as_the_built_i
 def test_center_transports_meet_the_center_client_contract():
     """Node 0's shared-memory center, the remote one and a toy written against the contract alone;
     the toy answers a rule's merge as the contract says."""
-    from synkhronos.rank.center import Center
-    from synkhronos.rank.center_server import RemoteCenter
-    from synkhronos.rank.seams import CenterClient
+    from synkhronos.runtime.centers.server import RemoteCenter
+    from synkhronos.runtime.centers.shared import Center
+    from synkhronos.seams.loop import CenterClient
     assert issubclass(Center, CenterClient) and issubclass(RemoteCenter, CenterClient)
     toy = ListCenter([np.zeros(2)], merge=sync.Downpour().merge)
     assert isinstance(toy, CenterClient)
@@ -498,6 +499,13 @@ class _OldStyleRule(sync.AllReduce):
         return False
 
 
+@dataclass(frozen=True)
+class _NoMergeRule(sync.Rule):
+    """An asynchronous rule that never says how a push meets the center (a misuse)."""
+
+    asynchronous = True
+
+
 MISUSE = [
     (dict(batch_size=1), ValueError, "batch_size must be"),
     (dict(batch_size=N_ROWS + 1), ValueError, "batch_size must be"),
@@ -509,6 +517,8 @@ MISUSE = [
     (dict(sync=_OldStyleRule()), TypeError, r"_OldStyleRule.after_update takes \(loop, rows, batch_rows\), "
                                             r"but every rank calls after_update\(self, state, loop"),
     (dict(sync=_LooseRule(2)), TypeError, r"_LooseRule keeps \['every'\] outside its settings.*frozen"),
+    (dict(sync=_NoMergeRule()), TypeError, r"_NoMergeRule is asynchronous but declares no merge\(center, "
+                                           r"pushed\).*derive from sync.Downpour"),
     (dict(check_every=0), ValueError, "check_every must be"),
     (dict(on_check=3), TypeError, "on_check must be a callable"),
     (dict(seed=2, order=train.DataOrder(seed=2)), TypeError, r"got seed and order=: give a setting either"),
@@ -570,7 +580,7 @@ def test_a_checkpoint_directory_that_is_no_path_is_refused_when_the_group_is_mad
 def test_a_nan_setting_equals_itself_in_a_checkpoints_record():
     from dataclasses import dataclass
 
-    from synkhronos.rank.rule import rule_difference, rule_record
+    from synkhronos.seams.rule import rule_difference, rule_record
 
     @dataclass(frozen=True)
     class Tolerant(sync.Rule):
@@ -624,7 +634,7 @@ def test_rules_are_settings_only_frozen_comparable_and_recorded(rule):
     record (what a checkpoint keeps) names its type and settings and tells other settings apart."""
     from dataclasses import FrozenInstanceError, fields, replace
 
-    from synkhronos.rank.rule import rule_difference, rule_record
+    from synkhronos.seams.rule import rule_difference, rule_record
     with pytest.raises(FrozenInstanceError):
         rule.every = 7
     twin = pickle.loads(pickle.dumps(rule))

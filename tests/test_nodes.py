@@ -413,7 +413,7 @@ def test_the_asynchronous_rules_train_across_nodes_on_node_zeros_center(tmp_path
     for got in nodes:        # resumed at step 4 of 8: steps 4 to 7 only, 10 rows each
         assert got["resume_steps"].tolist() == [2, 4, 6, 8], got["resume_steps"]
         assert got["resume_rows"].tolist() == [20, 20, 20, 20], got["resume_rows"]
-    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+    assert not processes_running("synkhronos.runtime.centers.server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
@@ -440,7 +440,7 @@ def test_an_asynchronous_run_goes_on_without_a_lost_node_but_not_without_node_ze
     while time.time() < deadline and [p for p in pids if _alive(p)]:
         time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
-    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+    assert not processes_running("synkhronos.runtime.centers.server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.serial
@@ -474,23 +474,23 @@ def test_an_asynchronous_run_across_nodes_killed_and_resumed_continues_its_steps
         # 10 rows each, no more
         assert checks == [[2, 20], [4, 20], [6, 20], [8, 20], [10, 20], [12, 20]], checks
     deadline = time.time() + 15          # the killed run's coordination service stays a while
-    while time.time() < deadline and processes_running("synkhronos.rank.center_server", tmp_path):
+    while time.time() < deadline and processes_running("synkhronos.runtime.centers.server", tmp_path):
         time.sleep(0.5)
-    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+    assert not processes_running("synkhronos.runtime.centers.server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(120)
-def test_a_center_node_zero_cannot_serve_is_named_on_every_node_before_anything_runs(tmp_path):
+def test_a_center_node_zero_cannot_serve_is_named_on_every_node_and_a_rule_of_ones_own_merges_there(tmp_path):
     procs = start_nodes(os.path.join(SCRIPTS, "unservable.py"), [tmp_path], 2, 1, tmp_path)
     assert wait_all(procs, tmp_path, 100) == [0, 0], read_logs(tmp_path)
     for node in range(2):
         seen = json.load(open(tmp_path / f"node{node}.json"))
         assert seen["node"] == 0 and "could not serve the center" in seen["error"], seen
         assert "made to fail by the test" in seen["error"], seen
-        assert "has a merge of its own" in seen["own_merge"], seen
         assert seen["after"] < 0.1, seen            # the runtime trains on after the refusal
+        assert seen["own_merge"] == [42.0, 42.0, 42.0], seen     # the script's own merge, on node 0
 
 
 @pytest.mark.slow
@@ -521,7 +521,7 @@ def test_strangers_at_node_zeros_center_change_nothing_of_the_run(tmp_path):
     assert stranger["raw_endless"].startswith("closed"), stranger
     assert stranger["hwm_after"] - stranger["hwm_before"] < 32 << 20, stranger
     assert stranger["values"] is not None and stranger["values"][0] != "!error", stranger
-    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+    assert not processes_running("synkhronos.runtime.centers.server", tmp_path), "node 0's center server is left"
 
 
 @pytest.mark.slow
@@ -547,7 +547,7 @@ def test_a_killed_center_server_is_named_on_every_node_within_ten_seconds(tmp_pa
     while time.time() < deadline and [p for p in pids if _alive(p)]:
         time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "processes of the nodes are left"
-    assert not processes_running("synkhronos.rank.center_server", tmp_path), "node 0's center server is left"
+    assert not processes_running("synkhronos.runtime.centers.server", tmp_path), "node 0's center server is left"
 
 
 # --- elastic runs: python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K --------------------

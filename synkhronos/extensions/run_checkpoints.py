@@ -8,8 +8,8 @@ import numpy as np
 
 from ..api import checkpoint, collectives
 from ..errors import is_whole
-from ..rank.rule import rule_difference, rule_record
 from ..runtime.session import current
+from ..seams.rule import rule_difference, rule_record
 from .run_options import Checkpointing
 
 __all__ = ["RunCheckpoints", "next_multiple", "order_record"]
@@ -34,7 +34,7 @@ class RunCheckpoints:
     The checkpoint is ``<checkpoint_dir>/checkpoint.safetensors``, replaced
     atomically every ``every`` global steps; its ``extra`` records the run's
     data order (seed, shuffle, batch size, rows) and the rule (its type and
-    settings, :func:`~synkhronos.rank.rule.rule_record`), which a resumed run
+    settings, :func:`~synkhronos.seams.rule.rule_record`), which a resumed run
     must share.
     """
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from ..errors import is_whole
-from ..rank.rule import flag, settle
+from ..seams.rule import flag, settle
 
 __all__ = ["DataOrder", "Checks", "Checkpointing", "RunShorthands", "options_of"]
 

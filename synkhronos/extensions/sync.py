@@ -14,7 +14,7 @@ Examples
 EASGD(alpha=0.3, every=4, asynchronous=True)
 """
 
-from ..rank.rule import Rule, RuleState
 from ..rank.sync import EASGD, AllReduce, Average, DiLoCo, Downpour, RateLimited
+from ..seams.rule import Rule, RuleState
 
 __all__ = ["Rule", "RuleState", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]

@@ -16,9 +16,9 @@ import numpy as np
 from ..api import collectives
 from ..api.batch import parse_batch_s
 from ..errors import SynkWarning, is_whole
-from ..rank.rule import check_rule
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
+from ..seams.rule import check_rule
 from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, Resize, check_from_stats

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import numpy as np
 
 from ..platform.device_arrays import adopt, to_device
+from ..seams.rule import steps_before_sync
 from ..tracing import trace
 from .fused import BlockProgram, fused_graph
-from .rule import steps_before_sync
 
 __all__ = ["Blocks", "MAX_BLOCK", "BLOCK_SECONDS", "DATA_SHARE_OF_FREE_MEMORY"]
 

@@ -17,14 +17,14 @@ import numpy as np
 
 from ..platform.device_arrays import adopt, to_device
 from ..platform.values import store, stored
+from ..seams.loop import CenterClient
+from ..seams.rule import Rule, RuleState
 from ..tracing import trace
 from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
 from .blocks import Blocks
 from .rows import gather_rows
-from .rule import Rule, RuleState
-from .seams import CenterClient
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 

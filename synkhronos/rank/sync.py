@@ -9,9 +9,9 @@ every device with the same final parameters.
 Synchronous rules (every device steps at once, through the collective
 implementation): :class:`AllReduce`, :class:`Average`, :class:`DiLoCo`, :class:`EASGD`.
 Asynchronous rules (each device at its own pace, through central parameters in
-node 0's shared memory, :class:`~synkhronos.rank.center.Center`, which node 0
+node 0's shared memory, :class:`~synkhronos.runtime.centers.shared.Center`, which node 0
 serves to the devices of other nodes,
-:mod:`~synkhronos.rank.center_server`): :class:`EASGD` with
+:mod:`~synkhronos.runtime.centers.server`): :class:`EASGD` with
 ``asynchronous=True``, :class:`Downpour`, :class:`RateLimited`. Each says in
 :meth:`Downpour.merge` how a device's push changes a center block.
 
@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 
 from ..platform.values import stored
+from ..seams.loop import RuleLoop
+from ..seams.rule import Rule, RuleState, flag, fraction, positive_int, positive_number, settle
 from ..wire.batch import chunk
-from .rule import Rule, RuleState, flag, fraction, positive_int, positive_number, settle
-from .seams import RuleLoop
 
 __all__ = ["Rule", "RuleState", "AllReduce", "Average", "DiLoCo", "EASGD", "Downpour", "RateLimited"]
 
@@ -352,10 +352,6 @@ class _CentralRule(Rule):
         pulled = loop.center.exchange(pushes, loop.device_copy)
         loop.set_values(loop.params, pulled)
         return pulled
-
-    def merge(self, center, pushed):
-        """Apply a device's push ``pushed`` to a center block ``center`` in place; return the block."""
-        raise NotImplementedError
 
 
 @dataclass

@@ -292,7 +292,7 @@ class Worker:
 
     def loop(self):
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""
-        from ..rank.center_server import attach_center
+        from .centers.server import attach_center
         message = self.payload_object()
         spec = message["spec"]
         loop = self.loops.get(spec.loop_id)

@@ -7,11 +7,14 @@ the rows is a pure function of (rows, epoch, seed), so every rank computes
 the same order without anything else travelling.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..ipc.buffers import ceil_div
+from ..seams.rule import Rule
 
 __all__ = ["LoopSpec", "LoopStats", "epoch_order", "steps_per_epoch", "STAT_FIELDS"]
 
@@ -58,7 +61,7 @@ class LoopSpec:
     batch_size: int
     shuffle: bool
     seed: int
-    rule: object
+    rule: Rule
     center: str | None = None
     rule_state: tuple | None = None
 

@@ -5,8 +5,8 @@
   implements it; a new rule subclasses :class:`~synkhronos.rank.sync.Rule` and
   uses nothing else of the loop.
 - :class:`CenterClient`: a device's handle on the central parameters of an
-  asynchronous rule. :class:`~synkhronos.rank.center.Center` (node 0's shared
-  memory) and :class:`~synkhronos.rank.center_server.RemoteCenter` (node 0's
+  asynchronous rule. :class:`~synkhronos.runtime.centers.shared.Center` (node 0's shared
+  memory) and :class:`~synkhronos.runtime.centers.server.RemoteCenter` (node 0's
   server, from another node) implement it; a new transport implements these
   four methods.
 

@@ -1,7 +1,7 @@
 """Node 0's master's handle on the process that serves its loops' centers to the other nodes.
 
-The process is :mod:`synkhronos.rank.center_server` (``python -m
-synkhronos.rank.center_server HOST``); this side starts it with the first
+The process is :mod:`synkhronos.runtime.centers.server` (``python -m
+synkhronos.runtime.centers.server HOST``); this side starts it with the first
 asynchronous loop of a runtime that spans nodes, opens and closes each loop's
 center on it through its standard input, watches it, and stops it with the
 runtime.
@@ -12,10 +12,10 @@ import subprocess
 import sys
 import threading
 
-from ..platform.coordination import pipes
-from ..platform.threads import start_thread
-from ..rank.center_server import SCHEME, open_command
-from .processes import describe_exit, package_env, reap
+from ...platform.coordination import pipes
+from ...platform.threads import start_thread
+from ..processes import describe_exit, package_env, reap
+from .server import SCHEME, open_command
 
 __all__ = ["CenterServer"]
 
@@ -40,7 +40,7 @@ class CenterServer:
 
     def __init__(self, host, on_death=None):
         self.host, self.on_death = host, on_death
-        self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.rank.center_server", host],
+        self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.centers.server", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=package_env(), text=True)
         self._stdin, self._stdout = pipes(self.proc)
@@ -58,8 +58,6 @@ class CenterServer:
 
         Raises
         ------
-        ValueError
-            ``rule`` has a merge of its own (:func:`~synkhronos.rank.center_server.open_command`).
         OSError
             The server could not serve it (its port, or the server is gone).
         """

@@ -18,10 +18,10 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..ipc.buffers import round_up
-from ..ipc.segments import Segment
-from ..ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
-from ..platform.values import stored
+from ...ipc.buffers import round_up
+from ...ipc.segments import Segment
+from ...ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
+from ...platform.values import stored
 
 __all__ = ["Center"]
 

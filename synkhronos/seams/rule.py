@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import is_whole
-from .seams import RuleLoop
+from .loop import RuleLoop
 
 __all__ = ["Rule", "RuleState", "rule_record", "rule_difference", "check_rule", "steps_before_sync"]
 
@@ -85,7 +85,7 @@ class Rule:
     lives in the :class:`RuleState` that :meth:`start` makes, which every hook
     receives. A rule of your own derives from :class:`Rule` (or a rule here),
     is decorated ``@dataclass(frozen=True)``, and uses nothing of the loop but
-    :class:`~synkhronos.rank.seams.RuleLoop`.
+    :class:`~synkhronos.seams.loop.RuleLoop`.
 
     The hooks, each run on every rank (override those the rule needs):
 
@@ -102,6 +102,11 @@ class Rule:
     - ``saved_state(state, loop) -> list``: the arrays a checkpoint keeps (the
       same on every device); ``check_saved(saved, n_ranks, n_params)`` refuses,
       on the master, a resume those arrays cannot serve.
+
+    An asynchronous rule also declares ``merge(center, pushed)``: how one
+    device's push meets a block of the center, on node 0 (under that block's
+    lock, in its shared memory or its server for the other nodes). Node 0's
+    server rebuilds the rule itself, so a rule of your own merges there as here.
 
     Attributes
     ----------
@@ -183,6 +188,11 @@ class Rule:
         unless ``saved`` (what :meth:`saved_state` gave) resumes on ``n_ranks`` devices training
         ``n_params`` parameters."""
 
+    def merge(self, center: np.ndarray, pushed: np.ndarray) -> np.ndarray:
+        """Asynchronous rules, on node 0: apply one device's push ``pushed`` to the center block
+        ``center`` in place; return what the device takes back (the block, or a pull)."""
+        raise NotImplementedError(f"{type(self).__name__} has no merge")
+
     def saved_state(self, state: Any, loop: RuleLoop) -> list:
         """What a checkpoint keeps of this rank's state beside the variables (arrays, the same on
         every device); :meth:`resume` takes it back. A rule that ``saves_center`` keeps its center."""
@@ -252,7 +262,7 @@ def rule_difference(recorded: dict, rule: Rule) -> str | None:
 HOOK_ARGUMENTS = {"start": "loop", "resume": "loop, saved", "after_update": "state, loop, rows, batch_rows",
                   "steps_to_sync": "state",
                   "finish": "state, loop", "center_values": "state, loop", "saved_state": "state, loop",
-                  "check_saved": "saved, n_ranks, n_params"}
+                  "check_saved": "saved, n_ranks, n_params", "merge": "center, pushed"}
 
 
 def _check_hook_signatures(cls):
@@ -282,6 +292,10 @@ def check_rule(rule: Any) -> None:
         raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
                         f"EASGD(...), ...), got {rule!r}")
     _check_hook_signatures(type(rule))
+    if rule.asynchronous and type(rule).merge is Rule.merge:
+        raise TypeError(f"{type(rule).__name__} is asynchronous but declares no merge(center, pushed): "
+                        f"define how a device's push meets a center block, or derive from "
+                        f"sync.Downpour, sync.EASGD or sync.RateLimited")
     loose = sorted(set(vars(rule)) - {f.name for f in fields(rule)})
     if loose:
         raise TypeError(f"{type(rule).__name__} keeps {loose} outside its settings: a rule is a frozen "

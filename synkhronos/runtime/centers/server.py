@@ -2,10 +2,10 @@
 ZeroMQ, and the devices of the other nodes exchange with them at their own pace.
 
 An asynchronous rule's center lives in node 0's shared memory, as on one node
-(:class:`~synkhronos.rank.center.Center`), and node 0's devices use it there.
+(:class:`~synkhronos.runtime.centers.shared.Center`), and node 0's devices use it there.
 For the other nodes, node 0's master starts one server process per runtime
-(:func:`_serve`, run as ``python -m synkhronos.rank.center_server HOST``;
-:class:`synkhronos.runtime.centers.CenterServer` is the master's handle on it):
+(:func:`_serve`, run as ``python -m synkhronos.runtime.centers.server HOST``;
+:class:`synkhronos.runtime.centers.process.CenterServer` is the master's handle on it):
 its own process, so that serving never waits for the master's own training to
 let go of Python's lock. The server attaches to each loop's center and serves
 it on a ZeroMQ ``ROUTER`` socket of its own, bound to the host the other nodes
@@ -34,22 +34,27 @@ block's bytes) and ``values`` (nothing); the reply is arrays, or one int64
 (-1 for "no more work"), or ``[!error, message]``. A request with another
 token is dropped without a reply; a malformed one with the right token gets an
 error reply and changes nothing. The master opens and closes centers through
-the server's standard input, one JSON line each (:data:`_MERGES` says which
-rules and settings it takes), and reads one JSON line back; the server ends
+the server's standard input, one JSON line each (the rule travels in it pickled,
+:func:`rule_document`: only the master that started the server writes there), and
+reads one JSON line back; the server ends
 when its standard input closes (its master closed it, or died).
 """
 
+import base64
 import hmac
 import json
 import os
+import pickle
 import secrets
 import sys
 import time
 
+import cloudpickle
 import numpy as np
 import zmq
 
-from .center import Center
+from ...seams.rule import Rule
+from .shared import Center
 
 __all__ = ["RemoteCenter", "attach_center", "SCHEME", "GONE_KEY", "server_gone", "open_command",
            "rule_document"]
@@ -68,8 +73,6 @@ _USER = b"synk"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 #: the least frame bound: ZMTP's handshake commands and a request's small frames fit in it
 _FLOOR_BYTES = 1024
-#: the rules the server rebuilds a merge of, with the settings their merge reads
-_MERGES = {"EASGD": ("alpha",), "Downpour": (), "RateLimited": ("alpha", "beta")}
 #: the kinds of numpy dtype a block may have (numbers)
 _NUMBER_KINDS = "biufc"
 #: the bytes of a request's longest op (``exchange``)
@@ -91,16 +94,10 @@ def _split(address):
 def open_command(name, shapes, dtypes, rule):
     """The JSON line that asks the server to serve the center in segment ``name``.
 
-    JSON, not a binary layout: a center has any number of blocks of any rank,
-    and a rule has named settings; a JSON document says both with a parser
-    that builds only lists, numbers and strings, which :func:`_open` then
-    checks field by field.
-
-    Raises
-    ------
-    ValueError
-        ``rule`` merges with a ``merge`` of its own (the server applies only
-        the built-in rules' merges).
+    JSON, not a binary layout: a center has any number of blocks of any rank;
+    a JSON document says so with a parser that builds only lists, numbers and
+    strings, which :func:`_open` then checks field by field. The rule rides in
+    it as :func:`rule_document` makes it.
     """
     return json.dumps({"op": "open", "center": name,
                        "blocks": [{"shape": [int(n) for n in s], "dtype": np.dtype(d).str}
@@ -109,24 +106,14 @@ def open_command(name, shapes, dtypes, rule):
 
 
 def rule_document(rule):
-    """The settings of ``rule``'s merge, as the server rebuilds it (see :func:`open_command`).
+    """``rule`` as the server rebuilds it to apply its :meth:`~synkhronos.seams.rule.Rule.merge`
+    (see :func:`open_command`): the rule pickled by value (cloudpickle), so that a rule of the
+    user's own, a class of the script itself included, merges on node 0's server as on node 0.
 
-    Raises
-    ------
-    ValueError
-        ``rule`` has a ``merge`` of its own.
+    The document travels only from node 0's master to the server it started (through the
+    server's standard input), never over the network.
     """
-    from . import sync
-    for cls in type(rule).__mro__:
-        if cls.__module__ == sync.__name__ and cls.__name__ in _MERGES:
-            if type(rule).merge is cls.merge:  # type: ignore[attr-defined]  # a rule of sync
-                return {"name": cls.__name__,
-                        **{key: float(getattr(rule, key)) for key in _MERGES[cls.__name__]}}
-            break
-    raise ValueError(
-        f"{rule!r} has a merge of its own: across nodes, node 0's center server applies the other "
-        f"nodes' pushes with the merge of sync.EASGD, sync.Downpour or sync.RateLimited only (their "
-        f"alpha and beta); derive from one of them without overriding merge, or run on one node")
+    return base64.b64encode(cloudpickle.dumps(rule, protocol=pickle.HIGHEST_PROTOCOL)).decode()
 
 
 # --- the server process -------------------------------------------------------------------------
@@ -236,15 +223,11 @@ def _open(command, host, served, poller):
 
 
 def _merge(document):
-    """The merge of the rule ``document`` describes (see :func:`open_command`)."""
-    from . import sync
-    keys = _MERGES[document["name"]]
-    if set(document) != {"name", *keys}:
-        raise ValueError(f"not the settings of {document['name']}: {sorted(document)}")
-    settings = {key: float(document[key]) for key in keys}
-    if document["name"] == "EASGD":
-        settings["asynchronous"] = True
-    return getattr(sync, document["name"])(**settings).merge
+    """The merge of the rule ``document`` holds (see :func:`rule_document`)."""
+    rule = pickle.loads(base64.b64decode(document, validate=True))
+    if not isinstance(rule, Rule) or type(rule).merge is Rule.merge:
+        raise ValueError(f"not an asynchronous rule with a merge: {rule!r}")
+    return rule.merge
 
 
 def _serve_request(socket, center, token):
@@ -283,7 +266,7 @@ def server_gone():
     Read from JAX's coordination service (:data:`GONE_KEY`); None too when
     the service cannot be asked (the waits that watch the nodes name that)."""
     try:
-        from ..platform.internals import distributed_client
+        from ...platform.internals import distributed_client
         return distributed_client().key_value_try_get(GONE_KEY)
     except Exception:               # noqa: BLE001 - not set, or no service to ask
         return None
@@ -300,7 +283,7 @@ class RemoteCenter:
     ----------
     address : str
         The center's address, ``tcp://host:port#token#center`` (from
-        :meth:`synkhronos.runtime.centers.CenterServer.serve`).
+        :meth:`synkhronos.runtime.centers.process.CenterServer.serve`).
     shapes, dtypes : sequence
         One per parameter block.
     check : callable
@@ -330,7 +313,7 @@ class RemoteCenter:
     @classmethod
     def of(cls, address, params, **kwargs):
         """The remote center of the shared variables ``params`` (their values give the shapes)."""
-        from ..platform.values import stored
+        from ...platform.values import stored
         values = [np.asarray(stored(p)) for p in params]
         return cls(address, [v.shape for v in values], [p.type.dtype for p in params], **kwargs)
 
