@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..platform.values import faces_held
-from ..rank.executor import run_fused_share, run_share
+from ..rank.commands import call_share, fused_step_share, step_share
 from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from .part import Part
@@ -117,12 +117,7 @@ class Calls(Part):
         context.undo.begin(keep_all)
 
         def local():
-            rows, outs = run_share(context, plan)
-            ctl.rows[local_master] = rows
-            if fields is None:
-                return [np.asarray(o) for o in outs] if rows else None
-            if rows:
-                ctl.put_record(record, local_master, outs)
+            return call_share(context, plan, ctl, record)[1]
 
         fused = self._fused_program(plan, tail) if tail is not None and not keep_all else None
         ctl.header[ControlBlock.FUSED] = fused is not None
@@ -134,7 +129,7 @@ class Calls(Part):
             if tail is None:
                 outs = channel.command(Op.CALL, local=local, kind=(Op.CALL, plan.fid))
             else:
-                outs = self._run_step(local, tail, kind=(Op.STEP, plan.fid))
+                outs = self._run_step(plan, record, tail, kind=(Op.STEP, plan.fid))
         except Exception as e:
             self._undo()
             if nodes is not None and state.is_open:
@@ -213,11 +208,7 @@ class Calls(Part):
 
     def _fused_local(self, plan, program):
         """The master's part of a fused step: its share, run as one program."""
-        rows, values = run_fused_share(self._state.context, plan, program)
-        if self._state.n_parallel > 1:
-            import jax
-            jax.block_until_ready(values)        # its collective is done when the command is
-        return rows, values
+        return fused_step_share(self._state.context, plan, self._state.channel.ctl, program)
 
     def forget_shapes(self):
         """Count no call's shapes as run everywhere, and keep no shared variable's shapes: a shared
@@ -254,7 +245,7 @@ class Calls(Part):
         with contextlib.suppress(Exception):     # a fault here shuts the runtime down itself
             state.channel.command(Op.UNDO)
 
-    def _run_step(self, local, tail, kind):
+    def _run_step(self, plan, record, tail, kind):
         """The call's command extended by ``tail`` (see :meth:`run` and ``Channel.step``)."""
         state = self._state
         comm, ctl = state.context.comm, state.channel.ctl
@@ -263,8 +254,7 @@ class Calls(Part):
         ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
 
         def prepare():
-            outs = local()
-            run_tail = state.context.step_tail(Words(ctl.args[STEP_COLLECTIVE_AT:]), tail.update_fid)
+            run_tail, _, outs = step_share(state.context, plan, ctl, record)
 
             def reduce_and_update():
                 run_tail()

@@ -19,6 +19,7 @@ import numpy as np
 from ..comm import Reservation
 from ..errors import SynkError
 from ..platform.values import nbytes_of, stored
+from ..rank.commands import loop_phase
 from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .centers.loop_centers import LoopCenters
@@ -125,18 +126,12 @@ class Loops(Part):
         channel.send_payload(cloudpickle.dumps(dict(spec=sent, phase=phase, first=first, last=last),
                                                protocol=pickle.HIGHEST_PROTOCOL))
 
-        def master_loop():
-            # made once the workers have the command: a rule may start with a collective
-            loop = self._loops.get(spec.loop_id)
-            if loop is None:
-                loop = self._loops[spec.loop_id] = state.context.device_loop(
-                    spec, self._centers.take(spec.loop_id), self._after_step)
-            return loop
-
         def local():
-            loop = master_loop()
+            # (a new loop is made here, once the workers have the command: a rule may start with
+            # a collective)
             try:
-                return loop.finish() if phase == "finish" else loop.run(first, last)
+                return loop_phase(self._loops, state.context, spec, phase, first, last,
+                                  center=lambda: self._centers.take(spec.loop_id), beat=self._after_step)
             except Exception as e:
                 if nodes is None or isinstance(e, SynkError):
                     raise

@@ -38,7 +38,6 @@ from ..rank.rows import set_gather_threads
 from ..tracing import trace
 from ..wire.collective import shapes_of
 from ..wire.control import (
-    STEP_COLLECTIVE_AT,
     ControlBlock,
     Decision,
     Op,
@@ -98,7 +97,7 @@ class Worker:
         self.functions: dict = {}
         self.shared: dict = {}
         self.plans = PlanMemo()
-        self._run_share: Callable | None = None     # set by the first SHIP
+        self._commands: Any = None     # synkhronos.rank.commands, imported by the first SHIP
         #: this rank, as the rank code sees it
         self.context = RankContext(
             rank=self.grank, n_ranks=self.n_devices, local_rank=self.rank, n_local=self.n_ranks,
@@ -181,9 +180,9 @@ class Worker:
     def ship(self):
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
+        from ..rank import commands
         from ..rank.compiled import CompiledFunction
-        from ..rank.executor import run_share
-        self._run_share = run_share
+        self._commands = commands
         payload = shipping.loads(self.payload_bytes(), self.shared)
         jax_init.set_precision(payload["float_x"])   # the master's, so every rank computes alike
         rewrites.set_cpu_rewrite(payload["cpu_rewrite"])
@@ -195,17 +194,20 @@ class Worker:
             self.functions[spec.fid] = CompiledFunction(spec)
 
     def call(self):
-        plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
-        run_share = self._run_share
-        assert run_share is not None, "a function is called after it was shipped"
-        rows, outs = run_share(self.context, plan)
-        if rows and outs:
-            record = result_record(self.functions[plan.fid].spec, plan)
-            if record is not None:
-                self.ctl.put_record(record, self.rank, outs)
-            else:
-                self.write_arrays([np.asarray(o) for o in outs])
+        plan = self._plan()
+        rows, outs = self._commands.call_share(self.context, plan, self.ctl, self._record(plan))
+        if outs:
+            self.write_arrays(outs)
         return rows
+
+    def _plan(self):
+        """The plan of the call the control block holds."""
+        assert self._commands is not None, "a function is called after it was shipped"
+        return self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
+
+    def _record(self, plan):
+        """How this rank's results of ``plan`` travel: their record dtype, or None (as arrays)."""
+        return result_record(self.functions[plan.fid].spec, plan)
 
     def drop_data(self):
         n = int(self.ctl.args[0])
@@ -244,26 +246,17 @@ class Worker:
             return self.fused_step()
 
         def prepare():
-            rows = self.call()
-            tail = self.context.step_tail(Words(self.ctl.args[STEP_COLLECTIVE_AT:]),
-                                          int(self.ctl.header[ControlBlock.UPDATE_FID]))
-            return tail, rows
+            plan = self._plan()
+            run_tail, rows, outs = self._commands.step_share(self.context, plan, self.ctl,
+                                                             self._record(plan))
+            if outs:
+                self.write_arrays(outs)
+            return run_tail, rows
         return self._two_phases(prepare)
 
     def fused_step(self):
         """This rank's share of a step as one program (see ``synkhronos.rank.fused``)."""
-        import jax
-
-        from ..rank.executor import run_fused_share
-        plan = self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
-        program = self.context.fused_step(plan, Words(self.ctl.args[STEP_COLLECTIVE_AT:]),
-                                          int(self.ctl.header[ControlBlock.UPDATE_FID]))
-        if program is None:
-            raise RuntimeError(f"rank {self.grank} cannot run the step as one program, as the master "
-                               f"does (its graphs differ)")
-        rows, values = run_fused_share(self.context, plan, program)
-        jax.block_until_ready(values)      # its collective finished, its errors raised here
-        return rows
+        return self._commands.fused_step_share(self.context, self._plan(), self.ctl)[0]
 
     def _two_phases(self, prepare):
         """``prepare()`` (returning ``(execute, rows)``), report, wait for the master's decision,
@@ -295,17 +288,16 @@ class Worker:
         from .centers.server import attach_center
         message = self.payload_object()
         spec = message["spec"]
-        loop = self.loops.get(spec.loop_id)
-        if loop is None:
+
+        def center():
             # a center on another node is waited for as long as this node's master lives: the
             # master finds a lost node 0 and ends the runtime
-            center = attach_center(spec.center, [self.shared[uid] for uid in spec.synced_uids],
-                                   spec.rule.merge, check=self.check_master) if spec.center else None
-            loop = self.loops[spec.loop_id] = self.context.device_loop(spec, center, self._beat())
-        if message["phase"] == "finish":
-            self.loops.pop(spec.loop_id).finish()
-            return 0
-        self.write_arrays([loop.run(message["first"], message["last"])])
+            return attach_center(spec.center, [self.shared[uid] for uid in spec.synced_uids],
+                                 spec.rule.merge, check=self.check_master) if spec.center else None
+        stats = self._commands.loop_phase(self.loops, self.context, spec, message["phase"],
+                                          message["first"], message["last"], center, self._beat())
+        if stats is not None:
+            self.write_arrays([stats])
         return 0
 
     def _beat(self, every=0.1):
