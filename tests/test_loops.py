@@ -702,3 +702,18 @@ def test_input_that_cannot_run_is_refused_before_the_loop_and_the_runtime_stays(
     train.run(free, x_np, y_np * 1.0, BATCH, steps=2)
     reset(params, init, step)
     train.run(step, x_np, y_np, BATCH, steps=2)
+
+
+def test_average_with_state_keeps_adams_step_count_whole_on_every_device(synk2, rng):
+    """Average(state=True) averages Adam's int64 step count weighted by uneven rows (2 and 1 of 3):
+    the count stays the number of steps on every device (a weighted sum of equal counts is the
+    count give or take a rounding error, which a cast to int64 would truncate)."""
+    x_np, y_np = digits_like(rng)
+    X, y, loss, params, _ = mlp(seed=3)
+    step = train.make_train_function(loss, params, X, y, updates.adam, learning_rate=0.01)
+    synk.distribute()
+    train.run(step, x_np, y_np, 3, steps=7, sync=sync.Average(every=1, state=True))
+    counts = [v for v in step.optimizer_state if np.dtype(v.type.dtype).kind in "iu"]
+    assert counts, step.optimizer_state
+    for v in counts:
+        assert [int(synk.get_value(rank, v)) for rank in range(N_PARALLEL)] == [7] * N_PARALLEL

@@ -128,7 +128,11 @@ class Average(Rule):
         weight = state.mine / state.all
         variables = loop.params + (loop.state_vars if self.state else [])
         values = [np.asarray(stored(v)) * weight for v in variables]
-        loop.set_values(variables, loop.all_reduce(variables, values, "sum"))
+        averaged = loop.all_reduce(variables, values, "sum")
+        # an integer variable (Adam's step count) takes the nearest integer: a weighted sum of
+        # equal counts is the count give or take a rounding error, which a cast would truncate
+        loop.set_values(variables, [np.rint(a) if np.dtype(v.type.dtype).kind in "iub" else a
+                                    for v, a in zip(variables, averaged)])
         state.steps = state.mine = state.all = 0
 
     def finish(self, state: _Rows, loop: RuleLoop) -> None:
