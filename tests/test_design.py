@@ -23,10 +23,15 @@ ROOT_MODULES = {"synkhronos": "face", "synkhronos.checkpoint": "face", "synkhron
                 "synkhronos.cleanup": "entry", "synkhronos.errors": "errors"}
 
 
+#: the packages at the package root that are entry points
+ROOT_PACKAGES = {"launch": "entry"}
+
+
 def _layer(module):
     if module in ROOT_MODULES:
         return ROOT_MODULES[module]
-    return module.split(".")[1]
+    top = module.split(".")[1]
+    return ROOT_PACKAGES.get(top, top)
 
 
 def _imports(path, module):
@@ -213,7 +218,7 @@ NEEDS_AN_EXTRA = {"synkhronos.extensions.pymc": "pymc", "synkhronos.extensions.p
 NEEDS_A_RUNTIME += [m for m, extra in NEEDS_AN_EXTRA.items() if importlib.util.find_spec(extra)]
 
 
-@pytest.mark.parametrize("module", [name for name, _ in _modules() if not name.endswith("worker")
+@pytest.mark.parametrize("module", [name for name, _ in _modules() if not name.endswith(("worker", "__main__"))
                                     and name not in [FORKS_ITS_OWN, *NEEDS_A_RUNTIME]])
 def test_docstring_examples_run(module):
     for package, extra in NEEDS_AN_EXTRA.items():

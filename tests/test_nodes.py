@@ -704,7 +704,7 @@ def test_the_rendezvous_refuses_strangers_and_another_runs_launchers():
     counted nowhere, and the run's own launchers get their round."""
     import socket
 
-    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    from synkhronos.launch.rendezvous import RendezvousClient, RendezvousServer
     server = RendezvousServer("127.0.0.1:0", 1, 2, settle=0.2, job="train.py --nnodes 1:2")
     try:
         port = int(server.address.rsplit(":", 1)[1])
@@ -736,10 +736,10 @@ def test_the_elastic_launcher_names_a_full_run_a_taken_port_and_a_half_range(cap
     import io
     import socket
 
+    from synkhronos.launch import LaunchSpec, parse_args
     from synkhronos.launch import main as launch_main
-    from synkhronos.launch import parse_args
-    from synkhronos.platform.elastic import run_elastic
-    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    from synkhronos.launch.agent import ElasticAgent
+    from synkhronos.launch.rendezvous import RendezvousClient, RendezvousServer
     server = RendezvousServer("127.0.0.1:0", 1, 1, settle=0.0, job="train.py --nnodes 1:1")
     clients = []
     try:
@@ -761,10 +761,13 @@ def test_the_elastic_launcher_names_a_full_run_a_taken_port_and_a_half_range(cap
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         said = io.StringIO()
-        code = run_elastic("train.py", [], 0, f"127.0.0.1:{taken.getsockname()[1]}", 1, 2, 1, out=said)
+        spec = LaunchSpec("train.py", coordinator=f"127.0.0.1:{taken.getsockname()[1]}", max_nodes=2,
+                          max_restarts=1)
+        code = ElasticAgent(spec, out=said).run()
     assert code == 1 and "cannot keep the rendezvous at" in said.getvalue(), said.getvalue()
     said = io.StringIO()      # an address that is not this machine's is named as such
-    assert run_elastic("train.py", [], 0, "192.0.2.1:29400", 1, 2, 1, out=said) == 1
+    spec = LaunchSpec("train.py", coordinator="192.0.2.1:29400", max_nodes=2, max_restarts=1)
+    assert ElasticAgent(spec, out=said).run() == 1
     assert "give --coordinator an address of this machine" in said.getvalue(), said.getvalue()
     for bad in ("2:", "1_0:2", " 2 : 3 ", "\uff12:\uff13", "2:3:4"):
         with pytest.raises(SystemExit):

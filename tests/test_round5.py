@@ -133,7 +133,7 @@ def test_ctrl_c_in_a_donating_call_keeps_every_value(n):
 
 def _joins(server):
     """Whether a launcher can still join ``server`` and be given a round."""
-    from synkhronos.platform.rendezvous import RendezvousClient
+    from synkhronos.launch.rendezvous import RendezvousClient
     client = RendezvousClient(server.address, node_rank=0, timeout=5)
     try:
         client.join()
@@ -145,7 +145,7 @@ def _joins(server):
 def test_an_unbounded_line_is_dropped_and_the_rendezvous_serves_on():
     import socket
 
-    from synkhronos.platform.rendezvous import MAX_LINE_BYTES, RendezvousServer
+    from synkhronos.launch.rendezvous import MAX_LINE_BYTES, RendezvousServer
     server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
     try:
         host, port = server.address.rsplit(":", 1)
@@ -171,7 +171,7 @@ def _strangers_at_a_rendezvous(count, join_seconds):
     closed after the block, and the server too."""
     import socket
 
-    from synkhronos.platform.rendezvous import RendezvousServer
+    from synkhronos.launch.rendezvous import RendezvousServer
     server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0,
                               join_seconds=join_seconds)
     host, port = server.address.rsplit(":", 1)
@@ -189,7 +189,7 @@ def _strangers_at_a_rendezvous(count, join_seconds):
 def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS
+    from synkhronos.launch.rendezvous import SPARE_CONNECTIONS
     # past the bound: the extra ones closed at once
     with _strangers_at_a_rendezvous(SPARE_CONNECTIONS + 40, join_seconds=1.0) as (server, _):
         time.sleep(0.5)
@@ -203,7 +203,7 @@ def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
     """A per-receive timeout alone would keep them forever (a "slowloris")."""
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS
+    from synkhronos.launch.rendezvous import SPARE_CONNECTIONS
     with _strangers_at_a_rendezvous(2 + SPARE_CONNECTIONS, join_seconds=1.0) as (server, slow):
         for s in slow:
             s.sendall(b"{")
@@ -222,7 +222,7 @@ def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
 def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
     import time
 
-    from synkhronos.platform.rendezvous import SPARE_CONNECTIONS, RendezvousClient
+    from synkhronos.launch.rendezvous import SPARE_CONNECTIONS, RendezvousClient
     with _strangers_at_a_rendezvous(2 + SPARE_CONNECTIONS, join_seconds=30.0) as (server, _):
         time.sleep(0.5)
         client = RendezvousClient(server.address, node_rank=0, timeout=5)
@@ -238,7 +238,7 @@ def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
 
 _OUT_OF_DESCRIPTORS = """
     import resource, socket, time
-    from synkhronos.platform.rendezvous import RendezvousClient, RendezvousServer
+    from synkhronos.launch.rendezvous import RendezvousClient, RendezvousServer
     resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
     server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
     host, port = server.address.rsplit(":", 1)

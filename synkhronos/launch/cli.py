@@ -1,32 +1,7 @@
-"""Run a script on one node of several: ``python -m synkhronos.launch``.
+"""The launcher's command line: ``python -m synkhronos.launch ...`` (see :mod:`synkhronos.launch`)."""
 
-Usage::
 
-    python -m synkhronos.launch --nnodes N --node-rank R --coordinator HOST:PORT \\
-        [--devices-per-node D] script.py [args...]
-    python -m synkhronos.launch --nnodes MIN:MAX --max-restarts K --node-rank R \\
-        --coordinator HOST:PORT script.py [args...]          # elastic
-
-Run the same command on every node, each with its own ``--node-rank``. The
-script runs in this process as ``python script.py args...`` would run it, with
-the variables :func:`synkhronos.fork` reads (``SYNK_NNODES``,
-``SYNK_NODE_RANK``, ``SYNK_COORDINATOR``, ``SYNK_DEVICES_PER_NODE``). Under
-Slurm (``srun --ntasks-per-node=1``) or Open MPI (``mpirun --npernode 1``) no
-launcher is needed: ``fork()`` finds the nodes through JAX's cluster detection.
-
-Node 0's master starts a process that serves JAX's coordination service at
-``HOST:PORT``, bound to that address only (:mod:`synkhronos.platform.coordination`);
-every process of every node connects to it.
-
-Elastic (``--nnodes MIN:MAX`` or ``--max-restarts K`` > 0): the launcher is an
-agent, as torchrun's is (:mod:`synkhronos.platform.elastic`). Node 0's launcher
-keeps a rendezvous at ``HOST:PORT``; every launcher runs the script as a child
-process on the node rank and node count of the current round, and when a node
-is lost (or comes back, or a script fails) the script starts again on the nodes
-there are, at most ``K`` times, resuming from its checkpoint
-(``train.run(..., checkpoint_dir=..., resume=True)``). Node 0's launcher is the
-rendezvous: its loss ends the run on every node.
-"""
+from __future__ import annotations
 
 import argparse
 import os
@@ -35,13 +10,14 @@ import runpy
 import signal
 import sys
 
-from .platform.cluster import check_coordinator
-from .platform.elastic import run_elastic
+from ..platform.cluster import check_coordinator
+from .agent import ElasticAgent
+from .spec import LaunchSpec
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "spec_of"]
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     """The launcher's options and the script's command line.
 
     Examples
@@ -89,8 +65,18 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
+def spec_of(args: argparse.Namespace) -> LaunchSpec:
+    """The launch :func:`parse_args`' options describe."""
+    return LaunchSpec(args.script, tuple(args.args), node_rank=args.node_rank,
+                      coordinator=args.coordinator, min_nodes=args.min_nodes,
+                      max_nodes=args.max_nodes, max_restarts=args.max_restarts,
+                      devices_per_node=args.devices_per_node)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m synkhronos.launch``: run the script on this node, or keep it running (elastic)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    spec = spec_of(args)
     if not os.path.isfile(args.script):      # else an elastic run would try it K times
         print(f"synkhronos.launch: the script {args.script!r} is not a file (looked for from "
               f"{os.getcwd()})", file=sys.stderr)
@@ -98,30 +84,23 @@ def main(argv=None):
     # as fork() does for its own processes: XLA's warnings (one per process about the recoverable
     # tasks of the runtime) would drown the script's output; set it yourself to see everything
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.elastic:                # the script, a child, inherits the environment
-        sys.exit(_elastic(args))
-    os.environ.update(SYNK_NNODES=str(args.nnodes), SYNK_NODE_RANK=str(args.node_rank),
-                      SYNK_COORDINATOR=args.coordinator)
-    if args.devices_per_node is not None:
-        os.environ["SYNK_DEVICES_PER_NODE"] = str(args.devices_per_node)
+    if spec.elastic:                # the script, a child, inherits the environment
+        sys.exit(_elastic(spec))
+    os.environ.update(spec.environment(args.nnodes, args.node_rank, args.coordinator))
     sys.argv = [args.script] + args.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     runpy.run_path(args.script, run_name="__main__")
 
 
-def _elastic(args):
+def _elastic(spec: LaunchSpec) -> int:
     """The agent's exit code; Ctrl-C or SIGTERM stop its script and end it quietly."""
-    def stop(signum, frame):
+    def stop(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, stop)
     try:
-        return run_elastic(args.script, args.args, args.node_rank, args.coordinator, args.min_nodes,
-                           args.max_nodes, args.max_restarts, args.devices_per_node)
+        return ElasticAgent(spec).run()
     except KeyboardInterrupt:
         print("synkhronos.launch: interrupted; this node's script, if it still ran, was stopped",
               file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
 
-
-if __name__ == "__main__":
-    main()

@@ -29,8 +29,28 @@ import json
 import socket
 import threading
 import time
+from enum import StrEnum
 
-__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost"]
+__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost", "Kind"]
+
+
+class Kind(StrEnum):
+    """What a message of the rendezvous says (its ``"kind"``)."""
+
+    #: a launcher's: it joins the next round (with its ``node_rank`` and ``job``)
+    JOIN = "join"
+    #: a launcher's: its script ended well in this round
+    DONE = "done"
+    #: a launcher's: its script failed (``why``); the round ends
+    FAILED = "failed"
+    #: the rendezvous's: a round starts (``round``, ``node_rank``, ``nnodes``, ``coordinator``)
+    ROUND = "round"
+    #: the rendezvous's: round ``round`` ended (``why``); join the next
+    RESTART = "restart"
+    #: the rendezvous's: every node's script ended well; the run is over
+    FINISHED = "finished"
+    #: the rendezvous's: this launcher may not join (``why``)
+    REFUSED = "refused"
 
 
 #: why a round ends when a launcher joins it (a change of membership, not a failure)
@@ -107,7 +127,7 @@ class RendezvousServer:
                 full = self._open >= self._max_open
                 self._open += 0 if full else 1
             if full:                            # a flood of strangers: told so, and closed at once
-                self._tell(conn, {"kind": "refused", "why": f"the rendezvous has {self._max_open} "
+                self._tell(conn, {"kind": Kind.REFUSED, "why": f"the rendezvous has {self._max_open} "
                                   f"connections open at once (a flood?); start this node again"})
                 conn.close()
                 continue
@@ -156,10 +176,10 @@ class RendezvousServer:
         """Handle one message; False for one that ends the connection (a join of another run)."""
         with self._lock:
             kind = message.get("kind")
-            if kind == "join":
+            if kind == Kind.JOIN:
                 rank = message.get("node_rank")
                 if message.get("job") != self.job or not isinstance(rank, int) or isinstance(rank, bool):
-                    self._tell(conn, {"kind": "refused", "why": f"this rendezvous serves the run "
+                    self._tell(conn, {"kind": Kind.REFUSED, "why": f"this rendezvous serves the run "
                                       f"{self.job!r}, not {message.get('job')!r} (node rank "
                                       f"{rank!r}): start every node with the same script and "
                                       f"--nnodes, and a whole --node-rank"})
@@ -171,13 +191,13 @@ class RendezvousServer:
                 self._waiting.add(conn)
                 if self._running and conn not in self._running:
                     self._end_round(JOINED)
-            elif kind == "failed" and conn in self._running:
+            elif kind == Kind.FAILED and conn in self._running:
                 self._end_round(message.get("why", "a script failed"))
-            elif kind == "done" and conn in self._running:
+            elif kind == Kind.DONE and conn in self._running:
                 self._done.add(conn)
                 if self._done >= set(self._running):
                     for c in self._running:
-                        self._tell(c, {"kind": "finished"})
+                        self._tell(c, {"kind": Kind.FINISHED})
                     self._running = []
             elif conn not in self._members:
                 return False                    # anything but a join first: not a launcher
@@ -191,7 +211,7 @@ class RendezvousServer:
                 self._end_round("a node was lost")
 
     def _refuse_full(self, conn):
-        self._tell(conn, {"kind": "refused", "why": f"the run already has its {self.max_nodes} nodes "
+        self._tell(conn, {"kind": Kind.REFUSED, "why": f"the run already has its {self.max_nodes} nodes "
                           f"(--nnodes {self.min_nodes}:{self.max_nodes}); start this node again once "
                           f"one is lost"})
         try:
@@ -209,7 +229,7 @@ class RendezvousServer:
     def _end_round(self, why):
         """Every launcher of the running round stops its script and joins the next (lock held)."""
         for c in self._running:
-            self._tell(c, {"kind": "restart", "round": self._round, "why": why})
+            self._tell(c, {"kind": Kind.RESTART, "round": self._round, "why": why})
         self._running, self._done = [], set()
 
     def _start_rounds(self):
@@ -238,7 +258,7 @@ class RendezvousServer:
             self._members.pop(extra, None)
         coordinator = f"{self.host if ':' not in self.host else '[' + self.host + ']'}:{_free_port(self.host)}"
         for rank, c in enumerate(self._running):
-            self._tell(c, {"kind": "round", "round": self._round, "node_rank": rank,
+            self._tell(c, {"kind": Kind.ROUND, "round": self._round, "node_rank": rank,
                            "nnodes": len(self._running), "coordinator": coordinator})
 
     def close(self):
@@ -297,7 +317,7 @@ class RendezvousClient:
             self._cond.notify_all()
 
     def join(self):
-        _send(self._sock, {"kind": "join", "node_rank": self.node_rank, "job": self.job})
+        _send(self._sock, {"kind": Kind.JOIN, "node_rank": self.node_rank, "job": self.job})
 
     def tell(self, kind, **fields):
         try:

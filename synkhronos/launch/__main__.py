@@ -1,0 +1,5 @@
+"""``python -m synkhronos.launch``: see :mod:`synkhronos.launch`."""
+
+from .cli import main
+
+main()
