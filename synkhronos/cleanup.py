@@ -16,13 +16,16 @@ Examples
     python -m synkhronos.cleanup --dry-run  # only list them
 """
 
+from __future__ import annotations
+
 import argparse
 import os
+from collections.abc import Sequence
 
 from .ipc.segments import SEGMENT_DIRECTORY, stale_segments
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m synkhronos.cleanup",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
@@ -40,7 +43,7 @@ def main(argv=None):
     return 0
 
 
-def _size(name):
+def _size(name: str) -> int:
     try:
         return os.lstat(os.path.join(SEGMENT_DIRECTORY, name)).st_size
     except OSError:

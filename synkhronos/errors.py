@@ -1,5 +1,7 @@
 """Exception types raised by synkhronos."""
 
+from __future__ import annotations
+
 import builtins
 import enum
 import functools
@@ -8,12 +10,17 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["SynkError", "Failure", "WorkerError", "StallError", "NodesDiverged", "ShapeMismatch",
            "SynkWarning", "LocalUpdatesWarning", "exception_name", "graph_line", "verbose", "is_whole"]
 
 
-def is_whole(value, at_least=None, below=None):
+def is_whole(value: object, at_least: int | None = None, below: int | None = None) -> bool | np.bool:
     """True if ``value`` is a whole number (a Python or numpy integer, not a bool) in ``[at_least, below)``.
 
     Examples
@@ -26,12 +33,12 @@ def is_whole(value, at_least=None, below=None):
     return (at_least is None or value >= at_least) and (below is None or value < below)
 
 
-def _is_numpy_integer(value):
+def _is_numpy_integer(value: object) -> TypeGuard[np.integer]:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.integer)
 
 
-def exception_name(e):
+def exception_name(e: BaseException) -> str:
     """The name of ``e``'s type: bare for builtins (``"ValueError"``), else ``"module.Qualname"``."""
     module = type(e).__module__
     return type(e).__qualname__ if module == "builtins" else f"{module}.{type(e).__qualname__}"
@@ -42,7 +49,7 @@ _CALLBACK_FAILED = re.compile(r"(?:Cpu|Gpu)?Callback error calling callback|pure
 _LAST_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")
 
 
-def what_raised(e):
+def what_raised(e: BaseException) -> tuple[str, str]:
     """``(type name, message)`` of ``e``; for an exception a host callback raised while the device
     computed (which XLA reports as its own error holding the callback's traceback as text), the
     callback's exception.
@@ -77,7 +84,7 @@ def verbose() -> bool:
     return getattr(config, "exception_verbosity", "low") != "low"
 
 
-def graph_line(e):
+def graph_line(e: BaseException | None) -> str | None:
     """The line of a compiled PyTensor graph at which ``e`` was raised, or None.
 
     PyTensor's JAX backend runs a graph as a generated Python function whose
@@ -167,7 +174,8 @@ class WorkerError(SynkError):
     """
 
     @classmethod
-    def raised(cls, rank, exc_type, message, worker_traceback="", where=None):
+    def raised(cls, rank: int, exc_type: str, message: str, worker_traceback: str = "",
+               where: str | None = None) -> WorkerError:
         """The error of rank ``rank`` that raised ``exc_type``, whichever rank it is.
 
         When ``exc_type`` names a builtin exception (``"ValueError"``), the
@@ -184,13 +192,14 @@ class WorkerError(SynkError):
                                             where=where)
 
     @classmethod
-    def from_exception(cls, rank, e):
+    def from_exception(cls, rank: int, e: BaseException) -> WorkerError:
         """:meth:`raised` for exception ``e`` caught in this process (rank ``rank``)."""
         exc_type, message = what_raised(e)
         return cls.raised(rank, exc_type, message, "".join(traceback.format_exception(e)),
                           where=graph_line(e))
 
-    def __init__(self, rank, how, exc_type, message, worker_traceback="", node=None, where=None):
+    def __init__(self, rank: int, how: Failure | str, exc_type: str, message: str, worker_traceback: str = "",
+                 node: int | None = None, where: str | None = None) -> None:
         self.rank = rank
         self.how = Failure(how)
         self.exc_type = exc_type
@@ -199,17 +208,17 @@ class WorkerError(SynkError):
         self.node = node
         self.where = where
         self.ranks = [rank]
-        self.others = []
-        self.hint = None
+        self.others: list[tuple[int, str, str]] = []
+        self.hint: str | None = None
         super().__init__(rank, how, exc_type, message)
 
-    def _who(self):
+    def _who(self) -> str:
         ranks = sorted(self.ranks)
         named = f"rank {ranks[0]}" if len(ranks) == 1 else \
             "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
         return named if self.node is None else f"{named} (node {self.node})"
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [f"{self._who()} {self.how}: {self.exc_type}: {self.message}" if self.how is not Failure.RAISED
                  else f"{self._who()} raised {self.exc_type}: {self.message}"]
         lines += [f"  rank {r} raised {t}: {m}" for r, t, m in self.others]
@@ -224,14 +233,15 @@ class WorkerError(SynkError):
                 lines.append("  every rank's traceback: error.worker_traceback, or run with SYNK_VERBOSE=1")
         return "\n".join(lines)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., WorkerError], tuple[Any, ...]]:
         return (_rebuild_worker_error, (self.rank, self.how, self.exc_type, self.message,
                                         self.worker_traceback, self.node, self.where, self.ranks,
                                         self.others, self.hint))
 
 
-def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=None, where=None,
-                          ranks=None, others=(), hint=None):
+def _rebuild_worker_error(rank: int, how: Failure | str, exc_type: str, message: str, worker_traceback: str,
+                          node: int | None = None, where: str | None = None, ranks: Sequence[int] | None = None,
+                          others: Iterable[tuple[int, str, str]] = (), hint: str | None = None) -> WorkerError:
     if Failure(how) is Failure.RAISED:
         error = WorkerError.raised(rank, exc_type, message, worker_traceback, where=where)
         error.node = node
@@ -242,13 +252,14 @@ def _rebuild_worker_error(rank, how, exc_type, message, worker_traceback, node=N
 
 
 @functools.cache
-def _with_builtin_type(exc_type):
+def _with_builtin_type(exc_type: str) -> type[WorkerError]:
     """WorkerError, also a subclass of the builtin exception named ``exc_type`` where there is one."""
     base = getattr(builtins, exc_type, None)
     if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(WorkerError, base):
         return WorkerError
     try:
-        return type(f"WorkerError[{exc_type}]", (WorkerError, base), {"__module__": __name__})
+        return cast("type[WorkerError]", type(f"WorkerError[{exc_type}]", (WorkerError, base),
+                                              {"__module__": __name__}))
     except TypeError:        # a builtin with a layout of its own (OSError, ...)
         return WorkerError
 
@@ -272,14 +283,15 @@ class StallError(SynkError):
         for the workers' start-up.
     """
 
-    def __init__(self, what, arrived, missing, timeout, setting="stall_timeout"):
+    def __init__(self, what: str, arrived: list[int], missing: list[int], timeout: float,
+                 setting: str = "stall_timeout") -> None:
         self.what, self.arrived, self.missing, self.timeout = what, arrived, missing, timeout
         self.setting = setting
         super().__init__(f"{what} stalled: ranks {arrived} arrived, ranks {missing} did not within "
                          f"{timeout:g} s (fork({setting}=...)); the runtime was shut down, "
                          f"call synk.fork() to start again")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[StallError], tuple[Any, ...]]:
         return (type(self), (self.what, self.arrived, self.missing, self.timeout, self.setting))
 
 

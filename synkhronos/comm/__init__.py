@@ -10,6 +10,8 @@ memory, the default on CPU because it runs near memory bandwidth.
 subclass of one's own (importable by the workers under the same module path).
 """
 
+from __future__ import annotations
+
 import importlib
 
 from .base import Comm, CommContext, ProgramReducer, Reservation
@@ -20,20 +22,20 @@ __all__ = ["Comm", "CommContext", "ProgramReducer", "Reservation", "JaxComm", "S
            "comm_class", "class_path"]
 
 #: the implementations ``fork(collectives=...)`` knows by name
-KINDS = {"jax": JaxComm, "shm": ShmComm}
+KINDS: dict[str, type[Comm]] = {"jax": JaxComm, "shm": ShmComm}
 
 
-def default_kind(platform):
+def default_kind(platform: str) -> str:
     """Shared memory on CPU, the JAX runtime (NCCL on NVIDIA GPUs) elsewhere."""
     return "shm" if platform == "cpu" else "jax"
 
 
-def class_path(cls):
+def class_path(cls: type) -> str:
     """``module:qualname`` of a Comm class, how a worker finds it."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def comm_class(kind):
+def comm_class(kind: str | type[Comm]) -> type[Comm]:
     """The Comm class named ``kind``: a name in :data:`KINDS`, a class, or its ``module:qualname``.
 
     Examples

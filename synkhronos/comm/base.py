@@ -8,6 +8,8 @@ one per process from a :class:`CommContext` and calls nothing but what
 several nodes, say) is a subclass and an entry in :data:`synkhronos.comm.KINDS`.
 """
 
+from __future__ import annotations
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
@@ -44,7 +46,7 @@ class CommContext:
     spin: float = 0.0
     topology: Any = None
 
-    def on_this_node(self):
+    def on_this_node(self) -> CommContext:
         """The context of this process among its node's processes only (local ranks)."""
         t = self.topology
         if t is None:
@@ -122,7 +124,7 @@ class Comm(ABC):
     #: the JAX platforms ("cpu", "gpu", ...) the implementation works on
     platforms: ClassVar[tuple] = ("cpu", "gpu")
 
-    def __init__(self, context: CommContext):
+    def __init__(self, context: CommContext) -> None:
         self.context = context
         self.rank, self.n_ranks = context.rank, context.n_ranks
 

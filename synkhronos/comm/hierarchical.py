@@ -9,9 +9,14 @@ through shared memory. Nothing of one node's shared memory is read by
 another. With one device per node the shared-memory steps are skipped.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
-from .base import Comm
+from .base import Comm, CommContext, Reservation
 from .jax_runtime import JaxComm
 from .shm import ShmComm
 
@@ -31,7 +36,7 @@ class HierarchicalComm(Comm):
     name = "hierarchical"
     platforms = ("cpu",)
 
-    def __init__(self, context):
+    def __init__(self, context: CommContext) -> None:
         from dataclasses import replace
 
         import jax
@@ -48,13 +53,13 @@ class HierarchicalComm(Comm):
                                           master_rank=0, topology=None), devices=leaders)
 
     # --- the three steps --------------------------------------------------------------------
-    def _from_leader(self, values):
+    def _from_leader(self, values: Sequence[Any]) -> list[Any]:
         """The leader's ``values`` on every process of the node (the others pass placeholders)."""
         if self.local is None:
-            return values
+            return list(values)
         return self.local.broadcast(values, self.leader_local)
 
-    def all_reduce(self, values, op):
+    def all_reduce(self, values: Sequence[Any], op: str) -> list[Any]:
         within = "sum" if op == "avg" else op
         reduced = self.local.all_reduce(values, within) if self.local is not None else values
         if self.across is not None:      # this node's leader
@@ -63,7 +68,7 @@ class HierarchicalComm(Comm):
                 reduced = [v / self.n_ranks for v in reduced]
         return self._from_leader(reduced)
 
-    def all_gather(self, values):
+    def all_gather(self, values: Sequence[Any]) -> list[Any]:
         import jax.numpy as jnp
         t = self.topology
         stacked = (self.local.all_gather(values) if self.local is not None
@@ -78,7 +83,7 @@ class HierarchicalComm(Comm):
         rows = [self._from_leader(row) for row in rows]
         return [jnp.stack([row[i] for row in rows]) for i in range(len(values))]
 
-    def broadcast(self, values, root):
+    def broadcast(self, values: Sequence[Any], root: int) -> list[Any]:
         t = self.topology
         root_node, root_local = t.node_of(root), t.local_of(root)
         if t.node_rank == root_node and root_local != self.leader_local and self.local is not None:
@@ -88,14 +93,14 @@ class HierarchicalComm(Comm):
         return self._from_leader(values)
 
     # --- buffers: the shared-memory step's ----------------------------------------------------
-    def reserve(self, reservation):
+    def reserve(self, reservation: Reservation) -> None:
         if self.local is not None:
             self.local.reserve(reservation)
 
-    def refresh(self):
+    def refresh(self) -> None:
         if self.local is not None:
             self.local.refresh()
 
-    def release(self):
+    def release(self) -> None:
         if self.local is not None:
             self.local.release()

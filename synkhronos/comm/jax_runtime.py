@@ -5,29 +5,39 @@ array (``jax.make_array_from_single_device_arrays``); XLA lowers ``psum`` /
 ``pmax`` / ``pmin`` / ``all_gather`` to the platform's collective library.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..platform.native_output import GLOO_CONNECTED, native_lines_dropped
-from .base import Comm, ProgramReducer
+from .base import Comm, CommContext, ProgramReducer
 from .reduction import GATHER, Reduce
 
 __all__ = ["JaxComm", "MeshReducer"]
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
 _AXIS = "d"
 
+#: a collective's body: this rank's flat values to the result every rank holds
+type Body = Callable[[Any], Any]
 
-def _psum_from_root(root):
+
+def _psum_from_root(root: int) -> Body:
     import jax
     import jax.numpy as jnp
 
-    def body(a):
+    def body(a: Any) -> Any:
         keep = jax.lax.axis_index(_AXIS) == root
         return jax.lax.psum(jnp.where(keep, a, jnp.zeros_like(a)), _AXIS)
     return body
 
 
-def _bodies():
+def _bodies() -> dict[str, Body]:
     """The shard_map body of each collective (JAX imported on first use, not with synkhronos).
 
     A body takes this rank's flat values and returns the result every rank
@@ -60,7 +70,7 @@ class JaxComm(Comm):
 
     name = "jax"
 
-    def __init__(self, context, devices=None):
+    def __init__(self, context: CommContext, devices: Sequence[Any] | None = None) -> None:
         import jax
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
         super().__init__(context)
@@ -73,11 +83,11 @@ class JaxComm(Comm):
         self.spec = PartitionSpec(_AXIS)
         self.sharding = NamedSharding(self.mesh, self.spec)
         self._bodies = _bodies()
-        self._programs = {}
+        self._programs: dict[Hashable, Body] = {}
         self._connected = False
-        self._reducer = None
+        self._reducer: MeshReducer | None = None
 
-    def _program(self, key, body):
+    def _program(self, key: Hashable, body: Body) -> Body:
         import jax
         from jax.sharding import PartitionSpec
         fn = self._programs.get(key)
@@ -90,7 +100,7 @@ class JaxComm(Comm):
                 check_vma=not gathers))
         return fn
 
-    def _run(self, key, body, x):
+    def _run(self, key: Hashable, body: Body, x: Any) -> Any:
         """``body`` over every rank's flat ``x``: this rank's flat vector is its shard of one global
         vector, and the replicated result is read from this rank's device without a copy."""
         import jax
@@ -110,21 +120,21 @@ class JaxComm(Comm):
             out = self._program(key, body)(glob).addressable_data(0)
         return out.astype(jnp.bool_) if bool_input else out
 
-    def program_reducer(self):
+    def program_reducer(self) -> MeshReducer:
         if self._reducer is None:
             self._reducer = MeshReducer(self.mesh, self.n_ranks)
         return self._reducer
 
-    def all_reduce(self, values, op):
+    def all_reduce(self, values: Sequence[Any], op: str) -> list[Any]:
         return _unflat(self._run(op, self._bodies[op], _flat(values)), values)
 
-    def all_gather(self, values):
+    def all_gather(self, values: Sequence[Any]) -> list[Any]:
         import jax.numpy as jnp
         stacked = self._run(GATHER, self._bodies[GATHER], _flat(values))     # (n_ranks, size)
         return [jnp.reshape(part, (self.n_ranks,) + np.shape(v))
                 for part, v in zip(_split(stacked, values, axis=1), values)]
 
-    def broadcast(self, values, root):
+    def broadcast(self, values: Sequence[Any], root: int) -> list[Any]:
         return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
 
 
@@ -141,35 +151,35 @@ class MeshReducer(ProgramReducer):
     shapes: the program is one for all of them.
     """
 
-    def __init__(self, mesh, n_ranks):
+    def __init__(self, mesh: Mesh, n_ranks: int) -> None:
         self.mesh, self.n_ranks = mesh, n_ranks
         self._reduce = _bodies()
 
-    def reduce(self, x, mode):
+    def reduce(self, x: Any, mode: str | None) -> Any:
         return x if mode is None else self._reduce[mode](x)
 
-    def wrap(self, body):
+    def wrap(self, body: Callable[..., Any]) -> Callable[..., Any]:
         import jax
         from jax.sharding import PartitionSpec
 
-        def program(*glob):
+        def program(*glob: Any) -> Any:
             return jax.shard_map(body, mesh=self.mesh, in_specs=PartitionSpec(),
                                  out_specs=PartitionSpec(), check_vma=False)(*glob)
         return program
 
-    def globals_of(self, tree):
+    def globals_of(self, tree: Any) -> Any:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.tree_util.tree_map(
             lambda a: jax.make_array_from_single_device_arrays(a.shape, replicated, [a]), tree)
 
-    def locals_of(self, tree):
+    def locals_of(self, tree: Any) -> Any:
         import jax
         return jax.tree_util.tree_map(lambda a: a.addressable_data(0), tree)
 
 
-def _flat(values):
+def _flat(values: Sequence[Any]) -> Any:
     """One flat vector of ``values`` (one collective launch for all of them); a single flat value
     is itself."""
     import jax.numpy as jnp
@@ -178,7 +188,7 @@ def _flat(values):
     return jnp.concatenate([jnp.ravel(jnp.asarray(v)) for v in values])
 
 
-def _split(flat, like, axis=0):
+def _split(flat: Any, like: Sequence[Any], axis: int = 0) -> list[Any]:
     """``flat`` cut along ``axis`` into the sizes of ``like`` (the whole of it for one value)."""
     if len(like) == 1:
         return [flat]
@@ -187,6 +197,6 @@ def _split(flat, like, axis=0):
     return jnp.split(flat, bounds, axis=axis)
 
 
-def _unflat(flat, like):
+def _unflat(flat: Any, like: Sequence[Any]) -> list[Any]:
     return [part if np.shape(part) == np.shape(v) else part.reshape(np.shape(v))
             for part, v in zip(_split(flat, like), like)]

@@ -4,9 +4,15 @@
 so the mean over an uneven split equals the mean over the whole batch.
 """
 
+from __future__ import annotations
+
 import enum
+from collections.abc import Collection, Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["owned", "Reduce", "GATHER", "OUTPUT_MODES", "UPDATE_MODES", "COMBINE", "check_output_mode",
            "check_update_mode", "Accumulator", "reduce_ranks", "reduce_outputs"]
@@ -38,11 +44,11 @@ class Reduce(enum.StrEnum):
         return _CODES[self]
 
     @classmethod
-    def of_code(cls, code: int) -> "Reduce":
+    def of_code(cls, code: int) -> Reduce:
         return list(cls)[code]
 
     @classmethod
-    def named(cls, op: str, what: str = "op") -> "Reduce":
+    def named(cls, op: str, what: str = "op") -> Reduce:
         """The member named ``op``, or a ValueError listing them (``what`` names the argument)."""
         try:
             return cls(op)
@@ -57,11 +63,11 @@ OUTPUT_MODES = (*(m.value for m in Reduce), GATHER, None)
 UPDATE_MODES = (*(m.value for m in Reduce), None)
 
 
-def _is_integer(dtype):
+def _is_integer(dtype: npt.DTypeLike) -> bool:
     return np.issubdtype(np.dtype(dtype), np.integer) or np.dtype(dtype) == np.bool_
 
 
-def check_output_mode(var, mode):
+def check_output_mode(var: Any, mode: str | None) -> str | None:
     """Validate ``mode`` for output ``var``; return it."""
     if mode not in OUTPUT_MODES:
         raise ValueError(f"output mode {mode!r} for {var} is not one of {list(OUTPUT_MODES)}")
@@ -76,7 +82,7 @@ def check_output_mode(var, mode):
     return mode
 
 
-def check_update_mode(shared, mode):
+def check_update_mode(shared: Any, mode: str | None) -> str | None:
     if mode not in UPDATE_MODES:
         raise ValueError(f"update mode {mode!r} for {shared} is not one of {list(UPDATE_MODES)}")
     return mode
@@ -90,15 +96,15 @@ class Accumulator:
     concatenates along ``axis``.
     """
 
-    def __init__(self, mode, xp, axis=0):
+    def __init__(self, mode: str | None, xp: ModuleType, axis: int = 0) -> None:
         self.mode = mode
         self.xp = xp
         self.axis = axis
-        self.value = None
-        self.parts = []
+        self.value: Any = None
+        self.parts: list[Any] = []
         self.rows = 0
 
-    def add(self, value, rows):
+    def add(self, value: Any, rows: int) -> None:
         mode, xp = self.mode, self.xp
         if mode == GATHER:
             self.parts.append(value)
@@ -118,15 +124,15 @@ class Accumulator:
             self.value = value
         self.rows += rows
 
-    def result(self):
+    def result(self) -> Any:
         if self.mode == GATHER:
             return self.parts[0] if len(self.parts) == 1 else concatenated(self.parts, self.axis, self.xp)
         if self.mode == "avg":
-            return self.value / self.rows  # type: ignore[operator]  # add() set it
+            return self.value / self.rows
         return self.value
 
 
-def concatenated(parts, axis, xp=np):
+def concatenated(parts: Collection[Any], axis: int, xp: ModuleType = np) -> Any:
     """``parts`` (each device's or slice's share of a "gather" output) concatenated along ``axis``.
 
     Shares that differ on another axis than ``axis`` were split along another
@@ -145,10 +151,12 @@ def concatenated(parts, axis, xp=np):
 
 
 #: the numpy ufunc of each elementwise reduction
-COMBINE = {Reduce.SUM: np.add, Reduce.PROD: np.multiply, Reduce.MIN: np.minimum, Reduce.MAX: np.maximum}
+COMBINE: dict[str, np.ufunc] = {Reduce.SUM: np.add, Reduce.PROD: np.multiply, Reduce.MIN: np.minimum,
+                                Reduce.MAX: np.maximum}
 
 
-def reduce_ranks(mode, values, rows, axis=0):
+def reduce_ranks(mode: str, values: np.ndarray | Sequence[np.ndarray], rows: Sequence[int],
+                 axis: int = 0) -> np.ndarray | np.generic:
     """Reduce per-rank results in rank order; ``rows`` (a list of int) weights ``"avg"``;
     ``"gather"`` concatenates along ``axis``.
 
@@ -181,7 +189,9 @@ def reduce_ranks(mode, values, rows, axis=0):
     return np.asarray(out)
 
 
-def reduce_outputs(columns, subset, rows, master_rank, reductions):
+def reduce_outputs(columns: Sequence[np.ndarray | Sequence[np.ndarray]], subset: Sequence[int],
+                   rows: Sequence[int], master_rank: int,
+                   reductions: Sequence[tuple[str | None, npt.DTypeLike, int]]) -> list[np.ndarray]:
     """Reduce each selected output of a call across ranks.
 
     ``columns[j]`` holds every rank's result of output ``subset[j]``,
@@ -197,7 +207,7 @@ def reduce_outputs(columns, subset, rows, master_rank, reductions):
     ranks = [rank for rank, n in enumerate(rows) if n]
     own = master_rank if rows[master_rank] else ranks[0]
     weights = rows if everyone else [rows[rank] for rank in ranks]
-    reduced = []
+    reduced: list[np.ndarray] = []
     for column, i in zip(columns, subset):
         mode, dtype, axis = reductions[i]
         if mode is None:
@@ -211,7 +221,7 @@ def reduce_outputs(columns, subset, rows, master_rank, reductions):
     return reduced
 
 
-def owned(value, dtype):
+def owned(value: Any, dtype: npt.DTypeLike) -> np.ndarray:
     """``value`` as a writeable numpy array of ``dtype`` that the caller owns (a device array's
     read-only host view, or the master's own result, is copied).
 

@@ -18,17 +18,27 @@ vector carries the statistics to the step's update function, which writes them
 combined over the devices and advances the clocks once per step.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
 from pytensor_ml.pytensorf import collect_clock_updates, collect_non_trainable_updates
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
 
 __all__ = ["model_updates", "writes_flat_gradient"]
 
 
-def writes_flat_gradient(targets):
+def writes_flat_gradient(targets: Iterable[SharedVariable]) -> bool:
     """True if one of the shared ``targets`` is a training step's flat gradient."""
     return any(getattr(t.tag, "synk_gradient", False) for t in targets)
 
 
-def model_updates(outputs, updates):
+def model_updates(outputs: Sequence[Variable],
+                  updates: Mapping[SharedVariable, Variable]) -> list[tuple[SharedVariable, Variable, str]]:
     """The clock advances and stateful write-backs a function with ``outputs`` and ``updates`` threads in.
 
     Parameters

@@ -16,20 +16,29 @@ generators' state (as it does in a single process): two functions drawing
 from one generator advance their own copies.
 """
 
+from __future__ import annotations
+
 import copy
+from collections.abc import Container, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pytensor.tensor.random.type import RandomType
 
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
+
 __all__ = ["is_generator", "generator_updates", "device_stream"]
 
 
-def is_generator(var):
+def is_generator(var: object) -> bool:
     """True if ``var`` is a random generator (a shared ``RandomType`` variable, for instance)."""
     return isinstance(getattr(var, "type", None), RandomType)
 
 
-def generator_updates(inputs, read_variables, written):
+def generator_updates(inputs: Iterable[Variable], read_variables: Sequence[Variable],
+                      written: Container[SharedVariable]) -> list[tuple[SharedVariable, Variable]]:
     """The next-state update of every shared generator the graphs of ``read_variables`` draw from.
 
     What ``pytensor_ml.pytensorf.function`` threads in, through its own
@@ -75,7 +84,7 @@ def generator_updates(inputs, read_variables, written):
     return [(rng, nxt) for rng, nxt in updates.items() if rng not in written]
 
 
-def device_stream(generator, offset):
+def device_stream(generator: np.random.Generator, offset: int) -> np.random.Generator:
     """Generator ``offset`` streams after ``generator`` (a copy of it for ``offset=0``).
 
     Examples

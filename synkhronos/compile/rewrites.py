@@ -20,11 +20,17 @@ XLA. GPUs take transposed operands natively and multiply on the device; there
 the rewrite is left out (see :func:`compile_mode`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
+
 import numpy as np
+import numpy.typing as npt
 import pytensor.tensor as pt
-from pytensor.compile.mode import get_mode, optdb
-from pytensor.graph.basic import Apply
-from pytensor.graph.op import Op
+from pytensor.compile.mode import Mode, get_mode, optdb
+from pytensor.graph.basic import Apply, Variable
+from pytensor.graph.op import Op, OutputStorageType
 from pytensor.graph.rewriting.basic import in2out, node_rewriter
 from pytensor.scalar import upcast
 from pytensor.tensor.elemwise import CAReduce, DimShuffle
@@ -32,6 +38,10 @@ from pytensor.tensor.math import Dot
 
 from ..platform import compile_cache
 from ..platform.cpu_blas import blas_threads
+
+if TYPE_CHECKING:
+    import jax
+    from pytensor.graph.fg import FunctionGraph
 
 __all__ = ["BlasDot", "TransposedDot", "transposed_dot", "tiled_transpose", "compile_mode",
            "use_cpu_rewrite", "set_cpu_rewrite", "products_measured", "REWRITE_TAG",
@@ -69,10 +79,10 @@ class BlasDot(Op):
 
     __props__ = ("transpose_a", "transpose_b")
 
-    def __init__(self, transpose_a=False, transpose_b=False):
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
         self.transpose_a, self.transpose_b = bool(transpose_a), bool(transpose_b)
 
-    def make_node(self, a, b):  # type: ignore[override]
+    def make_node(self, a: Any, b: Any) -> Apply:  # type: ignore[override]
         a, b = pt.as_tensor_variable(a), pt.as_tensor_variable(b)
         if a.ndim != 2 or b.ndim != 2:
             raise TypeError(f"{type(self).__name__} multiplies matrices")
@@ -80,29 +90,30 @@ class BlasDot(Op):
         out = pt.matrix(dtype=upcast(a.dtype, b.dtype), shape=(rows, cols))
         return Apply(self, [a, b], [out])
 
-    def dims(self, a_shape, b_shape):
+    def dims[D](self, a_shape: Sequence[D], b_shape: Sequence[D]) -> tuple[D, D, D]:
         """(rows, contracted, columns) of the product of operands of these shapes."""
         rows, k = a_shape[::-1] if self.transpose_a else a_shape
         cols = b_shape[0] if self.transpose_b else b_shape[1]
         return rows, k, cols
 
-    def _operands(self, a, b):
+    def _operands(self, a: Any, b: Any) -> tuple[Any, Any]:
         return (a.T if self.transpose_a else a), (b.T if self.transpose_b else b)
 
-    def multiply(self, a, b, dtype):
+    def multiply(self, a: np.ndarray, b: np.ndarray, dtype: npt.DTypeLike) -> np.ndarray:
         """The product of numpy arrays ``a`` and ``b`` in numpy (its BLAS), as ``dtype``."""
         return np.asarray(np.dot(*self._operands(a, b)), dtype=dtype)
 
-    def perform(self, node, inputs, outputs):
-        outputs[0][0] = self.multiply(*inputs, node.outputs[0].dtype)  # type: ignore[call-arg]
+    def perform(self, node: Apply, inputs: Sequence[Any], outputs: OutputStorageType) -> None:
+        outputs[0][0] = self.multiply(*inputs, node.outputs[0].type.dtype)  # type: ignore[call-arg]
 
-    def pullback(self, inputs, outputs, cotangents):
+    def pullback(self, inputs: Sequence[Variable], outputs: Sequence[Variable],
+                 cotangents: Sequence[Variable]) -> list[Variable]:
         a, b = self._operands(*inputs)
         g = cotangents[0]
         grad_a, grad_b = g @ b.T, a.T @ g
         return [grad_a.T if self.transpose_a else grad_a, grad_b.T if self.transpose_b else grad_b]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}(transpose_a={self.transpose_a}, transpose_b={self.transpose_b})"
 
     __str__ = __repr__
@@ -127,13 +138,13 @@ class TransposedDot(BlasDot):
     __props__: tuple = ()
     transpose_a, transpose_b = True, False
 
-    def __init__(self):
+    def __init__(self) -> None:
         pass
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "TransposedDot()"
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "TransposedDot"
 
 
@@ -143,7 +154,7 @@ transposed_dot = TransposedDot()
 TILES = (32, 16, 8)
 
 
-def tiled_transpose(x):
+def tiled_transpose(x: jax.Array) -> jax.Array:
     """``x.T`` as an array of its own, moved tile by tile (JAX, inside a traced function).
 
     XLA's CPU transpose of a large matrix runs slower than moving it through
@@ -159,7 +170,7 @@ def tiled_transpose(x):
     return lax.optimization_barrier(tiles.transpose(1, 3, 0, 2).reshape(n, m))
 
 
-def _xla_product(transpose_a, transpose_b, a, b):
+def _xla_product(transpose_a: bool, transpose_b: bool, a: jax.Array, b: jax.Array) -> jax.Array:
     """``op(a) @ op(b)`` in XLA, in the forms its CPU backend runs at full speed."""
     from jax import lax
     if transpose_a and transpose_b:
@@ -177,11 +188,11 @@ def _xla_product(transpose_a, transpose_b, a, b):
 
 
 #: Ctrl-C that arrived while numpy multiplied for a jitted graph (see raise_deferred_interrupt)
-_interrupts = []
+_interrupts: list[bool] = []
 
 
-def _host_product(op, dtype):
-    def product(a, b):
+def _host_product(op: BlasDot, dtype: npt.DTypeLike) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    def product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         try:
             return op.multiply(a, b, dtype)
         except KeyboardInterrupt:
@@ -192,7 +203,7 @@ def _host_product(op, dtype):
     return product
 
 
-def raise_deferred_interrupt(error=None):
+def raise_deferred_interrupt(error: BaseException | None = None) -> None:
     """Raise the KeyboardInterrupt that reached a host product, if one did.
 
     Call it after a computation that may have run :class:`BlasDot` products in
@@ -205,13 +216,13 @@ def raise_deferred_interrupt(error=None):
         raise KeyboardInterrupt from error
 
 
-def _jax_blas_dot(op, node, **kwargs):
+def _jax_blas_dot(op: BlasDot, node: Apply, **kwargs: Any) -> Callable[[jax.Array, jax.Array], jax.Array]:
     """How PyTensor's JAX backend runs a :class:`BlasDot` (registered by :func:`compile_mode`)."""
     import jax
-    dtype = node.outputs[0].dtype
+    dtype = node.outputs[0].type.dtype
     host = _host_product(op, dtype)
 
-    def blas_dot(a, b):
+    def blas_dot(a: jax.Array, b: jax.Array) -> jax.Array:
         rows, k, cols = op.dims(a.shape, b.shape)
         if blas_threads() is not None and 2 * rows * k * cols >= HOST_BLAS_MIN_FLOPS:
             return jax.pure_callback(host, jax.ShapeDtypeStruct((rows, cols), dtype), a, b)
@@ -219,23 +230,23 @@ def _jax_blas_dot(op, node, **kwargs):
     return blas_dot
 
 
-def _is_transpose(var):
+def _is_transpose(var: Variable) -> bool:
     node = var.owner
     return (node is not None and isinstance(node.op, DimShuffle)
             and node.op.input_ndim == 2 and tuple(node.op.new_order) == (1, 0))
 
 
 @node_rewriter([Dot])
-def blas_dots(fgraph, node):
+def blas_dots(fgraph: FunctionGraph, node: Apply) -> list[Variable] | None:
     """``dot(op(A), op(B))`` of matrices -> ``BlasDot`` of ``A`` and ``B`` (``TransposedDot`` for ``A.T @ B``)."""
     lhs, rhs = node.inputs
-    if lhs.ndim != 2 or rhs.ndim != 2:
+    if lhs.type.ndim != 2 or rhs.type.ndim != 2:
         return None
     transpose_a, transpose_b = _is_transpose(lhs), _is_transpose(rhs)
     a = lhs.owner.inputs[0] if transpose_a else lhs
     b = rhs.owner.inputs[0] if transpose_b else rhs
     op = TransposedDot() if (transpose_a and not transpose_b) else BlasDot(transpose_a, transpose_b)
-    return [op(a, b)]
+    return [cast(Variable, op(a, b))]
 
 
 _installed: list[bool] = []
@@ -246,7 +257,7 @@ PRECISION_TAG = "synk_jax_precision"
 
 
 @node_rewriter([CAReduce])
-def reduce_in_jax_precision(fgraph, node):
+def reduce_in_jax_precision(fgraph: FunctionGraph, node: Apply) -> list[Variable] | Literal[False]:
     """A reduction accumulating wider than 32 bits accumulates in its output's type instead.
 
     PyTensor sums float32 in float64 by default; JAX without its 64-bit mode
@@ -259,7 +270,7 @@ def reduce_in_jax_precision(fgraph, node):
     return node.op.clone(acc_dtype=out).make_node(*node.inputs).outputs
 
 
-def _install():
+def _install() -> None:
     """Register the rewrites (each under its own tag, off in every mode that does not include it)
     and :class:`BlasDot`'s JAX implementation with PyTensor, once, when synkhronos first compiles."""
     if _installed:
@@ -273,7 +284,7 @@ def _install():
     _installed.append(True)
 
 
-def compile_mode(platform):
+def compile_mode(platform: str) -> Mode:
     """The PyTensor mode synkhronos compiles with on ``platform`` ("cpu", "gpu", ...).
 
     On CPU the rewrite is included when :func:`use_cpu_rewrite` says it pays on
@@ -295,18 +306,18 @@ def compile_mode(platform):
     return mode.including(REWRITE_TAG) if platform == "cpu" and use_cpu_rewrite() else mode
 
 
-def _jax_has_64_bits():
+def _jax_has_64_bits() -> bool:
     import jax
     return bool(jax.config.jax_enable_x64)
 
 
 #: whether this process compiles with the CPU rewrite: None until decided (see use_cpu_rewrite)
-_cpu_rewrite = None
+_cpu_rewrite: bool | None = None
 #: what the decision was made from (seconds per product), for reports
-products_measured = {}
+products_measured: dict[str, Any] = {}
 
 
-def set_cpu_rewrite(on):
+def set_cpu_rewrite(on: bool | None) -> None:
     """Compile with the CPU rewrite (True), without it (False), or decide by measuring (None).
 
     Every rank of a runtime must decide alike: the master measures, and the
@@ -322,14 +333,14 @@ _kept_in: str | None = None
 BLAS_FASTER, XLA_FASTER = "products-faster-in-blas", "products-faster-in-xla"
 
 
-def keep_decision_in(directory):
+def keep_decision_in(directory: str | None) -> None:
     """Keep what :func:`use_cpu_rewrite` measures in ``directory`` (this host's compile cache), and
     take it from there in later runs instead of measuring again (None: measure in every process)."""
     global _kept_in
     _kept_in = directory
 
 
-def use_cpu_rewrite():
+def use_cpu_rewrite() -> bool:
     """Whether CPU functions compile with the rewrite; measured once per process if undecided.
 
     Large products in numpy's BLAS beat XLA's CPU products on some CPUs and
@@ -357,7 +368,7 @@ def use_cpu_rewrite():
     return _cpu_rewrite
 
 
-def _decision_key(threads):
+def _decision_key(threads: int) -> str:
     """What the measurement depends on besides the host (the cache's directory is the host's): the
     libraries (numpy's wheel brings its BLAS) and the threads each side gets."""
     import hashlib
@@ -366,7 +377,7 @@ def _decision_key(threads):
     return hashlib.sha256(repr((versions, threads)).encode()).hexdigest()
 
 
-def _time_products(rows=512, k=1024, cols=1024, repeat=3):
+def _time_products(rows: int = 512, k: int = 1024, cols: int = 1024, repeat: int = 3) -> dict[str, Any]:
     """Best-of-``repeat`` seconds of ``x @ w`` plus ``x.T @ d`` in XLA and in numpy's BLAS."""
     import time
 
@@ -377,7 +388,7 @@ def _time_products(rows=512, k=1024, cols=1024, repeat=3):
     xla = jax.jit(lambda x, w, d: (x @ w, x.T @ d))
     jx, jw, jd = (jnp.asarray(v) for v in (x, w, d))
 
-    def best(fn):
+    def best(fn: Callable[[], object]) -> float:
         fn()
         times = []
         for _ in range(repeat):

@@ -16,12 +16,24 @@ refuses). Two things are added to cloudpickle:
   numpy arrays.
 """
 
+from __future__ import annotations
+
 import io
 import pickle
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 from pytensor.graph.traversal import toposort
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+
+    from ..wire.spec import FunctionSpec
+
+#: the uid of a shared variable the workers already hold, or None for anything else
+type UidOfShipped = Callable[[object], int | None]
 
 __all__ = ["dumps", "loads", "check_shippable"]
 
@@ -29,31 +41,31 @@ __all__ = ["dumps", "loads", "check_shippable"]
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle with shared variables by reference (see :func:`dumps`)."""
 
-    def __init__(self, file, uid_of_shipped):
+    def __init__(self, file: IO[bytes], uid_of_shipped: UidOfShipped) -> None:
         super().__init__(file, protocol=5)
         self._uid_of_shipped = uid_of_shipped
 
-    def persistent_id(self, obj):
+    def persistent_id(self, obj: object) -> tuple[str, int] | None:
         uid = self._uid_of_shipped(obj)
         return None if uid is None else ("shared", uid)
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: object) -> Any:
         if type(obj).__module__.startswith("jaxlib") and hasattr(obj, "__array__"):
             return np.asarray, (np.asarray(obj),)
         return super().reducer_override(obj)
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, shared):
+    def __init__(self, file: IO[bytes], shared: Mapping[int, Any]) -> None:
         super().__init__(file)
         self._shared = shared
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: tuple[str, int]) -> Any:
         _, uid = pid
         return self._shared[uid]
 
 
-def dumps(payload, graph_vars, uid_of_shipped):
+def dumps(payload: object, graph_vars: Iterable[Variable], uid_of_shipped: UidOfShipped) -> bytes:
     """Pickle ``payload``, whose graphs end in ``graph_vars``, for :func:`loads` in a worker.
 
     Parameters
@@ -76,13 +88,13 @@ def dumps(payload, graph_vars, uid_of_shipped):
     return buf.getvalue()
 
 
-def loads(blob, shared):
+def loads(blob: bytes, shared: Mapping[int, Any]) -> Any:
     """Unpickle what :func:`dumps` made; ``shared`` maps uids to the worker's shared variables."""
     _, payload = _Unpickler(io.BytesIO(blob), shared).load()
     return payload
 
 
-def check_shippable(spec):
+def check_shippable(spec: FunctionSpec) -> None:
     """Raise TypeError if function spec ``spec`` cannot be pickled for the workers.
 
     Run when a function is built, so a function that cannot travel fails
@@ -91,7 +103,7 @@ def check_shippable(spec):
     """
     from pytensor.compile.sharedvalue import SharedVariable
 
-    def shared_by_reference(obj):
+    def shared_by_reference(obj: object) -> int | None:
         return id(obj) if isinstance(obj, SharedVariable) else None
     try:
         dumps(spec, spec.graph_vars(), shared_by_reference)

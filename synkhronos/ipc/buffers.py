@@ -5,17 +5,22 @@ reusing (fresh pages cost their first touch) once no device array or view of it
 is left (:class:`BufferPool`).
 """
 
+from __future__ import annotations
+
 import math
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["aligned_empty", "BufferPool", "round_up", "ceil_div"]
 
 _ALIGN = 64
 
 
-def ceil_div(n, d):
+def ceil_div(n: int, d: int) -> int:
     """``n / d`` rounded up, for whole numbers.
 
     Examples
@@ -26,7 +31,7 @@ def ceil_div(n, d):
     return -(-n // d)
 
 
-def round_up(n, multiple=_ALIGN):
+def round_up(n: int, multiple: int = _ALIGN) -> int:
     """The least multiple of ``multiple`` that is ``n`` or more (64: a cache line).
 
     Examples
@@ -37,7 +42,7 @@ def round_up(n, multiple=_ALIGN):
     return ceil_div(n, multiple) * multiple
 
 
-def aligned_empty(shape, dtype):
+def aligned_empty(shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
     """A new numpy array whose data starts on a 64-byte boundary.
 
     XLA's CPU client adopts such a buffer as a device array without copying it
@@ -53,11 +58,11 @@ def aligned_empty(shape, dtype):
     return _aligned_view(np.empty(nbytes + _ALIGN, np.uint8), shape, dtype, nbytes)
 
 
-def _nbytes(shape, dtype):
+def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _aligned_view(owner, shape, dtype, nbytes):
+def _aligned_view(owner: np.ndarray, shape: Sequence[int], dtype: np.dtype, nbytes: int) -> np.ndarray:
     """``shape``/``dtype`` view of ``owner`` (uint8, ``nbytes`` + 64 long) from its first 64-byte boundary."""
     start = -owner.ctypes.data % _ALIGN
     return owner[start:start + nbytes].view(dtype).reshape(shape)
@@ -86,11 +91,11 @@ class BufferPool:
         Smaller buffers come from :func:`aligned_empty` (malloc reuses those itself).
     """
 
-    def __init__(self, max_bytes=1 << 30, min_bytes=1 << 20):
+    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20) -> None:
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
-        self._stores = []        # [uint8 array owning its memory, weak reference to its lease]
+        self._stores: list[list[Any]] = []        # [uint8 array owning its memory, weak reference to its lease]
 
-    def empty(self, shape, dtype):
+    def empty(self, shape: Sequence[int], dtype: npt.DTypeLike) -> np.ndarray:
         """An aligned array of ``shape``/``dtype`` in a buffer no one else refers to."""
         dtype = np.dtype(dtype)
         nbytes = _nbytes(shape, dtype)
@@ -101,7 +106,7 @@ class BufferPool:
         entry[1] = weakref.ref(lease)
         return _aligned_view(lease, shape, dtype, nbytes)
 
-    def _free_store(self, nbytes):
+    def _free_store(self, nbytes: int) -> list[Any]:
         for entry in self._stores:
             if not _leased(entry) and nbytes <= entry[0].size - _ALIGN <= 2 * nbytes:
                 return entry
@@ -112,10 +117,10 @@ class BufferPool:
             self._stores.append(entry)
         return entry
 
-    def _kept_bytes(self):
+    def _kept_bytes(self) -> int:
         return sum(store.size for store, _ in self._stores)
 
 
-def _leased(entry):
+def _leased(entry: list[Any]) -> bool:
     """True while the lease of a pool entry (see :class:`BufferPool`) or a view of it lives."""
     return entry[1] is not None and entry[1]() is not None

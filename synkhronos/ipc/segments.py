@@ -22,6 +22,8 @@ segments when a worker exits), and its ``close()`` fails while numpy views of
 the buffer are alive. Here a mapping is released when its last view dies.
 """
 
+from __future__ import annotations
+
 import _posixshmem
 import errno
 import fcntl
@@ -33,11 +35,13 @@ import re
 import secrets
 import stat
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from multiprocessing import resource_tracker
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .buffers import round_up
 
@@ -59,7 +63,7 @@ _LIVE = "live"
 _CLAIM_TRIES = 5
 
 
-def new_prefix():
+def new_prefix() -> str:
     """Return a fresh, unguessable name prefix for one runtime's segments: its master's pid (to
     tell a reader whose they are) and 64 random bits."""
     return f"synk_{os.getpid()}_{secrets.token_hex(8)}"
@@ -91,17 +95,17 @@ class Claim:
     >>> claim.release()
     """
 
-    def __init__(self, prefix):
+    def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.name = f"{prefix}_{_LIVE}"
         self._lock = threading.Lock()
-        self._fd = None
+        self._fd: int | None = None
         if os.path.isdir(SEGMENT_DIRECTORY):
             self._fd = _hold(os.path.join(SEGMENT_DIRECTORY, self.name))
             _claims.add(self)
             resource_tracker.register("/" + self.name, "shared_memory")
 
-    def release(self):
+    def release(self) -> None:
         """Remove the lock segment, then let go of the lock (idempotent)."""
         with self._lock:
             fd, self._fd = self._fd, None
@@ -113,7 +117,7 @@ class Claim:
         finally:
             os.close(fd)
 
-    def _forget_in_child(self):
+    def _forget_in_child(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -123,7 +127,7 @@ class Claim:
 _claims: set[Claim] = set()
 
 
-def _forget_claims_in_child():
+def _forget_claims_in_child() -> None:
     for claim in list(_claims):
         claim._forget_in_child()
     _claims.clear()
@@ -132,7 +136,7 @@ def _forget_claims_in_child():
 os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
-def _hold(path):
+def _hold(path: str) -> int:
     """Create the file ``path`` and hold a shared lock on it; return its descriptor.
 
     Between the creation and the lock a sweep may find the file unheld and
@@ -152,7 +156,7 @@ def _hold(path):
                        f"as it is made; check what else sweeps {os.path.dirname(path)}")
 
 
-def _names(path, fd):
+def _names(path: str, fd: int) -> bool:
     """Whether ``path`` still names the file open as ``fd``."""
     try:
         st = os.lstat(path)
@@ -163,7 +167,7 @@ def _names(path, fd):
 
 
 @contextmanager
-def _unheld(directory, prefix):
+def _unheld(directory: str, prefix: str) -> Iterator[bool]:
     """Within: whether no process holds the lock of run ``prefix`` (held here meanwhile, so that
     a second sweep does not work on the same run)."""
     try:
@@ -193,12 +197,12 @@ class Sweep(NamedTuple):
     """What a sweep of the segment directory found."""
 
     #: names of this user's segments of runs that ended (removed, by :func:`remove_stale_segments`)
-    stale: list
+    stale: list[str]
     #: ``(name, why)`` of each entry named like a segment that is not this user's segment
-    skipped: list
+    skipped: list[tuple[str, str]]
 
 
-def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
+def stale_segments(directory: str = SEGMENT_DIRECTORY, remove: bool = False) -> Sweep:
     """Find (and with ``remove``, unlink) the segments of this user's runs that ended.
 
     A run has ended when nobody holds the lock of its ``<prefix>_live``
@@ -215,8 +219,8 @@ def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
         names = sorted(os.listdir(directory))
     except OSError:
         return Sweep([], [])
-    runs: dict = {}
-    skipped: list = []
+    runs: dict[str, list[str]] = {}
+    skipped: list[tuple[str, str]] = []
     for name in names:
         found = _NAME.match(name)
         if found is None:
@@ -226,7 +230,7 @@ def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
             runs.setdefault(found.group(1), []).append(name)
         elif why is not None:
             skipped.append((name, why))
-    stale = []
+    stale: list[str] = []
     for prefix, members in runs.items():
         members.sort(key=lambda name: name == f"{prefix}_{_LIVE}")     # its lock segment last
         with _unheld(directory, prefix) as ended:
@@ -235,13 +239,13 @@ def stale_segments(directory=SEGMENT_DIRECTORY, remove=False):
     return Sweep(stale, skipped)
 
 
-def remove_stale_segments(directory=SEGMENT_DIRECTORY):
+def remove_stale_segments(directory: str = SEGMENT_DIRECTORY) -> Sweep:
     """Unlink every segment :func:`stale_segments` finds; return the :class:`Sweep` (``stale``:
     the names removed)."""
     return stale_segments(directory, remove=True)
 
 
-def _not_ours(path):
+def _not_ours(path: str) -> str | None:
     """Why the entry at ``path`` is not this user's segment; "" if it is one; None if it is gone."""
     try:
         st = os.lstat(path)
@@ -260,7 +264,7 @@ def _not_ours(path):
     return ""
 
 
-def _sweep_run(directory, names, remove, skipped):
+def _sweep_run(directory: str, names: Iterable[str], remove: bool, skipped: list[tuple[str, str]]) -> list[str]:
     """The ``names`` of an ended run (unlinked, with ``remove``); add what resisted to ``skipped``."""
     swept = []
     for name in names:
@@ -276,7 +280,7 @@ def _sweep_run(directory, names, remove, skipped):
     return swept
 
 
-def unlink(name, tracked=False):
+def unlink(name: str, tracked: bool = False) -> bool:
     """Unlink segment ``name``; a segment already gone is not an error."""
     try:
         _posixshmem.shm_unlink("/" + name)
@@ -288,7 +292,7 @@ def unlink(name, tracked=False):
     return True
 
 
-def unlink_if_ours(name):
+def unlink_if_ours(name: str) -> bool:
     """Unlink segment ``name`` if it is this user's regular file (a name another user made, say to
     squat the run's next names, is left alone); True if it was unlinked."""
     if _not_ours(os.path.join(SEGMENT_DIRECTORY, name)) != "":
@@ -296,14 +300,14 @@ def unlink_if_ours(name):
     return unlink(name)
 
 
-def _unregister(name):
+def _unregister(name: str) -> None:
     try:
         resource_tracker.unregister("/" + name, "shared_memory")
     except Exception:  # the tracker may already be gone at interpreter exit
         log.debug("could not unregister segment %s from the resource tracker", name, exc_info=True)
 
 
-def _reserve(fd, size):
+def _reserve(fd: int, size: int) -> None:
     """Give the new segment ``fd`` its ``size`` bytes of shared memory now, or raise MemoryError.
 
     A segment is sparse until written: without this, writing past the free
@@ -323,7 +327,7 @@ def _reserve(fd, size):
         ) from None
 
 
-def _shm_free_bytes():
+def _shm_free_bytes() -> int | None:
     try:
         st = os.statvfs("/dev/shm")
     except OSError:
@@ -348,13 +352,14 @@ class Segment:
         segment tracks it.
     """
 
-    def __init__(self, name, size=None, create=False, track=True):
+    def __init__(self, name: str, size: int | None = None, create: bool = False, track: bool = True) -> None:
         self.name = name
         self.tracked = create and track
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
         try:
             if create:
+                assert size is not None
                 size = max(int(size), 1)
                 os.ftruncate(fd, size)
                 _reserve(fd, size)
@@ -368,15 +373,15 @@ class Segment:
         finally:
             os.close(fd)
         self.size = size
-        self._views = {}
+        self._views: dict[tuple[np.dtype, tuple[int, ...]], np.ndarray] = {}
         if self.tracked:
             resource_tracker.register("/" + name, "shared_memory")
 
-    def array(self, dtype, shape, offset=0):
+    def array(self, dtype: npt.DTypeLike, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
         """Return a numpy view of ``shape`` items of ``dtype`` at byte ``offset``."""
         return np.frombuffer(self.mm, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
-    def view(self, dtype, shape):
+    def view(self, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """Like :meth:`array` at offset 0, kept for the next call with the same dtype and shape.
 
         Every function call views its input Data this way; the few views a
@@ -390,13 +395,13 @@ class Segment:
             view = self._views[key] = self.array(dtype, shape)
         return view
 
-    def release(self):
+    def release(self) -> None:
         """Drop this process's mapping (freed once no view of it remains); the segment is not read
         again."""
         self.mm = None  # type: ignore[assignment]
         self._views = {}
 
-    def unlink(self):
+    def unlink(self) -> None:
         """Remove the segment's name; mappings stay valid until released."""
         unlink(self.name, tracked=self.tracked)
         self.tracked = False
@@ -420,27 +425,27 @@ class GrowableSegment:
         Whether created segments are registered with the resource tracker.
     """
 
-    def __init__(self, base, track=True):
+    def __init__(self, base: str, track: bool = True) -> None:
         self.base = base
         self.track = track
         self.gen = 0
         self.segment: Segment | None = None
 
-    def name(self, gen=None):
+    def name(self, gen: int | None = None) -> str:
         return f"{self.base}g{self.gen if gen is None else gen}"
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return 0 if self.segment is None else self.segment.size
 
     @property
-    def made(self) -> "Segment":
+    def made(self) -> Segment:
         """The current segment (an error before :meth:`ensure` made one, or after :meth:`free`)."""
         if self.segment is None:
             raise RuntimeError(f"shared-memory segment {self.base} was not made or was freed")
         return self.segment
 
-    def ensure(self, nbytes, oversize=1.0):
+    def ensure(self, nbytes: int, oversize: float = 1.0) -> bool:
         """Make the segment hold at least ``nbytes``; return True if it was replaced.
 
         The larger segment is made before the old one is freed, so a segment
@@ -469,7 +474,7 @@ class GrowableSegment:
         self.segment, self.gen = made, gen
         return True
 
-    def free(self):
+    def free(self) -> None:
         if self.segment is not None:
             self.segment.unlink()
             self.segment.release()
@@ -479,12 +484,12 @@ class GrowableSegment:
 class SegmentMirror:
     """The reading side of a :class:`GrowableSegment` in another process."""
 
-    def __init__(self, base):
+    def __init__(self, base: str) -> None:
         self.base = base
-        self.gen = None
-        self.segment = None
+        self.gen: int | None = None
+        self.segment: Segment | None = None
 
-    def get(self, gen) -> Segment:
+    def get(self, gen: int) -> Segment:
         """Return the attached segment of generation ``gen``."""
         segment = self.segment
         if gen != self.gen or segment is None:
@@ -493,7 +498,7 @@ class SegmentMirror:
             self.gen = gen
         return segment
 
-    def release(self):
+    def release(self) -> None:
         if self.segment is not None:
             self.segment.release()
         self.segment, self.gen = None, None

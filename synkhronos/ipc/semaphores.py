@@ -8,11 +8,17 @@ taken, by other jobs or more processes than cores), this process's waits block
 at once for a while, longer each time it happens again.
 """
 
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import time
-from typing import Callable
+from collections.abc import Sequence
+from typing import Callable, Protocol
+
+from .segments import Segment
 
 __all__ = ["Semaphore", "semaphores_in", "SEMAPHORE_BYTES", "PREEMPTED_S", "BACK_OFF_S"]
 
@@ -35,27 +41,40 @@ for _fn, _args in (("sem_init", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]),
     getattr(_libc, _fn).restype = ctypes.c_int
 
 
+class SemaphoreLike(Protocol):
+    """What a holder of a semaphore uses: a :class:`Semaphore`, or the :class:`ClosedSemaphore`
+    it becomes once its segment is let go."""
+
+    def post(self) -> None: ...
+
+    def try_acquire(self) -> bool: ...
+
+    def acquire(self, timeout: float) -> bool: ...
+
+    def wait(self, check: Callable[[], None], spin: float = ..., slice_: float = ...) -> None: ...
+
+
 class Semaphore:
     """A process-shared POSIX semaphore living at ``address`` inside a segment.
 
     ``memory`` (the segment's mapping) is kept alive as long as the semaphore is.
     """
 
-    def __init__(self, address, memory=None):
+    def __init__(self, address: int, memory: mmap.mmap | None = None) -> None:
         self.address = address
         self._memory = memory
 
-    def init(self):
+    def init(self) -> None:
         if _libc.sem_init(self.address, 1, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
 
-    def post(self):
+    def post(self) -> None:
         _libc.sem_post(self.address)
 
-    def try_acquire(self):
+    def try_acquire(self) -> bool:
         return _libc.sem_trywait(self.address) == 0
 
-    def acquire(self, timeout):
+    def acquire(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds; return True if acquired."""
         deadline = time.time() + timeout
         ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
@@ -70,7 +89,7 @@ class Semaphore:
             # EINTR: return to Python so a pending KeyboardInterrupt is raised.
             return False
 
-    def wait(self, check, spin=100e-6, slice_=0.1):
+    def wait(self, check: Callable[[], None], spin: float = 100e-6, slice_: float = 0.1) -> None:
         """Acquire, spinning up to ``spin`` seconds first while spinning is free (see
         :data:`PREEMPTED_S`), then calling ``check()`` between slices.
 
@@ -132,16 +151,16 @@ _spin_from = [0.0]
 _back_off_s = [BACK_OFF_S[0]]
 
 
-def _may_spin():
+def _may_spin() -> bool:
     return time.perf_counter() >= _spin_from[0]
 
 
-def _back_off(now):
+def _back_off(now: float) -> None:
     _spin_from[0] = now + _back_off_s[0]
     _back_off_s[0] = min(2 * _back_off_s[0], BACK_OFF_S[1])
 
 
-def semaphores_in(segment, offset, count, create):
+def semaphores_in(segment: Segment, offset: int, count: int, create: bool) -> Sequence[SemaphoreLike]:
     """``count`` semaphores at ``offset`` of ``segment``, one per ``SEMAPHORE_BYTES``.
 
     ``create`` initializes them (the segment's creator does, once).

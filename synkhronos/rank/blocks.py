@@ -109,7 +109,7 @@ class Blocks:
         op = "avg" if loop.rule.reduces_gradient else None
         key = ("block", spec.grad_fid, spec.update_fid, spec.grad_uid, shapes, op, id(runner))
 
-        def build():
+        def build() -> BlockProgram | None:
             grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
             reducer = self.context.program_reducer()
             if grad is None or update is None or reducer is None:

@@ -5,12 +5,18 @@ backend. Graphs on free rows that JAX can only trace with concrete shapes are
 compiled per argument shape instead (:func:`~.graphs.rebuild_on`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import math
+import threading
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import pytensor
 from pytensor.graph.replace import clone_replace
 
@@ -24,8 +30,18 @@ from ..platform.jax_init import platform
 from ..platform.threads import start_thread
 from ..platform.values import faces_held, store, stored
 from ..tracing import trace
-from .graphs import needs_static_shapes, shaped_shared_cells, spec_graph
-from .jitted import abstract_value, face_updates, jitted_call
+from .graphs import Pair, SpecGraph, needs_static_shapes, shaped_shared_cells, spec_graph
+from .jitted import Runner, abstract_value, face_updates, jitted_call
+
+if TYPE_CHECKING:
+    from pytensor.compile.executor import Function
+    from pytensor.graph.basic import Variable
+
+    from ..wire.spec import FunctionSpec
+    from .undo import UndoLog
+
+#: the shapes of a call's arguments that pick its graph (see CompiledFunction)
+type Shapes = tuple[tuple[int, ...], ...]
 
 __all__ = ["CompiledFunction", "GatherBuffer", "compile_ahead", "generator_cells", "MANY_SHAPES"]
 
@@ -47,10 +63,10 @@ class GatherBuffer:
     this buffer.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._owner = np.empty(0, np.uint8)
 
-    def __call__(self, shape, dtype):
+    def __call__(self, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self._owner.nbytes:
@@ -62,7 +78,7 @@ class GatherBuffer:
 MANY_SHAPES = 16
 
 
-def generator_cells(fn):
+def generator_cells(fn: Function) -> dict[Variable, list[Any]]:
     """Where ``fn`` keeps the state of each random generator it draws from: {the user's generator: the
     storage cell of ``fn``'s private copy} (empty if ``fn`` is not one jitted graph)."""
     parts = jit_parts(fn)
@@ -72,7 +88,7 @@ def generator_cells(fn):
             if is_generator(inp.variable)}
 
 
-def compile_ahead(runner):
+def compile_ahead(runner: Runner) -> threading.Thread | None:
     """Have XLA compile the program ``runner`` will run, on another thread, if its shapes are known
     before its first call (a graph without arguments: an update function). Returns the thread, or None.
 
@@ -87,7 +103,7 @@ def compile_ahead(runner):
     if compile_ is None:
         return None
 
-    def run():
+    def run() -> None:
         with contextlib.suppress(Exception):
             compile_()
     return start_thread(run, "synkhronos-compile-ahead", daemon=False)
@@ -135,7 +151,8 @@ class CompiledFunction:
         (every rank meets as many: one warning is enough).
     """
 
-    def __init__(self, spec, reference=False, on_finding=None, check=False):
+    def __init__(self, spec: FunctionSpec, reference: bool = False,
+                 on_finding: Callable[[bool], None] | None = None, check: bool = False) -> None:
         self.spec = spec
         self.reference = reference
         self.output_modes = [m for _, m in spec.outputs]
@@ -148,7 +165,7 @@ class CompiledFunction:
         self._row_args = list(range(n_in)) + \
             [i for i in range(n_in, n_all) if spec.all_inputs[i].type.ndim] + \
             list(range(n_all, n_all + len(self.sliced_inputs)))
-        self._run_no_updates = None
+        self._run_no_updates: Runner | None = None
         #: the storage cell of each shared variable a graph rebuilt per shape may read at its present
         #: shape (see spec_graph), and whether it does: only once a graph rebuilt on the arguments'
         #: shapes alone failed to trace (a slice of a flat parameter vector reshaped); its shape is
@@ -160,18 +177,18 @@ class CompiledFunction:
         self._row_variant = functools.lru_cache(maxsize=spec.shapes_kept)(
             lambda shapes, updates: self._runner(self._compile(updates, *shapes)))
         #: the argument shapes met, until there were MANY_SHAPES of them (None after the warning)
-        self._shapes_met: set | None = set() if check and self._row_args else None
+        self._shapes_met: set[Shapes] | None = set() if check and self._row_args else None
         #: the PyTensor function on free rows (updates applied), or None while not built
-        self.function = None
+        self.function: Function | None = None
         #: True: compiled per row count; False: on free rows; None: not known yet (see the class notes)
-        self.by_rows = False if reference or not self._row_args else spec.by_rows
+        self.by_rows: bool | None = False if reference or not self._row_args else spec.by_rows
         self._on_finding = on_finding
         #: the row shapes compiled per shape while ``by_rows`` was not known (they keep their graphs)
-        self._shapes_first = set()
+        self._shapes_first: set[Shapes] = set()
         #: whether the graph on free rows ran once (a later failure is then the call's own)
         self._free_rows_ran = False
         #: the generator cells of the graph that ran last: where the random streams are (see _invoke)
-        self._streams_at = None
+        self._streams_at: dict[Variable, list[Any]] | None = None
         if self.by_rows is None and check:
             self._check()                # what PyTensor refuses before rewriting is raised here
         elif self.by_rows is False:
@@ -181,21 +198,21 @@ class CompiledFunction:
                 if not self._row_args or not needs_static_shapes(e):
                     raise
                 self._settle(True)
-        self._run = self._runner(self.function) if self.function is not None else None
+        self._run: Runner | None = self._runner(self.function) if self.function is not None else None
         if not reference:
             place_on_device(spec.shared_variables())     # compiled once, for device values
         #: XLA compiling the program ahead of its first call, on another thread (see compile_ahead)
-        self._compiling = None if reference else compile_ahead(self._run)
+        self._compiling: threading.Thread | None = None if reference else compile_ahead(self._run)
         #: per scattered input, where its explicitly indexed rows are gathered call after call
         self.gather_buffers = [GatherBuffer() for _ in spec.inputs]
 
-    def _compiled_ahead(self):
+    def _compiled_ahead(self) -> None:
         """Wait for the compile ahead, if one is running: the call then finds its program compiled."""
         if self._compiling is not None:
             self._compiling.join()
             self._compiling = None
 
-    def _settle(self, by_rows):
+    def _settle(self, by_rows: bool) -> None:
         """Record what was found: the graph needs concrete shapes (True) or traces on free rows."""
         changed = self.by_rows is not by_rows
         self.by_rows = by_rows
@@ -203,18 +220,18 @@ class CompiledFunction:
             self._on_finding(by_rows)
 
     @property
-    def calls_jit_directly(self):
+    def calls_jit_directly(self) -> bool:
         """True if calls skip PyTensor's per-call bookkeeping (see :func:`~.jitted.jitted_call`)."""
         return self._run is not None and getattr(self._run, "fn", None) is self.function
 
-    def _givens(self):
+    def _givens(self) -> list[Pair]:
         if not self.sliced_inputs:
             return self.spec.givens
         replace = dict(zip(self.spec.sliceable_shareds, self.sliced_inputs))
         user = [(k, clone_replace(v, replace=replace)) for k, v in self.spec.givens]
         return user + list(replace.items())
 
-    def _graph(self, shapes=None, shared_shapes=()):
+    def _graph(self, shapes: Shapes | None = None, shared_shapes: Shapes = ()) -> SpecGraph:
         """(inputs, outputs, updates, generator updates, givens), rebuilt on ``shapes`` if given
         (and on the shared variables of ``_shape_cells`` at ``shared_shapes``)."""
         fixed = dict(zip(self._shape_cells, shared_shapes))
@@ -222,13 +239,13 @@ class CompiledFunction:
         return spec_graph(self.spec, arguments, self._givens(), [arguments[i] for i in self._row_args],
                           shapes, fixed)
 
-    def _check(self):
+    def _check(self) -> None:
         """Raise what building the graph would raise before PyTensor's rewrites (a missing input...)."""
         inputs, outputs, upd, generators, givens = self._graph()
         check_function_graph(inputs, outputs, updates=upd + generators, givens=givens,
                              **self.spec.pytensor_kwargs())
 
-    def _compile(self, updates, shapes=None, shared_shapes=()):
+    def _compile(self, updates: bool, shapes: Shapes | None = None, shared_shapes: Shapes = ()) -> Function:
         spec = self.spec
         inputs, outputs, upd, generators, givens = self._graph(shapes, shared_shapes)
         if not updates:      # their values come back as outputs, to accumulate over slices
@@ -252,7 +269,7 @@ class CompiledFunction:
         fn.trust_input = not self.reference
         return fn
 
-    def _runner(self, fn):
+    def _runner(self, fn: Function) -> Runner:
         """How this process calls ``fn``: its jitted graph directly, else ``fn`` itself.
 
         Either returns only once a computation given arguments has finished (see
@@ -267,7 +284,7 @@ class CompiledFunction:
         shareds = [s for s, _, _ in self.spec.updates]
         update_cells = [s.container.storage for s in shareds]
 
-        def call(*args, undo=None):
+        def call(*args: Any, undo: UndoLog | None = None) -> list[Any]:
             if undo is not None:
                 undo.keep(update_cells)
             try:
@@ -285,7 +302,7 @@ class CompiledFunction:
         call.streams = {}  # type: ignore[attr-defined]  # not linked for JAX: the generators' own containers, shared by all
         return call
 
-    def _invoke(self, runner, args, undo=None):
+    def _invoke(self, runner: Runner, args: Sequence[Any], undo: UndoLog | None = None) -> list[Any]:
         """``runner(*args)``, its random generators first brought to where the last graph run left them.
 
         PyTensor's JAX linker gives every compiled graph a private copy of its
@@ -297,7 +314,7 @@ class CompiledFunction:
         self.continue_streams(runner)
         return runner(*args) if undo is None or self.reference else runner(*args, undo=undo)
 
-    def continue_streams(self, runner):
+    def continue_streams(self, runner: Runner) -> None:
         """Bring ``runner``'s random generators to where the last graph run left them (see
         :meth:`_invoke`): what a program built from ``runner``'s graph does first too."""
         streams = getattr(runner, "streams", None)      # (the reference runs PyTensor's function)
@@ -308,7 +325,7 @@ class CompiledFunction:
         if streams:
             self._streams_at = streams
 
-    def settled_runner(self, row_shapes):
+    def settled_runner(self, row_shapes: Iterable[tuple[int, ...]]) -> Runner | None:
         """The runner a call whose row-carrying arguments have ``row_shapes`` runs (updates
         applied), once a call has found which graph serves them; else None.
 
@@ -324,7 +341,7 @@ class CompiledFunction:
             return self._run
         return None
 
-    def _for_shapes(self, shapes, updates):
+    def _for_shapes(self, shapes: Iterable[tuple[int, ...]], updates: bool) -> Runner:
         """The runner of the graph rebuilt on inputs of ``shapes`` (see the class notes)."""
         shapes = tuple(shapes)
         if self.by_rows is None:
@@ -332,7 +349,8 @@ class CompiledFunction:
         fixed = tuple(c[0].shape for c in self._shape_cells.values()) if self._shareds_fixed else ()
         return self._row_variant((shapes, fixed), updates)
 
-    def _invoke_for_shapes(self, shapes, args, updates, undo):
+    def _invoke_for_shapes(self, shapes: Shapes, args: Sequence[Any], updates: bool,
+                           undo: UndoLog | None) -> list[Any]:
         """Run the graph rebuilt on ``shapes``; if JAX cannot trace it, rebuilt on the shared variables'
         present shapes too (from then on, see ``_shareds_fixed``). A trace fails before anything runs."""
         try:
@@ -343,7 +361,7 @@ class CompiledFunction:
         self._shareds_fixed = True
         return self._invoke(self._for_shapes(shapes, updates), args, undo)
 
-    def _call(self, args, updates, undo=None):
+    def _call(self, args: Sequence[Any], updates: bool, undo: UndoLog | None = None) -> list[Any]:
         """Run the graph for ``args``: per shape, or on free rows (finding out which, see the class notes)."""
         shapes = tuple(args[i].shape for i in self._row_args)
         if self._shapes_met is not None:
@@ -354,7 +372,7 @@ class CompiledFunction:
             return self._invoke_for_shapes(shapes, args, updates, undo)
         return self._free_or_by_rows(args, updates, undo)
 
-    def _count_shape(self, shapes):
+    def _count_shape(self, shapes: Shapes) -> None:
         """Warn once when this function has met MANY_SHAPES argument shapes: each compiles anew."""
         met = self._shapes_met
         if met is None:
@@ -369,7 +387,7 @@ class CompiledFunction:
                 f"'Varying shapes'); each device keeps {self.spec.shapes_kept} shapes compiled "
                 f"(synk.function(shapes_kept=...))", SynkWarning, stacklevel=2)
 
-    def _first_call(self, shapes, args, updates, undo):
+    def _first_call(self, shapes: Shapes, args: Sequence[Any], updates: bool, undo: UndoLog | None) -> list[Any]:
         """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure
         (JAX's account, with the graph's line) is then the call's error."""
         try:
@@ -384,7 +402,7 @@ class CompiledFunction:
         self._settle(False)
         return result
 
-    def _free_runner(self, updates):
+    def _free_runner(self, updates: bool) -> Runner:
         """The runner of the graph on free rows (built at its first use)."""
         if updates:
             if self._run is None:
@@ -395,7 +413,7 @@ class CompiledFunction:
             self._run_no_updates = self._runner(self._compile(updates=False))
         return self._run_no_updates
 
-    def _free_or_by_rows(self, args, updates, undo):
+    def _free_or_by_rows(self, args: Sequence[Any], updates: bool, undo: UndoLog | None) -> list[Any]:
         """Run the graph compiled for any rows; switch to per-row-count graphs if JAX needs them."""
         try:
             result = self._invoke(self._free_runner(updates), args, undo)
@@ -414,14 +432,14 @@ class CompiledFunction:
         self._settle(True)
         return result
 
-    def function_for(self, row_shapes):
+    def function_for(self, row_shapes: Iterable[tuple[int, ...]]) -> Function | None:
         """The PyTensor function a call whose row-carrying arguments have ``row_shapes`` runs
         (updates applied), built if it is not yet: what a test reads to see what was compiled."""
         if self.by_rows is False:
             return self.function
         return self._for_shapes(row_shapes, True).fn
 
-    def check_traces(self, arg_shapes):
+    def check_traces(self, arg_shapes: Sequence[tuple[int, ...]]) -> None:
         """Trace the graph for arguments of ``arg_shapes`` without computing; raise what tracing raises.
 
         What a call with arguments of those shapes would raise at its first
@@ -447,7 +465,7 @@ class CompiledFunction:
             raise
 
     @staticmethod
-    def _trace(fn, arg_shapes):
+    def _trace(fn: Function, arg_shapes: Sequence[Sequence[int]]) -> None:
         import jax
         parts = jit_parts(fn) if fn is not None else None
         if parts is None:
@@ -460,20 +478,20 @@ class CompiledFunction:
         avals += [jax.tree_util.tree_map(abstract_value, cell[0]) for cell in parts.cells[parts.n_args:]]
         jax.eval_shape(parts.jit, *avals)
 
-    def run(self, args, undo=None):
+    def run(self, args: Sequence[Any], undo: UndoLog | None = None) -> list[Any]:
         """Run once, applying updates; an :class:`~.undo.UndoLog` keeps what they replace if the call
         could fail (see :func:`~.jitted.jitted_call`)."""
         self._compiled_ahead()
         return self._call(args, True, undo)
 
-    def run_deferred(self, args, undo=None):
+    def run_deferred(self, args: Sequence[Any], undo: UndoLog | None = None) -> tuple[list[Any], list[Any]]:
         """Run once without applying updates; return (outputs, new update values)."""
         self._compiled_ahead()
         out = self._call(args, False, undo)
         n = len(self.spec.outputs)
         return out[:n], out[n:]
 
-    def apply(self, values, undo=None):
+    def apply(self, values: Sequence[Any], undo: UndoLog | None = None) -> None:
         """Store accumulated update values into the shared variables, on the device."""
         if undo is not None:
             undo.keep([shared.container.storage for shared, _, _ in self.spec.updates])

@@ -4,10 +4,14 @@ The master and every worker run :func:`run_share` on their own rank; the
 master then reduces the ranks' results (:mod:`synkhronos.api.function`).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..comm.reduction import Accumulator
 from ..platform.device_arrays import adopt, private_empty, to_device
@@ -16,11 +20,45 @@ from ..tracing import trace
 from ..wire.batch import chunk
 from .rows import gather_rows
 
+if TYPE_CHECKING:
+    import jax
+
+    from ..comm import ProgramReducer
+    from ..wire.batch import Batch
+    from ..wire.control import Words
+    from ..wire.plan import CallPlan, InputRef
+    from .compiled import CompiledFunction
+    from .fused import StepProgram, StepPrograms
+    from .undo import UndoLog
+
 __all__ = ["Share", "share_of", "run_share", "run_update", "rows_of", "along", "fused_step_of",
            "run_fused_share", "device_rows", "ArgUploads"]
 
 
-def along(axis, rows):
+class CallContext(Protocol):
+    """What a call's share takes of its rank (:class:`~.context.RankContext` has it)."""
+
+    n_ranks: int
+    undo: UndoLog
+
+    def function(self, fid: int) -> CompiledFunction: ...
+
+    def variable(self, uid: int) -> Any: ...
+
+    def view(self, ref: InputRef) -> Any: ...
+
+    @property
+    def step_programs(self) -> StepPrograms: ...
+
+    @property
+    def uploads(self) -> ArgUploads: ...
+
+    def program_reducer(self) -> ProgramReducer | None: ...
+
+    def share_of_call(self, plan: CallPlan) -> tuple[int, int]: ...
+
+
+def along(axis: int, rows: slice) -> slice | tuple[slice, ...]:
     """The index that selects ``rows`` (a slice) along ``axis`` of an array.
 
     Examples
@@ -31,7 +69,8 @@ def along(axis, rows):
     return rows if axis == 0 else (slice(None),) * axis + (rows,)
 
 
-def rows_of(view, batch, a, b, offset, into=private_empty, axis=0):
+def rows_of(view: Any, batch: Batch, a: int, b: int, offset: int,
+            into: Callable[[tuple[int, ...], np.dtype], np.ndarray] = private_empty, axis: int = 0) -> Any:
     """Rows at batch positions [a, b) of a numpy or device array, along ``axis``: a view for ranges.
 
     Explicit indices of a host array are gathered straight into
@@ -42,6 +81,7 @@ def rows_of(view, batch, a, b, offset, into=private_empty, axis=0):
     """
     if batch.is_range:
         return view[along(axis, slice(batch.start + a - offset, batch.start + b - offset))]
+    assert batch.indices is not None
     indices = batch.indices[a:b] - offset if offset else batch.indices[a:b]
     if not isinstance(view, np.ndarray):       # device rows: one program, the indices sent
         return take_rows(view, adopt(np.array(indices, dtype=np.int32)))
@@ -51,7 +91,7 @@ def rows_of(view, batch, a, b, offset, into=private_empty, axis=0):
     return gather_rows(view, indices, into(indices.shape + view.shape[1:], view.dtype))
 
 
-def take_rows(table, indices):
+def take_rows(table: jax.Array, indices: jax.Array) -> jax.Array:
     """``table[indices]`` of a device array, as one compiled program (launched as ``synk_take``);
     indexing it directly runs op after op, each a program of its own."""
     global _take
@@ -59,7 +99,7 @@ def take_rows(table, indices):
         import jax
         import jax.numpy as jnp
 
-        def synk_take(table, indices):
+        def synk_take(table: jax.Array, indices: jax.Array) -> jax.Array:
             return jnp.take(table, indices, axis=0, mode="clip")
         _take = jax.jit(synk_take)
     return _take(table, indices)
@@ -87,7 +127,7 @@ class Share:
     cuts: tuple | None = None
 
 
-def share_of(plan, rank, n_ranks):
+def share_of(plan: CallPlan, rank: int, n_ranks: int) -> Share:
     """The :class:`Share` of ``rank`` in ``plan`` (computed once per plan and rank)."""
     share = plan._shares.get(rank)
     if share is None:
@@ -95,7 +135,7 @@ def share_of(plan, rank, n_ranks):
     return share
 
 
-def _share(plan, rank, n_ranks):
+def _share(plan: CallPlan, rank: int, n_ranks: int) -> Share:
     sliced = plan.sliced[rank] if plan.sliced else None
     if plan.scattered:
         lo, hi = plan.split(n_ranks)[rank]
@@ -114,7 +154,7 @@ def _share(plan, rank, n_ranks):
     return Share(lo, hi, n_slices, rows, counts_rows, cuts)
 
 
-def run_share(context, plan):
+def run_share(context: CallContext, plan: CallPlan) -> tuple[int, list[Any]]:
     """Compute this rank's share of a call.
 
     Parameters
@@ -153,16 +193,18 @@ def run_share(context, plan):
     pieces = [(a, b) for a, b in (chunk(lo, hi, share.n_slices, s) for s in range(share.n_slices))
               if b > a]
 
-    def args_for(a, b):
+    def args_for(a: int, b: int) -> list[Any]:
         args = [rows_of(v, plan.batch, a, b, ref.offset, compiled.gather_buffers[j], ref.axis)
                 for j, (v, ref) in enumerate(zip(scattered, plan.scattered))]
         args += bcast
-        args += [rows_of(v, sliced, a - lo, b - lo, 0) for v in sliceables]
+        if sliceables:
+            assert sliced is not None
+            args += [rows_of(v, sliced, a - lo, b - lo, 0) for v in sliceables]
         if trace.on:
             trace.mark("gather rows")
         return args
 
-    def traced(result):
+    def traced[T](result: T) -> T:
         if trace.on:
             trace.mark("compute")
         return result
@@ -186,7 +228,7 @@ def run_share(context, plan):
     return share.rows, [acc.result() for acc in outs]
 
 
-def run_update(compiled, undo=None):
+def run_update(compiled: CompiledFunction, undo: UndoLog | None = None) -> None:
     """Run a function without inputs (a training step's update) on this rank; its results are dropped.
 
     A timeline shows it as a call of its own, inside the command that ran it.
@@ -210,10 +252,10 @@ class ArgUploads:
 
     SMALL = 256
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._small: dict = {}
 
-    def put(self, position, host):
+    def put(self, position: Hashable, host: npt.ArrayLike) -> jax.Array:
         """``host`` (numpy) on this process's device."""
         host = np.asarray(host)
         if host.nbytes <= self.SMALL:
@@ -227,7 +269,7 @@ class ArgUploads:
         return to_device(host)
 
 
-def device_rows(host, private=False):
+def device_rows(host: np.ndarray, private: bool = False) -> jax.Array:
     """Rows gathered on the host as a device array, sent by one explicit transfer.
 
     ``private``: ``host`` is a buffer of :func:`~synkhronos.platform.device_arrays.private_empty`
@@ -237,7 +279,7 @@ def device_rows(host, private=False):
     return adopt(host) if private else to_device(host)
 
 
-def fused_step_of(context, plan, tail_words, update_fid):
+def fused_step_of(context: CallContext, plan: CallPlan, tail_words: Words, update_fid: int) -> StepProgram | None:
     """The fused program of a step (``plan``'s share, its tail's all-reduce, ``update_fid``) on
     this rank, built at first use; None if the step cannot run as one program here."""
     from ..comm.reduction import Reduce
@@ -250,7 +292,7 @@ def fused_step_of(context, plan, tail_words, update_fid):
     if len(uids) != 1:
         return None
 
-    def build():
+    def build() -> StepProgram | None:
         compiled, update = context.function(plan.fid), context.function(update_fid)
         reduced = context.variable(uids[0])
         op = Reduce.of_code(op_code)
@@ -284,13 +326,13 @@ def fused_step_of(context, plan, tail_words, update_fid):
     return context.step_programs.get(key, build)
 
 
-def _row_shapes_of(context, plan, compiled):
+def _row_shapes_of(context: CallContext, plan: CallPlan, compiled: CompiledFunction) -> tuple[tuple[int, ...], ...]:
     """The shapes of this rank's arguments in ``plan`` that pick the graph: the row-carrying ones and
     the broadcast arrays (see :class:`~.compiled.CompiledFunction`)."""
     rank, n_ranks = context.share_of_call(plan)
     share = share_of(plan, rank, n_ranks)
     rows = share.hi - share.lo
-    shapes = []
+    shapes: list[tuple[int, ...]] = []
     for ref in plan.scattered:
         shape = list(ref.shape)
         shape[ref.axis] = rows
@@ -303,7 +345,7 @@ def _row_shapes_of(context, plan, compiled):
     return tuple(shapes)
 
 
-def run_fused_share(context, plan, program):
+def run_fused_share(context: CallContext, plan: CallPlan, program: StepProgram) -> tuple[int, list[Any]]:
     """This rank's share of a step, run as one program (see :mod:`.fused`): the rows gathered on
     the host and sent, or the indices of device-resident rows; returns ``(rows, outputs)``, the
     outputs reduced across ranks inside the program (device arrays)."""
@@ -311,7 +353,7 @@ def run_fused_share(context, plan, program):
     rank, n_ranks = context.share_of_call(plan)
     share = share_of(plan, rank, n_ranks)
     uploads = context.uploads
-    args = []
+    args: list[Any] = []
     for ref in plan.scattered:
         rows = rows_of(view_of(ref), plan.batch, share.lo, share.hi, ref.offset, private_empty, ref.axis)
         args.append(device_rows(rows, private=not plan.batch.is_range))    # (a range is a view)

@@ -341,7 +341,7 @@ class BlockProgram(_Program):
         start = [merged[p] for p in written_at]
         fixed = others            # (what the steps write comes from the carry, step by step)
 
-        def step(carry, indices):
+        def step(carry: list, indices: Any) -> tuple[list, Any]:
             values = list(fixed)
             for p, v in zip(written_at, carry):
                 values[p] = v
@@ -367,7 +367,7 @@ class StepPrograms:
         self._kept: dict = {}
         self._limit = limit
 
-    def get(self, key: Any, build: Callable[[], _Program | None]) -> _Program | None:
+    def get[P: _Program](self, key: Any, build: Callable[[], P | None]) -> P | None:
         if key in self._kept:
             return self._kept[key]
         if len(self._kept) >= self._limit:

@@ -4,6 +4,11 @@ JAX traces some graphs only with concrete shapes; such a graph is rebuilt on
 inputs of the shapes a call brings (:func:`rebuild_on`), which always traces.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
 import pytensor.tensor as pt
 from pytensor.compile.builders import OpFromGraph, SymbolicOp
 from pytensor.graph.traversal import toposort
@@ -11,10 +16,21 @@ from pytensor.graph.traversal import toposort
 from ..compile.randomness import is_generator
 from ..platform.internals import storage_cell
 
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.graph.basic import Variable
+
+    from ..wire.spec import FunctionSpec
+
 __all__ = ["rebuild_on", "spec_graph", "needs_static_shapes", "shaped_shared_cells"]
 
+#: a pair (variable, what replaces it): an update, a generator's next state, a given
+type Pair = tuple[Variable, Variable]
+#: a function's graphs: (inputs, outputs, updates, generator updates, givens)
+type SpecGraph = tuple[list[Variable], list[Variable], list[Pair], list[Pair], list[Pair]]
 
-def rebuild_on(variables, replace):
+
+def rebuild_on(variables: Sequence[Variable], replace: Mapping[Variable, Variable]) -> list[Variable]:
     """``variables`` rebuilt with the inputs in ``replace`` swapped for variables of other static shapes.
 
     Every node downstream of a replaced input is rebuilt (``make_node`` on
@@ -51,7 +67,7 @@ def rebuild_on(variables, replace):
     return [memo.get(v, v) for v in variables]
 
 
-def shaped_shared_cells(spec):
+def shaped_shared_cells(spec: FunctionSpec) -> dict[SharedVariable, list[Any]]:
     """{shared variable: its storage cell}, for each of ``spec``'s shared variables with axes that
     its graphs read whole (not a random generator, not one sliced per call): a graph rebuilt per
     shape reads each at its present shape (see :func:`spec_graph`)."""
@@ -60,7 +76,7 @@ def shaped_shared_cells(spec):
             if getattr(s.type, "ndim", 0) and not is_generator(s) and s not in sliced}
 
 
-def needs_static_shapes(e):
+def needs_static_shapes(e: BaseException) -> bool:
     """True if ``e`` says JAX could not trace a graph without concrete shapes.
 
     (``jax.numpy.arange`` of a symbolic length, a slice with symbolic bounds, a
@@ -77,7 +93,9 @@ def needs_static_shapes(e):
         (isinstance(e, NotImplementedError) and ("constant" in text or "concrete" in text))
 
 
-def spec_graph(spec, inputs, givens, row_inputs, shapes=None, shared_shapes=None):
+def spec_graph(spec: FunctionSpec, inputs: list[Variable], givens: list[Pair], row_inputs: Sequence[Variable],
+               shapes: Sequence[Sequence[int | None]] | None = None,
+               shared_shapes: Mapping[SharedVariable, tuple[int, ...]] | None = None) -> SpecGraph:
     """The graphs of ``spec`` as (inputs, outputs, updates, generator updates, givens).
 
     With ``shapes`` (one per ``row_inputs``), each of ``row_inputs`` is
@@ -107,7 +125,7 @@ def spec_graph(spec, inputs, givens, row_inputs, shapes=None, shared_shapes=None
         return _rebuilt(inputs, givens, row_inputs, loose, shared_shapes, outputs, updates, generators)
 
 
-def _ones_free(declared, shape):
+def _ones_free(declared: Sequence[int | None], shape: Sequence[int | None]) -> tuple[int | None, ...]:
     """``shape``, but free (None) where it has a length of 1 that ``declared`` leaves free.
 
     Examples
@@ -118,11 +136,14 @@ def _ones_free(declared, shape):
     return tuple(None if n == 1 and d is None else n for d, n in zip(declared, shape))
 
 
-def _rebuilt(inputs, givens, row_inputs, shapes, shared_shapes, outputs, updates, generators):
+def _rebuilt(inputs: list[Variable], givens: list[Pair], row_inputs: Sequence[Variable],
+             shapes: Sequence[Sequence[int | None]], shared_shapes: Mapping[SharedVariable, tuple[int, ...]],
+             outputs: list[Variable], updates: list[Pair], generators: list[Pair]) -> SpecGraph:
     """:func:`spec_graph`'s graphs rebuilt on ``row_inputs`` of static ``shapes``, and on the shared
     variables of ``shared_shapes`` at theirs."""
-    replace = {v: v.type.clone(shape=shape)(name=v.name) for v, shape in zip(row_inputs, shapes)}
-    fixed = {s: pt.specify_shape(s, shape) for s, shape in shared_shapes.items()}
+    replace: dict[Variable, Variable] = {v: v.type.clone(shape=shape)(name=v.name)
+                                         for v, shape in zip(row_inputs, shapes)}
+    fixed: dict[Variable, Variable] = {s: pt.specify_shape(s, shape) for s, shape in shared_shapes.items()}
     given = rebuild_on([v for _, v in givens], {**replace, **fixed})
     substitute = {**replace, **fixed, **{k: v for (k, _), v in zip(givens, given)}}
     pieces = [outputs, [v for _, v in updates], [v for _, v in generators]]

@@ -6,9 +6,12 @@ its pieces). :func:`jitted_call` calls the jitted graph itself, donating large
 update buffers when that pays (:func:`donating_variant`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import sys
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pytensor.tensor.type import TensorType
@@ -19,11 +22,23 @@ from ..platform.internals import calls_host_code, jit_parts
 from ..platform.interrupt_hold import can_hold, held
 from ..platform.values import device_face, faces_held, host_face, host_faces_on
 
+if TYPE_CHECKING:
+    import jax
+    from pytensor.compile.executor import Function
+
+    from ..platform.internals import JitParts
+    from .undo import UndoLog
+
 __all__ = ["jitted_call", "abstract_value", "face_updates", "donating_variant", "worth_donating",
            "copy_values_held_elsewhere", "DONATE_MIN_BYTES"]
 
+#: how a rank calls a compiled graph, ``runner(*args, undo=None)``: a function with attributes
+#: attached (``fn``, the PyTensor function; ``streams``, its random generators' cells), or the
+#: PyTensor function itself
+type Runner = Any
 
-def jitted_call(fn):
+
+def jitted_call(fn: Function) -> Runner | None:
     """Call ``fn``'s jitted JAX graph directly, or None if ``fn`` was not linked by PyTensor's JAX linker.
 
     A PyTensor function linked for JAX is one ``jax.jit`` function behind
@@ -75,7 +90,7 @@ def jitted_call(fn):
     wait = (lambda outputs: outputs[arrays[-1]].block_until_ready()) if arrays else \
         wait_until_computed
 
-    def choose(values):
+    def choose(values: list[Any]) -> None:
         """Run the donating graph if its updates are large enough and it calls no host code; find
         out whether the graph run calls host code (only where it has updates to keep)."""
         graph = donating if donated and worth_donating(values, donated) else jit
@@ -87,7 +102,7 @@ def jitted_call(fn):
                 graph = jit
         chosen[:] = [graph, host]
 
-    def call(*args, undo=None):
+    def call(*args: Any, undo: UndoLog | None = None) -> list[Any]:
         for cell, arg in zip(arg_cells, args):
             cell[0] = arg
         faces = faces_held()
@@ -135,7 +150,7 @@ def jitted_call(fn):
         raise_deferred_interrupt()
         return list(outputs[:n_outputs])
 
-    def compile_ahead():
+    def compile_ahead() -> Callable[[], None] | None:
         """What the first call will compile, as a callable for another thread (None if the graph
         takes arguments: their shapes come with the call). The thread chooses the graph to run, on
         the values the cells hold now, as the first call would; the first call waits for it."""
@@ -148,14 +163,14 @@ def jitted_call(fn):
             values[n_args:] = [device_face(v) for v in values[n_args:]]
         avals = jax.tree_util.tree_map(abstract_value, values)
 
-        def compile_():
+        def compile_() -> None:
             if not chosen:
                 choose(values)
             graph: Any = jit if faces else chosen[0]        # a jax.jit function
             graph.lower(*avals).compile()
         return compile_
 
-    def runs_host_code():
+    def runs_host_code() -> bool:
         """Whether the graph this function runs calls host code (True until its first call)."""
         return chosen[1] if chosen else True
 
@@ -165,13 +180,13 @@ def jitted_call(fn):
     return call
 
 
-def face_updates(cells):
+def face_updates(cells: Iterable[list[Any]]) -> None:
     """Turn the device arrays PyTensor stored into ``cells`` into their host faces."""
     for cell in cells:
         cell[0] = host_face(cell[0])
 
 
-def abstract_value(value):
+def abstract_value(value: Any) -> jax.ShapeDtypeStruct:
     """The abstract value a jitted call would see for ``value`` (its device and weak type too)."""
     import jax
     if isinstance(value, jax.Array):
@@ -180,7 +195,7 @@ def abstract_value(value):
     return jax.ShapeDtypeStruct(np.shape(value), jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
 
 
-def donating_variant(parts, input_types):
+def donating_variant(parts: JitParts, input_types: Sequence[Any]) -> tuple[Any, tuple[int, ...]]:
     """``(jit, cells)``: ``parts``' graph jitted to update its shared variables in place, and the
     input cells it donates; ``(None, ())`` if it updates no tensor it reads.
 
@@ -217,7 +232,7 @@ def donating_variant(parts, input_types):
 DONATE_MIN_BYTES = 1 << 20
 
 
-def worth_donating(values, donated):
+def worth_donating(values: Sequence[Any], donated: Iterable[int]) -> bool:
     """True if the values at ``donated`` are large enough for donation to pay (DONATE_MIN_BYTES)."""
     return sum(getattr(values[j], "nbytes", 0) for j in donated) >= DONATE_MIN_BYTES
 
@@ -227,7 +242,7 @@ def worth_donating(values, donated):
 _ONLY_IN_ITS_CELL = 3
 
 
-def copy_values_held_elsewhere(values, donated):
+def copy_values_held_elsewhere(values: list[Any], donated: Iterable[int]) -> None:
     """Replace each value at ``donated`` that anything but its input cell refers to by a device copy.
 
     Such a reference (the user's ``get_value(borrow=True)``, a sync rule

@@ -1,5 +1,7 @@
 """Gathering a rank's rows of a batch from a table in shared memory, block by block."""
 
+from __future__ import annotations
+
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,36 +25,37 @@ MAX_GATHER_THREADS = 8
 class _Gatherers:
     """The threads a rank gathers large batches with: its share of the cores, at most eight."""
 
-    def __init__(self):
-        self.threads, self.pool = 1, None
+    def __init__(self) -> None:
+        self.threads = 1
+        self.pool: ThreadPoolExecutor | None = None
 
-    def set(self, threads):
+    def set(self, threads: int) -> None:
         threads = max(1, min(int(threads), MAX_GATHER_THREADS))
         if threads != self.threads and self.pool is not None:
             self.pool.shutdown(wait=False)
             self.pool = None
         self.threads = threads
 
-    def executor(self):
+    def executor(self) -> ThreadPoolExecutor:
         if self.pool is None:
             # marked as synkhronos's own: they never read a user's shared variables
             self.pool = ThreadPoolExecutor(self.threads, "synk-gather", initializer=_mark_own)
         return self.pool
 
 
-def _mark_own():
+def _mark_own() -> None:
     threading.current_thread()._synkhronos_own = True  # type: ignore[attr-defined]
 
 
 _gatherers = _Gatherers()
 
 
-def set_gather_threads(threads):
+def set_gather_threads(threads: int) -> None:
     """Gather large batches with ``threads`` threads (this rank's share of the cores; 1: alone)."""
     _gatherers.set(threads)
 
 
-def gather_rows(table, indices, out):
+def gather_rows(table: np.ndarray, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = table[indices[i]]`` for validated ``indices`` (no bounds checks).
 
     A gather of :data:`THREADED_MIN_BYTES` or more is split over the rank's
@@ -85,7 +88,7 @@ def gather_rows(table, indices, out):
     return _gather(table, indices, out)
 
 
-def _gather(table, indices, out):
+def _gather(table: np.ndarray, indices: np.ndarray, out: np.ndarray) -> np.ndarray:
     """:func:`gather_rows` in this thread."""
     n = len(indices)
     if table.ndim < 2 or table[:1].nbytes < TOUCH_MIN_ROW_BYTES or n <= GATHER_BLOCK \

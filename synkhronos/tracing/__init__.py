@@ -1,1 +1,3 @@
 """Recording a timeline of what every process does (spans and their phases)."""
+
+from __future__ import annotations

@@ -17,13 +17,14 @@ import glob
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["count_launches", "Launches"]
 
 _PREFIX = "PjitFunction("
 
 
-class Launches(collections.Counter):
+class Launches(collections.Counter[str]):
     """Program launches by the name of the jitted function (an eager primitive: its own name).
 
     Examples
@@ -33,7 +34,7 @@ class Launches(collections.Counter):
     (4, {'gather': 1})
     """
 
-    def others(self, *names: str) -> dict:
+    def others(self, *names: str) -> dict[str, int]:
         """The launches of programs not named ``names`` (what should not be there)."""
         return {k: v for k, v in self.items() if k not in names}
 
@@ -68,9 +69,9 @@ def count_launches() -> Iterator[Launches]:
         found.update(_top_level_launches(data))
 
 
-def _top_level_launches(data) -> collections.Counter:
+def _top_level_launches(data: Any) -> collections.Counter[str]:
     """The launch events of a profile not nested in another launch event of the same thread."""
-    counted: collections.Counter = collections.Counter()
+    counted: collections.Counter[str] = collections.Counter()
     for plane in data.planes:
         for line in plane.lines:
             events = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events

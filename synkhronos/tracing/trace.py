@@ -17,27 +17,36 @@ Examples
 ['f', 'gather rows', 'compute', 'reduce']
 """
 
+from __future__ import annotations
+
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["on", "start", "stop", "begin", "mark", "end", "record", "now", "chrome_events", "process_names",
            "write_chrome_trace"]
 
 now = time.time_ns
 
+#: a recorded span: (category, name, start, its phases as (name, end), end, last phase, args)
+type Span = tuple[str, str, int, tuple[tuple[str, int], ...], int, str | None, dict[str, Any] | None]
+#: an open span: (category, name, start, its phases as (name, end) so far)
+type _OpenSpan = tuple[str, str, int, list[tuple[str, int]]]
+
 #: True while this process records
 on = False
-_spans: list = []
-_open: list = []
+_spans: list[Span] = []
+_open: list[_OpenSpan] = []
 
 
-def start():
+def start() -> None:
     """Start recording in this process (forgetting anything recorded before)."""
     global on, _spans, _open
     _spans, _open = [], []
     on = True
 
 
-def stop():
+def stop() -> list[Span]:
     """Stop recording; return the spans recorded (plain tuples and lists, picklable)."""
     global on, _spans, _open
     on = False
@@ -45,18 +54,18 @@ def stop():
     return spans
 
 
-def begin(category, name, since=None):
+def begin(category: str, name: str, since: int | None = None) -> None:
     """Open a span (nested in the span open now, if any), from ``since`` (a :func:`now`) or now."""
-    _open.append([category, name, now() if since is None else since, []])
+    _open.append((category, name, now() if since is None else since, []))
 
 
-def mark(phase):
+def mark(phase: str) -> None:
     """Close the current phase of the innermost open span: ``phase`` has just finished."""
     if _open:
         _open[-1][3].append((phase, now()))
 
 
-def end(phase=None, at=None, **args):
+def end(phase: str | None = None, at: int | None = None, **args: Any) -> None:
     """Close the innermost span at ``at`` (a :func:`now`) or now; ``phase`` names its last phase
     (None: no phase after the last mark); ``args`` are shown with the span."""
     if _open:
@@ -67,15 +76,15 @@ def end(phase=None, at=None, **args):
                        args or None))
 
 
-def record(category, name, t0, t_end, **args):
+def record(category: str, name: str, t0: int, t_end: int, **args: Any) -> None:
     """Record a span that already happened, from ``t0`` to ``t_end`` (:func:`now` values), as it is
     (reported after the fact, by a library that timed it)."""
     _spans.append((category, name, t0, (), t_end, None, args or None))
 
 
-def chrome_events(spans, rank, origin=0, thread=1):
+def chrome_events(spans: Iterable[Span], rank: int, origin: int = 0, thread: int = 1) -> list[dict[str, Any]]:
     """Chrome trace events of ``spans`` recorded by ``rank``: microseconds since ``origin`` (ns)."""
-    events = []
+    events: list[dict[str, Any]] = []
     for category, name, t0, marks, t_end, last, args in spans:
         events.append(dict(name=name, cat=category, ph="X", ts=(t0 - origin) / 1e3,
                            dur=(t_end - t0) / 1e3, pid=rank, tid=thread, args=args or {}))
@@ -87,7 +96,7 @@ def chrome_events(spans, rank, origin=0, thread=1):
     return events
 
 
-def process_names(ranks, master_rank, node=None):
+def process_names(ranks: Iterable[int], master_rank: int, node: int | None = None) -> list[dict[str, Any]]:
     """Chrome metadata events naming each rank's process and thread (``ranks``: global ranks).
 
     Examples
@@ -95,7 +104,7 @@ def process_names(ranks, master_rank, node=None):
     >>> [e["args"]["name"] for e in process_names([2, 3], 2, node=1) if e["name"] == "process_name"]
     ['rank 2 (node 1, master)', 'rank 3 (node 1, worker)']
     """
-    out = []
+    out: list[dict[str, Any]] = []
     for rank in ranks:
         role = "master" if rank == master_rank else "worker"
         where = role if node is None else f"node {node}, {role}"
@@ -105,7 +114,8 @@ def process_names(ranks, master_rank, node=None):
     return out
 
 
-def write_chrome_trace(path, spans_by_rank, master_rank, node=None):
+def write_chrome_trace(path: str, spans_by_rank: Mapping[int, Sequence[Span]], master_rank: int,
+                       node: int | None = None) -> None:
     """Write every rank's spans to ``path`` as Chrome trace JSON (what Perfetto opens).
 
     ``spans_by_rank`` is keyed by global rank; ``node`` names this node's tracks

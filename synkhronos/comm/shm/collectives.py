@@ -20,14 +20,18 @@ every peer's semaphore once, then takes its own ``n - 1`` times. Every wait is
 sliced, with a liveness check.
 """
 
+from __future__ import annotations
+
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ...ipc.buffers import ceil_div, round_up
 from ...ipc.segments import GrowableSegment, SegmentMirror
 from ...platform.device_arrays import adopt, copy_large, private_empty, to_device
-from ..base import Comm
+from ..base import Comm, CommContext, Reservation
 from ..reduction import COMBINE, Reduce
 from .control import ShmControl
 from .layout import FlatLayout
@@ -68,7 +72,7 @@ class ShmComm(Comm):
     waits_in_python = True
     platforms = ("cpu",)
 
-    def __init__(self, context):
+    def __init__(self, context: CommContext) -> None:
         super().__init__(context)
         self.check, self.spin = context.check, context.spin
         is_master = context.rank == context.master_rank
@@ -83,7 +87,7 @@ class ShmComm(Comm):
         self._cold = False
 
     # --- buffers ----------------------------------------------------------------------------
-    def reserve(self, reservation):
+    def reserve(self, reservation: Reservation) -> None:
         """Master, before the command: make every slot hold ``reservation.nbytes``.
 
         The one all-reduce result of ``reservation.result_bytes`` (if any) goes
@@ -107,27 +111,27 @@ class ShmComm(Comm):
         self._cold = grew or int(self.results.gens.sum()) != regions_made
 
     @property
-    def chosen_path(self):
+    def chosen_path(self) -> int:
         """The path the master chose for the latest large all-reduce (:mod:`.paths`)."""
         return int(self.control.words[ShmControl.REDUCE_PATH])
 
     @property
-    def chosen_region(self):
+    def chosen_region(self) -> int:
         """The shared region the latest single all-reduce result went to (-1: a private result)."""
         return int(self.control.words[ShmControl.RESULT_REGION])
 
-    def refresh(self):
+    def refresh(self) -> None:
         """After a collective: let go of the shared results no array of this rank holds."""
         self.results.refresh()
 
-    def _result_buffer(self, dtype, count):
+    def _result_buffer(self, dtype: np.dtype, count: int) -> tuple[np.ndarray, bool]:
         """Where this all-reduce's result goes: the shared region the master picked, or private."""
         region = int(self.control.words[ShmControl.RESULT_REGION])
         if region >= 0 and count * np.dtype(dtype).itemsize <= self.results.sizes[region]:
             return self.results.array(region, dtype, count), True
         return private_empty((count,), dtype), False
 
-    def _slots(self, dtype, count):
+    def _slots(self, dtype: np.dtype, count: int) -> list[np.ndarray]:
         if self.owner is not None:
             segment = self.owner.made
         else:
@@ -140,7 +144,7 @@ class ShmComm(Comm):
                                f"{count * itemsize} B); reserve() was not called")
         return [segment.array(dtype, (count,), offset=r * slot_bytes) for r in range(self.n_ranks)]
 
-    def release(self):
+    def release(self) -> None:
         if self.owner is not None:
             self.owner.free()
         elif self.mirror is not None:
@@ -149,7 +153,7 @@ class ShmComm(Comm):
         self.control.release()
 
     # --- synchronization --------------------------------------------------------------------
-    def barrier(self):
+    def barrier(self) -> None:
         for q in range(self.n_ranks):
             if q != self.rank:
                 self.control.barrier[q].post()
@@ -157,22 +161,22 @@ class ShmComm(Comm):
             self.control.barrier[self.rank].wait(self.check, spin=self.spin)
 
     # --- collectives ------------------------------------------------------------------------
-    def _layout(self, values):
+    def _layout(self, values: Sequence[Any]) -> tuple[FlatLayout, list[np.ndarray]]:
         """The flat layout of ``values`` and every rank's slot for it."""
         layout = FlatLayout.of(values)
         return layout, self._slots(layout.dtype, layout.total)
 
-    def all_reduce(self, values, op):
+    def all_reduce(self, values: Sequence[Any], op: str) -> list[Any]:
         """Reduce-scatter, then all-gather through shared memory (see :meth:`_reduce`)."""
         layout, out = self._reduce(values, op)
         return layout.device_parts(out)
 
-    def all_reduce_host(self, values, op):
+    def all_reduce_host(self, values: Sequence[Any], op: str) -> list[np.ndarray]:
         """:meth:`all_reduce`, the results left as host arrays (no device array made)."""
         layout, out = self._reduce(values, op)
         return layout.host_parts(out)
 
-    def _reduce(self, values, op):
+    def _reduce(self, values: Sequence[Any], op: str) -> tuple[FlatLayout, np.ndarray]:
         """Reduce-scatter, then all-gather through shared memory: (the layout, the flat result).
 
         Rank ``r`` reduces chunk ``r``, so it publishes only the other chunks of
@@ -200,12 +204,12 @@ class ShmComm(Comm):
             self.paths.record(nbytes, path, time.perf_counter() - start)
         return layout, out
 
-    def _pipelinable(self, nbytes):
+    def _pipelinable(self, nbytes: int) -> bool:
         """Whether an all-reduce of ``nbytes`` may stream through the rings (else it publishes)."""
         ring_bytes = (self.n_ranks - 1) * RING_CHUNKS * CHUNK_BYTES    # every peer's ring
         return nbytes >= PIPELINE_MIN_BYTES and ring_bytes <= nbytes
 
-    def _all_reduce_published(self, layout, slots, op):
+    def _all_reduce_published(self, layout: FlatLayout, slots: list[np.ndarray], op: str) -> np.ndarray:
         """Every rank publishes the parts its peers reduce, then reduces its own from memory."""
         bounds = layout.chunk_bounds(self.n_ranks)
         peers = [q for q in range(self.n_ranks) if q != self.rank]
@@ -221,7 +225,8 @@ class ShmComm(Comm):
         self.barrier()        # every part of the result is written; peers read our slot until here
         return out
 
-    def _all_reduce_pipelined(self, layout, slots, op, step):
+    def _all_reduce_pipelined(self, layout: FlatLayout, slots: list[np.ndarray], op: str,
+                              step: int) -> np.ndarray:
         """Reduce-scatter streamed through per-pair rings, for buffers larger than the caches.
 
         At step ``i`` every rank copies chunk ``i`` of each peer's part into its
@@ -238,7 +243,7 @@ class ShmComm(Comm):
         counts = [ceil_div(bounds[q + 1] - bounds[q], step) for q in range(n)]
         ring_items = RING_CHUNKS * step
 
-        def ring(owner, reader):
+        def ring(owner: int, reader: int) -> np.ndarray:
             k = [q for q in range(n) if q != owner].index(reader)
             return slots[owner][k * ring_items:(k + 1) * ring_items]
         outgoing = {q: ring(me, q) for q in peers}
@@ -273,7 +278,8 @@ class ShmComm(Comm):
         self.barrier()             # every rank's part of the result is written
         return out
 
-    def _gather_reduced_chunks(self, layout, slots, out, bounds, peers):
+    def _gather_reduced_chunks(self, layout: FlatLayout, slots: list[np.ndarray], out: np.ndarray,
+                               bounds: list[int], peers: list[int]) -> None:
         """Private results: publish this rank's reduced chunk, copy the peers' into ``out``.
 
         The chunk goes where this rank never published anything its peers read
@@ -286,12 +292,13 @@ class ShmComm(Comm):
             for _, a, b in layout.pieces(bounds[q], bounds[q + 1]):
                 copy_large(out[a:b], slots[q][a:b])
 
-    def _reduce_chunk(self, layout, slots, peers, out, bounds, op):
+    def _reduce_chunk(self, layout: FlatLayout, slots: list[np.ndarray], peers: list[int], out: np.ndarray,
+                      bounds: list[int], op: str) -> None:
         lo, hi = bounds[self.rank], bounds[self.rank + 1]
         for part, a, b in layout.pieces(lo, hi):
             self._reduce_into(out[a:b], part, [slots[q][a:b] for q in peers], op)
 
-    def _reduce_into(self, out, own, peer_parts, op):
+    def _reduce_into(self, out: np.ndarray, own: np.ndarray, peer_parts: Sequence[np.ndarray], op: str) -> None:
         """``out`` = ``own`` combined with every one of ``peer_parts`` by ``op`` (avg: then / n)."""
         if not peer_parts:          # one rank: the reduction is its own values
             np.copyto(out, own)
@@ -304,11 +311,11 @@ class ShmComm(Comm):
         if op == "avg":
             np.divide(out, self.n_ranks, out=out)
 
-    def all_gather(self, values):
+    def all_gather(self, values: Sequence[Any]) -> list[Any]:
         layout, slots = self._layout(values)
         layout.publish(slots[self.rank])
         self.barrier()
-        out = []
+        out: list[Any] = []
         for h, a in zip(layout.hosts, layout.offsets):
             stacked = private_empty((self.n_ranks,) + h.shape, h.dtype)
             for r in range(self.n_ranks):
@@ -317,7 +324,7 @@ class ShmComm(Comm):
         self.barrier()
         return out
 
-    def broadcast(self, values, root):
+    def broadcast(self, values: Sequence[Any], root: int) -> list[Any]:
         layout, slots = self._layout(values)
         if self.rank == root:
             layout.publish(slots[root])

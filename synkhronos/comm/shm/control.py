@@ -11,6 +11,8 @@ The master writes the words before it posts the collective's command, so every
 rank reads them after its go-ahead.
 """
 
+from __future__ import annotations
+
 import numpy as np
 
 from ...ipc.segments import Segment
@@ -35,7 +37,7 @@ class ShmControl:
 
     BUFFER_GEN, RESULT_REGION, REDUCE_PATH = range(3)
 
-    def __init__(self, prefix, n_ranks, create):
+    def __init__(self, prefix: str, n_ranks: int, create: bool) -> None:
         n_sems = n_ranks + 2 * n_ranks * n_ranks
         self.segment = Segment(f"{prefix}_cmctl", SEMAPHORE_BYTES * (1 + n_sems), create=create)
         self.words = self.segment.array(np.int64, (_WORDS,))
@@ -46,7 +48,7 @@ class ShmControl:
         self.freed = [pairs[r * n_ranks:(r + 1) * n_ranks] for r in range(n_ranks)]
         self._owner = create
 
-    def release(self):
+    def release(self) -> None:
         """The master unlinks the segment; a worker drops its mapping with its last view."""
         if self._owner:
             self.segment.unlink()

@@ -25,6 +25,8 @@ is noticed within that many calls. Both paths add the same numbers in the
 same order: the result does not depend on the path.
 """
 
+from __future__ import annotations
+
 import enum
 
 __all__ = ["Path", "PIPELINED", "PUBLISHED", "PathChooser"]
@@ -67,17 +69,17 @@ class PathChooser:
     'pipelined'
     """
 
-    def __init__(self, explore_every=10, weight=0.5, fixed=None):
+    def __init__(self, explore_every: int = 10, weight: float = 0.5, fixed: int | None = None) -> None:
         self.explore_every, self.weight, self.fixed = explore_every, weight, fixed
-        self.estimates = {}          # (size class, path) -> seconds per byte
-        self.tried = set()           # (size class, path) whose first, uncounted call is done
-        self.calls = {}              # size class -> calls chosen since the class was first seen
+        self.estimates: dict[tuple[int, int], float] = {}  # (size class, path) -> seconds per byte
+        self.tried: set[tuple[int, int]] = set()  # (size class, path) whose first, uncounted call is done
+        self.calls: dict[int, int] = {}  # size class -> calls chosen since the class was first seen
 
     @staticmethod
-    def size_class(nbytes):
+    def size_class(nbytes: int) -> int:
         return int(nbytes).bit_length()
 
-    def choose(self, nbytes):
+    def choose(self, nbytes: int) -> int:
         """The path the next all-reduce of ``nbytes`` takes."""
         if self.fixed is not None:
             return self.fixed
@@ -89,7 +91,7 @@ class PathChooser:
         best = min((PIPELINED, PUBLISHED), key=lambda p: self.estimates[c, p])
         return 1 - best if n % self.explore_every == 0 else best
 
-    def record(self, nbytes, path, seconds):
+    def record(self, nbytes: int, path: int, seconds: float) -> None:
         """Count an all-reduce of ``nbytes`` that took ``seconds`` on ``path``."""
         key = (self.size_class(nbytes), path)
         if key not in self.tried:

@@ -16,9 +16,12 @@ use is never picked. When every region is held (the program keeps many
 results alive), the all-reduce falls back to private results.
 """
 
+from __future__ import annotations
+
 import weakref
 
 import numpy as np
+import numpy.typing as npt
 
 from ...ipc.buffers import round_up
 from ...ipc.segments import Segment
@@ -40,21 +43,23 @@ class SharedResults:
     rank, n_ranks, master_rank : int
     """
 
-    def __init__(self, prefix, rank, n_ranks, master_rank):
+    def __init__(self, prefix: str, rank: int, n_ranks: int, master_rank: int) -> None:
         self.prefix, self.rank = prefix, rank
         self.is_master = rank == master_rank
         self.table_segment = Segment(f"{prefix}_rt", 8 * (n_ranks + 2) * MAX_REGIONS,
                                      create=self.is_master)
         table = self.table_segment.array(np.int64, (n_ranks + 2, MAX_REGIONS))
         self.held, self.sizes, self.gens = table[:n_ranks], table[n_ranks], table[n_ranks + 1]
-        self.mapped = {}            # region -> (gen, Segment) mapped in this process
-        self.leases = {}            # region -> weak references to the views handed out here
+        #: region -> (gen, Segment) mapped in this process
+        self.mapped: dict[int, tuple[int, Segment]] = {}
+        #: region -> weak references to the views handed out here
+        self.leases: dict[int, list[weakref.ref[np.ndarray]]] = {}
 
-    def _name(self, region, gen):
+    def _name(self, region: int, gen: int) -> str:
         return f"{self.prefix}_rr{region}g{gen}"
 
     # --- the master, while workers are idle --------------------------------------------------
-    def choose(self, nbytes, any_size=False):
+    def choose(self, nbytes: int, any_size: bool = False) -> int:
         """Pick (making it if needed) a region for a result of ``nbytes``; -1 for a private result.
 
         Results under ``MIN_REGION_BYTES`` are private unless ``any_size`` (the caller is done with
@@ -73,7 +78,7 @@ class SharedResults:
         self._make(region, nbytes)
         return region
 
-    def _make(self, region, nbytes):
+    def _make(self, region: int, nbytes: int) -> None:
         if region in self.mapped:
             self._unmap(region)
         gen = int(self.gens[region]) + 1
@@ -82,7 +87,7 @@ class SharedResults:
         self.gens[region], self.sizes[region] = gen, size
 
     # --- every rank --------------------------------------------------------------------------
-    def array(self, region, dtype, count):
+    def array(self, region: int, dtype: npt.DTypeLike, count: int) -> np.ndarray:
         """A fresh view of ``count`` items at the start of ``region``, marked held by this rank."""
         gen = int(self.gens[region])
         entry = self.mapped.get(region)
@@ -95,7 +100,7 @@ class SharedResults:
         self.leases.setdefault(region, []).append(weakref.ref(lease))
         return lease
 
-    def refresh(self):
+    def refresh(self) -> None:
         """Clear this rank's flag on every region none of its arrays views any more."""
         for region in self.mapped:
             # only the live leases are kept: a loop makes one per step and keeps the latest
@@ -104,13 +109,13 @@ class SharedResults:
             if self.held[self.rank, region] and not leases:
                 self.held[self.rank, region] = 0
 
-    def _unmap(self, region):
+    def _unmap(self, region: int) -> None:
         _, segment = self.mapped.pop(region)
         if self.is_master:         # the master made every region: its name goes too
             segment.unlink()
         segment.release()          # the mapping lives on while a view of it does
 
-    def release(self):
+    def release(self) -> None:
         """Unmap everything; the master also removes the segments' names."""
         for region in list(self.mapped):
             self._unmap(region)

@@ -16,16 +16,26 @@ Every rank reports "prepared" before any rank executes, so a rank that fails to
 prepare makes the others skip the collective instead of waiting in it forever.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from ...platform.values import stored
 from . import all_reduce, broadcast, gather, read_data
+
+if TYPE_CHECKING:
+    from ...wire.collective import Kind
+    from ...wire.control import Words
+    from .contract import CollectiveContext, Prepare
 
 __all__ = ["prepare_collective", "all_reduce", "broadcast", "gather", "read_data", "PREPARE"]
 
 #: what each kind of collective prepares on a rank
-PREPARE = {module.KIND: module.prepare for module in (all_reduce, broadcast, gather, read_data)}
+PREPARE: dict[Kind, Prepare] = {module.KIND: module.prepare for module in (all_reduce, broadcast, gather, read_data)}
 
 
-def prepare_collective(context, words):
+def prepare_collective(context: CollectiveContext, words: Words) -> Callable[[], list[Any]]:
     """Prepare this rank's part of the collective encoded in ``words``; return its ``execute()``.
 
     ``context`` is this rank's :class:`~synkhronos.rank.context.RankContext`: its node's master
@@ -42,7 +52,7 @@ def prepare_collective(context, words):
         raise ValueError(f"unknown collective kind {kind}")
     execute = prepare(context, vars_, words)
 
-    def execute_and_wait():
+    def execute_and_wait() -> list[Any]:
         out = execute()
         # JAX dispatches asynchronously; a collective is finished (its errors raised) on return.
         jax.block_until_ready([stored(v) for v in vars_])
