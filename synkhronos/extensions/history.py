@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ..errors import SynkWarning
+
+if TYPE_CHECKING:
+    from ..rank.rule import Rule
 
 __all__ = ["History", "Check", "Resize"]
 
@@ -90,10 +95,10 @@ class History:
         checkpoint was written on (an elastic run that lost or gained a node).
     """
 
-    def __init__(self, rule, center_values=None):
+    def __init__(self, rule: Rule | str, center_values: Callable[[], list] | None = None) -> None:
         self.rule = rule
-        self.checks = []
-        self.lost_nodes = []
+        self.checks: list[Check] = []
+        self.lost_nodes: list[tuple[int, int]] = []
         self.resizes: list[Resize] = []
         self._center_values = center_values
 
@@ -121,18 +126,25 @@ class History:
                       f"{change.devices_after} devices from its checkpoint: the same global batch and "
                       f"data order go on, split over the devices there are", SynkWarning, stacklevel=3)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.checks)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Check]:
         return iter(self.checks)
 
-    def __getitem__(self, key):
+    @overload
+    def __getitem__(self, key: str) -> list[Any]: ...
+    @overload
+    def __getitem__(self, key: int) -> Check: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[Check]: ...
+
+    def __getitem__(self, key: str | int | slice) -> list[Any] | Check | list[Check]:
         if isinstance(key, str):
             return [getattr(c, key) for c in self.checks]
         return self.checks[key]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         last = f", last {asdict(self.checks[-1])}" if self.checks else ""
         lost = f", lost nodes {self.lost_nodes}" if self.lost_nodes else ""
         return f"History({self.rule}, {len(self)} checks{lost}{last})"
@@ -169,7 +181,8 @@ class History:
         plt.close(fig)
 
 
-def check_from_stats(stats, step, steps_per_epoch, elapsed, seconds):
+def check_from_stats(stats: ArrayLike, step: int, steps_per_epoch: float, elapsed: float,
+                     seconds: float) -> Check:
     """A :class:`Check` from every rank's counters of one phase (``LoopStats`` rows).
 
     ``seconds`` is the phase's wall time, ``elapsed`` the training time so far.

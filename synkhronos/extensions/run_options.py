@@ -49,7 +49,7 @@ class DataOrder:
     shuffle: bool = True
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not is_whole(self.seed, at_least=0):
             raise ValueError(f"seed must be a whole number >= 0 (it seeds numpy's generator of every "
                              f"epoch's order), got {self.seed!r}")
@@ -72,7 +72,7 @@ class Checks:
     every: int | None = None
     on_check: Callable[[Any], bool | None] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.every is not None and not is_whole(self.every, at_least=1):
             raise ValueError(f"check_every must be a positive number of steps or None, got {self.every!r}")
         if self.on_check is not None and not callable(self.on_check):
@@ -97,7 +97,7 @@ class Checkpointing:
     every: int
     resume: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         directory = self.directory
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise TypeError(f"checkpoint_dir must be a directory's path (a str or os.PathLike), got "

@@ -65,7 +65,7 @@ def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any,
                                givens=givens)
     f_upd = pytensor.function([], [], updates=graph.param_updates, mode=mode)
 
-    def train_minibatch(*values, **named):
+    def train_minibatch(*values: Any, **named: Any) -> Any:
         batch_loss = f_grad(*call_values(values, named, takes))
         f_upd()
         return batch_loss

@@ -32,15 +32,21 @@ device's own gradient) the same write-back gives the device's own statistics.
 Any other stateful layer's write-back is averaged over the devices, row-weighted.
 """
 
+from __future__ import annotations
+
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytensor.tensor as pt
 from pytensor_ml.layers.norm import BatchNormLayer
 from pytensor_ml.pytensorf import collect_non_trainable_updates
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+    from pytensor.tensor.variable import TensorVariable
 
 __all__ = ["Carried", "carried_statistics"]
 
@@ -65,15 +71,15 @@ class Carried:
     written: Callable[[Callable[[Any], Any]], Any]
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return np.shape(self.target.get_value(borrow=True))
 
     @property
-    def size(self):
+    def size(self) -> int:
         return math.prod(self.shape)
 
 
-def carried_statistics(loss, already_written=()) -> list[Carried]:
+def carried_statistics(loss: TensorVariable, already_written: Container[SharedVariable] = ()) -> list[Carried]:
     """The write-backs that the stateful layers of ``loss`` declare, as the flat vector carries them.
 
     Parameters
@@ -95,7 +101,8 @@ def carried_statistics(loss, already_written=()) -> list[Carried]:
     return [_carried(target, new, write_backs) for target, new in write_backs.items()]
 
 
-def _carried(target, new, write_backs):
+def _carried(target: SharedVariable, new: TensorVariable,
+             write_backs: Mapping[SharedVariable, TensorVariable]) -> Carried:
     pair = _batch_norm_variance(target, new, write_backs)
     if pair is None:                 # a mean, or a statistic of another layer: averaged
         return Carried(target, new, lambda reduced: reduced(target))
@@ -104,12 +111,14 @@ def _carried(target, new, write_backs):
     # devices' contributions then combine exactly, and the reduced mean recovers the variance
     contribution = new + pt.sqr(new_mean - running_mean) / momentum
 
-    def written(reduced):
+    def written(reduced: Callable[[Any], Any]) -> Any:
         return reduced(target) - pt.sqr(reduced(running_mean) - running_mean) / momentum
     return Carried(target, contribution, written)
 
 
-def _batch_norm_variance(target, new, write_backs):
+def _batch_norm_variance(target: SharedVariable, new: TensorVariable,
+                         write_backs: Mapping[SharedVariable, TensorVariable]
+                         ) -> tuple[TensorVariable, TensorVariable, float] | None:
     """``(running mean, its new value, momentum)`` if ``new`` is the running-variance write-back of
     a ``BatchNorm`` that reads its statistics themselves and whose mean is carried too; else None."""
     node = getattr(new, "owner", None)

@@ -27,7 +27,9 @@ their step from the same :class:`StepGraph`:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytensor
@@ -42,6 +44,11 @@ from ..comm.reduction import check_update_mode
 from .updates import plain_parameters
 
 __all__ = ["StepGraph", "build_step_graph", "input_list", "givens_scalars", "call_values"]
+
+#: ``state_updates=``: a dict ``{var: expr}``, or ``(var, expr)`` and ``(var, expr, mode)`` items (checked)
+StateUpdates = Mapping[Any, Any] | Iterable[Any]
+#: a state update, checked: the shared variable, its new value, how the slices combine (None: the last)
+StateUpdate = tuple[SharedVariable, Variable, str | None]
 
 
 @dataclass
@@ -87,8 +94,10 @@ class StepGraph:
         return self.carried_updates + self.state_updates
 
 
-def build_step_graph(loss, params, update_rule, args, kwargs, known, state_updates=None,
-                     consider_constant=None) -> StepGraph:
+def build_step_graph(loss: Variable, params: Sequence[Any], update_rule: Callable[..., Any],
+                     args: Sequence[Any], kwargs: Mapping[str, Any], known: Sequence[Variable],
+                     state_updates: StateUpdates | None = None,
+                     consider_constant: Sequence[Variable] | None = None) -> StepGraph:
     """The :class:`StepGraph` of ``update_rule(loss, params, *args, **kwargs)``.
 
     Parameters
@@ -116,7 +125,7 @@ def build_step_graph(loss, params, update_rule, args, kwargs, known, state_updat
                      carried, state)
 
 
-def held_constant(loss, consider_constant):
+def held_constant(loss: Variable, consider_constant: Sequence[Variable] | None) -> Variable:
     """``loss`` with each variable of ``consider_constant`` behind a gradient stop.
 
     The gradient of the result is what ``pytensor.grad(loss, wrt,
@@ -147,12 +156,12 @@ def held_constant(loss, consider_constant):
     return clone_replace(loss, {var: disconnected_grad(var) for var in consider_constant})
 
 
-def _checked_state_updates(state_updates, written):
+def _checked_state_updates(state_updates: StateUpdates | None, written: set[int]) -> list[StateUpdate]:
     """``state_updates`` as ``(shared, value, mode)`` triples, checked."""
     if state_updates is None:
         return []
     items = list(state_updates.items()) if isinstance(state_updates, dict) else list(state_updates)
-    triples = []
+    triples: list[StateUpdate] = []
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
             raise TypeError(f"each state update must be (shared, new_value) or (shared, new_value, "
@@ -175,7 +184,7 @@ def _checked_state_updates(state_updates, written):
     return triples
 
 
-def _scalar_inputs(reads, known):
+def _scalar_inputs(reads: Sequence[Variable], known: Iterable[Variable]) -> list[Variable]:
     """The symbolic inputs ``reads`` read besides ``known`` (all 0-d), in the order they are computed
     with: the first of ``reads`` first, and within one in PyTensor's order of computation."""
     known = set(known)
@@ -197,7 +206,8 @@ def _scalar_inputs(reads, known):
     return list(found)
 
 
-def _carry_scalars(param_updates, scalars):
+def _carry_scalars(param_updates: list[tuple[Any, Any]], scalars: Sequence[Variable]
+                   ) -> tuple[list[tuple[Any, Any]], list[tuple[SharedVariable, Variable, None]]]:
     """The rule's updates reading each scalar from a 0-d shared carrier, and the carriers' updates."""
     read = set(graph_inputs([value for _, value in param_updates]))
     carriers = {}
@@ -213,7 +223,7 @@ def _carry_scalars(param_updates, scalars):
             [(carrier, var, None) for var, carrier in carriers.items()])
 
 
-def input_list(value, name, caller="make_train_function"):
+def input_list(value: Any, name: str, caller: str = "make_train_function") -> list[Any]:
     """``x`` or ``y`` of a training step as a list of variables (None: none; ``x`` needs one)."""
     if value is None:
         if name == "x":
@@ -225,14 +235,15 @@ def input_list(value, name, caller="make_train_function"):
     return values
 
 
-def givens_scalars(givens):
+def givens_scalars(givens: Mapping[Variable, Variable] | Iterable[tuple[Variable, Variable]]) -> list[Variable]:
     """The scalar inputs the values of ``givens`` read (the tutorials' index), in order."""
     return list(dict.fromkeys(
         v for value in dict(givens).values() for v in graph_inputs([value])
         if not isinstance(v, (Constant, SharedVariable)) and v.ndim == 0))  # type: ignore[attr-defined]
 
 
-def call_values(values, named, inputs, what="the step"):
+def call_values(values: Sequence[Any], named: Mapping[str, Any], inputs: Sequence[Variable],
+                what: str = "the step") -> Any:
     """One value per variable of ``inputs``, given by position or by the variable's name.
 
     Examples

@@ -14,6 +14,8 @@ Examples
 EASGD(alpha=0.3, every=4, asynchronous=True)
 """
 
+from __future__ import annotations
+
 from ..rank.sync import EASGD, AllReduce, Average, DiLoCo, Downpour, RateLimited
 from ..seams.rule import Rule, RuleState
 

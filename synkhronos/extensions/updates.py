@@ -33,7 +33,7 @@ array([0.001, 0.001, 0.001])
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pytensor
@@ -73,7 +73,7 @@ def flatten_vars(variables: Sequence[Any]) -> Any:
     return pt.concatenate([pt.flatten(v) for v in variables])
 
 
-def _shape_of(var):
+def _shape_of(var: Any) -> tuple[int, ...]:
     if hasattr(var, "get_value"):
         return np.shape(var.get_value(borrow=True))
     return tuple(var.type.shape)
@@ -136,7 +136,7 @@ def flat_unflat_grads(loss: Any, params: Sequence[Any]) -> tuple[Any, Any, list]
     return grad_shared, flat, unflatten_vars(grad_shared, list(params))
 
 
-def _flat_gradient(loss, params):
+def _flat_gradient(loss: Any, params: Sequence[Any]) -> tuple[list[tuple[Any, Any]], Any, list]:
     """``([(grad_shared, flat gradient)], grad_shared, unflattened slices)``."""
     params = list(params)
     # pytensor-ml's gradient rewrites the loss first (e.g. for JAX-friendly indexing), exactly
@@ -148,13 +148,13 @@ def _flat_gradient(loss, params):
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
 
 
-def _flat_vector(size, dtype):
+def _flat_vector(size: int, dtype: str) -> Any:
     grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared")
     grad_shared.tag.synk_gradient = True     # scratch between steps: checkpoints leave it out
     return grad_shared
 
 
-def _flat_step(loss, params):
+def _flat_step(loss: Any, params: Sequence[Any]) -> tuple[list[tuple[Any, Any]], Any, list, list[tuple[Any, Any]]]:
     """A step's flat vector: the gradients of ``params``, then the model's statistics.
 
     Returns ``(grad_updates, grad_shared, gradient slices, statistics' write-backs)``;
@@ -307,7 +307,8 @@ def from_optim(transform: Callable, loss: Any, params: Sequence[Any]) -> FlatSte
     return FlatStep(grad_updates, param_updates + list(clocks.items()), grad_shared)
 
 
-def _check_rule_writes(rule_updates, params, write_backs):
+def _check_rule_writes(rule_updates: Mapping[Any, Any], params: Sequence[Any],
+                       write_backs: Sequence[tuple[Any, Any]]) -> None:
     """What pytensor-ml's ``compile_train`` checks: every parameter written, no statistic twice."""
     unwritten = [p.name or str(p) for p in params if p not in rule_updates]
     if unwritten:

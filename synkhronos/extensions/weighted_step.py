@@ -8,6 +8,9 @@ gradient and the update function into one :class:`~synkhronos.api.step.Step`;
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import pytensor.tensor as pt
 from pytensor_ml.params import NonTrainableParameter
@@ -16,6 +19,12 @@ from ..api.data import data
 from ..api.function import function
 from ..api.step import Step
 from ..runtime.session import current, serialized
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+    from pytensor.tensor.variable import TensorVariable
+
+    from .step_graph import StepGraph
 
 __all__ = ["WeightedStep", "TrainStep"]
 
@@ -27,7 +36,8 @@ class WeightedStep:
     batch_rows``; the average over devices is then the full-batch gradient.
     """
 
-    def __init__(self, graph, x, inputs=(), **function_kwargs):
+    def __init__(self, graph: StepGraph, x: TensorVariable, inputs: Sequence[Variable] = (),
+                 **function_kwargs: Any) -> None:
         self.graph, self.grad_shared, self.params = graph, graph.grad_shared, graph.params
         (target, flat_grad), = graph.grad_updates
         dtype = self.grad_shared.type.dtype
@@ -43,18 +53,19 @@ class WeightedStep:
         # arguments, so the call's plan is validated once and reused
         self._batch_rows = data(np.zeros((), dtype), name="batch_rows")
 
-    def touched_now(self, *_):
+    def touched_now(self, *_: Any) -> list | None:
         """What the step hands to the devices and back (see :meth:`Step.touched_now`)."""
         return self.step.touched_now()
 
     # the rows written and the step that reads them: one thread's turn
     @serialized(touches=touched_now)
-    def __call__(self, batch_rows, *inputs, **call_kwargs):
+    def __call__(self, batch_rows: int, *inputs: Any, **call_kwargs: Any) -> Any:
         self.step.check_current()       # before the rows' Data, which a closed runtime freed
         self._batch_rows.data[()] = batch_rows
         return self.step(*inputs, self._batch_rows, **call_kwargs)
 
-    def expose(self, call, inputs=(), runs_on_devices=False):
+    def expose(self, call: Callable[..., Any], inputs: Sequence[Variable] = (),
+               runs_on_devices: bool = False) -> TrainStep:
         """The user's step: ``call`` with handles on what it runs (a :class:`TrainStep`)."""
         return TrainStep(call, self, list(inputs), runs_on_devices)
 
@@ -87,7 +98,8 @@ class TrainStep:
         Whether :func:`run` takes it (its data in shared memory).
     """
 
-    def __init__(self, call, step, inputs, runs_on_devices):
+    def __init__(self, call: Callable[..., Any], step: WeightedStep, inputs: list[Variable],
+                 runs_on_devices: bool) -> None:
         self._call = call
         self.grad_shared, self.params = step.grad_shared, step.params
         self.functions = (step.f_grad, step.f_upd)
@@ -99,8 +111,8 @@ class TrainStep:
         self.inputs, self.runs_on_devices = inputs, runs_on_devices
         self.scalars = step.graph.scalars
 
-    def __call__(self, *data, **kwargs):
+    def __call__(self, *data: Any, **kwargs: Any) -> Any:
         return self._call(*data, **kwargs)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TrainStep(params={[p.name for p in self.params]})"

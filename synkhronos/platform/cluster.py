@@ -8,7 +8,10 @@ one this is and where the coordinator listens; synkhronos runs one task per
 node, so its tasks are the nodes.
 """
 
+from __future__ import annotations
+
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import internals
@@ -35,7 +38,7 @@ class NodePlace:
     source: str = "single node"
 
 
-def find_node(environ=None):
+def find_node(environ: Mapping[str, str] | None = None) -> NodePlace:
     """This node's :class:`NodePlace`: the launcher's variables first, then the cluster's.
 
     Examples
@@ -57,11 +60,11 @@ def find_node(environ=None):
     return NodePlace(1, 0, None)
 
 
-def _from_launcher(environ):
+def _from_launcher(environ: Mapping[str, str]) -> NodePlace:
     try:
         n_nodes, node_rank = int(environ["SYNK_NNODES"]), int(environ.get("SYNK_NODE_RANK", 0))
-        devices = environ.get("SYNK_DEVICES_PER_NODE")
-        devices = int(devices) if devices else None
+        given = environ.get("SYNK_DEVICES_PER_NODE")
+        devices = int(given) if given else None
     except ValueError as e:
         raise ValueError(f"the launcher's variables must be integers ({e}); start the script with "
                          f"python -m synkhronos.launch --nnodes N --node-rank R --coordinator "
@@ -75,7 +78,7 @@ def _from_launcher(environ):
     return NodePlace(n_nodes, node_rank, coordinator, devices, "launcher")
 
 
-def check_coordinator(address):
+def check_coordinator(address: str) -> str:
     """Raise ValueError unless ``address`` is ``HOST:PORT`` with a port from 1 to 65535.
 
     Examples
@@ -98,7 +101,7 @@ def check_coordinator(address):
 SCHEDULER_VARIABLE_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "KUBERNETES_SERVICE_HOST")
 
 
-def _from_jax_cluster_detection():
+def _from_jax_cluster_detection() -> NodePlace | None:
     """JAX's cluster detection (Slurm, Open MPI, ...): tasks are nodes; None outside a cluster."""
     if not any(name.startswith(SCHEDULER_VARIABLE_PREFIXES) for name in os.environ):
         return None
@@ -108,4 +111,5 @@ def _from_jax_cluster_detection():
     name, address, n_tasks, task = detected
     if not n_tasks or n_tasks <= 1:
         return None
+    assert task is not None, "JAX's cluster detection names the task of every process it counts"
     return NodePlace(int(n_tasks), int(task), address, None, name)

@@ -57,7 +57,7 @@ ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
 MAX_BYTES = 2 * 2**30
 
 
-def _default_base():
+def _default_base() -> str:
     if os.environ.get(ENV_VAR):
         return os.environ[ENV_VAR]
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -9,7 +9,10 @@ program in its arguments. So a timeline shows where start-up time goes, rank
 by rank, and whether a run compiled or loaded.
 """
 
+from __future__ import annotations
+
 import threading
+from typing import Any
 
 from ..tracing import trace
 
@@ -25,12 +28,12 @@ _watching = False
 _hit = threading.local()
 
 
-def _on_event(event, **kwargs):
+def _on_event(event: str, **kwargs: Any) -> None:
     if event == _CACHE_HIT:
         _hit.value = True
 
 
-def _on_span(event, start_time, end_time, **kwargs):
+def _on_span(event: str, start_time: float, end_time: float, **kwargs: Any) -> None:
     if event != _BACKEND_COMPILE:
         return
     loaded, _hit.value = getattr(_hit, "value", False), False
@@ -39,7 +42,7 @@ def _on_span(event, start_time, end_time, **kwargs):
                      program=kwargs.get("fun_name", ""))
 
 
-def watch():
+def watch() -> None:
     """Listen to JAX's compile reports in this process (from now on; again is a no-op)."""
     global _watching
     if _watching:

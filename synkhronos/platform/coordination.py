@@ -18,10 +18,13 @@ service process imports JAX's library and the adapter beside this file, :mod:`.i
 the package).
 """
 
+from __future__ import annotations
+
 import socket
 import subprocess
 import sys
 import time
+from typing import IO
 
 if __package__:
     from .internals import coordination_service
@@ -50,7 +53,7 @@ class ServiceProcess:
         The environment of the service process (JAX's platform and log level).
     """
 
-    def __init__(self, address, n_processes, heartbeat_timeout, env):
+    def __init__(self, address: str, n_processes: int, heartbeat_timeout: float, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, address, str(n_processes), str(int(heartbeat_timeout))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
@@ -64,10 +67,10 @@ class ServiceProcess:
                                f"node a free port of node 0 (--coordinator HOST:PORT)")
 
     @property
-    def pid(self):
+    def pid(self) -> int:
         return self.proc.pid
 
-    def stop(self, at_once=True):
+    def stop(self, at_once: bool = True) -> None:
         """End the service: ``at_once`` when every process has left the runtime, else (after a
         fault, other nodes may still be leaving) :data:`GRACE` seconds from now."""
         try:
@@ -85,7 +88,7 @@ class ServiceProcess:
             self.proc.wait()
 
 
-def wait_until_served(address, within):
+def wait_until_served(address: str, within: float) -> bool:
     """Return once something accepts connections at ``address`` (``host:port``), or after
     ``within`` seconds; True if it did.
 
@@ -116,7 +119,7 @@ def wait_until_served(address, within):
             time.sleep(0.01)
 
 
-def _serve(address, n_processes, heartbeat_timeout):
+def _serve(address: str, n_processes: int, heartbeat_timeout: int) -> None:
     """Serve until the parent says stop (then at once) or dies (then after :data:`GRACE` s)."""
     service = coordination_service(address, n_processes, heartbeat_timeout)
     print(_READY, flush=True)
@@ -126,7 +129,7 @@ def _serve(address, n_processes, heartbeat_timeout):
     service.shutdown()
 
 
-def pipes(proc):
+def pipes(proc: subprocess.Popen[str]) -> tuple[IO[str], IO[str]]:
     """The standard input and output of ``proc``, started with both as pipes."""
     assert proc.stdin is not None and proc.stdout is not None, "started with stdin and stdout piped"
     return proc.stdin, proc.stdout

@@ -6,21 +6,28 @@ process's own share of the cores. threadpoolctl finds the OpenBLAS numpy
 loaded and sets its threads.
 """
 
+from __future__ import annotations
+
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .process_changes import changes
+
+if TYPE_CHECKING:
+    from threadpoolctl import LibController
 
 __all__ = ["limit_blas_threads", "blas_threads", "restore_blas_threads", "current_blas_threads",
            "loaded_blas_libraries", "threads_for_libraries_loaded_since"]
 
 
 #: threads numpy's BLAS was limited to in this process (None: not limited; see limit_blas_threads)
-_blas_threads = None
+_blas_threads: int | None = None
 #: [(library, threads it had)] before limit_blas_threads, to give the counts back
-_previous = None
+_previous: list[tuple[LibController, int]] | None = None
 
 
-def _numpy_openblas():
+def _numpy_openblas() -> list[LibController]:
     """threadpoolctl's controllers of the OpenBLAS numpy loaded (its own copy), or an empty list."""
     import numpy
     from threadpoolctl import ThreadpoolController
@@ -29,7 +36,7 @@ def _numpy_openblas():
             if lib.filepath and lib.filepath.startswith(root)]
 
 
-def limit_blas_threads(threads):
+def limit_blas_threads(threads: int) -> bool:
     """Limit numpy's BLAS (OpenBLAS) in this process to ``threads`` threads; True if it worked.
 
     numpy reads ``OPENBLAS_NUM_THREADS`` when it is imported, which in the
@@ -55,7 +62,7 @@ def limit_blas_threads(threads):
     return True
 
 
-def restore_blas_threads():
+def restore_blas_threads() -> None:
     """Give numpy's BLAS the thread count it had before :func:`limit_blas_threads`."""
     global _blas_threads, _previous
     for lib, threads in _previous or []:
@@ -63,29 +70,29 @@ def restore_blas_threads():
     _blas_threads = _previous = None
 
 
-def current_blas_threads():
+def current_blas_threads() -> int | None:
     """The thread count numpy's BLAS (OpenBLAS) uses now, or None if it cannot be asked."""
     libraries = _numpy_openblas()
     return libraries[0].num_threads if libraries else None
 
 
-def blas_threads():
+def blas_threads() -> int | None:
     """The threads numpy's BLAS was limited to by :func:`limit_blas_threads`, or None."""
     return _blas_threads
 
 
-def loaded_blas_libraries():
+def loaded_blas_libraries() -> set[str]:
     """The paths of the BLAS libraries loaded in this process now (threadpoolctl)."""
     from threadpoolctl import ThreadpoolController
     return {lib.filepath for lib in ThreadpoolController().select(user_api="blas").lib_controllers}
 
 
-def threads_for_libraries_loaded_since(before):
+def threads_for_libraries_loaded_since(before: set[str]) -> Callable[[], None]:
     """What gives a BLAS library first loaded while the runtime ran (scipy's, loaded by PyTensor's
     JAX backend under the runtime's ``OPENBLAS_NUM_THREADS=1``) the threads the environment asks for
     once it is the user's again: ``OPENBLAS_NUM_THREADS``, else every core. ``before`` is
     :func:`loaded_blas_libraries` from before the runtime."""
-    def give_back():
+    def give_back() -> None:
         from threadpoolctl import ThreadpoolController
         threads = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.cpu_count() or 1)
         for lib in ThreadpoolController().select(user_api="blas").lib_controllers:

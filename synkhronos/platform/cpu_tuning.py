@@ -10,12 +10,15 @@ its device's part of a loop phase or of a command that proved long
 user's script is otherwise free to run on any core.
 """
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
 import threading
+from collections.abc import Iterable, Iterator
 
 from .process_changes import changes
 
@@ -25,7 +28,7 @@ __all__ = ["keep_freed_memory_for_reuse", "restore_allocator_defaults", "cores_o
 log = logging.getLogger(__name__)
 
 
-def keep_freed_memory_for_reuse(max_bytes=1 << 30):
+def keep_freed_memory_for_reuse(max_bytes: int = 1 << 30) -> None:
     """Let glibc reuse freed blocks instead of handing their memory back to the OS at once.
 
     XLA's CPU client allocates a fresh buffer per result and one block of
@@ -47,7 +50,7 @@ def keep_freed_memory_for_reuse(max_bytes=1 << 30):
     _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, max_bytes))
 
 
-def restore_allocator_defaults():
+def restore_allocator_defaults() -> None:
     """Give glibc back the defaults :func:`keep_freed_memory_for_reuse` changed, where it can.
 
     Arenas per thread, large blocks in mappings of their own and the trim
@@ -63,7 +66,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _DEFAULT_MMAP_MAX, _DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024
 
 
-def _mallopt(*settings):
+def _mallopt(*settings: tuple[int, int]) -> None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         for param, value in settings:
@@ -72,7 +75,7 @@ def _mallopt(*settings):
         log.debug("mallopt is not available here; the allocator keeps its settings")
 
 
-def cores_of(threads, rank):
+def cores_of(threads: int | None, rank: int) -> list[int] | None:
     """The cores of rank ``rank`` with ``threads`` threads: ``[rank * threads, (rank + 1) * threads)``.
 
     Counted among the cores this process may run on, wrapping around; None
@@ -95,7 +98,7 @@ _STARTED_ON = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffini
 
 
 @contextlib.contextmanager
-def on_every_core():
+def on_every_core() -> Iterator[None]:
     """Run the calling thread on every core the process started with, for the block.
 
     For an XLA compile: XLA compiles a program on threads it starts for it,
@@ -116,7 +119,7 @@ def on_every_core():
 
 
 @contextlib.contextmanager
-def on_cores(cores):
+def on_cores(cores: Iterable[int] | None) -> Iterator[None]:
     """Run the calling thread on ``cores`` for the block (None: leave it where it may run).
 
     With async dispatch off, a JAX program runs in the thread that calls it,
@@ -139,7 +142,7 @@ def on_cores(cores):
         os.sched_setaffinity(0, original)
 
 
-def stay_on_cores(cores):
+def stay_on_cores(cores: Iterable[int] | None) -> None:
     """Bind the calling thread to ``cores`` for good (None: nothing to do); a worker's main thread."""
     if cores is not None:
         os.sched_setaffinity(0, cores)

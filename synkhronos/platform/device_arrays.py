@@ -5,18 +5,27 @@ copied once into private, 64-byte aligned host buffers that the CPU client
 adopts without another copy (on a GPU, ``device_put`` copies them over).
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ..ipc.buffers import BufferPool
 from .internals import device_put_bare
 from .pinned import PINNED_MIN_BYTES, pinned_buffers
 from .values import device_face, host_face, store, stored
 
+if TYPE_CHECKING:
+    import jax
+
 __all__ = ["to_device", "adopt", "private_empty", "copy_large", "place_on_device",
            "wait_until_computed", "host_face", "device_face", "COPY_PIECE_BYTES", "arguments_on_device"]
 
 
-def wait_until_computed(values):
+def wait_until_computed(values: Any) -> None:
     """Block until every JAX array in ``values`` (any nesting of lists, tuples, dicts) is computed.
 
     Other leaves (numpy arrays, numbers) are ready already.
@@ -27,7 +36,7 @@ def wait_until_computed(values):
             leaf.block_until_ready()
 
 
-def place_on_device(shared_vars):
+def place_on_device(shared_vars: Iterable[Any]) -> None:
     """Keep the host (numpy) values of tensor ``shared_vars`` as arrays on this process's device.
 
     A jitted function is compiled for its arguments' shardings: a numpy value
@@ -46,7 +55,7 @@ def place_on_device(shared_vars):
 _HOST_POOL = BufferPool()
 
 
-def to_device(host):
+def to_device(host: ArrayLike) -> jax.Array:
     """A device array with the values of ``host``, sharing no memory with it.
 
     ``host`` may be reused as soon as this returns (a shared-memory slot, say).
@@ -73,7 +82,7 @@ def to_device(host):
 COPY_PIECE_BYTES = 16 << 20
 
 
-def copy_large(dst, src):
+def copy_large(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` for arrays of one shape; large ones in pieces of ``COPY_PIECE_BYTES``.
 
     glibc copies very large blocks another way (non-temporal stores, several
@@ -89,7 +98,7 @@ def copy_large(dst, src):
         d[a:a + step] = s[a:a + step]
 
 
-def private_empty(shape, dtype):
+def private_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """A 64-byte aligned host array for :func:`adopt`, reusing a large buffer no device array holds
     (on a device with pinned host memory, a large one is pinned: see :mod:`.pinned`)."""
     pinned = pinned_buffers()
@@ -97,7 +106,7 @@ def private_empty(shape, dtype):
     return made if made is not None else _HOST_POOL.empty(shape, dtype)
 
 
-def arguments_on_device(values):
+def arguments_on_device(values: Iterable[Any]) -> list[Any]:
     """``values`` with every numpy array put on this process's device, explicitly.
 
     What a jitted call would transfer implicitly, transferred by the caller
@@ -108,7 +117,7 @@ def arguments_on_device(values):
     return [adopt(v) if type(v) is np.ndarray else v for v in values]
 
 
-def adopt(private):
+def adopt(private: np.ndarray) -> jax.Array:
     """Hand ``private`` (from :func:`private_empty`, never written again) to the device.
 
     On CPU the device array is a view of ``private`` and keeps it alive.

@@ -12,6 +12,8 @@ time functions are compiled: ranks that disagreed would exchange buffers of
 different sizes in a collective.
 """
 
+from __future__ import annotations
+
 import contextlib
 import gc
 import importlib.metadata
@@ -22,12 +24,18 @@ import random
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from . import compile_cache, compile_spans, coordination, cpu_blas, cpu_tuning, internals
 from .native_output import RECOVERABLE_TASKS, TASK_WATCH_CANCELLED, TASK_WATCH_DETAIL, native_lines_dropped
 from .process_changes import changes
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
@@ -42,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def global_random_states_kept():
+def global_random_states_kept() -> Iterator[None]:
     """Give ``numpy.random``'s and ``random``'s global states back as they were when the block began.
 
     Examples
@@ -61,7 +69,7 @@ def global_random_states_kept():
         random.setstate(python_state)
 
 
-def import_jax():
+def import_jax() -> ModuleType:
     """The ``jax`` module, imported without moving the global random states.
 
     Importing JAX draws from numpy's global generator (its Kubernetes cluster
@@ -77,16 +85,16 @@ def import_jax():
     return jax
 
 
-def backend_exists():
+def backend_exists() -> bool:
     """True if this process has already created a JAX backend (device context)."""
     return internals.jax_backend_exists()
 
 
-def has_gpu_plugin():
+def has_gpu_plugin() -> bool:
     return bool(_installed_gpu_plugins())
 
 
-def _count_in_subprocess(platform):
+def _count_in_subprocess(platform: str) -> int:
     """Count devices of ``platform`` in a throwaway process (no context here)."""
     code = ("import jax, json; "
             f"print(json.dumps(jax.local_device_count({platform!r})))")
@@ -96,7 +104,7 @@ def _count_in_subprocess(platform):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def default_platform():
+def default_platform() -> str:
     """``"gpu"`` when a JAX GPU plugin is installed and finds a device, else ``"cpu"``; and
     ``"cpu"`` whenever ``JAX_PLATFORMS`` names no GPU platform (``JAX_PLATFORMS=cpu``), as for JAX."""
     named = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
@@ -107,7 +115,7 @@ def default_platform():
     return "cpu"
 
 
-def count_devices(platform=None):
+def count_devices(platform: str | None = None) -> int:
     """Number of devices synkhronos would use, without creating a JAX context here.
 
     On CPU this is the number of cores available to this process (one process
@@ -115,11 +123,11 @@ def count_devices(platform=None):
     """
     platform = platform or default_platform()
     if platform == "cpu":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cast(int, os.cpu_count())
     return _count_in_subprocess(platform)
 
 
-def jax_platforms(platform):
+def jax_platforms(platform: str) -> str:
     """The value of JAX's ``jax_platforms`` for computing on ``platform`` ("cpu" or "gpu").
 
     JAX expands "gpu" to every GPU platform it knows (CUDA, ROCm, oneAPI) and
@@ -138,7 +146,7 @@ def jax_platforms(platform):
     return ("rocm" if rocm else "cuda") + ",cpu"
 
 
-def _installed_gpu_plugins():
+def _installed_gpu_plugins() -> list[str]:
     found = []
     for name in _GPU_PLUGINS:
         try:
@@ -149,7 +157,7 @@ def _installed_gpu_plugins():
     return found
 
 
-def configure_environment(env, platform, threads):
+def configure_environment(env: dict[str, str], platform: str, threads: int) -> dict[str, str]:
     """Set the variables that must be in place before JAX/BLAS start in a process.
 
     ``threads`` is the number of CPU threads this process may use (XLA's CPU
@@ -173,20 +181,20 @@ def configure_environment(env, platform, threads):
     return env
 
 
-def platform():
+def platform() -> str:
     """The JAX platform this process computes on ("cpu", "gpu", ...)."""
     jax = import_jax()
     return jax.default_backend()
 
 
-def import_modules():
+def import_modules() -> None:
     """Import JAX and PyTensor's JAX backend without making a JAX backend (the imports take about
     a second: the master does them while its workers start)."""
     import_jax()
     import pytensor.link.jax.dispatch  # noqa: F401
 
 
-def set_precision(float_x):
+def set_precision(float_x: str) -> None:
     """Apply the precision policy: ``floatX`` in PyTensor, and 64-bit JAX iff it is float64."""
     import pytensor
 
@@ -207,7 +215,7 @@ def set_precision(float_x):
 TRUNCATION_NOTICE = r"Explicitly requested dtype \w+ requested in \w+ is not available"
 
 
-def _quiet_truncation_notices():
+def _quiet_truncation_notices() -> None:
     """Ignore :data:`TRUNCATION_NOTICE` in this process until close (a float64 cast the user wrote is
     said once, in one line, when the function is built: see synkhronos.api.recording)."""
     if any(f[0] == "ignore" and getattr(f[1], "pattern", None) == TRUNCATION_NOTICE
@@ -216,14 +224,14 @@ def _quiet_truncation_notices():
     warnings.filterwarnings("ignore", message=TRUNCATION_NOTICE, category=UserWarning)
     entry = warnings.filters[0]
 
-    def restore():
+    def restore() -> None:
         if entry in warnings.filters:
             warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
             getattr(warnings, "_filters_mutated", lambda: None)()
     changes.record("the filter of JAX's truncation notices", restore)
 
 
-def _configure_jax(name, value):
+def _configure_jax(name: str, value: Any) -> None:
     """Set JAX's configuration ``name``, recording its earlier value in the process's changes."""
     jax = import_jax()
     earlier = jax.config.values[name]
@@ -236,7 +244,7 @@ def _configure_jax(name, value):
 NODE_HEARTBEAT_TIMEOUT = 4
 
 
-def use_compile_cache(directory):
+def use_compile_cache(directory: str | None) -> None:
     """Keep every program this process compiles in JAX's persistent cache at ``directory`` (None: off).
 
     Every program, however quick to compile or small (JAX's defaults keep only
@@ -261,8 +269,10 @@ def use_compile_cache(directory):
     internals.compile_once_per_host(locks, while_compiling=cpu_tuning.on_every_core)
 
 
-def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="float64",
-                       threads=None, local_rank=None, n_local=None, cores=None, compile_cache_dir=None):
+def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str, timeout: float,
+                       float_x: str = "float64", threads: int | None = None, local_rank: int | None = None,
+                       n_local: int | None = None, cores: Iterable[int] | None = None,
+                       compile_cache_dir: str | None = None) -> jax.Device:
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
@@ -328,7 +338,7 @@ def initialize_process(rank, n_ranks, coordinator, platform, timeout, float_x="f
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here
 
 
-def device_cores(platform, threads, local_rank):
+def device_cores(platform: str, threads: int | None, local_rank: int) -> list[int] | None:
     """The cores of local rank ``local_rank``'s XLA pool and computing thread, or None (any core).
 
     On CPU with ``threads`` per device, the rank's own share
@@ -357,7 +367,7 @@ def _collect_until_gone(refs: list, rounds: int = 3) -> None:
         gc.collect()
 
 
-def forget_runtime_in_child():
+def forget_runtime_in_child() -> None:
     """In a child made by ``os.fork()``: leave the parent's JAX runtime alone (see
     :func:`synkhronos.platform.internals.detach_inherited_jax`)."""
     internals.detach_inherited_jax()

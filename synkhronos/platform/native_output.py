@@ -16,6 +16,7 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TextIO
 
 __all__ = ["native_lines_dropped", "RECOVERABLE_TASKS", "GLOO_CONNECTED", "TASK_WATCH_CANCELLED",
            "TASK_WATCH_DETAIL"]
@@ -94,7 +95,7 @@ def _lines_kept(lines: list[bytes], patterns: tuple[re.Pattern, ...],
     return kept
 
 
-def _flush(stream):
+def _flush(stream: TextIO | None) -> None:
     """Flush ``stream`` if there is one (``sys.stderr`` is None in a process started without it)."""
     if stream is not None:
         with contextlib.suppress(OSError, ValueError):

@@ -37,7 +37,7 @@ class _Slot:
 
     __slots__ = ("host", "address", "nbytes", "lease", "sent")
 
-    def __init__(self, host: Any):
+    def __init__(self, host: Any) -> None:
         self.host = host
         self.address = host.unsafe_buffer_pointer()
         self.nbytes = host.nbytes
@@ -73,7 +73,7 @@ class PinnedBuffers:
     (524288.0, 'device')
     """
 
-    def __init__(self, device: Any, max_bytes: int = 512 << 20):
+    def __init__(self, device: Any, max_bytes: int = 512 << 20) -> None:
         import jax
         self._on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         self._on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")

@@ -10,15 +10,20 @@ type), reading a face as its device array, and storing faces while
 during a command).
 """
 
+from __future__ import annotations
+
 import ctypes
 import math
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .internals import buffer_address, storage_cell
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace",
            "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE", "nbytes_of"]
@@ -100,7 +105,7 @@ def faces_held() -> bool:
     return _faces_held[0]
 
 
-def host_face(value):
+def host_face(value: Any) -> Any:
     """``value`` as user code may hold it: a writeable numpy array over a CPU device array's memory.
 
     A shared variable read by a plain PyTensor function (the default numba
@@ -129,11 +134,11 @@ def host_face(value):
         return value
     value.block_until_ready()
     memory = _bytes_type(nbytes).from_address(buffer_address(value))
-    memory.device_array = value
+    memory.device_array = value  # type: ignore[attr-defined]  # ctypes arrays take attributes
     return np.ndarray(shape, dtype, buffer=memory)
 
 
-def _bytes_type(nbytes):
+def _bytes_type(nbytes: int) -> type[ctypes.Array[ctypes.c_char]]:
     """The ctypes array type of ``nbytes`` bytes (made once per size: making one costs more than
     the face)."""
     made = _BYTES_TYPES.get(nbytes)
@@ -144,10 +149,10 @@ def _bytes_type(nbytes):
     return made
 
 
-_BYTES_TYPES: dict = {}
+_BYTES_TYPES: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
 
 
-def device_face(value):
+def device_face(value: Any) -> Any:
     """The device array behind ``value``, a whole :func:`host_face`; any other value as it is."""
     memory = value.base if type(value) is np.ndarray else None
     device = getattr(memory, "device_array", None)
@@ -189,10 +194,10 @@ class KeptFace:
 
     __slots__ = ("face", "_device")
 
-    def __init__(self, device, face):
+    def __init__(self, device: jax.Array, face: np.ndarray) -> None:
         self.face, self._device = face, weakref.ref(device)
 
-    def device_if_current(self, value):
+    def device_if_current(self, value: Any) -> jax.Array | None:
         """The face's device array if ``value`` is that array, or the face still over all of
         it, and the array is alive and not donated; else None."""
         device = self._device()
@@ -205,15 +210,15 @@ class KeptFace:
             return None
         return device
 
-    def lend(self):
+    def lend(self) -> None:
         """Let the device array go for a call, unless something besides this object holds the face."""
         face = self.face
         if sys.getrefcount(face) <= _FACE_ONLY_KEPT and sys.getrefcount(face.base) <= _MEMORY_ONLY_IN_FACE:
-            face.base.device_array = None
+            face.base.device_array = None  # type: ignore[union-attr]  # the face's ctypes memory
 
-    def restore(self, device):
+    def restore(self, device: jax.Array) -> np.ndarray:
         """The face, over ``device`` again (the value :meth:`device_if_current` found)."""
-        self.face.base.device_array = device
+        self.face.base.device_array = device  # type: ignore[union-attr]  # the face's ctypes memory
         return self.face
 
 

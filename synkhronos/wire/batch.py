@@ -6,15 +6,18 @@ taking positions ``[T*r//n, T*(r+1)//n)`` of the ``T`` batch positions; each
 rank then splits its chunk the same way into ``num_slices`` slices.
 """
 
+from __future__ import annotations
+
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 __all__ = ["Batch", "batch_from_spec", "chunk", "split"]
 
 
-def chunk(lo, hi, parts, index):
+def chunk(lo: int, hi: int, parts: int, index: int) -> tuple[int, int]:
     """Positions ``[a, b)`` of chunk ``index`` when ``[lo, hi)`` is split into ``parts``.
 
     Plain integer arithmetic: this runs on every call in every process.
@@ -23,7 +26,7 @@ def chunk(lo, hi, parts, index):
     return lo + size * index // parts, lo + size * (index + 1) // parts
 
 
-def split(total, parts):
+def split(total: int, parts: int) -> tuple[tuple[int, int], ...]:
     """Every chunk's positions ``[a, b)`` when ``total`` positions are split into ``parts``.
 
     Examples
@@ -43,24 +46,24 @@ class Batch:
     stop: int = 0
     indices: np.ndarray | None = None
     index_offset: int = 0   # where ``indices`` start in the shared index segment
-    _bounds: tuple | None = field(default=None, repr=False, compare=False)   # see _index_bounds
+    _bounds: tuple[int, int] | None = field(default=None, repr=False, compare=False)   # see _index_bounds
 
     @property
-    def is_range(self):
+    def is_range(self) -> bool:
         return self.indices is None
 
-    def lowest(self):
+    def lowest(self) -> int:
         if self.total == 0:
             return 0
         return self.start if self.is_range else self._index_bounds()[0]
 
-    def highest(self):
+    def highest(self) -> int:
         """The largest row index the batch touches (-1 if empty)."""
         if self.total == 0:
             return -1
         return self.stop - 1 if self.is_range else self._index_bounds()[1]
 
-    def _index_bounds(self):
+    def _index_bounds(self) -> tuple[int, int]:
         """(lowest, highest) of the explicit indices, computed once."""
         if self._bounds is None:
             indices = np.asarray(self.indices)
@@ -68,7 +71,7 @@ class Batch:
         return self._bounds
 
 
-def _as_index_array(batch):
+def _as_index_array(batch: list | tuple | np.ndarray) -> np.ndarray:
     idx = np.asarray(batch)
     if idx.size == 0:
         return idx.astype(np.int64).reshape(0)
@@ -82,7 +85,7 @@ def _as_index_array(batch):
     return idx.astype(np.int64, copy=False)
 
 
-def batch_from_spec(batch, length):
+def batch_from_spec(batch: Any, length: int) -> Batch:
     """Turn the user's ``batch`` into a Batch; ``length`` bounds int and open slices."""
     if isinstance(batch, bool):
         raise TypeError("batch must be an int, a slice, or a list/array of indices, not a bool")

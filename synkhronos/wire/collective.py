@@ -6,7 +6,11 @@ of :mod:`synkhronos.rank.collectives` writes; every rank reads it back there
 (its ``prepare``), so each kind's writing and reading sit side by side.
 """
 
+from __future__ import annotations
+
 import enum
+from collections.abc import Iterable, Sequence, ValuesView
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +34,7 @@ class Keep(enum.IntEnum):
     RETURN = 2
 
 
-def kind_name(code):
+def kind_name(code: int) -> str:
     """A collective kind's name for messages and timelines (``"all_reduce"``), else ``"collective"``.
 
     Examples
@@ -41,12 +45,12 @@ def kind_name(code):
     return enum_name(Kind, code, "collective")
 
 
-def shapes_of(values):
+def shapes_of(values: Iterable[Any]) -> Any:
     """The shape of each of ``values`` (device or host arrays) as a tuple of ints."""
     return [tuple(np.shape(v)) for v in values]
 
 
-def dtype_groups(vars_):
+def dtype_groups(vars_: Iterable[Any]) -> ValuesView[list[int]]:
     """Indices of ``vars_`` grouped by dtype: each group travels as one flat buffer.
 
     Examples
@@ -56,13 +60,13 @@ def dtype_groups(vars_):
     >>> list(dtype_groups([a, b, c]))
     [[0, 2], [1]]
     """
-    groups: dict = {}
+    groups: dict[Any, list[int]] = {}
     for i, var in enumerate(vars_):
         groups.setdefault(var.type.dtype, []).append(i)
     return groups.values()
 
 
-def group_bytes(vars_, sizes):
+def group_bytes(vars_: Sequence[Any], sizes: Sequence[int]) -> int:
     """Largest byte size over the dtype groups of ``vars_``, given each variable's item count.
 
     Each variable may start on a 64-byte boundary in a group's flat buffer.

@@ -19,13 +19,17 @@ What a collective implementation needs in shared memory it keeps in segments of
 its own (:mod:`synkhronos.comm.shm`).
 """
 
+from __future__ import annotations
+
 import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
-from ..ipc.semaphores import SEMAPHORE_BYTES, ClosedSemaphore, semaphores_in
+from ..ipc.semaphores import SEMAPHORE_BYTES, ClosedSemaphore, Semaphore, semaphores_in
 
 __all__ = [
     "ControlBlock", "Op", "op_name", "enum_name", "Status", "Decision", "Header", "Field", "Words",
@@ -58,7 +62,7 @@ class Op(enum.IntEnum):
     UNDO = 12         # put back what the last CALL or STEP replaced (it failed on some rank)
 
 
-def op_name(opcode):
+def op_name(opcode: int) -> str:
     """An opcode's name for messages and timelines (``"call"``), or its number if it has none.
 
     Examples
@@ -69,7 +73,7 @@ def op_name(opcode):
     return enum_name(Op, opcode, str(opcode))
 
 
-def enum_name(kind, code, default):
+def enum_name(kind: type[enum.IntEnum], code: int, default: str) -> str:
     """The lower-case name of ``kind``'s member ``code``, or ``default`` if it has none.
 
     Examples
@@ -138,12 +142,12 @@ class Words:
 
     _READ_AHEAD = 256
 
-    def __init__(self, args):
+    def __init__(self, args: np.ndarray) -> None:
         self.args = args
         self.pos = 0
-        self._cache = None   # reading: Python ints of args[:len(_cache)], fetched in blocks
+        self._cache: list[int] | None = None   # reading: Python ints of args[:len(_cache)], fetched in blocks
 
-    def put(self, *values):
+    def put(self, *values: int) -> Words:
         n = len(values)
         if self.pos + n > len(self.args):
             raise ValueError(f"command needs more than {len(self.args)} control words")
@@ -151,11 +155,11 @@ class Words:
         self.pos += n
         return self
 
-    def put_list(self, values):
+    def put_list(self, values: Iterable[int]) -> Words:
         values = list(values)
         return self.put(len(values), *values)
 
-    def _ints(self, n):
+    def _ints(self, n: int) -> list[int]:
         end = self.pos + n
         if self._cache is None or end > len(self._cache):
             self._cache = self.args[:max(end, self._READ_AHEAD)].tolist()
@@ -163,10 +167,10 @@ class Words:
         self.pos = end
         return out
 
-    def get(self):
+    def get(self) -> int:
         return self._ints(1)[0]
 
-    def get_list(self):
+    def get_list(self) -> list[int]:
         return self._ints(self.get())
 
 
@@ -183,7 +187,10 @@ class ControlBlock:
         Create (master) or attach (worker).
     """
 
-    def __init__(self, name, n_ranks, create=False):
+    go: Sequence[Semaphore | ClosedSemaphore]
+    done: Semaphore | ClosedSemaphore
+
+    def __init__(self, name: str, n_ranks: int, create: bool = False) -> None:
         self.n_ranks = n_ranks
         int_bytes = 8 * (_HEADER + ARGS + n_ranks * _STATUS_FIELDS)
         self._records_offset = int_bytes
@@ -193,7 +200,7 @@ class ControlBlock:
         self.args = self.segment.array(np.int64, (ARGS,), offset=8 * _HEADER)
         self.status = self.segment.array(np.int64, (n_ranks, _STATUS_FIELDS),
                                          offset=8 * (_HEADER + ARGS))
-        self._record_fields = {}
+        self._record_fields: dict[np.dtype, tuple[np.ndarray, ...]] = {}
         self.rows = self.status[:, self.ROWS]       # rows each rank computed in the last call
         *self.go, self.done = semaphores_in(self.segment, sem_offset, n_ranks + 1, create)
 
@@ -203,28 +210,29 @@ class ControlBlock:
         KEEP_UNDO, FUSED = map(int, Header)
     STATE, RESULT_GEN, RESULT_NBYTES, ROWS, WARN_GEN, WARN_NBYTES, PROGRESS = map(int, Field)
 
-    def state(self, rank):
+    def state(self, rank: int) -> int:
         """Rank ``rank``'s :class:`Status`, as a Python int: a numpy scalar compared with an IntEnum
         member takes numpy's slow generic path, and the master checks every rank's state per command."""
         return int(self.status[rank, self.STATE])
 
-    def post_command(self, opcode, ranks):
+    def post_command(self, opcode: int, ranks: Iterable[int]) -> None:
         """Publish the command already written to ``args`` to ``ranks``."""
         self.header[self.OPCODE] = opcode
         self.release(ranks)
 
-    def release(self, ranks):
+    def release(self, ranks: Iterable[int]) -> None:
         """Let ``ranks`` go on (a new command, or the next phase of one)."""
         for r in ranks:
             self.status[r, self.STATE] = Status.IDLE
             self.go[r].post()
 
-    def set_status(self, rank, state, result_gen=0, result_nbytes=0, rows=0):
+    def set_status(self, rank: int, state: int, result_gen: int = 0, result_nbytes: int = 0,
+                   rows: int = 0) -> None:
         row = self.status[rank]
         row[self.RESULT_GEN], row[self.RESULT_NBYTES], row[self.ROWS] = result_gen, result_nbytes, rows
         row[self.STATE] = state
 
-    def record_fields(self, dtype):
+    def record_fields(self, dtype: np.dtype) -> tuple[np.ndarray, ...]:
         """Every rank's result record, one array over ranks per field of ``dtype`` (structured).
 
         A call whose results are a few scalars (a loss, an accuracy) has each
@@ -237,20 +245,21 @@ class ControlBlock:
         if fields is None:
             if dtype.itemsize > RECORD_BYTES:
                 raise ValueError(f"a result record holds at most {RECORD_BYTES} bytes")
+            assert dtype.names is not None, "a result record's dtype is structured"
             records = np.ndarray((self.n_ranks,), dtype, buffer=self.segment.mm,
                                  offset=self._records_offset, strides=(RECORD_BYTES,))
             fields = self._record_fields[dtype] = tuple(records[name] for name in dtype.names)
         return fields
 
-    def put_record(self, dtype, rank, values):
+    def put_record(self, dtype: np.dtype, rank: int, values: Iterable[Any]) -> None:
         """Write ``rank``'s scalar results (device or numpy values) into its record of ``dtype``."""
         for field, value in zip(self.record_fields(dtype), values):
             field[rank] = np.asarray(value)     # (assigning a JAX array itself is slower)
 
-    def unlink(self):
+    def unlink(self) -> None:
         self.segment.unlink()
 
-    def close(self):
+    def close(self) -> None:
         """Let this process's mapping go (a runtime that closed keeps no descriptor of a block it
         no longer uses): the header and statuses become copies of their last values, to report
         from, and the semaphores ones nobody posts."""

@@ -7,16 +7,26 @@ named by a slot of a small table that master and workers keep alike
 header read instead of a decode.
 """
 
+from __future__ import annotations
+
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from .batch import Batch, split
 from .control import RECORD_BYTES, ControlBlock, Words
 
+if TYPE_CHECKING:
+    from .spec import FunctionSpec
+
 __all__ = ["InputRef", "CallPlan", "put_batch", "get_batch", "result_record", "PlanSlots",
            "PlanMemo", "PLAN_SLOTS"]
+
+#: ``index_lookup(gen, start, n)``: the ``n`` indices at ``start`` of index segment generation ``gen``
+IndexLookup = Callable[[int, int, int], np.ndarray]
 
 @dataclass
 class InputRef:
@@ -27,10 +37,10 @@ class InputRef:
     gen: int
     code: int
     offset: int
-    shape: tuple
+    shape: tuple[int, ...]
     axis: int = 0
 
-    def row_free_shape(self):
+    def row_free_shape(self) -> tuple[int, ...]:
         """The shape without the rows' axis: what fixes the shapes of a call's arguments but the rows.
 
         Examples
@@ -41,23 +51,23 @@ class InputRef:
         return self.shape[:self.axis] + self.shape[self.axis + 1:]
 
 
-def _digest(indices):
+def _digest(indices: np.ndarray | None) -> str:
     """A short digest of an index array (which node drew which batch)."""
     import hashlib
     return hashlib.blake2b(np.ascontiguousarray(indices).view(np.uint8), digest_size=4).hexdigest()
 
 
-def put_batch(words, batch):
+def put_batch(words: Words, batch: Batch) -> None:
     """Encode a Batch (its indices live in the index segment at ``batch.index_offset``)."""
     words.put(*_batch_words([], batch))
 
 
-def _batch_words(words, batch):
+def _batch_words(words: list[int], batch: Batch) -> list[int]:
     words += [batch.total, int(batch.is_range), batch.start, batch.stop, batch.index_offset]
     return words
 
 
-def get_batch(words, index_lookup, index_gen):
+def get_batch(words: Words, index_lookup: IndexLookup, index_gen: int) -> Batch:
     total, is_range, start, stop, offset = (words.get() for _ in range(5))
     if is_range:
         return Batch(total, start, stop)
@@ -78,18 +88,18 @@ class CallPlan:
     num_slices: int
     batch: Batch
     subset: list
-    scattered: list        # [InputRef]
-    bcast: list            # [InputRef]
-    sliced: list = field(default_factory=list)
+    scattered: list[InputRef]
+    bcast: list[InputRef]
+    sliced: list[Batch] = field(default_factory=list)
     index_gen: int = 0
     local: bool = False
-    _words: tuple | None = field(default=None, repr=False, compare=False)
+    _words: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _shares: dict = field(default_factory=dict, repr=False, compare=False)    # see share_of
-    _record: object = field(default=False, repr=False, compare=False)        # see result_record
+    _record: np.dtype | None | Literal[False] = field(default=False, repr=False, compare=False)  # see result_record
     _shape_key: tuple | None = field(default=None, repr=False, compare=False)  # see shape_key
-    _split: tuple = field(default=(), repr=False, compare=False)              # see split
+    _split: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)  # see split
 
-    def split(self, parts):
+    def split(self, parts: int) -> tuple[tuple[int, int], ...]:
         """Every device's batch positions ``[lo, hi)`` when the batch is split over ``parts``
         devices, computed once per plan (the master's check, its hint and its share use it).
 
@@ -103,7 +113,7 @@ class CallPlan:
             bounds = self._split = split(self.batch.total, parts)
         return bounds
 
-    def with_batch(self, batch):
+    def with_batch(self, batch: Batch) -> CallPlan:
         """This plan with another ``batch`` of as many rows (the same shares, the same record).
 
         Examples
@@ -116,14 +126,14 @@ class CallPlan:
         plan.batch, plan._words = batch, None
         return plan
 
-    def with_sliced(self, sliced):
+    def with_sliced(self, sliced: list[Batch]) -> CallPlan:
         """This plan with other rows ``sliced`` of the sliceable shared variables, as many per
         rank (the same shares, the same record)."""
         plan = copy.copy(self)
         plan.sliced, plan._words = sliced, None
         return plan
 
-    def shape_key(self):
+    def shape_key(self) -> tuple:
         """What fixes the shapes every rank's graph is called with: two plans with the same key
         trace alike on every rank (the function, the rows and their split, each input's shape).
 
@@ -142,7 +152,7 @@ class CallPlan:
                 tuple(tuple(ref.shape) for ref in self.bcast), tuple(b.total for b in self.sliced))
         return key
 
-    def arguments_text(self):
+    def arguments_text(self) -> str:
         """What the call computes on, in words every node compares (see ``State.run_call``).
 
         The batch (a range, or so many indices and their digest), each input's
@@ -170,17 +180,17 @@ class CallPlan:
             f"{b.start}:{b.stop}" if b.is_range else f"{b.total}@{_digest(b.indices)}" for b in self.sliced)
         return f"{rows} of {inputs}{sliced}, {text}"
 
-    def ranks(self, rank, n_ranks, local_rank, n_local):
+    def ranks(self, rank: int, n_ranks: int, local_rank: int, n_local: int) -> tuple[int, int]:
         """The (rank, count) this plan's rows are split by: the node's own for a local plan."""
         return (local_rank, n_local) if self.local else (rank, n_ranks)
 
-    def index_arrays(self):
+    def index_arrays(self) -> list[Batch]:
         """Batches whose explicit indices must be written to the index segment."""
         if self.batch.is_range and not self.sliced:
             return []
         return [b for b in [self.batch] + self.sliced if not b.is_range]
 
-    def encode(self):
+    def encode(self) -> tuple[int, ...]:
         """The plan as a tuple of ints (for :meth:`decode` from the control block's args).
 
         A plan with explicit indices is encoded afresh (its ``index_gen`` and
@@ -193,7 +203,7 @@ class CallPlan:
                 self._words = words
         return words
 
-    def _encode(self):
+    def _encode(self) -> list[int]:
         words = [self.fid, self.num_slices, self.index_gen, len(self.subset), *self.subset]
         _batch_words(words, self.batch)
         words += [len(self.scattered), len(self.bcast)]
@@ -206,7 +216,7 @@ class CallPlan:
         return words
 
     @classmethod
-    def decode(cls, args, index_lookup):
+    def decode(cls, args: np.ndarray, index_lookup: IndexLookup) -> CallPlan:
         """Read a plan written by :meth:`encode`; ``index_lookup(gen, start, n)`` returns indices."""
         w = Words(args)
         fid, k, index_gen = w.get(), w.get(), w.get()
@@ -222,7 +232,7 @@ class CallPlan:
                    bool(w.get()))
 
 
-def result_record(spec, plan):
+def result_record(spec: FunctionSpec, plan: CallPlan) -> np.dtype | None:
     """The structured dtype in which ranks return this call's results, or None.
 
     When every selected output is a scalar (0-d in the graph) and together they
@@ -264,19 +274,19 @@ class PlanSlots:
     (1, 2)
     """
 
-    def __init__(self, n_slots=PLAN_SLOTS):
+    def __init__(self, n_slots: int = PLAN_SLOTS) -> None:
         self.n_slots = n_slots
-        self._slot_of = {}                 # encoded plan -> slot, least recently used first
+        self._slot_of: dict[tuple[int, ...], int] = {}                 # encoded plan -> slot, least recently used first
         self._gens = [0] * n_slots
 
-    def publish(self, words, header, args):
+    def publish(self, words: tuple[int, ...], header: np.ndarray, args: np.ndarray) -> bool:
         """Name plan ``words`` (a tuple of ints) in ``header``; write them to ``args`` if new.
 
         Returns True if the words were written.
         """
         slot = self._slot_of.pop(words, None)
         new = slot is None
-        if new:
+        if slot is None:
             if len(self._slot_of) < self.n_slots:
                 slot = len(self._slot_of)
             else:
@@ -292,14 +302,15 @@ class PlanSlots:
 class PlanMemo:
     """A worker's side of the plan table: the decoded plan of each slot, by generation."""
 
-    def __init__(self, n_slots=PLAN_SLOTS):
-        self._slots = [(0, None)] * n_slots
+    def __init__(self, n_slots: int = PLAN_SLOTS) -> None:
+        self._slots: list[tuple[int, CallPlan | None]] = [(0, None)] * n_slots
 
-    def plan(self, header, args, index_lookup):
+    def plan(self, header: np.ndarray, args: np.ndarray, index_lookup: IndexLookup) -> CallPlan:
         """The plan the header names: from the table, or decoded from ``args`` if newer."""
         slot, gen = int(header[ControlBlock.PLAN_SLOT]), int(header[ControlBlock.PLAN_GEN])
         held, plan = self._slots[slot]
         if held != gen:
             plan = CallPlan.decode(args, index_lookup)
             self._slots[slot] = (gen, plan)
+        assert plan is not None, "a slot is named only once a plan was published in it"
         return plan

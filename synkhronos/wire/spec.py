@@ -5,11 +5,19 @@ every process compiles it for its own device
 (:class:`synkhronos.rank.compiled.CompiledFunction`).
 """
 
+from __future__ import annotations
+
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.traversal import ancestors
+
+if TYPE_CHECKING:
+    from pytensor.compile.mode import Mode
+    from pytensor.graph.basic import Variable
 
 __all__ = ["FunctionSpec", "shared_variables", "JAX_MODE", "SHAPES_KEPT"]
 
@@ -20,7 +28,7 @@ JAX_MODE = "JAX"
 SHAPES_KEPT = 256
 
 
-def shared_variables(graph_vars):
+def shared_variables(graph_vars: Iterable[Variable]) -> list[SharedVariable]:
     """All shared variables the graph of ``graph_vars`` depends on, in a stable order."""
     return [v for v in ancestors(graph_vars) if isinstance(v, SharedVariable)]
 
@@ -50,19 +58,19 @@ class FunctionSpec:
     #: per output, the axis a ``"gather"`` concatenates the ranks' and the slices' results along
     gather_axes: list = field(default_factory=list)
 
-    def input_axis(self, i):
+    def input_axis(self, i: int) -> int | None:
         """The axis scattered input ``i`` is declared split along, or None (a Data's own, else 0)."""
         return self.input_axes[i] if self.input_axes else None
 
-    def gather_axis(self, i):
+    def gather_axis(self, i: int) -> int:
         """The axis output ``i`` is gathered along (0 unless ``split_axes`` names the output)."""
         return self.gather_axes[i] if self.gather_axes else 0
 
     @property
-    def all_inputs(self):
+    def all_inputs(self) -> list[Variable]:
         return self.inputs + self.bcast_inputs
 
-    def pytensor_kwargs(self, default_mode=JAX_MODE):
+    def pytensor_kwargs(self, default_mode: str | Mode = JAX_MODE) -> dict[str, Any]:
         """Keyword arguments for a ``pytensor.function`` built from this spec.
 
         A ``mode`` the user gave is used as it is; otherwise ``default_mode``
@@ -74,11 +82,11 @@ class FunctionSpec:
         kwargs.setdefault("on_unused_input", "ignore")
         return kwargs
 
-    def graph_vars(self):
+    def graph_vars(self) -> list[Variable]:
         return ([v for v, _ in self.outputs] + [u[1] for u in self.updates]
                 + [g[1] for g in self.givens] + [nxt for _, nxt in self.generator_updates])
 
-    def digest(self):
+    def digest(self) -> str:
         """A digest of what decides how this function's graph compiles, the same in every run of
         the same script: its graphs (as PyTensor prints them, types included), inputs, givens,
         options and floatX, and the versions of PyTensor and JAX."""
@@ -94,6 +102,6 @@ class FunctionSpec:
         parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
-    def shared_variables(self):
+    def shared_variables(self) -> list[SharedVariable]:
         """Every shared variable the function reads or updates (the workers must hold them)."""
         return shared_variables(self.graph_vars()) + [s for s, _, _ in self.updates]

@@ -6,7 +6,10 @@ after node. The master sends its :class:`Topology` to its workers with their
 start-up settings.
 """
 
+from __future__ import annotations
+
 from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["Topology"]
 
@@ -38,33 +41,33 @@ class Topology:
     coordinator: str | None = None
 
     @property
-    def n_devices(self):
+    def n_devices(self) -> int:
         """Devices of every node together."""
         return self.n_nodes * self.n_local
 
     @property
-    def offset(self):
+    def offset(self) -> int:
         """The global rank of this node's local rank 0."""
         return self.node_rank * self.n_local
 
     @property
-    def several_nodes(self):
+    def several_nodes(self) -> bool:
         return self.n_nodes > 1
 
-    def global_rank(self, local_rank):
+    def global_rank(self, local_rank: int) -> int:
         return self.offset + local_rank
 
-    def node_of(self, rank):
+    def node_of(self, rank: int) -> int:
         """The node of global rank ``rank``."""
         return rank // self.n_local
 
-    def local_of(self, rank):
+    def local_of(self, rank: int) -> int:
         """The local rank, on its own node, of global rank ``rank``."""
         return rank % self.n_local
 
-    def ranks_of(self, node):
+    def ranks_of(self, node: int) -> range:
         """The global ranks of ``node``."""
         return range(node * self.n_local, (node + 1) * self.n_local)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,6 +35,8 @@ array(3.11111111)
 (1, 20)
 """
 
+from __future__ import annotations
+
 try:
     import pymc  # noqa: F401
 except ImportError as err:       # the extra is not installed

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytensor
@@ -19,6 +20,7 @@ from pymc.blocking import DictToArrayBijection
 from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
 from pymc.model import modelcontext
 from pymc.pytensorf import join_nonshared_inputs
+from pytensor.graph.basic import Variable
 from pytensor.graph.rewriting.basic import in2out
 from pytensor.graph.rewriting.utils import rewrite_graph
 
@@ -26,6 +28,9 @@ from ...api.data import data
 from ...api.function import function
 from ...errors import SynkWarning
 from .terms import SplitModel, UnsplittableModel, split_model
+
+if TYPE_CHECKING:
+    from pymc.model.core import ValueGradFunction
 
 __all__ = ["LogpDlogp", "logp_dlogp_function", "WHERE"]
 
@@ -109,7 +114,7 @@ class LogpDlogp:
     other value variables then keep the values of ``f.set_extra_values``.
     """
 
-    def __init__(self, model, split: SplitModel | None, grad_vars):
+    def __init__(self, model: Any, split: SplitModel | None, grad_vars: list) -> None:
         self.model = model
         self.grad_vars = grad_vars
         self.extra_vars = [v for v in model.value_vars if v not in grad_vars]
@@ -160,7 +165,7 @@ class LogpDlogp:
                           f"too small to gain, it is computed here (said once; where='devices' "
                           f"splits it anyway)", SynkWarning, stacklevel=4)
 
-    def _pymc_function(self, jacobian):
+    def _pymc_function(self, jacobian: bool) -> ValueGradFunction:
         """PyMC's own value-and-gradient function of the density (raveled inputs, trusted)."""
         from pymc.model.core import ValueGradFunction
         model, point = self.model, self.model.initial_point()
@@ -170,7 +175,8 @@ class LogpDlogp:
         here.trust_input = True
         return here
 
-    def _graph(self, split, point, check_bounds):
+    def _graph(self, split: SplitModel, point: dict[str, np.ndarray], check_bounds: bool
+               ) -> tuple[list[Variable], Variable]:
         """The four outputs (rows' logp and gradient, once-terms' logp and gradient) on a joined input."""
         outputs = []
         for terms in (split.row_terms, split.once_terms):
@@ -219,7 +225,7 @@ class LogpDlogp:
         return self._point_map_info
 
 
-def _median_seconds(call, calls=TIMED_CALLS):
+def _median_seconds(call: Callable[[], object], calls: int = TIMED_CALLS) -> float:
     """The median time of ``call()`` over ``calls`` calls, after one that compiles."""
     call()
     times = []

@@ -50,7 +50,7 @@ class RowsMixed(ValueError):
     read at indices (a group-level array as long as the rows by coincidence: not rows).
     """
 
-    def __init__(self, message: str, source: Variable | None = None, as_table: bool = False):
+    def __init__(self, message: str, source: Variable | None = None, as_table: bool = False) -> None:
         super().__init__(message)
         self.source, self.as_table = source, as_table
 

@@ -22,7 +22,7 @@ from pymc.step_methods.hmc.quadpotential import QuadPotentialDiagAdapt
 from pymc.util import get_random_generator
 
 from ...errors import SynkWarning
-from .density import logp_dlogp_function
+from .density import LogpDlogp, logp_dlogp_function
 from .steps import _ONE_PROCESS, NUTS
 
 __all__ = ["sample", "INITS"]
@@ -109,7 +109,7 @@ def sample(draws: int = 1000, *, tune: int | None = None, chains: int | None = N
     return pm.sample(step=nuts, initvals=starts, **common)
 
 
-def _split_kwargs(kwargs):
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what goes to ``pm.sample``, what goes to the NUTS step) of :func:`sample`'s other arguments."""
     takes = set(inspect.signature(pm.sample).parameters) - {"kwargs"}
     nuts_kwargs = dict(kwargs.get("nuts") or {})
@@ -121,11 +121,12 @@ def _split_kwargs(kwargs):
     return {k: v for k, v in kwargs.items() if k in takes}, nuts_kwargs
 
 
-def _chain_starts(model, density, initvals, seeds, jitter, retries):
+def _chain_starts(model: Any, density: LogpDlogp, initvals: Any, seeds: list[int], jitter: bool,
+                  retries: int) -> list[dict[str, np.ndarray]]:
     """Each chain's start as ``pm.sample``'s NUTS init finds it, checked on the devices' density."""
     from pymc.sampling.mcmc import _init_jitter
 
-    def logp(point):
+    def logp(point: dict[str, np.ndarray]) -> float:
         return density.raveled(DictToArrayBijection.map(
             {v.name: point[v.name] for v in density.grad_vars}).data)[0]
     return _init_jitter(model, initvals, seeds=seeds, jitter=jitter, jitter_max_retries=retries, logp_fn=logp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pymc as pm
@@ -35,13 +35,13 @@ class _SamplerFunction:
     _raveled_inputs = True
     trust_input = True
 
-    def __init__(self, density: LogpDlogp):
+    def __init__(self, density: LogpDlogp) -> None:
         self._density = density
         self.dtype = density.dtype
         self._pid = os.getpid()
         self._extra_vars_shared = {v.name: _ExtraValue(density, v.name) for v in density.extra_vars}
 
-    def _pytensor_function(self, q):
+    def _pytensor_function(self, q: np.ndarray) -> tuple[float, np.ndarray]:
         if os.getpid() != self._pid:
             raise RuntimeError(f"a synkhronos NUTS step was called in a process PyMC started: {_ONE_PROCESS}")
         return self._density.raveled(q)
@@ -50,13 +50,13 @@ class _SamplerFunction:
 class _ExtraValue:
     """Takes ``set_value`` as the shared variable of a value outside the gradient would."""
 
-    def __init__(self, density, name):
+    def __init__(self, density: LogpDlogp, name: str) -> None:
         self._density, self._name = density, name
 
-    def set_value(self, value, borrow=False):
+    def set_value(self, value: Any, borrow: bool = False) -> None:
         self._density.set_extra_values({self._name: value})
 
-    def get_value(self, borrow=False):
+    def get_value(self, borrow: bool = False) -> np.ndarray:
         return self._density.extra_value(self._name)
 
 
@@ -85,7 +85,7 @@ class NUTS(pm.NUTS):
     """
 
     def __init__(self, model: Any = None, *, vars: Any = None, density: LogpDlogp | None = None,
-                 where: str = "auto", **kwargs: Any):
+                 where: str = "auto", **kwargs: Any) -> None:
         model = modelcontext(model)
         grad_vars = (model.continuous_value_vars if vars is None
                      else get_value_vars_from_user_vars(vars, model))
@@ -95,7 +95,7 @@ class NUTS(pm.NUTS):
             logp_dlogp_function(model, grad_vars=grad_vars, where=where)
         super().__init__(vars=vars, model=model, logp_dlogp_func=_SamplerFunction(self.density), **kwargs)
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise pickle.PicklingError(f"a synkhronos NUTS step is not pickled: {_ONE_PROCESS}")
 
 
@@ -162,11 +162,11 @@ def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | Non
     density = logp_dlogp_function(model, grad_vars=grad_vars, jacobian=False, where=where)
     density.set_extra_values(start)
 
-    def loss(x):
+    def loss(x: np.ndarray) -> tuple[float, np.ndarray]:
         logp, dlogp = density.raveled(np.asarray(x, dtype=density.dtype))
         return -logp, -dlogp
 
-    def ravel(point):
+    def ravel(point: dict[str, np.ndarray]) -> RaveledVars:
         return DictToArrayBijection.map({v.name: point[v.name] for v in grad_vars})
 
     for _ in range(jitter_max_retries if jitter else 0):
@@ -180,8 +180,9 @@ def find_MAP(method: str = "L-BFGS-B", *, vars: Any = None, use_grad: bool | Non
     return _as_pymc_returns(model, start, result, x0, method, return_inferencedata, idata_kwargs or {})
 
 
-def _refuse_unsupported_map_options(use_grad, use_hess, use_hessp, compute_hessian, backend, compile_kwargs,
-                                    method):
+def _refuse_unsupported_map_options(use_grad: bool | None, use_hess: bool | None, use_hessp: bool | None,
+                                    compute_hessian: bool, backend: str | None, compile_kwargs: dict | None,
+                                    method: object) -> None:
     """Refuse, naming the way, what ``pm.find_MAP`` takes that this one cannot do over the devices."""
     if not isinstance(method, str):
         raise TypeError(f"method must be a scipy.optimize.minimize method name, got {method!r}; give "
@@ -201,7 +202,7 @@ def _refuse_unsupported_map_options(use_grad, use_hess, use_hessp, compute_hessi
                          f"{', '.join(given)} out")
 
 
-def _map_vars(model, vars):
+def _map_vars(model: Any, vars: Any) -> list:
     """The value variables to optimize, in the model's order; discrete ones are refused."""
     selected = set(model.continuous_value_vars if vars is None else get_value_vars_from_user_vars(vars, model))
     grad_vars = [v for v in model.value_vars if v in selected]
@@ -214,7 +215,8 @@ def _map_vars(model, vars):
     return grad_vars
 
 
-def _as_pymc_returns(model, start, result, x0, method, return_inferencedata, idata_kwargs):
+def _as_pymc_returns(model: Any, start: dict[str, np.ndarray], result: Any, x0: RaveledVars, method: str,
+                     return_inferencedata: bool, idata_kwargs: dict) -> Any:
     """What ``pm.find_MAP`` returns for ``result``, built by PyMC's own code."""
     from pymc.tuning.starting import _map_to_inference_data, _MAPFit
     x_star = RaveledVars(np.asarray(result.x), x0.point_map_info)

@@ -10,6 +10,7 @@ device runs, by :class:`UnsplittableModel` naming the variable and the reason.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Constant
+from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.replace import clone_replace
 from pytensor.graph.traversal import ancestors, graph_inputs
 from pytensor.tensor.basic import Alloc
 from pytensor.tensor.random.type import RandomType
 from pytensor.tensor.shape import Shape, Shape_i
+from pytensor.tensor.variable import TensorVariable
 
 from .rows import RowsMixed, check_rows_kept_apart, fold_data, inline_op_from_graphs
 
@@ -110,7 +112,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
     once_terms = _once_terms(model, given + [v for v in row_data if v not in given], jacobian)
     row_inputs = [_row_input(var, i) for i, var in enumerate(row_data)]
     local_rows = row_inputs[0].shape[0]
-    replace = dict(zip(row_data, row_inputs))
+    replace: dict[Variable, Variable] = dict(zip(row_data, row_inputs))
     replace.update(_row_counts(model, row_terms, n_rows, local_rows, set(row_data)))
     rebuilt = clone_replace(row_terms, replace=replace, rebuild_strict=False)
     split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows)
@@ -120,7 +122,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
 
 # --- rows ------------------------------------------------------------------------------------------
 
-def _refuse_imputed(model, observed):
+def _refuse_imputed(model: Any, observed: list[Variable]) -> None:
     """Refuse PyMC's automatic imputation: an observed variable with missing values becomes
     ``<name>_observed`` beside a free ``<name>_unobserved`` holding one value per missing row."""
     for rv in observed:
@@ -135,14 +137,14 @@ def _refuse_imputed(model, observed):
                 f"the other data), or fill them in before building the model")
 
 
-def _value_of(var):
+def _value_of(var: Any) -> np.ndarray:
     """The numpy value of a constant or shared variable."""
     if isinstance(var, Constant):
         return np.asarray(var.data)
     return np.asarray(var.get_value(borrow=True))
 
 
-def _row_count(model, observed):
+def _row_count(model: Any, observed: list[Variable]) -> int:
     """The rows of the observed data (every observed variable must have as many)."""
     counts = {}
     for rv in observed:
@@ -158,14 +160,14 @@ def _row_count(model, observed):
     return next(iter(counts.values()))
 
 
-def _is_data(var):
+def _is_data(var: Variable) -> bool:
     """Whether ``var`` is a constant or shared array (not a random generator)."""
     if isinstance(var, SharedVariable):
         return not isinstance(var.type, RandomType)
     return isinstance(var, Constant) and getattr(var.type, "ndim", 0) > 0
 
 
-def _row_data(row_terms, n_rows):
+def _row_data(row_terms: list, n_rows: int) -> list[Variable]:
     """The constant and shared arrays the likelihood reads whose first axis has ``n_rows``."""
     found = []
     for var in graph_inputs(row_terms):
@@ -174,13 +176,13 @@ def _row_data(row_terms, n_rows):
     return found
 
 
-def _row_input(var, i):
+def _row_input(var: Variable, i: int) -> TensorVariable:
     """A symbolic input of ``var``'s type with any number of rows."""
     name = var.name or f"rows_{i}"
     return pt.tensor(dtype=var.type.dtype, shape=(None, *var.type.shape[1:]), name=name)
 
 
-def _rows_kept_apart(row_terms, names, row_data):
+def _rows_kept_apart(row_terms: list, names: list[str], row_data: Sequence[Variable]) -> list[Variable]:
     """``row_data`` less the arrays that reach the likelihood only as tables read at indices (as
     long as the rows by coincidence: they go whole to every device); refused if any other array
     of rows mixes rows on its way."""
@@ -195,10 +197,11 @@ def _rows_kept_apart(row_terms, names, row_data):
             row_data.remove(e.source)
 
 
-def _row_counts(model, row_terms, n_rows, local_rows, row_data):
+def _row_counts(model: Any, row_terms: list, n_rows: int, local_rows: Variable,
+                row_data: Collection[Variable]) -> dict[Variable, Variable]:
     """Replacements of the row count where the likelihood holds it: a size vector, a dim length."""
     dim_lengths = {id(v) for v in model.dim_lengths.values()}
-    replace = {}
+    replace: dict[Variable, Variable] = {}
     for var in graph_inputs(row_terms):
         if var in row_data or not hasattr(var.type, "dtype") or "int" not in var.type.dtype:
             continue
@@ -219,7 +222,7 @@ def _row_counts(model, row_terms, n_rows, local_rows, row_data):
 
 # --- terms counted once ------------------------------------------------------------------------------
 
-def _once_terms(model, row_data, jacobian):
+def _once_terms(model: Any, row_data: list[Variable], jacobian: bool) -> list:
     """The priors (Jacobians included) and the potentials that read no rows."""
     free = list(model.free_RVs)
     terms = model.logp(vars=free, jacobian=jacobian, sum=False) if free else []
@@ -234,12 +237,12 @@ def _once_terms(model, row_data, jacobian):
     return [_without_data_shapes(term, name, row_data) for term, name in zip(terms, names)]
 
 
-def _reads_rows(term, row_data):
+def _reads_rows(term: Variable, row_data: Collection[Variable]) -> list[Variable]:
     """The arrays of rows that ``term`` reads: the likelihood's own, or a constant equal to one."""
     return [var for var in graph_inputs([term]) if _is_row_data(var, row_data)]
 
 
-def _is_row_data(var, row_data):
+def _is_row_data(var: Variable, row_data: Collection[Variable]) -> bool:
     if var in row_data:
         return True
     if not isinstance(var, Constant) or getattr(var.type, "ndim", 0) == 0:
@@ -248,7 +251,7 @@ def _is_row_data(var, row_data):
                for d in row_data)
 
 
-def _without_data_shapes(term, name, row_data):
+def _without_data_shapes(term: Variable, name: str, row_data: Collection[Variable]) -> Variable:
     """``term`` with the shapes it reads of row arrays made constant; refused if it reads their values."""
     used = set(_reads_rows(term, row_data))
     if not used:
@@ -265,13 +268,14 @@ def _without_data_shapes(term, name, row_data):
     return clone_replace(term, replace=replace)
 
 
-def _apply_nodes(term):
+def _apply_nodes(term: Variable) -> list:
     return [var.owner for var in ancestors([term]) if var.owner is not None]
 
 
 # --- the row check -----------------------------------------------------------------------------------
 
-def _check_rows_are_independent(model, observed, split, jacobian=True):
+def _check_rows_are_independent(model: Any, observed: list[Variable], split: SplitModel,
+                                jacobian: bool = True) -> None:
     """Each row's log-likelihood must depend on that row alone, and the split must be PyMC's model.
 
     At the initial point and at random points around it: the terms computed on the first rows and
@@ -312,7 +316,7 @@ def _check_rows_are_independent(model, observed, split, jacobian=True):
 CHECK_POINTS, CHECK_SPREAD = 2, 0.5
 
 
-def _check_points(model):
+def _check_points(model: Any) -> list[dict[str, np.ndarray]]:
     """The initial point and :data:`CHECK_POINTS` random points around it (unconstrained values)."""
     start = model.initial_point()
     rng = np.random.default_rng(0)
@@ -324,13 +328,14 @@ def _check_points(model):
     return points
 
 
-def _check_against_pymc(model, split, points, jacobian):
+def _check_against_pymc(model: Any, split: SplitModel, points: Sequence[dict[str, np.ndarray]],
+                        jacobian: bool) -> None:
     """The split log-density and gradient, summed over two halves of the rows, equal PyMC's."""
     value_vars = list(model.value_vars)
     floats = [v for v in value_vars if v.type.dtype.startswith("float")]
     rows_total = pt.add(*[t.sum() for t in split.row_terms])
     once_total = pt.add(*[t.sum() for t in split.once_terms]) if split.once_terms else pt.constant(0.0)
-    def with_gradient(total):
+    def with_gradient(total: Variable) -> list[Variable]:
         return [total, *_gradients(total, floats)]
     ours = pytensor.function([*split.row_inputs, *value_vars], with_gradient(rows_total),
                              mode="FAST_COMPILE", on_unused_input="ignore")
@@ -353,13 +358,13 @@ def _check_against_pymc(model, split, points, jacobian):
                                     f"such a model cannot be split over the devices")
 
 
-def _gradients(total, wrt) -> list:
+def _gradients(total: Variable, wrt: list[Variable]) -> list:
     """The gradient of ``total`` with respect to each of ``wrt`` (zero where it does not depend)."""
     grads = pytensor.grad(total, wrt, disconnected_inputs="ignore") if wrt else []
     return list(grads)  # type: ignore[arg-type]
 
 
-def _unsplit_shapes(model, observed, n_rows, err):
+def _unsplit_shapes(model: Any, observed: list[Variable], n_rows: int, err: Exception) -> str:
     """Why the likelihood failed on a share of the rows, naming what holds the row count."""
     names = ", ".join(repr(rv.name) for rv in observed)
     point = model.initial_point()

@@ -43,6 +43,8 @@ correctness. Importing this module checks the installed versions against
 synkhronos's own requirements of them (``pyproject.toml``: :func:`supported_versions`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import importlib.metadata
@@ -50,6 +52,7 @@ import os
 import pathlib
 import sys
 import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, NamedTuple
 
 __all__ = [
@@ -118,7 +121,7 @@ class JitParts(NamedTuple):
     traced: Callable[..., Any] | None  #: the function ``jit`` traces, None if ``jit`` is not plain
 
 
-def jit_parts(fn) -> JitParts | None:
+def jit_parts(fn: Any) -> JitParts | None:
     """The jitted graph and storage cells of ``fn``, or None if ``fn`` is not simply one jitted graph.
 
     Parameters
@@ -187,7 +190,7 @@ check_versions()
 from .compiler import cache_writes_from_every_process, compile_once_per_host  # noqa: E402
 
 
-def detect_jax_cluster(timeout: int = 60):
+def detect_jax_cluster(timeout: int = 60) -> tuple[str, str | None, int | None, int | None] | None:
     """What JAX's own cluster detection finds: ``(name, coordinator, n_tasks, task)`` or None.
 
     The environments are JAX's (Slurm, Open MPI, Kubernetes, Cloud TPU, ...);
@@ -206,7 +209,7 @@ def detect_jax_cluster(timeout: int = 60):
     return env.__name__, address, n_tasks, task
 
 
-def distributed_client():
+def distributed_client() -> Any:
     """This process's client of JAX's coordination service (after ``jax.distributed.initialize``)."""
     from jax._src import distributed
     client = distributed.global_state.client
@@ -216,7 +219,7 @@ def distributed_client():
 
 
 @contextlib.contextmanager
-def service_served_elsewhere():
+def service_served_elsewhere() -> Iterator[None]:
     """Within the block, ``jax.distributed.initialize`` in process 0 starts no coordination
     service of its own: one is served by another process (see
     :mod:`synkhronos.platform.coordination`)."""
@@ -230,7 +233,7 @@ def service_served_elsewhere():
 
 
 @contextlib.contextmanager
-def join_errors_raised():
+def join_errors_raised() -> Iterator[None]:
     """Within the block, a failed ``jax.distributed.initialize`` raises instead of ending the process.
 
     JAX's coordination client reports its errors through a callback whose
@@ -245,19 +248,19 @@ def join_errors_raised():
     make = distributed._jax.get_distributed_runtime_client
     joined: list = []
 
-    def on_error(status):
+    def on_error(status: Any) -> None:
         if joined:
             sys.stderr.write(f"Terminating process because the JAX distributed service detected "
                              f"fatal errors: {status}\n")
             sys.stderr.flush()
             os.abort()
 
-    def client(*args, **kwargs):
+    def client(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("missed_heartbeat_callback", on_error)
         made = make(*args, **kwargs)
         connect = made.connect
 
-        def connect_then_fatal():
+        def connect_then_fatal() -> None:
             connect()
             joined.append(True)
         try:
@@ -272,7 +275,7 @@ def join_errors_raised():
         distributed._jax.get_distributed_runtime_client = make
 
 
-def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:
+def unsampleable_in_jax(variables: Sequence[Any]) -> list[tuple[Any, str]]:
     """The random variables of the graphs of ``variables`` that PyTensor's JAX backend cannot sample.
 
     PyTensor looks a distribution's JAX sampler up only when JAX traces the
@@ -296,7 +299,9 @@ def unsampleable_in_jax(variables) -> list[tuple[Any, str]]:
     return missing
 
 
-def check_function_graph(inputs, outputs, updates=(), givens=(), mode=None, **options) -> None:
+def check_function_graph(inputs: Sequence[Any], outputs: Sequence[Any],
+                         updates: Sequence[tuple[Any, Any]] = (), givens: Sequence[tuple[Any, Any]] = (),
+                         mode: Any = None, **options: Any) -> None:
     """Raise what ``pytensor.function(inputs, outputs, updates=, givens=, **options)`` would raise
     before rewriting the graph, at a fraction of its cost: it stops short of the rewrites and the
     linking (``pytensor.function`` does both in its ``FunctionMaker``).
@@ -388,7 +393,7 @@ def device_put_bare(host: Any, device: Any) -> Any:
         return None
 
 
-def _bare_put_parts():
+def _bare_put_parts() -> tuple[Callable[..., Any], type, type, Callable[[Any], Any]] | None:
     try:
         import jax
         from jax._src import core

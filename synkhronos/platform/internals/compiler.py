@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["cache_writes_from_every_process", "compile_once_per_host"]
 
 
-def cache_writes_from_every_process():
+def cache_writes_from_every_process() -> None:
     """Have JAX's persistent compilation cache written by every process of the runtime, not only process 0.
 
     JAX skips the write in any other process, so that many hosts do not write
@@ -29,7 +32,8 @@ def cache_writes_from_every_process():
     if getattr(write, "synkhronos", False):
         return
 
-    def _cache_write(cache_key, compile_time_secs, module_name, backend, executable):
+    def _cache_write(cache_key: str, compile_time_secs: float, module_name: str, backend: Any,
+                     executable: Any) -> None:
         if distributed.global_state.process_id == 0:
             return write(cache_key, compile_time_secs, module_name, backend, executable)
         if compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
@@ -87,29 +91,31 @@ def compile_once_per_host(lock_directory: str | None, while_compiling: Callable 
     if getattr(compile_and_write, "synkhronos", False):
         return
 
-    def _hash_serialized_compile_options(hash_obj, compile_options_obj, strip_device_assignment=False):
+    def _hash_serialized_compile_options(hash_obj: Any, compile_options_obj: Any,
+                                         strip_device_assignment: bool = False) -> None:
         return hash_options(hash_obj, compile_options_obj, strip_device_assignment=True)
 
-    def _hash_accelerator_config(hash_obj, accelerators):
+    def _hash_accelerator_config(hash_obj: Any, accelerators: np.ndarray) -> None:
         # a CPU topology's fingerprint names the process; the host is in the cache's directory name
         if all(d.platform == "cpu" for d in accelerators.flat):
             return hash_kinds(hash_obj, accelerators)
         return hash_accelerators(hash_obj, accelerators)
 
-    def _compile_and_write_cache(backend, computation, executable_devices, compile_options,
-                                 host_callbacks, module_name, key):
-        def compile_it():
+    def _compile_and_write_cache(backend: Any, computation: Any, executable_devices: Any,
+                                 compile_options: Any, host_callbacks: Any, module_name: str,
+                                 cache_key: str) -> Any:
+        def compile_it() -> Any:
             surround = _compile_locks["while_compiling"]
             with surround() if surround is not None else contextlib.nullcontext():
                 return compile_and_write(backend, computation, executable_devices, compile_options,
-                                         host_callbacks, module_name, key)
-        lock = _open_compile_lock(_compile_locks["directory"], key)
+                                         host_callbacks, module_name, cache_key)
+        lock = _open_compile_lock(_compile_locks["directory"], cache_key)
         if lock is None:
             return compile_it()
         import fcntl
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            executable, _ = read(module_name, key, compile_options, backend, executable_devices,
+            executable, _ = read(module_name, cache_key, compile_options, backend, executable_devices,
                                  host_callbacks)
             if executable is not None:          # another process compiled it meanwhile
                 monitoring.record_event("/jax/compilation_cache/cache_hits")
@@ -125,7 +131,7 @@ def compile_once_per_host(lock_directory: str | None, while_compiling: Callable 
     compiler._compile_and_write_cache = _compile_and_write_cache
 
 
-def _open_compile_lock(directory, key):
+def _open_compile_lock(directory: str | None, key: str) -> IO[str] | None:
     """The lock file of the program ``key`` in ``directory``, opened; None without a directory or
     where it cannot be made (the program is then compiled without a lock: a lock only saves work)."""
     if directory is None:
