@@ -29,7 +29,7 @@ import numpy as np
 
 from ..ipc.buffers import round_up
 from ..ipc.segments import Segment
-from ..ipc.semaphores import SEMAPHORE_BYTES, ClosedSemaphore, Semaphore, semaphores_in
+from ..ipc.semaphores import SEMAPHORE_BYTES, ClosedSemaphore, SemaphoreLike, semaphores_in
 
 __all__ = [
     "ControlBlock", "Op", "op_name", "enum_name", "Status", "Decision", "Header", "Field", "Words",
@@ -187,8 +187,8 @@ class ControlBlock:
         Create (master) or attach (worker).
     """
 
-    go: Sequence[Semaphore | ClosedSemaphore]
-    done: Semaphore | ClosedSemaphore
+    go: Sequence[SemaphoreLike]
+    done: SemaphoreLike
 
     def __init__(self, name: str, n_ranks: int, create: bool = False) -> None:
         self.n_ranks = n_ranks

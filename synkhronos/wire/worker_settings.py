@@ -14,7 +14,7 @@ class WorkerSettings(TypedDict):
     --------
     >>> s = WorkerSettings(prefix="synk_1", rank=1, n_ranks=2, coordinator="127.0.0.1:1234",
     ...                    topology={}, platform="cpu", timeout=60.0, spin=0.001, comm="shm",
-    ...                    float_x="float64", threads=None, profile=False, compile_cache=None,
+    ...                    float_x="float64", threads=1, profile=False, compile_cache=None,
     ...                    host_faces=True)
     >>> s["rank"], "master_pid" in s
     (1, False)
@@ -35,7 +35,7 @@ class WorkerSettings(TypedDict):
     #: the collectives class, as "module:qualified name"
     comm: str
     float_x: str
-    threads: int | None
+    threads: int
     profile: bool
     compile_cache: str | None
     host_faces: bool

@@ -25,14 +25,13 @@ from ...platform.values import stored
 from . import all_reduce, broadcast, gather, read_data
 
 if TYPE_CHECKING:
-    from ...wire.collective import Kind
     from ...wire.control import Words
     from .contract import CollectiveContext, Prepare
 
 __all__ = ["prepare_collective", "all_reduce", "broadcast", "gather", "read_data", "PREPARE"]
 
 #: what each kind of collective prepares on a rank
-PREPARE: dict[Kind, Prepare] = {module.KIND: module.prepare for module in (all_reduce, broadcast, gather, read_data)}
+PREPARE: dict[int, Prepare] = {module.KIND: module.prepare for module in (all_reduce, broadcast, gather, read_data)}
 
 
 def prepare_collective(context: CollectiveContext, words: Words) -> Callable[[], list[Any]]:

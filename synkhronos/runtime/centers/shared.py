@@ -136,7 +136,7 @@ class Center:
     def close(self):
         """Drop this mapping; the creator also removes the segment's name."""
         self.blocks = []
-        self.words = None
+        self.words = np.zeros(0, np.int64)      # (not a view: the mapping goes)
         if self._owner:
             self.segment.unlink()
         self.segment.release()
