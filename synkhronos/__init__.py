@@ -21,6 +21,8 @@ Examples
 >>> synk.close()
 """
 
+from __future__ import annotations
+
 from . import checkpoint
 from .api.collectives import (
                                all_gather,

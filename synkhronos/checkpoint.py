@@ -5,6 +5,8 @@ import save``) and reached as ``synk.checkpoint``; both are the functions of
 :mod:`synkhronos.api.checkpoint`.
 """
 
+from __future__ import annotations
+
 from .api.checkpoint import ARRAY_PREFIX, default_variables, exists, read, restore, save
 
 __all__ = ["save", "restore", "read", "exists", "default_variables", "ARRAY_PREFIX"]

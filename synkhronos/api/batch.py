@@ -4,17 +4,24 @@ The master validates a batch completely before any process is woken; every
 process then gathers its own rows of it from shared memory.
 """
 
+from __future__ import annotations
+
 import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..wire.batch import Batch, batch_from_spec
 from .split_axes import time_major_example
 
+if TYPE_CHECKING:
+    from .data import Data
+
 __all__ = ["parse_batch", "parse_batch_s", "check_num_slices", "node_local"]
 
 
-def check_num_slices(num_slices):
+def check_num_slices(num_slices: Any) -> int:
     """Validate ``num_slices`` (an int >= 1)."""
     try:
         k = operator.index(num_slices)
@@ -25,7 +32,8 @@ def check_num_slices(num_slices):
     return k
 
 
-def parse_batch(batch, datas, names, axes=None):
+def parse_batch(batch: Any, datas: Sequence[Data], names: Sequence[str],
+                axes: Sequence[int] | None = None) -> tuple[Batch, list[int]]:
     """Validate ``batch`` against the scattered inputs' Data; return (Batch, offsets).
 
     Parameters
@@ -45,7 +53,7 @@ def parse_batch(batch, datas, names, axes=None):
         (non-zero only for ``minibatch=True`` Data).
     """
     axes = [0] * len(datas) if axes is None else axes
-    lengths = [d.shape[axis] if d.ndim else 1 for d, axis in zip(datas, axes)]
+    lengths = [_shape(d)[axis] if d.ndim else 1 for d, axis in zip(datas, axes)]
     if batch is None:
         if len(set(lengths)) > 1:
             raise ValueError(_lengths_differ(datas, names, axes, lengths))
@@ -53,7 +61,7 @@ def parse_batch(batch, datas, names, axes=None):
         return Batch(total=total, start=0, stop=total), [0] * len(datas)
     spec = batch_from_spec(batch, min(lengths) if lengths else 0)
     low, high = spec.lowest(), spec.highest()
-    offsets = []
+    offsets: list[int] = []
     # a range is checked by its stop even when empty: slice(5, 5) of 3 rows is out of range
     high = spec.stop - 1 if spec.is_range else high
     for d, name, length, axis in zip(datas, names, lengths, axes):
@@ -68,7 +76,14 @@ def parse_batch(batch, datas, names, axes=None):
     return spec, offsets
 
 
-def _lengths_differ(datas, names, axes, lengths):
+def _shape(d: Data) -> tuple[int, ...]:
+    """The shape of a call's scattered input ``d`` (its caller checked that it holds a value)."""
+    assert d.shape is not None, "a call's Data hold values"
+    return d.shape
+
+
+def _lengths_differ(datas: Sequence[Data], names: Sequence[str], axes: Sequence[int],
+                    lengths: Sequence[int]) -> str:
     """What a call says when its scattered inputs have different numbers of rows."""
     listing = ", ".join(f"{n}: {L} along axis {a}" for n, L, a in zip(names, lengths, axes))
     text = (f"scattered inputs have different lengths along their row axes ({listing}); make them "
@@ -78,13 +93,13 @@ def _lengths_differ(datas, names, axes, lengths):
     # time-major inputs (time, samples) whose samples match the other inputs' rows
     others = set(lengths)
     time_major = [n for d, n, L in zip(datas, names, lengths)
-                  if d.ndim >= 2 and d.shape[1] in others - {L}] or names[:1]
+                  if d.ndim >= 2 and _shape(d)[1] in others - {L}] or names[:1]
     return (f"{text}. Rows are axis 0 unless declared: for inputs whose examples lie along another "
             f"axis (time-major sequences, (time, samples)) declare it, synk.function(..., "
             f"{time_major_example(time_major)}), or synk.data(value, split_axis=1)")
 
 
-def _is_per_rank(batch_s, n_ranks):
+def _is_per_rank(batch_s: Any, n_ranks: int) -> bool:
     """True if ``batch_s`` is a list with one slice / index list per rank."""
     if not isinstance(batch_s, (list, tuple)) or not batch_s:
         return False
@@ -98,7 +113,7 @@ def _is_per_rank(batch_s, n_ranks):
     return all(forms)
 
 
-def parse_batch_s(batch_s, lengths, names):
+def parse_batch_s(batch_s: Any, lengths: Sequence[Sequence[int]], names: Sequence[str]) -> list[Batch]:
     """Validate ``batch_s`` against the sliceable shareds' lengths on every rank.
 
     Parameters
@@ -115,7 +130,7 @@ def parse_batch_s(batch_s, lengths, names):
     """
     n_ranks = len(lengths[0])
     per_rank = batch_s if _is_per_rank(batch_s, n_ranks) else [batch_s] * n_ranks
-    batches = []
+    batches: list[Batch] = []
     for rank, spec in enumerate(per_rank):
         rank_lengths = [per_var[rank] for per_var in lengths]
         if spec is None:
@@ -137,7 +152,7 @@ def parse_batch_s(batch_s, lengths, names):
     return batches
 
 
-def node_local(datas, names):
+def node_local(datas: Sequence[Data], names: Sequence[str]) -> bool:
     """Whether a call's scattered inputs are every node's own shard (all of them, or none)."""
     sharded = [d.sharded for d in datas]
     if any(sharded) and not all(sharded):

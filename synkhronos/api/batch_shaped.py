@@ -9,11 +9,15 @@ device (and its update reads no scattered rows, so the
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import LocalUpdatesWarning
 from ..platform.values import stored
+
+if TYPE_CHECKING:
+    from ..wire.spec import FunctionSpec
 
 __all__ = ["BatchShapedState"]
 
@@ -26,7 +30,7 @@ class BatchShapedState:
     the scattered rows (see :class:`~synkhronos.LocalUpdatesWarning`).
     """
 
-    def __init__(self, spec, local_updates: bool):
+    def __init__(self, spec: FunctionSpec, local_updates: bool) -> None:
         from pytensor.graph.traversal import ancestors
         self._name = spec.name
         rows = set(spec.inputs)
@@ -35,7 +39,7 @@ class BatchShapedState:
         self._unsaid = set() if local_updates else {
             id(s) for s in self._updates if all(s is not t for t in spec.sliceable_shareds)}
 
-    def check(self, total: int, rows: list) -> None:
+    def check(self, total: int, rows: list[int]) -> None:
         """Warn once per variable whose first dimension is ``total``, a call's rows split as ``rows``."""
         if not self._unsaid or len(rows) < 2:
             return

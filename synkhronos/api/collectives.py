@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Sequence, Union
 
@@ -31,9 +32,10 @@ from ..compile import randomness
 from ..errors import Failure, ShapeMismatch, WorkerError, is_whole
 from ..platform.values import stored
 from ..rank import collectives as kinds
-from ..runtime.session import current, serialized
+from ..runtime.session import State, current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import Keep, dtype_groups, group_bytes, shapes_of
+from ..wire.control import Words
 from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
 from .shapes import check_shared_shape
@@ -51,15 +53,15 @@ _COLLECTIVE_CAST = "make the shared variable of that dtype"
 # Arguments
 # ------------------------------------------------------------------------------------------------
 
-def resolve_shareds(shared_vars):
+def resolve_shareds(shared_vars: Shareds) -> tuple[list[SharedVariable], bool]:
     """Return (list of shared variables, was_single) from one variable/name or a list."""
     state = current()
     single = not isinstance(shared_vars, (list, tuple))
-    items = [shared_vars] if single else list(shared_vars)
+    items = list(shared_vars) if isinstance(shared_vars, (list, tuple)) else [shared_vars]
     if not items:
         raise ValueError("no shared variables given")
     known = {id(var): var for var in state.registry.known_shared()}
-    out = []
+    out: list[SharedVariable] = []
     for item in items:
         if isinstance(item, str):
             found = [v for v in known.values() if v.name == item]
@@ -69,7 +71,7 @@ def resolve_shareds(shared_vars):
                                  f"{len(found)} shared variables are named {item!r}; pass the object")
             out.append(found[0])
         elif id(item) in known:
-            out.append(item)
+            out.append(known[id(item)])
         else:
             raise ValueError(f"shared variable {item} is not used by any synk.function, so the "
                              f"workers do not hold it; build a function that uses it first")
@@ -82,7 +84,7 @@ def resolve_shareds(shared_vars):
     return out, single
 
 
-def _old_nccl(state, nccl, what):
+def _old_nccl(state: State, nccl: bool | None, what: str) -> None:
     """Accept the original's ``nccl=`` where it still holds; say where the choice moved otherwise.
 
     The original chose per call between NCCL (``nccl=True``) and a CPU path;
@@ -98,13 +100,13 @@ def _old_nccl(state, nccl, what):
                   f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning, stacklevel=3)
 
 
-def _check_rank(state, rank):
+def _check_rank(state: State, rank: Any) -> int:
     if not is_whole(rank, at_least=0, below=state.n_parallel):
         raise ValueError(f"rank must be an int in [0, {state.n_parallel}), got {rank!r}")
     return int(rank)
 
 
-def _check_op(op, vars_):
+def _check_op(op: str, vars_: Sequence[SharedVariable]) -> Reduce:
     op = Reduce.named(op)
     if op == Reduce.AVG:
         for var in vars_:
@@ -115,7 +117,7 @@ def _check_op(op, vars_):
     return op
 
 
-def _values_list(values, n, what):
+def _values_list(values: Any, n: int, what: str) -> list[Any]:
     values = [values] if n == 1 and not isinstance(values, (list, tuple)) else list(values)
     if len(values) != n:
         raise ValueError(f"got {len(values)} {what} for {n} shared variables")
@@ -152,7 +154,8 @@ def get_lengths(shared_vars: Shareds) -> list:
     return lengths[0] if single else lengths
 
 
-def _require_equal_shapes(vars_, shapes, what):
+def _require_equal_shapes(vars_: Sequence[SharedVariable], shapes: Sequence[Sequence[tuple[int, ...]]],
+                          what: str) -> None:
     for var, per_rank in zip(vars_, shapes):
         if len(set(per_rank)) > 1:
             raise ValueError(f"{what} needs {var} to have the same shape on every rank, but the "
@@ -194,7 +197,7 @@ def reduce(shared_vars: Shareds, op: str = "avg", in_place: bool = True,
     return None if in_place else out
 
 
-def _reduce(shared_vars, op, keep):
+def _reduce(shared_vars: Shareds, op: str, keep: Keep) -> np.ndarray | list[np.ndarray] | None:
     """All-reduce / reduce with no shape round trip: the master sends its shapes and every rank
     checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
     state = current()
@@ -204,9 +207,11 @@ def _reduce(shared_vars, op, keep):
         out = state.collectives.run(fill, reservation)
     if keep == Keep.RETURN:
         return out[0] if single else out
+    return None
 
 
-def reduction_command(state, vars_, op, keep=Keep.ALL):
+def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL
+                      ) -> tuple[Callable[[Words], None], Reservation]:
     """What a reduction of ``vars_`` sends: ``(fill, reservation)``.
 
     ``fill(words)`` writes the collective (with the master's shapes, which every
@@ -218,13 +223,13 @@ def reduction_command(state, vars_, op, keep=Keep.ALL):
     nbytes = group_bytes(vars_, [math.prod(s) for s in own])
     one_launch = len(list(dtype_groups(vars_))) == 1
 
-    def fill(w):
+    def fill(w: Words) -> None:
         kinds.all_reduce.encode(w, state.registry.uids_of(vars_), op, keep, own)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
 
 
 @contextmanager
-def shapes_named_on_mismatch(state, vars_, what):
+def shapes_named_on_mismatch(state: State, vars_: Sequence[SharedVariable], what: str) -> Iterator[None]:
     """Turn a rank's :class:`ShapeMismatch` inside the block into an error listing every rank's shapes."""
     try:
         yield
@@ -287,8 +292,9 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
     release_large_staging(state.staging)
 
 
-def _read_data(state, vars_, datas, batch, chunked):
-    plans = []
+def _read_data(state: State, vars_: Sequence[SharedVariable], datas: Sequence[Data], batch: Any,
+               chunked: bool) -> None:
+    plans: list[tuple[Data, Batch]] = []
     for var, d in zip(vars_, datas):
         if d.shape is None:
             raise TypeError(f"Data for {var} holds no value")
@@ -308,7 +314,7 @@ def _read_data(state, vars_, datas, batch, chunked):
     # every batch here comes from the same ``batch``, so one copy of its indices serves all
     index_gen = state.data.write_indices(with_indices[:1]) if with_indices else 0
 
-    def fill(w):
+    def fill(w: Words) -> None:
         kinds.read_data.encode(w, state.registry.uids_of(vars_), chunked, index_gen, plans)
     state.collectives.run(fill)
 
@@ -339,7 +345,7 @@ def all_gather(shared_vars: Shareds, nccl: bool | None = None) -> None:
     _gather(state, vars_, Keep.ALL, 0)
 
 
-def _gather(state, vars_, keep, nd_up):
+def _gather(state: State, vars_: Sequence[SharedVariable], keep: Keep, nd_up: int) -> list[np.ndarray]:
     shapes = state.collectives.all_shapes(vars_)
     if keep == Keep.ALL:
         for var, per_rank in zip(vars_, shapes):
@@ -357,7 +363,7 @@ def _gather(state, vars_, keep, nd_up):
                 raise ValueError(f"{var} has different trailing shapes across ranks {per_rank}; "
                                  f"only axis 0 may differ")
 
-    def fill(w):
+    def fill(w: Words) -> None:
         kinds.gather.encode(w, state.registry.uids_of(vars_), keep, nd_up, shapes)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
     return state.collectives.run(fill, Reservation(group_bytes(vars_, padded)))

@@ -11,13 +11,20 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from typing import Any
+from collections.abc import Hashable, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
 from .split_axes import check_data_axis
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+
+    from ..ipc.segments import GrowableSegment
+    from ..runtime.state import State
 
 __all__ = ["Data", "data", "condition_value", "as_pytensor_takes", "release_large_staging", "staging_data",
            "STAGING_KEEP_BYTES"]
@@ -26,7 +33,8 @@ __all__ = ["Data", "data", "condition_value", "as_pytensor_takes", "release_larg
 STAGING_KEEP_BYTES = 64 << 20
 
 
-def condition_value(value, dtype, ndim, force_cast=False, what="value", cast_hint=None):
+def condition_value(value: Any, dtype: Any, ndim: int, force_cast: bool = False, what: str = "value",
+                    cast_hint: str | None = None) -> np.ndarray:
     """Return ``value`` as a numpy array of ``dtype``, checking ndim and safe casting.
 
     ``cast_hint`` is what the message suggests for an unsafe cast (default:
@@ -51,7 +59,7 @@ def condition_value(value, dtype, ndim, force_cast=False, what="value", cast_hin
     return arr
 
 
-def as_pytensor_takes(var, value, what, downcast=False):
+def as_pytensor_takes(var: Variable, value: Any, what: str, downcast: bool = False) -> Any:
     """A value that is not a numpy array (a Python or numpy scalar, a list) as ``pytensor.function``
     takes it for input ``var``: weakly typed, so an ``int`` fits an ``iscalar`` and a ``float`` a
     ``float32`` input when it keeps its value (a float always fits a ``floatX`` input).
@@ -69,7 +77,7 @@ def as_pytensor_takes(var, value, what, downcast=False):
                         f"synk.function(..., allow_input_downcast=True)") from None
 
 
-def _check_oversize(oversize):
+def _check_oversize(oversize: float) -> None:
     if not 1 <= oversize <= 2:
         raise ValueError(f"oversize must be between 1 and 2, got {oversize}")
 
@@ -81,7 +89,8 @@ class Data:
     master's view (``d[3:5] = x``); ``d.data`` is that numpy view.
     """
 
-    def __init__(self, state, dtype, ndim, minibatch=False, name=None, sharded=False, split_axis=None):
+    def __init__(self, state: State, dtype: Any, ndim: int, minibatch: bool = False, name: str | None = None,
+                 sharded: bool = False, split_axis: int | None = None) -> None:
         self._dtype = np.dtype(dtype)
         dtype_code(self._dtype)  # rejects unsupported dtypes early
         self._split_axis = check_data_axis(split_axis, int(ndim))
@@ -94,7 +103,7 @@ class Data:
         #: split over this node's devices only
         self.sharded = bool(sharded)
         self.name = name
-        self._shape = None
+        self._shape: tuple[int, ...] | None = None
         # dropped with its last reference, as a numpy array is (the workers let go at the next command)
         release = weakref.finalize(self, _release_unreferenced, self._segment, state, self.id,
                                    os.getpid())
@@ -117,7 +126,7 @@ class Data:
         return self._split_axis
 
     @property
-    def shape(self) -> tuple | None:
+    def shape(self) -> tuple[int, ...] | None:
         """The current shape, or None before a value is set or after ``free_memory()``."""
         return self._shape
 
@@ -132,15 +141,15 @@ class Data:
         return self._segment.nbytes // self._dtype.itemsize
 
     @property
-    def gen(self):
+    def gen(self) -> int:
         """The generation of the segment holding the value (a new one at each reallocation)."""
         return self._segment.gen
 
-    def belongs_to(self, state):
+    def belongs_to(self, state: State | None) -> bool:
         """True if this Data was made in the runtime ``state`` (not in one closed since)."""
         return self._state is state
 
-    def segment_name(self):
+    def segment_name(self) -> str | None:
         """The name of the shared-memory segment holding the value (in ``/dev/shm``), or None."""
         segment = self._segment.segment
         return None if segment is None else segment.name
@@ -151,23 +160,23 @@ class Data:
         if self._shape is None:
             return None
         self._state.check_open()
-        return self._segment.segment.array(self._dtype, self._shape)
+        return self._segment.made.array(self._dtype, self._shape)
 
-    def __len__(self):
+    def __len__(self) -> int:
         if self._shape is None:
             raise TypeError(f"{self!r} holds no value yet; call set_value() or set_shape() first")
         return self._shape[0] if self._ndim else 1
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: Any) -> Any:
         return self._view_or_raise()[key]
 
-    def __setitem__(self, key, value):
+    def __setitem__(self, key: Any, value: Any) -> None:
         self._view_or_raise()[key] = value
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Data(name={self.name!r}, dtype={self._dtype}, shape={self._shape}, minibatch={self.minibatch})"
 
-    def _view_or_raise(self):
+    def _view_or_raise(self) -> np.ndarray:
         view = self.data
         if view is None:
             raise TypeError(f"{self!r} holds no value yet; call set_value() or set_shape() first")
@@ -227,7 +236,7 @@ class Data:
         self._shape = None
         self._state.registry.drop_data([self.id])
 
-    def _resize(self, shape, oversize):
+    def _resize(self, shape: tuple[int, ...], oversize: float) -> None:
         self._state.check_open()
         needed = math.prod(shape) * self._dtype.itemsize
         had = self._segment.segment is not None
@@ -237,7 +246,7 @@ class Data:
 
 
 @serialized
-def release_large_staging(staging):
+def release_large_staging(staging: MutableMapping[Any, Data]) -> None:
     """Free and forget the Data in dict ``staging`` that hold more than ``STAGING_KEEP_BYTES``.
 
     numpy arguments travel through a Data kept for the next call of the same
@@ -250,7 +259,7 @@ def release_large_staging(staging):
             d.free_memory()
 
 
-def _release_unreferenced(segment, state, data_id, owner_pid):
+def _release_unreferenced(segment: GrowableSegment, state: State, data_id: int, owner_pid: int) -> None:
     """Free the shared memory of a Data nobody refers to any more.
 
     Runs from the garbage collector, in whichever thread: the segment is
@@ -263,7 +272,7 @@ def _release_unreferenced(segment, state, data_id, owner_pid):
     state.data.release_unreferenced(data_id, segment)
 
 
-def staging_data(state, key, value):
+def staging_data(state: State, key: Hashable, value: np.ndarray) -> Data:
     """A Data of ``state`` kept under ``key`` that holds ``value`` (staging numpy values for the workers)."""
     d = state.staging.get(key)
     if d is None or d.dtype != value.dtype or d.ndim != value.ndim:

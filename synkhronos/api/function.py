@@ -13,7 +13,8 @@ the results.
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence, Union
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -39,6 +40,11 @@ from .recording import compile_on_master, record
 from .shapes import check_argument_shape
 from .split_axes import RowAxes
 
+if TYPE_CHECKING:
+    from ..wire.batch import Batch
+    from ..wire.spec import FunctionSpec
+    from .givens import RowsFromGivens
+
 __all__ = ["function", "Function"]
 
 #: what ``outputs`` takes: a variable, a (variable, mode) pair, or a list of those
@@ -58,8 +64,9 @@ Updates = Union[Sequence[tuple], dict]
 _MISSING = object()
 
 
-def _input_ref(d, offset=0, axis=0):
+def _input_ref(d: Data, offset: int = 0, axis: int = 0) -> InputRef:
     """Where a call reads the Data ``d`` (its rows from ``offset`` on, along ``axis``)."""
+    assert d.shape is not None, "a call's Data hold values"
     return InputRef(d.id, d.gen, dtype_code(d.dtype), offset, d.shape, axis)
 
 
@@ -70,15 +77,17 @@ class Function:
     arguments; see :meth:`__call__`.
     """
 
-    def __init__(self, state, spec, bare, compiled, rows=None, local_updates=False):
+    def __init__(self, state: State, spec: FunctionSpec, bare: bool, compiled: CompiledFunction,
+                 rows: RowsFromGivens | None = None, local_updates: bool = False) -> None:
         self._state = state
         self._batch_shaped = BatchShapedState(spec, local_updates)
         #: the tutorials' givens idiom: the row slices a call's scalars select (see .givens)
         self._rows = rows
         self.spec = spec
         self._bare = bare
-        self._scratch: dict = {}
-        self._reference = None    # the plain PyTensor function, compiled at the first as_pytensor
+        self._scratch: dict[int, Data] = {}
+        #: the plain PyTensor function, compiled at the first as_pytensor
+        self._reference: CompiledFunction | None = None
         #: numpy arguments are cast to their inputs' dtypes as pytensor.function's option does
         self._downcast = bool(spec.kwargs.get("allow_input_downcast"))
         #: this process's compiled function (the master computes its own share of every call)
@@ -96,7 +105,7 @@ class Function:
         self.touched = [var for var in dict.fromkeys(spec.shared_variables())
                         if isinstance(var.type, TensorType)]
 
-    def touched_now(self, *_):
+    def touched_now(self, *_: object) -> list[SharedVariable] | None:
         """The shared variables a call hands to the devices and back (None, every one, for a
         function of a closed runtime, whose call raises)."""
         return self.touched if self._state is active() else None
@@ -111,16 +120,16 @@ class Function:
         return list(dict.fromkeys(self.spec.shared_variables()))
 
     @property
-    def output_modes(self) -> list:
+    def output_modes(self) -> list[str | None]:
         """The reduction mode of each output, in order."""
         return [m for _, m in self.spec.outputs]
 
     @property
-    def update_modes(self) -> list:
+    def update_modes(self) -> list[str]:
         """The accumulation mode of each update (used with ``num_slices > 1``)."""
         return [m for _, _, m in self.spec.updates]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"synk.Function({self.name!r})"
 
     def __deepcopy__(self, memo: dict) -> Function:
@@ -159,7 +168,7 @@ class Function:
 
     as_theano = as_pytensor
 
-    def _run_reference(self, args):
+    def _run_reference(self, args: Iterable[np.ndarray]) -> list[Any]:
         """Run the plain PyTensor function, compiled for any rows (or per shape if JAX needs it)."""
         # no runtime runs and JAX has no backend: one made here would keep fork() from running
         # again, so it goes once the results are the caller's
@@ -176,7 +185,7 @@ class Function:
                 # (the reference keeps its programs: they hold its random streams' private state)
                 drop_backend()
 
-    def build_inputs(self, *values, force_cast: bool = False, oversize: float = 1.,
+    def build_inputs(self, *values: Any, force_cast: bool = False, oversize: float = 1.,
                      minibatch: bool = False) -> list[Data]:
         """Make one :class:`Data` per input (scattered, then broadcast) from ``values``."""
         all_inputs = self.spec.all_inputs
@@ -186,7 +195,7 @@ class Function:
                      minibatch=minibatch and i < len(self.spec.inputs))
                 for i, (var, v) in enumerate(zip(all_inputs, values))]
 
-    def input_refs(self, *values: Data | np.ndarray) -> list:
+    def input_refs(self, *values: Data | np.ndarray) -> list[InputRef]:
         """Where each scattered input's rows live, as a call would read them.
 
         ``values`` (one per scattered input, :class:`Data` or numpy) are
@@ -207,8 +216,8 @@ class Function:
     # --- calling ---------------------------------------------------------------------------
     @serialized(touches=touched_now)
     def __call__(self, *args: Data | np.ndarray, batch: int | slice | Sequence[int] | None = None,
-                 batch_s=None, num_slices: int = 1, output_subset: Sequence[int] | None = None,
-                 **kwargs) -> np.ndarray | list[np.ndarray] | None:
+                 batch_s: Any = None, num_slices: int = 1, output_subset: Sequence[int] | None = None,
+                 **kwargs: Any) -> np.ndarray | list[np.ndarray] | None:
         """Run on every device and return the reduced outputs.
 
         Parameters
@@ -228,14 +237,14 @@ class Function:
         """
         return self.call_with_tail(args, kwargs, batch, batch_s, num_slices, output_subset)
 
-    def given_rows(self, *args) -> slice:
+    def given_rows(self, *args: Any) -> slice:
         """The rows a call with ``args`` selects through the givens' row slices (see :mod:`.givens`)."""
         if self._rows is None:
             raise TypeError(f"{self.name} selects no rows through its givens")
         return self._rows.rows(self._rows.user_arguments(args, {}, self.name))
 
-    def call_with_tail(self, args, kwargs, batch=None, batch_s=None, num_slices=1,
-                       output_subset=None, tail=None):
+    def call_with_tail(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any = None, batch_s: Any = None,
+                       num_slices: Any = 1, output_subset: Iterable[Any] | None = None, tail: Any = None) -> Any:
         """:meth:`__call__` with its arguments as a tuple and a dict; ``tail``, a
         :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
         the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
@@ -283,14 +292,15 @@ class Function:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
 
-    def _call_rows(self, plan):
+    def _call_rows(self, plan: CallPlan) -> CallRows:
         """The rows each device got in ``plan`` (what a hint names)."""
         if not self.spec.inputs:
             return CallRows((), 0)
         bounds = plan.split(self._state.n_parallel)
         return CallRows(tuple(hi - lo for lo, hi in bounds), plan.batch.total)
 
-    def _plan(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+    def _plan(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any, num_slices: Any,
+              output_subset: Iterable[Any] | None) -> CallPlan:
         spec = self.spec
         num_slices = check_num_slices(num_slices)
         if batch_s is not None and not spec.sliceable_shareds:
@@ -320,7 +330,7 @@ class Function:
             self._batch_shaped.check(batch_plan.total, rows)
         return plan
 
-    def _plan_batch_s(self, batch_s, plan):
+    def _plan_batch_s(self, batch_s: Any, plan: CallPlan | None) -> list[Batch]:
         """Per-rank rows of the sliceable shareds (validated against every rank's lengths)."""
         sliceables = self.spec.sliceable_shareds
         if not sliceables:
@@ -339,7 +349,7 @@ class Function:
                                      f"{b.total} rows of the sliceable shareds; they must match")
         return sliced
 
-    def _subset(self, output_subset):
+    def _subset(self, output_subset: Iterable[Any] | None) -> list[int]:
         n = len(self.spec.outputs)
         if output_subset is None:
             return list(range(n))
@@ -349,7 +359,7 @@ class Function:
                 raise ValueError(f"output_subset entry {i!r} is not an output index in [0, {n})")
         return [int(i) for i in subset]
 
-    def _collect_args(self, args, kwargs):
+    def _collect_args(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Sequence[Any]:
         all_inputs = self.spec.all_inputs
         if not kwargs and len(args) == len(all_inputs):
             return args
@@ -370,7 +380,7 @@ class Function:
             raise TypeError(f"{self.name} is missing inputs {missing}")
         return values
 
-    def _as_data(self, i, value):
+    def _as_data(self, i: int, value: Any) -> Data:
         var = self.spec.all_inputs[i]
         name = self._input_names[i]
         scattered = i < len(self.spec.inputs)
@@ -404,7 +414,7 @@ class Function:
         scratch.set_value(arr, oversize=1 if scratch.alloc_size >= arr.size else 1.25)
         return scratch
 
-    def _reduce(self, plan, rows, columns):
+    def _reduce(self, plan: CallPlan, rows: list[int], columns: list[Any]) -> list[Any]:
         """Reduce each selected output across ranks (see :func:`~synkhronos.comm.reduction.reduce_outputs`)."""
         return reduce_outputs(columns, plan.subset, rows, self._state.master_rank, self._reductions)
 
@@ -412,7 +422,7 @@ class Function:
 @serialized
 def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
              bcast_inputs: Sequence[Variable] | None = None, updates: Updates | None = None,
-             givens=None, sliceable_shareds: Sequence[SharedVariable] | None = None,
+             givens: Any = None, sliceable_shareds: Sequence[SharedVariable] | None = None,
              name: str | None = None, local_updates: bool = False, shapes_kept: int = SHAPES_KEPT,
              split_axes: dict | None = None, **kwargs: Any) -> Function:
     """Build a data-parallel function over every device of the runtime.

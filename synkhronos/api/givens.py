@@ -31,7 +31,9 @@ value, which no device's JAX function can compile.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytensor
@@ -44,6 +46,9 @@ from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, indices_from_subtensor
 
 from .data import Data, as_pytensor_takes
+
+if TYPE_CHECKING:
+    from pytensor.tensor.variable import TensorVariable
 
 __all__ = ["RowsFromGivens", "RECIPE"]
 
@@ -66,7 +71,7 @@ class RowSlice:
     stop: Variable | None
 
 
-def _row_slice(key, value):
+def _row_slice(key: Variable, value: Variable) -> RowSlice | None:
     """The :class:`RowSlice` of given ``key: value``, or None if ``value`` is not such a slice."""
     node = value.owner
     if node is None or type(node.op) is not Subtensor or len(node.op.idx_list) != 1:
@@ -84,7 +89,7 @@ def _row_slice(key, value):
     return RowSlice(key, base, expression, start, stop)
 
 
-def _rowwise_base(expression):
+def _rowwise_base(expression: Variable) -> SharedVariable | None:
     """The one shared variable ``expression`` is an elementwise function of, row by row, or None."""
     leaves = [v for v in graph_inputs([expression]) if not isinstance(v, Constant)]
     if len(leaves) != 1 or not isinstance(leaves[0], SharedVariable) or leaves[0].ndim < 1:  # type: ignore[attr-defined]
@@ -101,12 +106,12 @@ def _rowwise_base(expression):
     return base
 
 
-def _picks_rows(value, scalars):
+def _picks_rows(value: Variable, scalars: Iterable[Variable]) -> bool:
     """True if given ``value`` picks rows of shared data by ``scalars`` (see :func:`_axis_picked`)."""
     return _axis_picked(value, scalars) is not None
 
 
-def _axis_picked(value, scalars):
+def _axis_picked(value: Variable, scalars: Iterable[Variable]) -> int | None:
     """The first axis along which given ``value`` picks entries of shared data by ``scalars``, or None.
 
     ``x[i:i + 3]``, ``x[i::2]``, ``x[arange(i, i + 3)]`` pick rows (of ``x``
@@ -150,13 +155,14 @@ class RowsFromGivens:
     by :meth:`call_arguments`.
     """
 
-    def __init__(self, slices, inputs, bcast_inputs, givens):
+    def __init__(self, slices: list[RowSlice], inputs: Sequence[TensorVariable],
+                 bcast_inputs: Sequence[TensorVariable], givens: list[tuple[Variable, Variable]]) -> None:
         self.slices = slices
-        self._user = list(inputs) + list(bcast_inputs)
+        self._user: list[Variable] = list(inputs) + list(bcast_inputs)
         bases = list(dict.fromkeys(s.base for s in slices))
         self.row_inputs = {b: pt.tensor(f"{b.name or 'data'}_rows", dtype=b.type.dtype,
                                         shape=(None,) + tuple(b.type.shape[1:])) for b in bases}
-        replaced = [(s.key, clone_replace(s.expression, {s.base: self.row_inputs[s.base]}))
+        replaced = [(s.key, clone_replace(s.expression, [(s.base, self.row_inputs[s.base])]))
                     for s in slices]
         scattered = [v for v in inputs if v.ndim > 0]           # none beside row slices (see find)
         self.inputs = list(self.row_inputs.values()) + scattered
@@ -171,10 +177,11 @@ class RowsFromGivens:
         #: the bounds' function, which user inputs it reads, and which bounds are given
         self._bounds = (fn, [self._user.index(v) for v in read], [b is not None for b in bounds])
         #: the bounds computed for the scalar values seen (they depend on nothing else)
-        self._bounds_of = {}
+        self._bounds_of: dict[Hashable, list[int | None]] = {}
 
     @classmethod
-    def find(cls, inputs, bcast_inputs, givens, name):
+    def find(cls, inputs: Sequence[TensorVariable], bcast_inputs: Sequence[TensorVariable],
+             givens: Iterable[tuple[Variable, Variable]], name: str) -> RowsFromGivens | None:
         """The rewrite of a function whose ``givens`` read shared data by scalar inputs, or
         whose ``inputs`` hold a 0-d input; else None (the function is recorded as it is).
 
@@ -185,7 +192,8 @@ class RowsFromGivens:
             gives the recipe (:data:`RECIPE`).
         """
         scalars = [v for v in list(inputs) + list(bcast_inputs) if v.ndim == 0]
-        slices, rest = [], []
+        slices: list[RowSlice] = []
+        rest: list[tuple[Variable, Variable]] = []
         for key, value in givens:
             found = _row_slice(key, value)
             # a 0-d shared variable in the bounds is a value too: the number of rows would follow it
@@ -193,7 +201,7 @@ class RowsFromGivens:
                               if isinstance(v, SharedVariable) and v.ndim == 0]  # type: ignore[attr-defined]
             if found is not None and _bounds_read_only(found, scalars):
                 slices.append(found)
-            elif (axis := _axis_picked(value, scalars + shared_scalars)) is not None:
+            elif (axis := _axis_picked(value, [*scalars, *shared_scalars])) is not None:
                 read = [str(v) for v in shared_scalars if _picks_rows(value, [v])]
                 hint = (f" (it reads the bounds from the shared variables {read}: pass them as "
                         f"scalar inputs of the function instead)") if read else ""
@@ -222,17 +230,17 @@ class RowsFromGivens:
                 f"other; make those bcast_inputs, or {RECIPE}")
         return cls(slices, inputs, bcast_inputs, rest)
 
-    def scattered_axes(self, axes):
+    def scattered_axes(self, axes: Sequence[int | None]) -> list[int | None]:
         """The split axis of each scattered input after the rewrite, from ``axes``, one per ``inputs``
         given to :meth:`find` (the row slices' inputs split along axis 0: None)."""
         declared = dict(zip(map(id, self._user), axes))
         return [None] * len(self.row_inputs) + [declared[id(v)] for v in self.inputs[len(self.row_inputs):]]
 
-    def user_inputs(self):
+    def user_inputs(self) -> list[Variable]:
         """The inputs a call of the function takes, in the user's order."""
         return self._user
 
-    def user_arguments(self, args, kwargs, name):
+    def user_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> list[Any]:
         """The arguments of a call, one per :meth:`user_inputs` (given by position or by name)."""
         names = [v.name for v in self.user_inputs()]
         if len(args) > len(names):
@@ -247,7 +255,8 @@ class RowsFromGivens:
             raise TypeError(f"{name} is missing inputs {missing}")
         return values
 
-    def call_arguments(self, args, kwargs, batch, name):
+    def call_arguments(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, name: str
+                       ) -> tuple[list[Any], Any]:
         """A call as a call of the rewritten function: ``(arguments, batch)``.
 
         With row slices, the arguments start with the rows the call's scalars
@@ -262,16 +271,16 @@ class RowsFromGivens:
                             f"apply (the scalars of the call select the rows)")
         return self.selected_rows(self.rows(values)) + self._ordered(values), None
 
-    def reference_arguments(self, args):
+    def reference_arguments(self, args: Sequence[Any]) -> list[Any]:
         """The arguments of the single-process function for a call with positional ``args``."""
         values = list(args)
         rows = self.selected_rows(self.rows(values)) if self.slices else []
         return rows + self._ordered(values)
 
-    def _ordered(self, values):
+    def _ordered(self, values: Sequence[Any]) -> list[Any]:
         return [values[i] for i in self._order]
 
-    def rows(self, arguments):
+    def rows(self, arguments: Sequence[Any]) -> slice:
         """``slice(start, stop)`` of the rows a call with ``arguments`` selects (checked).
 
         Parameters
@@ -300,7 +309,7 @@ class RowsFromGivens:
                              f"of {first[0].base}); give a range with at least one row")
         return slice(first[1], first[2])
 
-    def _bounds_for(self, arguments):
+    def _bounds_for(self, arguments: Sequence[Any]) -> list[int | None]:
         """The slices' bounds (None where a slice gives none) for the scalars in ``arguments``,
         computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
         fn, reads, present = self._bounds
@@ -320,14 +329,14 @@ class RowsFromGivens:
                 self._bounds_of[key] = bounds
         return bounds
 
-    def _scalar(self, i, value):
+    def _scalar(self, i: int, value: Any) -> np.ndarray:
         """Argument ``i`` of a call as a numpy array, a Python number typed as pytensor.function
         types it (``index = pt.iscalar()`` called as ``f(1)``)."""
         if isinstance(value, np.ndarray) or not isinstance(value, (int, float, np.generic)):
             return np.asarray(value)
         return as_pytensor_takes(self._user[i], value, f"input {self._user[i].name or i!r}")
 
-    def selected_rows(self, window):
+    def selected_rows(self, window: slice) -> list[np.ndarray]:
         """Rows ``window`` of each row input's shared variable, from its value as it is now.
 
         Read at every call, never kept: a new value, a refilled buffer given
@@ -336,7 +345,7 @@ class RowsFromGivens:
         return [base.get_value(borrow=True)[window] for base in self.row_inputs]
 
 
-def _bounds_read_only(found, scalars):
+def _bounds_read_only(found: RowSlice, scalars: Sequence[Variable]) -> bool:
     """True if the slice's bounds are computed from the function's scalar inputs and constants."""
     for bound in (found.start, found.stop):
         if bound is None:

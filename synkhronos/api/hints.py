@@ -16,7 +16,15 @@ received the wrong shape.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Apply, Variable
+
+    from ..errors import WorkerError
+    from ..wire.spec import FunctionSpec
 
 __all__ = ["CallRows", "add_hint", "batch_size_written"]
 
@@ -25,7 +33,7 @@ __all__ = ["CallRows", "add_hint", "batch_size_written"]
 class CallRows:
     """The rows of a call: every device's share of ``total`` (0 for a call without scattered inputs)."""
 
-    per_device: tuple
+    per_device: tuple[int, ...]
     total: int
 
 
@@ -36,12 +44,12 @@ _STATIC_SHAPES = re.compile(r"Shapes must be 1D sequences of concrete values|Tra
                             r"JAX requires the arguments of .* to be constants")
 
 
-def _share_of(rows):
+def _share_of(rows: CallRows) -> str:
     shares = sorted(set(rows.per_device))
     return str(shares[0]) if len(shares) == 1 else f"{shares[0]} to {shares[-1]}"
 
 
-def _rows_hint(error, rows, spec):
+def _rows_hint(error: WorkerError, rows: CallRows, spec: FunctionSpec | None) -> str | None:
     if not rows.total or set(rows.per_device) <= {rows.total} or spec is None:
         return None
     if not _SHAPE_ERROR.search(error.message.split("\n", 1)[0]):
@@ -53,7 +61,7 @@ def _rows_hint(error, rows, spec):
             f"x.shape[0] for the batch axis of {where} instead of a batch size")
 
 
-def _static_shapes_hint(error, rows, spec):
+def _static_shapes_hint(error: WorkerError, rows: CallRows, spec: FunctionSpec | None) -> str | None:
     if not _STATIC_SHAPES.search(error.message):
         return None
     sliced = _slice_at_computed_bounds(spec) if spec is not None else None
@@ -69,7 +77,7 @@ def _static_shapes_hint(error, rows, spec):
             "compute it from constants and shapes (x.shape[0]), or pass what is computed on the host")
 
 
-def _slice_at_computed_bounds(spec):
+def _slice_at_computed_bounds(spec: FunctionSpec) -> str | None:
     """A slice in the function's graph whose bounds depend on a value, not only on shapes and
     constants (as text), or None."""
     from pytensor.graph.traversal import apply_ancestors
@@ -85,7 +93,7 @@ def _slice_at_computed_bounds(spec):
     return None
 
 
-def _value_dependent(var):
+def _value_dependent(var: Variable) -> bool:
     """True if ``var`` is computed from an input's or a parameter's value, not only from shapes."""
     from pytensor.graph.basic import Constant
     from pytensor.tensor.shape import Shape, Shape_i
@@ -102,7 +110,7 @@ def _value_dependent(var):
     return False
 
 
-def _conversion_hint(error, rows, spec):
+def _conversion_hint(error: WorkerError, rows: CallRows, spec: FunctionSpec | None) -> str | None:
     if "No JAX conversion for the given" not in error.message:
         return None
     return ("every process finds an op's JAX conversion by importing the module that registers it "
@@ -111,10 +119,11 @@ def _conversion_hint(error, rows, spec):
 
 
 #: the hints in the order they are tried: each returns its text, or None when it does not apply
-HINTS = [_static_shapes_hint, _conversion_hint, _rows_hint]
+HINTS: list[Callable[[WorkerError, CallRows, FunctionSpec | None], str | None]] = [
+    _static_shapes_hint, _conversion_hint, _rows_hint]
 
 
-def add_hint(error, rows: CallRows, spec=None):
+def add_hint(error: WorkerError, rows: CallRows, spec: FunctionSpec | None = None) -> None:
     """Give ``error`` (a WorkerError) the first hint that recognises it, if any.
 
     ``spec`` is the function's :class:`~synkhronos.wire.spec.FunctionSpec`
@@ -127,7 +136,7 @@ def add_hint(error, rows: CallRows, spec=None):
             return
 
 
-def batch_size_written(spec, total):
+def batch_size_written(spec: FunctionSpec, total: int) -> str | None:
     """What in the function's graph holds ``total`` (the call's rows) as a constant in a shape, or None.
 
     A reshape or ``specify_shape`` counts when what it shapes depends on the
@@ -164,7 +173,7 @@ def batch_size_written(spec, total):
     return None
 
 
-def _computed_from(sources, nodes):
+def _computed_from(sources: Iterable[Variable], nodes: Sequence[Apply]) -> set[Variable]:
     """The variables of ``nodes`` computed from any of ``sources``."""
     from pytensor.graph.traversal import toposort
     found = set(sources)
@@ -174,11 +183,11 @@ def _computed_from(sources, nodes):
     return found
 
 
-def _meets(var, from_rows, nodes):
+def _meets(var: Variable, from_rows: set[Variable], nodes: Sequence[Apply]) -> bool:
     """True if ``var``, through elementwise operations and dimshuffles only, enters an operation beside
     a variable computed from the rows."""
     from pytensor.tensor.elemwise import DimShuffle, Elemwise
-    clients: dict = {}
+    clients: dict[Variable, list[Apply]] = {}
     for node in nodes:
         for i in node.inputs:
             clients.setdefault(i, []).append(node)
@@ -194,7 +203,7 @@ def _meets(var, from_rows, nodes):
     return False
 
 
-def _constants_of(shape, depth=4):
+def _constants_of(shape: Variable, depth: int = 4) -> set[Any]:
     """The integers a shape argument holds as constants: its own value, or the constant entries of
     the vector it is made of (through casts), as ``x.reshape((20, x.shape[1]))`` makes it."""
     import numpy as np

@@ -16,11 +16,20 @@ full path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .data import Data
+
+if TYPE_CHECKING:
+    from ..runtime.state import State
+    from ..wire.plan import CallPlan
+    from ..wire.spec import FunctionSpec
+
+#: numpy arguments a call stages through its function's Data: ``(input index, array)`` pairs
+Staged = Sequence[tuple[int, np.ndarray]]
 
 __all__ = ["KeptPlans", "PLANS_KEPT"]
 
@@ -38,14 +47,15 @@ class KeptPlans:
     :meth:`find` writes a repeated call's values into them.
     """
 
-    def __init__(self, state, spec, scratch):
+    def __init__(self, state: State, spec: FunctionSpec, scratch: Mapping[int, Data]) -> None:
         self._state, self._spec, self._scratch = state, spec, scratch
         self._n_inputs = len(spec.all_inputs)
         self._input_types = [(np.dtype(var.type.dtype), var.type.ndim) for var in spec.all_inputs]
         #: per key, a box the first call with it fills with its validated plan
-        self._boxes: Callable = functools.lru_cache(maxsize=PLANS_KEPT)(lambda key: [])
+        self._boxes: Callable[[Hashable], list[CallPlan]] = functools.lru_cache(maxsize=PLANS_KEPT)(lambda key: [])
 
-    def find(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+    def find(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any, num_slices: Any,
+             output_subset: Any) -> tuple[list[CallPlan], CallPlan | None]:
         """``(box, plan)``: the kept plan of such a call (its numpy arguments staged), or None,
         and the box (a list) to put the call's validated plan in."""
         key, staged = self._key(args, kwargs, batch, batch_s, num_slices, output_subset)
@@ -58,10 +68,11 @@ class KeptPlans:
             plan = None
         return box, plan
 
-    def _key(self, args, kwargs, batch, batch_s, num_slices, output_subset):
+    def _key(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any, num_slices: Any,
+             output_subset: Any) -> tuple[tuple[Any, ...] | None, Staged]:
         """``(key, staged)``: what makes a validated plan reusable (None for calls validated every
         time), and the numpy arguments the call stages, as ``(input index, array)`` pairs."""
-        refused = None, ()
+        refused: tuple[None, Staged] = None, ()
         if kwargs or output_subset is not None:
             return refused
         sliced = _per_rank_indices(batch_s) if self._spec.sliceable_shareds else None
@@ -71,8 +82,8 @@ class KeptPlans:
         if not (batch is None or type(batch) is int or indexed) or type(num_slices) is not int \
                 or len(args) != self._n_inputs:
             return refused
-        key = [(_INDICES, batch.shape) if indexed else batch, num_slices, sliced]
-        staged = []
+        key: list[Any] = [(_INDICES, batch.shape) if indexed else batch, num_slices, sliced]
+        staged: list[tuple[int, np.ndarray]] = []
         for i, d in enumerate(args):
             if type(d) is not Data:
                 value = _as_own_dtype(d, self._input_types[i])
@@ -87,7 +98,7 @@ class KeptPlans:
             key.append((d.id, d.gen, d.shape, d.minibatch))
         return tuple(key), staged
 
-    def _restage(self, plan, staged):
+    def _restage(self, plan: CallPlan, staged: Staged) -> bool:
         """Write the numpy arguments ``staged`` into the staging Data ``plan`` reads; False if
         one of those Data has another shape or segment now (the plan no longer fits)."""
         refs = plan.scattered + plan.bcast
@@ -100,7 +111,7 @@ class KeptPlans:
         return True
 
 
-def _per_rank_indices(batch_s):
+def _per_rank_indices(batch_s: Any) -> tuple[tuple[int, ...], ...] | None:
     """The shapes of ``batch_s`` given as one index array per rank (a list or tuple of numpy
     arrays, what a device-data training loop passes), or None for any other form.
 
@@ -115,7 +126,7 @@ def _per_rank_indices(batch_s):
     return tuple(b.shape for b in batch_s)
 
 
-def _as_own_dtype(value, dtype_ndim):
+def _as_own_dtype(value: Any, dtype_ndim: tuple[np.dtype, int]) -> np.ndarray | None:
     """``value`` as a numpy array if it already has the input's dtype and ndim (a Python scalar
     for a 0-d input of its kind included), else None.
 

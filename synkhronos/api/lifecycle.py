@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
@@ -30,7 +30,7 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
          profile_workers: bool = False, threads_per_device: int | None = None, timeout: float = 60,
          spin_us: float | None = None, stall_timeout: float = 600,
          collectives: str | type[Comm] | None = None, timeline: str | None = None,
-         compile_cache: str | os.PathLike | bool | None = None, **options) -> int:
+         compile_cache: str | os.PathLike | bool | None = None, **options: Any) -> int:
     """Start one process per device; the calling process becomes rank ``master_rank``.
 
     On several nodes (a script started by ``python -m synkhronos.launch``, or
@@ -152,7 +152,7 @@ def fork(n_parallel: int | None = None, master_rank: int = 0, platform: str | No
     return state.n_parallel
 
 
-def _old_fork_options(options, platform):
+def _old_fork_options(options: dict[str, Any], platform: str | None) -> str | None:
     """Take the original's ``fork()`` options out of ``options``; return the platform they ask for.
 
     ``use_gpu`` still means something (the platform); ``max_n_var`` and
@@ -235,7 +235,7 @@ def timeline(path: str) -> Iterator[None]:
                                   f"{e})", SynkWarning, stacklevel=3)
 
 
-def _writable(path):
+def _writable(path: str | os.PathLike[str]) -> str:
     """``path`` as a string, once a timeline can be written there (else raise, before recording)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))

@@ -13,6 +13,8 @@ cannot travel. The tutorials' ``givens`` idiom is rewritten here
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
@@ -31,11 +33,16 @@ from .givens import RECIPE, RowsFromGivens
 from .shapes import declared_rows, shape_text
 from .split_axes import declared_axes
 
+if TYPE_CHECKING:
+    from pytensor.tensor.variable import TensorVariable
+
 __all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE", "TRACES_ON_FREE_ROWS"]
 
 
-def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shareds, name,
-           local_updates, kwargs, split_axes=None):
+def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inputs: Iterable[Variable] | None,
+           updates: Any, givens: Any, sliceable_shareds: Iterable[SharedVariable] | None, name: str | None,
+           local_updates: bool, kwargs: dict[str, Any], split_axes: Any = None
+           ) -> tuple[FunctionSpec, bool, RowsFromGivens | None]:
     """The checked spec of a function, whether its one output comes back bare, and its givens' rows.
 
     Returns ``(spec, bare, rows)``; see :func:`synkhronos.function` for the arguments.
@@ -48,14 +55,14 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
     _check_free_rows(inputs, input_axes)
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
-    scattered_rows = list(inputs)
+    scattered_rows: list[Variable] = list(inputs)
     if rows is not None and rows.slices and split_axes:
         raise TypeError("split_axes does not combine with givens that select rows of shared "
                         "variables (those rows are axis 0); " + RECIPE)
     if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
         scattered_rows = rows.inputs + [s.key for s in rows.slices]
         inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
-    seen = set()
+    seen: set[int] = set()
     for var in inputs + bcast_inputs:
         if id(var) in seen:
             raise ValueError(f"input {var} appears more than once in inputs/bcast_inputs")
@@ -78,7 +85,8 @@ def record(fid, inputs, outputs, bcast_inputs, updates, givens, sliceable_shared
     return spec, bare, rows
 
 
-def _check_sliceables(spec, sliceable, givens):
+def _check_sliceables(spec: FunctionSpec, sliceable: Sequence[SharedVariable],
+                      givens: Sequence[tuple[Variable, Variable]]) -> None:
     used = set(spec.shared_variables() + [g[0] for g in givens])
     for var in sliceable:
         if not isinstance(var, SharedVariable):
@@ -92,7 +100,7 @@ def _check_sliceables(spec, sliceable, givens):
                             f"{value.type.ndim}); make {value} of that dtype and ndim")
 
 
-def _normalize_outputs(outputs):
+def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool]:
     """Return ([(var, mode)], bare) from the user's ``outputs``."""
     if outputs is None:
         return [], False
@@ -100,7 +108,7 @@ def _normalize_outputs(outputs):
                                              and isinstance(outputs[0], Variable)
                                              and not isinstance(outputs[1], Variable))
     items = [outputs] if bare else list(outputs)
-    pairs = []
+    pairs: list[tuple[Variable, str | None]] = []
     for item in items:
         if isinstance(item, Variable):
             var, mode = item, "avg"
@@ -112,7 +120,8 @@ def _normalize_outputs(outputs):
     return pairs, bare
 
 
-def _normalize_updates(updates):
+def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variable, str]],
+                                              list[tuple[SharedVariable, Variable]]]:
     """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
 
     A random generator's update is its next state: it has no mode and is
@@ -121,7 +130,8 @@ def _normalize_updates(updates):
     if updates is None:
         return [], []
     items = list(updates.items()) if isinstance(updates, dict) else list(updates)
-    triples, generators = [], []
+    triples: list[tuple[SharedVariable, Variable, str]] = []
+    generators: list[tuple[SharedVariable, Variable]] = []
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
             raise TypeError(f"each update must be (shared, new_value) or (shared, new_value, mode), "
@@ -137,7 +147,8 @@ def _normalize_updates(updates):
     return triples, generators
 
 
-def _warn_if_updates_are_local(triples, scattered, name):
+def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable, str]],
+                               scattered: Sequence[Variable], name: str) -> None:
     """Warn (:class:`~synkhronos.errors.LocalUpdatesWarning`) if updates depend on scattered rows.
 
     Each device then updates its own copy from its own rows, and nothing
@@ -158,7 +169,7 @@ def _warn_if_updates_are_local(triples, scattered, name):
             f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=5)
 
 
-def _update_names(targets, triples):
+def _update_names(targets: Iterable[SharedVariable], triples: Sequence[tuple[SharedVariable, Any, Any]]) -> list[str]:
     """The names of update ``targets``, each with its place in the updates where a name repeats
     (the tutorials name every layer's weights ``W``).
 
@@ -177,7 +188,7 @@ def _update_names(targets, triples):
     names = [str(s) for s, _, _ in triples]
     place = {id(s): i for i, (s, _, _) in enumerate(triples)}
 
-    def named(s):
+    def named(s: SharedVariable) -> str:
         if s.name is None:     # PyTensor's own text would be its type, as <Tensor4(float32, ...)>
             return f"the unnamed {s.type.ndim}-d shared variable of shape {s.get_value(borrow=True).shape} " \
                 f"(update {place[id(s)] + 1})"
@@ -189,7 +200,7 @@ def _update_names(targets, triples):
 _SAID_64_BITS = [False]
 
 
-def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
+def _say_once_if_a_float64_cast_computes_in_32_bits(spec: FunctionSpec) -> None:
     """Under floatX float32 JAX computes without 64-bit types: say once, naming it, when a function
     reads a float64 input or shared variable, or casts a float to float64 (the user wrote it, to
     compute wider; PyTensor's own casts of counts and index arithmetic go unsaid)."""
@@ -217,7 +228,7 @@ def _say_once_if_a_float64_cast_computes_in_32_bits(spec):
             return
 
 
-def _check_jax_can_sample(spec):
+def _check_jax_can_sample(spec: FunctionSpec) -> None:
     """Refuse, when the function is built, a random variable PyTensor's JAX backend cannot sample.
 
     JAX would find out only at the first call, on every rank.
@@ -233,16 +244,16 @@ def _check_jax_can_sample(spec):
             f"install what the message names.{hint}")
 
 
-def _check_inputs(inputs, what):
+def _check_inputs(inputs: Iterable[Variable] | None, what: str) -> list[TensorVariable]:
     inputs = [] if inputs is None else list(inputs)
     for var in inputs:
         if not isinstance(var, Variable) or isinstance(var, SharedVariable) or var.owner is not None:
             raise TypeError(f"{what} must be symbolic input variables (e.g. pt.matrix('x')), "
                             f"got {var!r}")
-    return inputs
+    return cast("list[TensorVariable]", inputs)
 
 
-def _check_free_rows(inputs, axes):
+def _check_free_rows(inputs: Sequence[Variable], axes: Sequence[int | None]) -> None:
     """Refuse scattered inputs declared with a static row count (along their split ``axes``).
 
     Each device computes its own share of a call's rows, and a graph built
@@ -264,7 +275,7 @@ def _check_free_rows(inputs, axes):
                 f"(pytensor-ml's convolutions work so)")
 
 
-def _check_mode(kwargs):
+def _check_mode(kwargs: dict[str, Any]) -> None:
     """Refuse a compilation ``mode`` whose functions do not run on a JAX device.
 
     Every process keeps its shared variables on its own JAX device between
@@ -293,7 +304,7 @@ def _check_mode(kwargs):
 TRACES_BY_SHAPE, TRACES_ON_FREE_ROWS = "traces-by-shape", "traces-on-free-rows"
 
 
-def compile_on_master(spec, cache):
+def compile_on_master(spec: FunctionSpec, cache: str | None) -> CompiledFunction:
     """The master's CompiledFunction of ``spec``, and ``spec.by_rows`` set for the workers.
 
     Whether the graph traces only on concrete shapes is recalled from an
@@ -305,6 +316,6 @@ def compile_on_master(spec, cache):
     spec.by_rows = (True if compile_cache.recalls(cache, TRACES_BY_SHAPE, key) else
                     False if compile_cache.recalls(cache, TRACES_ON_FREE_ROWS, key) else None)
 
-    def remember(by_rows):
+    def remember(by_rows: bool) -> None:
         compile_cache.record(cache, TRACES_BY_SHAPE if by_rows else TRACES_ON_FREE_ROWS, key)
     return CompiledFunction(spec, on_finding=remember if key is not None else None, check=True)

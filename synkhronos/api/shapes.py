@@ -4,11 +4,19 @@ Every rank compiles its functions for the declared static shapes, so the
 master refuses, before any process wakes, a value that contradicts them.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Variable
+
 __all__ = ["shape_text", "declared_rows", "contradicts", "check_argument_shape",
            "check_shared_shape"]
 
 
-def shape_text(shape):
+def shape_text(shape: Sequence[int | None]) -> str:
     """A static shape as one writes it in ``pt.tensor(shape=...)``, ``None`` for a free length.
 
     Examples
@@ -20,7 +28,7 @@ def shape_text(shape):
         ("," if len(shape) == 1 else "") + ")"
 
 
-def declared_rows(var, axis=0):
+def declared_rows(var: Variable, axis: int = 0) -> int | None:
     """The static row count of ``var`` along its row ``axis`` (``pt.tensor(shape=(8, 3))``: 8), or None.
 
     Examples
@@ -33,7 +41,7 @@ def declared_rows(var, axis=0):
     return var.type.shape[axis] if var.type.ndim else None
 
 
-def contradicts(declared, shape, free_axis=None):
+def contradicts(declared: Sequence[int | None], shape: Sequence[int], free_axis: int | None = None) -> bool:
     """True if ``shape`` differs from ``declared`` on a fixed axis (but ``free_axis``) or in length.
 
     Examples
@@ -47,7 +55,7 @@ def contradicts(declared, shape, free_axis=None):
         any(d is not None and d != n for a, (d, n) in enumerate(zip(declared, shape)) if a != free_axis)
 
 
-def check_argument_shape(var, name, shape, row_axis=None):
+def check_argument_shape(var: Variable, name: str, shape: Sequence[int], row_axis: int | None = None) -> None:
     """Raise TypeError if argument ``shape`` contradicts the static shape input ``var`` declares.
 
     A scattered input's rows (along its ``row_axis``; None for an input given
@@ -66,7 +74,7 @@ def check_argument_shape(var, name, shape, row_axis=None):
                         f"declare the axis free (None) in its pt.tensor(..., shape=...)")
 
 
-def check_shared_shape(var, shape, what):
+def check_shared_shape(var: Variable, shape: Sequence[int], what: str) -> None:
     """Raise ValueError if ``what`` would give shared ``var`` a ``shape`` its static shape forbids.
 
     Every rank compiles its functions for the declared shape, so a value of

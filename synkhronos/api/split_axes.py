@@ -18,6 +18,8 @@ scattered input would be cut into one piece per device: a call refuses it
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors, io_toposort
@@ -28,11 +30,23 @@ from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 
 from ..comm.reduction import GATHER
 
+if TYPE_CHECKING:
+    from pytensor.graph.basic import Apply
+
+    from ..wire.spec import FunctionSpec
+
 __all__ = ["RowAxes", "declared_axes", "call_axis", "check_data_axis", "rows_scanned",
-           "check_rows_not_scanned", "time_major_example"]
+           "check_rows_not_scanned", "time_major_example", "SplitsAlong"]
 
 
-def _axis(value, var, what, ndim):
+class SplitsAlong(Protocol):
+    """What declares its own split axis: a :class:`~synkhronos.api.data.Data`."""
+
+    @property
+    def split_axis(self) -> int | None: ...
+
+
+def _axis(value: Any, var: Variable, what: str, ndim: int) -> int:
     """``value`` as an axis of a ``ndim``-d ``var`` (negative counts from the end)."""
     try:
         axis = operator.index(value)
@@ -46,7 +60,8 @@ def _axis(value, var, what, ndim):
     return axis % ndim
 
 
-def declared_axes(split_axes, inputs, bcast_inputs, outputs):
+def declared_axes(split_axes: Any, inputs: Sequence[Variable], bcast_inputs: Sequence[Variable],
+                  outputs: Sequence[tuple[Variable, str | None]]) -> tuple[list[int | None], list[int]]:
     """The split axis each scattered input declares (None: undeclared) and each output's gather axis.
 
     Parameters
@@ -69,7 +84,8 @@ def declared_axes(split_axes, inputs, bcast_inputs, outputs):
     >>> declared_axes({x: 1, h: -1}, [x, y], [], [(h, "gather"), (y.sum(), "sum")])
     ([1, None], [1, 0])
     """
-    input_axes, gather_axes = [None] * len(inputs), [0] * len(outputs)
+    input_axes: list[int | None] = [None] * len(inputs)
+    gather_axes = [0] * len(outputs)
     if not split_axes:
         if split_axes is not None and not isinstance(split_axes, dict):
             raise TypeError(f"split_axes must be a dict {{variable: axis}}, got {split_axes!r}")
@@ -99,7 +115,7 @@ def declared_axes(split_axes, inputs, bcast_inputs, outputs):
     return input_axes, gather_axes
 
 
-def call_axis(declared, data_axis, name, function="the function"):
+def call_axis(declared: int | None, data_axis: int | None, name: str, function: str = "the function") -> int:
     """The axis a call splits input ``name`` along: ``function``'s declaration, else the Data's, else 0.
 
     Examples
@@ -116,7 +132,7 @@ def call_axis(declared, data_axis, name, function="the function"):
     return declared
 
 
-def check_data_axis(split_axis, ndim):
+def check_data_axis(split_axis: Any, ndim: int) -> int | None:
     """``split_axis`` of ``synk.data`` checked against the Data's ``ndim``; None stays None."""
     if split_axis is None:
         return None
@@ -130,7 +146,7 @@ def check_data_axis(split_axis, ndim):
     return axis % ndim
 
 
-def _keeps_axis0(node, row_var):
+def _keeps_axis0(node: Apply, row_var: Variable) -> bool:
     """True if ``node``'s first output has ``row_var``'s axis 0 as its own axis 0."""
     op, out = node.op, node.outputs[0]
     if isinstance(op, Elemwise):
@@ -147,7 +163,7 @@ def _keeps_axis0(node, row_var):
     return isinstance(op, SpecifyShape) and node.inputs[0] is row_var
 
 
-def _carries_state(op, j):
+def _carries_state(op: Scan, j: int) -> bool:
     """True if the scan's ``j``-th sequence feeds a state carried from step to step."""
     inner_seq = op.inner_seqs(op.inner_inputs)[j]
     outs = op.inner_outputs
@@ -156,7 +172,7 @@ def _carries_state(op, j):
     return bool(carried) and inner_seq in set(ancestors(carried))
 
 
-def rows_scanned(inputs, graph_vars):
+def rows_scanned(inputs: Sequence[Variable], graph_vars: Iterable[Variable]) -> list[int]:
     """Indices of the ``inputs`` whose axis 0 a scan in the graph runs over while carrying a state.
 
     Followed from each input through what keeps its axis 0 in place
@@ -175,7 +191,7 @@ def rows_scanned(inputs, graph_vars):
     ([0], [])
     """
     rows = {var: i for i, var in enumerate(inputs) if var.type.ndim}
-    found = set()
+    found: set[int] = set()
     for node in io_toposort(list(inputs), list(graph_vars)):
         if isinstance(node.op, Scan):
             for j, seq in enumerate(node.op.outer_seqs(node.inputs)):
@@ -191,7 +207,7 @@ def rows_scanned(inputs, graph_vars):
     return sorted(found)
 
 
-def time_major_example(names, axis=1):
+def time_major_example(names: Iterable[str], axis: int = 1) -> str:
     """``split_axes={x: 1, mask: 1}`` as a user writes it, for the inputs ``names``.
 
     Examples
@@ -202,7 +218,7 @@ def time_major_example(names, axis=1):
     return "split_axes={" + ", ".join(f"{n}: {axis}" for n in names) + "}"
 
 
-def check_rows_not_scanned(function_name, scanned, names):
+def check_rows_not_scanned(function_name: str, scanned: Sequence[int], names: Sequence[str]) -> None:
     """Refuse a call that would split the inputs ``scanned`` (indices into ``names``) along axis 0,
     undeclared, where a scan carries a state over that axis."""
     if not scanned:
@@ -233,17 +249,17 @@ class RowAxes:
         for the givens' row slices: their rows are axis 0 by construction).
     """
 
-    def __init__(self, spec, names, scans_checked=True):
+    def __init__(self, spec: FunctionSpec, names: Sequence[str], scans_checked: bool = True) -> None:
         self.spec, self.names, self.scans_checked = spec, names, scans_checked
         #: the scattered inputs a scan runs over along axis 0, found at the first call that needs it
-        self._scanned = None
+        self._scanned: list[int] | None = None
 
-    def of(self, i, d=None):
+    def of(self, i: int, d: SplitsAlong | None = None) -> int:
         """The axis a call splits scattered input ``i`` along, given as ``d`` (a Data; None: numpy)."""
         return call_axis(self.spec.input_axis(i), None if d is None else d.split_axis, self.names[i],
                          self.spec.name)
 
-    def of_call(self, datas):
+    def of_call(self, datas: Sequence[SplitsAlong]) -> list[int]:
         """Each scattered input's axis in a call on ``datas``; refuses to cut a scan's steps."""
         axes = [self.of(i, d) for i, d in enumerate(datas)]
         undeclared = {i for i, (d, axis) in enumerate(zip(datas, axes))
@@ -254,7 +270,7 @@ class RowAxes:
             check_rows_not_scanned(self.spec.name, [i for i in self._scanned if i in undeclared], self.names)
         return axes
 
-    def check_loop(self, datas):
+    def check_loop(self, datas: Sequence[SplitsAlong]) -> None:
         """Refuse ``datas`` split along another axis than 0: a device-driven loop gathers axis 0."""
         across = [f"{self.names[i]} (axis {axis})" for i, axis in
                   enumerate(d.split_axis or self.spec.input_axis(i) for i, d in enumerate(datas)) if axis]

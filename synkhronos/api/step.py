@@ -12,7 +12,9 @@ step leaves the state exactly as a failed call followed by nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pytensor.tensor.type import TensorType
 
@@ -21,6 +23,7 @@ from ..platform.values import stored
 from ..runtime.session import active, current, serialized
 from ..runtime.state import State
 from ..wire.collective import shapes_of
+from ..wire.control import Words
 from .collectives import (
     all_reduce,
     reduction_command,
@@ -28,6 +31,11 @@ from .collectives import (
     shapes_named_on_mismatch,
 )
 from .function import Function
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    from .collectives import Shareds
 
 __all__ = ["StepTail", "Step"]
 
@@ -46,7 +54,7 @@ class StepTail:
         The function (without inputs) every rank runs after the all-reduce.
     """
 
-    fill: object
+    fill: Callable[[Words], None]
     reservation: Reservation
     update_fid: int
 
@@ -86,7 +94,7 @@ class Step:
     array([0.2, 0.2, 0.2])
     """
 
-    def __init__(self, call: Function, reduced, update: Function, op: str = "avg"):
+    def __init__(self, call: Function, reduced: Shareds, update: Function, op: str = "avg") -> None:
         if update.spec.all_inputs:
             raise TypeError(f"the update of a step runs without inputs, but {update.name} takes "
                             f"{len(update.spec.all_inputs)}; give it none")
@@ -96,10 +104,10 @@ class Step:
         self.touched = list(dict.fromkeys(call.touched + update.touched + [
             var for var in self.reduced if isinstance(var.type, TensorType)]))
         self._tail: StepTail | None = None
-        self._shapes = None
+        self._shapes: list[tuple[int, ...]] | None = None
         self._command(current())         # checks the op against the variables' dtypes
 
-    def touched_now(self, *_):
+    def touched_now(self, *_: object) -> list[SharedVariable] | None:
         """The shared variables a step hands to the devices and back (None, every one, when its
         functions belong to a closed runtime: the step raises)."""
         state = active()
@@ -115,7 +123,7 @@ class Step:
         return state
 
     @serialized(touches=touched_now)
-    def __call__(self, *args, **call_kwargs):
+    def __call__(self, *args: Any, **call_kwargs: Any) -> Any:
         """Run the step with the call's arguments (``batch=``, ``num_slices=`` ...); return what the
         call returns."""
         state = self.check_current()
@@ -132,12 +140,13 @@ class Step:
         with shapes_named_on_mismatch(state, self.reduced, f"{self.op} reduction"):
             return self.call.call_with_tail(args, call_kwargs, **options, tail=self._command(state))
 
-    def _command(self, state):
+    def _command(self, state: State) -> StepTail:
         """The :class:`StepTail`, made again if the reduced variables' shapes changed."""
         shapes = shapes_of(stored(v) for v in self.reduced)
         if shapes != self._shapes:
             fill, reservation = reduction_command(state, self.reduced, self.op)
             self._tail, self._shapes = StepTail(fill, reservation, self.update.spec.fid), shapes
+        assert self._tail is not None, "made at the first step (no shapes before it)"
         return self._tail
 
 

@@ -7,9 +7,14 @@ worker or a stall calls ``on_fault`` (which tears the runtime down) and raises
 a clear error instead of a hang.
 """
 
+from __future__ import annotations
+
 import logging
 import pickle
+import subprocess
 import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +33,11 @@ log = logging.getLogger(__name__)
 
 #: a command of a kind whose last one took this long runs on this rank's cores (see Channel)
 BIND_MIN_SECONDS = 10e-3
+
+#: on several nodes: whether this node prepared -> (whether every node did, the error of one that did not)
+Agree = Callable[[bool], tuple[bool, BaseException | None]]
+#: this rank's first phase of a two-phase command, which returns the second (``execute``)
+Prepare = Callable[[], Callable[[], Any]]
 
 
 class Channel:
@@ -55,17 +65,18 @@ class Channel:
         (see :func:`synkhronos.platform.cpu_tuning.on_cores`); None: any core.
     """
 
-    def __init__(self, prefix, n_ranks, master_rank, spin, stall_timeout, on_fault, rank_offset=0,
-                 node=None, local_cores=None):
+    def __init__(self, prefix: str, n_ranks: int, master_rank: int, spin: float, stall_timeout: float,
+                 on_fault: Callable[[], None], rank_offset: int = 0, node: int | None = None,
+                 local_cores: list[int] | None = None) -> None:
         self.prefix = prefix
         self.local_cores = local_cores
-        self._long_kinds = set()      # kinds of command whose last one took BIND_MIN_SECONDS or more
+        self._long_kinds: set[Hashable] = set()      # kinds of command whose last one took BIND_MIN_SECONDS or more
         self.rank_offset, self.node = rank_offset, node
         self.n_ranks, self.master_rank = n_ranks, master_rank
         self.worker_ranks = [r for r in range(n_ranks) if r != master_rank]
         self.spin, self.stall_timeout = spin, stall_timeout
         self.on_fault = on_fault
-        self.procs = {}
+        self.procs: dict[int, subprocess.Popen] = {}
         self.ctl = ControlBlock(f"{prefix}_ctl", n_ranks, create=True)
         self.ctl.header[ControlBlock.MASTER_RANK] = master_rank
         self.payload = GrowableSegment(f"{prefix}_p")
@@ -77,7 +88,8 @@ class Channel:
         self.watch = Watch(self)
 
     # --- one command ------------------------------------------------------------------------
-    def command(self, opcode, ranks=None, local=None, kind=None):
+    def command(self, opcode: Op, ranks: Sequence[int] | None = None, local: Callable[[], Any] | None = None,
+                kind: Hashable | None = None) -> Any:
         """Run command ``opcode`` on ``ranks`` (default: all workers) and ``local()`` here.
 
         Every addressed rank finishes before this returns or raises, so a failure
@@ -87,7 +99,7 @@ class Channel:
         return self._on_own_cores_if_long(opcode if kind is None else kind, self._command,
                                           opcode, ranks, local)
 
-    def _command(self, opcode, ranks, local):
+    def _command(self, opcode: Op, ranks: Sequence[int] | None, local: Callable[[], Any] | None) -> Any:
         ranks = self.worker_ranks if ranks is None else ranks
         self.ctl.post_command(opcode, ranks)
         local_result, local_error = self.watch.run_local(local)
@@ -95,7 +107,7 @@ class Channel:
         self.reports.raise_for(local_error, ranks)
         return local_result
 
-    def _on_own_cores_if_long(self, kind, run, *args):
+    def _on_own_cores_if_long(self, kind: Hashable, run: Callable[..., Any], *args: Any) -> Any:
         """``run(*args)``, on this rank's cores if the last command of ``kind`` took
         :data:`BIND_MIN_SECONDS` or more.
 
@@ -116,7 +128,8 @@ class Channel:
             else:
                 self._long_kinds.discard(kind)
 
-    def collective(self, local_prepare, waits_in_python, agree=None, kind="collective"):
+    def collective(self, local_prepare: Prepare, waits_in_python: bool,
+                   agree: Agree | None = None, kind: Hashable = "collective") -> Any:
         """Run a collective in two phases: every rank prepares, then (if all could) executes.
 
         A rank that fails to prepare makes every rank skip the collective, so no
@@ -134,7 +147,7 @@ class Channel:
         return self._on_own_cores_if_long(kind, self._two_phases, Op.COLLECTIVE, local_prepare,
                                           waits_in_python, agree, "a collective")
 
-    def step(self, local_prepare, waits_in_python, kind):
+    def step(self, local_prepare: Prepare, waits_in_python: bool, kind: Hashable) -> Any:
         """Run a training step in one command: a call, then a collective and an update on every rank.
 
         The two phases of :meth:`collective`, with each rank's share of the call
@@ -146,7 +159,7 @@ class Channel:
         return self._on_own_cores_if_long(kind, self._two_phases, Op.STEP, local_prepare,
                                           waits_in_python, None, "a training step")
 
-    def fused_step(self, local, in_collective, kind):
+    def fused_step(self, local: Callable[[], Any], in_collective: bool, kind: Hashable) -> Any:
         """Run a training step that every rank runs as one program, in one phase.
 
         Its shapes have run on every rank before (the first run of a step goes
@@ -158,7 +171,7 @@ class Channel:
         """
         return self._on_own_cores_if_long(kind, self._fused_step, local, in_collective)
 
-    def _fused_step(self, local, in_collective):
+    def _fused_step(self, local: Callable[[], Any], in_collective: bool) -> Any:
         ranks = self.worker_ranks
         if not in_collective:
             return self._command(Op.STEP, ranks, local)
@@ -167,7 +180,8 @@ class Channel:
         self.reports.raise_for(None, ranks)
         return result
 
-    def _two_phases(self, opcode, local_prepare, waits_in_python, agree, what):
+    def _two_phases(self, opcode: Op, local_prepare: Prepare, waits_in_python: bool,
+                    agree: Agree | None, what: str) -> Any:
         """The body of :meth:`collective` and :meth:`step`."""
         ranks = self.worker_ranks
         self.ctl.header[ControlBlock.DECISION] = Decision.SKIP
@@ -194,7 +208,7 @@ class Channel:
         return result
 
     # --- device-driven loops ----------------------------------------------------------------
-    def loop_phase(self, local, threaded):
+    def loop_phase(self, local: Callable[[], Any], threaded: bool) -> Any:
         """Run one phase of a device-driven loop: every worker, and ``local()`` here.
 
         A phase runs many steps with collectives among the ranks and no command
@@ -209,7 +223,7 @@ class Channel:
         with on_cores(self.local_cores):
             return self._loop_phase(local, threaded)
 
-    def _loop_phase(self, local, threaded):
+    def _loop_phase(self, local: Callable[[], Any], threaded: bool) -> Any:
         """The body of :meth:`loop_phase`, on this rank's cores."""
         ranks, what = self.worker_ranks, "a training loop"
         self.ctl.status[:, ControlBlock.PROGRESS] = 0
@@ -235,21 +249,21 @@ class Channel:
         return result
 
     # --- payloads and results ---------------------------------------------------------------
-    def send_payload(self, blob):
+    def send_payload(self, blob: bytes) -> None:
         """Put pickled bytes where the next command's workers read them."""
         nbytes = write_bytes(self.payload, blob)
         self.ctl.header[ControlBlock.PAYLOAD_GEN] = self.payload.gen
         self.ctl.header[ControlBlock.PAYLOAD_NBYTES] = nbytes
 
-    def send_pickled(self, obj):
+    def send_pickled(self, obj: object) -> None:
         """:meth:`send_payload` for a plain picklable object."""
         self.send_payload(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def read_result_pickle(self, rank):
+    def read_result_pickle(self, rank: int) -> Any:
         seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
         return read_pickle(seg, int(self.ctl.status[rank, ControlBlock.RESULT_NBYTES]))
 
-    def read_result_arrays(self, rank, copy=True):
+    def read_result_arrays(self, rank: int, copy: bool = True) -> list[np.ndarray]:
         """The arrays ``rank`` packed into its result segment (``copy=False``: views of the
         segment, valid until that rank's next result)."""
         seg = self.results[rank].get(int(self.ctl.status[rank, ControlBlock.RESULT_GEN]))
@@ -257,7 +271,7 @@ class Channel:
         return [np.array(a) for a in arrays] if copy else arrays
 
     # --- end --------------------------------------------------------------------------------
-    def stop_workers(self):
+    def stop_workers(self) -> None:
         """Ask every worker to stop and wait a little; the caller reaps them either way."""
         if not all(p.poll() is None for p in self.procs.values()):
             return
@@ -267,7 +281,7 @@ class Channel:
         except Exception:       # the caller stops them by force
             log.debug("workers did not stop when asked", exc_info=True)
 
-    def release(self):
+    def release(self) -> None:
         """Unlink the channel's segments, the workers' result and warning segments included.
 
         A worker's segments are unlinked by the generation it published and the

@@ -9,6 +9,8 @@ rank's shapes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,13 +25,16 @@ from ..wire.control import Op, Words
 from .nodes import joined_over_nodes
 from .part import Part
 
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
 __all__ = ["Collectives"]
 
 
 class Collectives(Part):
     """Collectives and per-rank values of one runtime."""
 
-    def run(self, fill, reservation=None):
+    def run(self, fill: Callable[[Words], None], reservation: Reservation | None = None) -> list[np.ndarray]:
         """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.
 
         ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
@@ -42,7 +47,7 @@ class Collectives(Part):
         comm.reserve(reservation or Reservation())
         fill(Words(ctl.args))
 
-        def local_prepare():
+        def local_prepare() -> Callable[[], Any]:
             execute = state.context.prepare_collective(Words(ctl.args))
             if trace.on:
                 trace.mark("prepare")
@@ -65,7 +70,7 @@ class Collectives(Part):
             if since is not None:
                 trace.end("execute")
 
-    def all_shapes(self, vars_):
+    def all_shapes(self, vars_: Sequence[SharedVariable]) -> list[list[tuple[int, ...]]]:
         """Per variable, its shape on every rank (one round trip, the first time: they are kept
         until a command may change them, see :meth:`~.calls.Calls.forget_shapes`)."""
         state = self._state
@@ -78,7 +83,7 @@ class Collectives(Part):
         state.calls.keep_shapes(uids, shapes)
         return shapes
 
-    def _ask_shapes(self, vars_):
+    def _ask_shapes(self, vars_: Sequence[SharedVariable]) -> list[list[tuple[int, ...]]]:
         """Per variable, its shape on every rank, asked of every rank."""
         state = self._state
         channel = state.channel
@@ -91,7 +96,7 @@ class Collectives(Part):
         ordered = joined_over_nodes(state.nodes, "shapes", [per_rank[r] for r in range(state.n_local)])
         return [[ordered[r][i] for r in range(state.n_parallel)] for i in range(len(vars_))]
 
-    def get_values(self, rank, vars_):
+    def get_values(self, rank: int, vars_: Sequence[SharedVariable]) -> list[np.ndarray]:
         """The values of ``vars_`` on global ``rank``, as numpy arrays, on every node.
 
         On several nodes every node makes the same call; the node holding
@@ -105,9 +110,10 @@ class Collectives(Part):
         values = self.local_values(t.local_of(rank), vars_) if owner == t.node_rank else None
         if state.nodes is not None:
             values = state.nodes.exchange(("get_value", int(rank)), values)[owner]
+        assert values is not None, "one node holds every rank"
         return values
 
-    def local_values(self, rank, vars_, copy=True):
+    def local_values(self, rank: int, vars_: Sequence[SharedVariable], copy: bool = True) -> list[np.ndarray]:
         """The values of ``vars_`` on this node's local ``rank`` (no other node takes part).
 
         ``copy=False``: views where they come without a copy (the master's own
@@ -124,18 +130,18 @@ class Collectives(Part):
         state.channel.command(Op.GET_SHARED, ranks=[rank])
         return state.channel.read_result_arrays(rank, copy=copy)
 
-    def broadcast_from_master(self, vars_):
+    def broadcast_from_master(self, vars_: Sequence[SharedVariable]) -> None:
         """Copy the master's values of ``vars_`` to every rank (``synk.broadcast``; and a value set
         in the master, at the next call: see ``Registry.values_to_devices``)."""
         state = self._state
         shapes = shapes_of(stored(v) for v in vars_)
         sizes = [math.prod(shape) for shape in shapes]
 
-        def fill(w):
+        def fill(w: Words) -> None:
             kinds.broadcast.encode(w, state.registry.uids_of(vars_), shapes)
         self.run(fill, Reservation(group_bytes(vars_, sizes)))
 
-    def set_values(self, rank, vars_, arrays):
+    def set_values(self, rank: int, vars_: Sequence[SharedVariable], arrays: Sequence[np.ndarray]) -> None:
         """Set ``vars_`` to ``arrays`` on global ``rank`` only (by the node that holds it).
 
         On several nodes every node makes the same call; the others do nothing.

@@ -26,7 +26,10 @@ import signal
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import CodeType, FrameType
+from typing import Any, cast
 
 from ..platform.interrupt_hold import held
 from ..platform.threads import start_thread
@@ -41,15 +44,15 @@ RETRY_SECONDS = 0.02
 _installed: list[Callable[..., Any]] = []      # the handler put in place, while it is
 
 
-def _swallowing_codes():
+def _swallowing_codes() -> set[CodeType]:
     """The code objects in which a raised exception is printed and dropped instead of propagated."""
     codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
     codes.add(weakref.finalize.__call__.__code__)
     codes.discard(None)
-    return codes
+    return cast(set[CodeType], codes)
 
 
-def _outside_swallowing_code(frame):
+def _outside_swallowing_code(frame: FrameType | None) -> tuple[bool, FrameType | None]:
     """``(inside, caller)``: whether ``frame`` runs inside code that an interrupt must not stop, and
     the frame that code interrupted (the first frame outside it, or None).
 
@@ -73,7 +76,7 @@ def _outside_swallowing_code(frame):
     return inside, caller
 
 
-def _jax_directories():
+def _jax_directories() -> tuple[str, ...]:
     """The directories of the installed ``jax`` and ``jaxlib`` packages (without importing them)."""
     import importlib.util
     import os
@@ -97,11 +100,11 @@ class _Pending:
     claim it again as soon as the interrupt has been raised).
     """
 
-    def __init__(self):
-        self.codes = set()
-        self.tool = None
+    def __init__(self) -> None:
+        self.codes: set[CodeType | None] = set()
+        self.tool: int | None = None
 
-    def arm(self, caller):
+    def arm(self, caller: FrameType | None) -> bool:
         """Raise at the next line run by ``caller`` or any frame below it (``caller`` may end
         without running another line); False if no monitoring tool id is free."""
         if self.tool is None:
@@ -116,10 +119,10 @@ class _Pending:
         return True
 
     @property
-    def armed(self):
+    def armed(self) -> bool:
         return bool(self.codes)
 
-    def disarm(self):
+    def disarm(self) -> None:
         """Switch the line events off and give the tool id back."""
         tool, self.tool = self.tool, None
         if tool is not None:
@@ -130,19 +133,19 @@ class _Pending:
             sys.monitoring.free_tool_id(tool)
         self.codes.clear()
 
-    def _on_line(self, code, line):
+    def _on_line(self, code: CodeType, line: int) -> None:
         if self.codes and threading.current_thread() is threading.main_thread():
             inside, _ = _outside_swallowing_code(sys._getframe(1))
             if not inside:
                 self.disarm()
                 raise KeyboardInterrupt
 
-    def release(self):
+    def release(self) -> None:
         """Forget a pending interrupt (at :func:`uninstall`)."""
         self.disarm()
 
 
-def _claim_monitoring_tool(on_line):
+def _claim_monitoring_tool(on_line: Callable[[CodeType, int], None]) -> int | None:
     """A free ``sys.monitoring`` tool id with ``on_line`` as its line callback, or None."""
     # the ids no tool claims by convention first, then the profiler's and the optimizer's
     for tool in (4, 3, 2, 5):
@@ -156,12 +159,12 @@ def _claim_monitoring_tool(on_line):
 _pending = _Pending()
 
 
-def _redeliver():
+def _redeliver() -> None:
     if _pending.armed:
         signal.raise_signal(signal.SIGINT)
 
 
-def _on_sigint(signum, frame):
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
     inside, caller = _outside_swallowing_code(frame)
     if not inside:
         _pending.disarm()
@@ -197,7 +200,7 @@ def uninstall() -> None:
     _pending.release()
 
 
-def deferred():
+def deferred() -> AbstractContextManager[None]:
     """Hold SIGINT while the block runs (main thread only), then raise the KeyboardInterrupt
     (:func:`~synkhronos.platform.interrupt_hold.held`)."""
     return held()

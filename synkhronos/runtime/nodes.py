@@ -19,10 +19,13 @@ own list of live processes is no use here: asking it waits until every
 process asked has asked too.)
 """
 
+from __future__ import annotations
+
 import pickle
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import numpy as np
 
@@ -30,6 +33,7 @@ from ..errors import Failure, NodesDiverged, StallError, WorkerError
 from ..platform import internals
 from ..platform.jax_init import NODE_HEARTBEAT_TIMEOUT
 from ..platform.threads import start_thread
+from ..wire.topology import Topology
 
 __all__ = ["NodeLink", "NodeStore", "joined_over_nodes", "rows_of_every_node"]
 
@@ -41,6 +45,10 @@ _PER_DIRECTORY = 64
 BEAT_EVERY = 0.5
 #: seconds without a beat after which a node counts as lost
 LOST_AFTER = NODE_HEARTBEAT_TIMEOUT
+
+T = TypeVar("T")
+#: what an exchange is for: a phrase, or a tuple of the phrase and its details
+What = str | tuple[Any, ...]
 
 
 class NodeStore(Protocol):
@@ -87,22 +95,23 @@ class NodeLink:
         coordination service, which every process joined at ``fork()``).
     """
 
-    def __init__(self, topology, check, stall_timeout, on_fault, store: NodeStore | None = None):
+    def __init__(self, topology: Topology, check: Callable[[], None], stall_timeout: float,
+                 on_fault: Callable[[], None], store: NodeStore | None = None) -> None:
         self.topology = topology
         self.check = check
         self.on_fault = on_fault
         self.stall_timeout = stall_timeout
         self.client: NodeStore = store if store is not None else internals.distributed_client()
         self.seq = 0
-        self._heard: dict = {}        # node -> (its last beat, when it changed)
+        self._heard: dict[int, tuple[bytes | None, float]] = {}    # node -> (its last beat, when it changed)
         #: the nodes found lost (their masters gone or stopped)
         self.lost: set[int] = set()
         #: more checks between the slices of a wait, added by parts of the runtime (each raises)
-        self.watches: list = []
+        self.watches: list[Callable[[], None]] = []
         self._stop_beating = threading.Event()
         self._beater = start_thread(self._beat, "synk-node-beat")
 
-    def _beat(self):
+    def _beat(self) -> None:
         count = 0
         key = f"synk/beat/{self.topology.node_rank}"
         while not self._stop_beating.is_set():
@@ -113,12 +122,12 @@ class NodeLink:
                 return
             self._stop_beating.wait(BEAT_EVERY)
 
-    def close(self):
+    def close(self) -> None:
         """Stop beating (the runtime is ending)."""
         self._stop_beating.set()
         self._beater.join(timeout=2 * BEAT_EVERY)
 
-    def exchange(self, what, obj, tolerate_loss=False):
+    def exchange(self, what: What, obj: Any, tolerate_loss: bool = False) -> list[Any]:
         """Give every node ``obj``; return every node's, in node order.
 
         ``what`` names the exchange (a string or tuple); every node must
@@ -135,7 +144,7 @@ class NodeLink:
             self.client.key_value_delete(f"synk/x/{seq // _PER_DIRECTORY - 2}")
         self.client.key_value_set_bytes(f"{directory}/{seq}/{t.node_rank}",
                                         pickle.dumps((what, obj), protocol=pickle.HIGHEST_PROTOCOL))
-        out = []
+        out: list[Any] = []
         for node in range(t.n_nodes):
             if node == t.node_rank:
                 out.append(obj)
@@ -155,7 +164,7 @@ class NodeLink:
             out.append(their_obj)
         return out
 
-    def _wait_for(self, key, node, what, tolerate_loss=False):
+    def _wait_for(self, key: str, node: int, what: What, tolerate_loss: bool = False) -> bytes | None:
         """The bytes ``node`` set under ``key``; None if ``tolerate_loss`` and the node is lost."""
         deadline = time.monotonic() + self.stall_timeout
         while True:
@@ -183,7 +192,7 @@ class NodeLink:
                 raise StallError(f"{_describe(what)} on every node", arrived=list(t.ranks_of(t.node_rank)),
                                  missing=list(t.ranks_of(node)), timeout=self.stall_timeout)
 
-    def _try_get(self, key):
+    def _try_get(self, key: str) -> bytes | None:
         try:
             return self.client.key_value_try_get_bytes(key)
         except Exception as e:     # NOT_FOUND: not there yet
@@ -191,16 +200,16 @@ class NodeLink:
                 raise
             return None
 
-    def check_nodes_alive(self):
+    def check_nodes_alive(self) -> None:
         """Raise :class:`WorkerError` naming a node not heard from for :data:`LOST_AFTER` seconds."""
         self._raise_for_silent(self.silent_nodes())
 
-    def _raise_for_silent(self, silent):
+    def _raise_for_silent(self, silent: list[int]) -> None:
         if silent:
             raise self.node_died(silent[0], self.topology.ranks_of(silent[0])[0],
                                  f"node {silent[0]} has not been heard from for {LOST_AFTER:g} s")
 
-    def silent_nodes(self):
+    def silent_nodes(self) -> list[int]:
         """The other nodes not heard from for :data:`LOST_AFTER` seconds (the lost ones included)."""
         t, now = self.topology, time.monotonic()
         silent = []
@@ -218,12 +227,12 @@ class NodeLink:
                 silent.append(node)
         return silent
 
-    def leave(self):
+    def leave(self) -> None:
         """Before this master leaves the JAX runtime (its workers already left): say so."""
         self.close()
         self.client.key_value_set(f"synk/left/{self.topology.node_rank}", "1", allow_overwrite=True)
 
-    def wait_until_others_left(self, within=10.0):
+    def wait_until_others_left(self, within: float = 10.0) -> None:
         """Serving the coordination service: wait (up to ``within`` s) until every other node left."""
         deadline = time.monotonic() + within
         for node in range(1, self.topology.n_nodes):
@@ -231,7 +240,7 @@ class NodeLink:
                 time.sleep(0.02)
         time.sleep(0.1)     # their last message to the service (leaving) follows the key
 
-    def raise_dead_node(self, doing, error):
+    def raise_dead_node(self, doing: str, error: Exception) -> NoReturn:
         """After a failed exchange or cross-node collective: name the dead node if there is one."""
         deadline = time.monotonic() + LOST_AFTER + 2
         while time.monotonic() < deadline:
@@ -241,7 +250,7 @@ class NodeLink:
                           node=self.topology.node_rank) from error
 
     # --- what the masters tell each other ------------------------------------------------------
-    def check_settings_agree(self, mine):
+    def check_settings_agree(self, mine: Mapping[str, object]) -> None:
         """Every node must run with the same settings ``mine`` (a dict); raise naming the first
         that differs."""
         for node, theirs in enumerate(self.exchange("fork()", mine)):
@@ -253,9 +262,9 @@ class NodeLink:
                         f"fork() alike (the same devices per node, master_rank, platform, "
                         f"collectives and pytensor.config.floatX)")
 
-    def every_node_prepared(self, kind):
+    def every_node_prepared(self, kind: str) -> Callable[[bool], tuple[bool, WorkerError | None]]:
         """The agreement of a collective's two phases across nodes (see ``Channel.collective``)."""
-        def agree(prepared):
+        def agree(prepared: bool) -> tuple[bool, WorkerError | None]:
             nodes = self.exchange(("collective", kind), prepared)
             failed = [node for node, ok in enumerate(nodes) if not ok]
             if not failed:
@@ -264,16 +273,17 @@ class NodeLink:
                                                    f"skipped it")
         return agree
 
-    def error_on(self, node, what):
+    def error_on(self, node: int, what: str) -> WorkerError:
         """The error this node raises for a failure on another ``node``."""
         return WorkerError(self.topology.ranks_of(node)[0], Failure.RAISED, "error on another node",
                            f"node {node}: {what}", node=node)
 
-    def tell_failed(self, what, error):
+    def tell_failed(self, what: What, error: BaseException) -> None:
         """After this node failed a command: let the others raise too."""
         self.exchange(what, ("failed", f"{type(error).__name__}: {error}"))
 
-    def results_of_every_node(self, what, rows, columns):
+    def results_of_every_node(self, what: What, rows: list[int], columns: list[Any]
+                              ) -> tuple[list[int], list[Any]]:
         """Every node's per-rank ``rows`` and ``columns`` of a call, joined in global rank order."""
         nodes = self.exchange(what, ("ok", (rows, columns)))
         for node, (status, payload) in enumerate(nodes):
@@ -281,25 +291,25 @@ class NodeLink:
                 raise self.error_on(node, f"it failed this call ({payload}); this node's part "
                                           f"was done and is discarded")
         rows = [r for _, (node_rows, _) in nodes for r in node_rows]
-        joined = []
+        joined: list[Any] = []
         for j in range(len(columns)):
             parts = [node_columns[j] for _, (_, node_columns) in nodes]
             joined.append(np.concatenate(parts) if isinstance(parts[0], np.ndarray)
                           else [v for part in parts for v in part])
         return rows, joined
 
-    def every_other_node_lost(self):
+    def every_other_node_lost(self) -> bool:
         """True once every other node was found lost: nobody is left to leave the runtime."""
         return self.lost >= set(range(self.topology.n_nodes)) - {self.topology.node_rank}
 
-    def node_died(self, node, rank, why):
+    def node_died(self, node: int, rank: int, why: str) -> WorkerError:
         self.lost.add(node)
         self.on_fault()
         return WorkerError(rank, Failure.DIED, "node lost", f"{why}; this node's runtime was shut down, "
                            f"call synk.fork() on every node to start again", node=node)
 
 
-def joined_over_nodes(nodes, what, per_local_rank):
+def joined_over_nodes(nodes: NodeLink | None, what: What, per_local_rank: Iterable[T]) -> list[T]:
     """``per_local_rank`` (a list over this node's ranks) of every node, by global rank.
 
     ``nodes`` is the runtime's :class:`NodeLink`, or None on one node.
@@ -309,12 +319,12 @@ def joined_over_nodes(nodes, what, per_local_rank):
     return [item for node in nodes.exchange(what, list(per_local_rank)) for item in node]
 
 
-def rows_of_every_node(nodes, rows):
+def rows_of_every_node(nodes: NodeLink | None, rows: int) -> int:
     """The rows of every node's batch together (this node's own count on one node)."""
     if nodes is None:
         return rows
     return int(sum(nodes.exchange("rows of every node", int(rows))))
 
 
-def _describe(what):
+def _describe(what: What) -> str:
     return what if isinstance(what, str) else " ".join(str(w) for w in what)

@@ -1,5 +1,7 @@
 """Starting, describing and reaping the runtime's child processes (the workers above all)."""
 
+from __future__ import annotations
+
 import json
 import os
 import re
@@ -10,20 +12,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping
 
 from ..wire.worker_settings import WorkerSettings
 
 __all__ = ["free_port", "package_env", "launch_worker", "native_crash_site", "describe_exit", "reap"]
 
 
-def free_port():
+def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def package_env(env=None):
+def package_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's environment) for a child that runs ``python -m
     synkhronos...``: it finds this checkout first on its path, then this process's."""
     env = dict(os.environ if env is None else env)
@@ -53,7 +56,7 @@ def launch_worker(settings: WorkerSettings, env: dict | None) -> subprocess.Pope
     return proc
 
 
-def native_crash_site(proc) -> tuple[str, str]:
+def native_crash_site(proc: subprocess.Popen) -> tuple[str, str]:
     r"""(where, stacks): the innermost Python frame of the thread of ``proc`` (a worker) that died in
     native code, and every thread's stack as faulthandler wrote them; ("", "") if it wrote none.
 
@@ -74,7 +77,7 @@ def native_crash_site(proc) -> tuple[str, str]:
     return _innermost_frame(stacks), stacks
 
 
-def _innermost_frame(stacks):
+def _innermost_frame(stacks: str) -> str:
     """``"function (file, line N)"`` of the first frame of faulthandler's current thread, or ""."""
     lines = stacks.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("Current thread")]
@@ -85,7 +88,7 @@ def _innermost_frame(stacks):
     return ""
 
 
-def describe_exit(code):
+def describe_exit(code: int | None) -> str:
     """How a process ended, in words: ``"killed by SIGKILL"``, ``"exited with code 3"``.
 
     Examples
@@ -103,7 +106,7 @@ def describe_exit(code):
     return f"exited with code {code}"
 
 
-def reap(procs, within=5.0):
+def reap(procs: Iterable[subprocess.Popen], within: float = 5.0) -> None:
     """Wait for ``procs`` to end, ``within`` seconds in all; kill those still running."""
     deadline = time.time() + within
     for p in procs:

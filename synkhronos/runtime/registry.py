@@ -11,6 +11,9 @@ device arrays (:meth:`Registry.values_to_devices`).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 from pytensor.tensor.type import TensorType
 
@@ -22,6 +25,12 @@ from ..rank.compiled import release_programs
 from ..wire.control import ARGS, Op
 from .part import Part
 
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
+    from ..rank.compiled import CompiledFunction
+    from ..wire.spec import FunctionSpec
+
 __all__ = ["Registry"]
 
 #: no shape a value has (a variable no call has left a value in yet)
@@ -31,25 +40,26 @@ _ANY = object()
 class Registry(Part):
     """The functions and shared variables of one runtime, and what the workers already hold."""
 
-    def __init__(self, state):
+    def __init__(self, state: Any) -> None:
         super().__init__(state)
-        self.specs = {}                # function id -> FunctionSpec
-        self.compiled = {}             # function id -> this process's CompiledFunction
-        self._unshipped = []           # function ids not yet sent to the workers
+        self.specs: dict[int, FunctionSpec] = {}            # function id -> its spec
+        self.compiled: dict[int, CompiledFunction] = {}     # function id -> this process's function
+        self._unshipped: list[int] = []        # function ids not yet sent to the workers
         self._next_fid = 0
-        self._shared = {}              # id(var) -> (uid, var)
-        self._by_uid = {}
-        self._tensors = []             # the tensors among them: what user code reads as numpy
-        self._faces = {}               # var -> its KeptFace: the face user code was given
-        self._shapes_left = {}         # var -> the shape of the value the last call left it
-        self._shipped_uids = set()
-        self._own_streams = {}         # id -> generator already made this node master's own stream
+        self._shared: dict[int, tuple[int, SharedVariable]] = {}      # id(var) -> (uid, var)
+        self._by_uid: dict[int, SharedVariable] = {}
+        self._tensors: list[SharedVariable] = []    # the tensors among them: what user code reads as numpy
+        self._faces: dict[SharedVariable, KeptFace] = {}      # var -> the face user code was given
+        self._shapes_left: dict[SharedVariable, object] = {}  # var -> the shape the last call left it
+        self._shipped_uids: set[int] = set()
+        # id -> generator already made this node master's own stream
+        self._own_streams: dict[int, SharedVariable] = {}
 
     # --- functions ----------------------------------------------------------------------------
-    def next_function_id(self):
+    def next_function_id(self) -> int:
         return self._next_fid
 
-    def register_function(self, spec, compiled):
+    def register_function(self, spec: FunctionSpec, compiled: CompiledFunction) -> None:
         """Keep ``spec`` (to ship) and this process's ``compiled`` function (to run calls)."""
         self.specs[spec.fid], self.compiled[spec.fid] = spec, compiled
         self._unshipped.append(spec.fid)
@@ -57,12 +67,12 @@ class Registry(Part):
         for var in spec.shared_variables():
             self.uid_of(var)
 
-    def is_registered(self, fid):
+    def is_registered(self, fid: int) -> bool:
         """False once a function that could not be shipped was unregistered."""
         return fid in self.specs
 
     # --- shared variables -----------------------------------------------------------------------
-    def uid_of(self, var):
+    def uid_of(self, var: SharedVariable) -> int:
         """The stable id under which every process knows shared variable ``var``."""
         entry = self._shared.get(id(var))
         if entry is None:
@@ -72,22 +82,22 @@ class Registry(Part):
                 self._tensors.append(var)
         return entry[0]
 
-    def uids_of(self, vars_):
+    def uids_of(self, vars_: Iterable[SharedVariable]) -> list[int]:
         return [self.uid_of(v) for v in vars_]
 
-    def known_shared(self):
+    def known_shared(self) -> list[SharedVariable]:
         """Every shared variable some function of this runtime uses."""
         return [var for _, var in self._shared.values()]
 
-    def scattered_shared(self):
+    def scattered_shared(self) -> list[SharedVariable]:
         """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
         return [var for spec in self.specs.values() for var in spec.sliceable_shareds]
 
-    def shared_by_uid(self, uid):
+    def shared_by_uid(self, uid: int) -> SharedVariable:
         return self._by_uid[uid]
 
     # --- the master's values, as user code and as synkhronos see them ---------------------------
-    def values_to_user(self, scope=None):
+    def values_to_user(self, scope: Collection[SharedVariable] | None = None) -> None:
         """Give user code the master's shared values as numpy arrays (:func:`host_face`).
 
         Called whenever a synkhronos call returns: the user's own PyTensor
@@ -106,6 +116,7 @@ class Registry(Part):
                 continue
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
+                assert kept is not None, "a device array comes with its face"
                 cell[0] = kept.restore(device)
                 left[var] = device.shape
                 continue
@@ -118,17 +129,17 @@ class Registry(Part):
             else:
                 faces.pop(var, None)
 
-    def _in(self, scope):
+    def _in(self, scope: Collection[SharedVariable] | None) -> Collection[SharedVariable]:
         """The tensors a command touches: ``scope`` (a function's own), or every one (None)."""
         return self._tensors if scope is None else scope
 
-    def _kept_face(self, var, value):
+    def _kept_face(self, var: SharedVariable, value: Any) -> tuple[KeptFace | None, Any]:
         """``(kept, device)``: ``var``'s KeptFace (or None), and its device array if ``value`` is
         still that face or that array (else None)."""
         kept = self._faces.get(var)
         return kept, (kept.device_if_current(value) if kept is not None else None)
 
-    def values_to_devices(self, scope=None):
+    def values_to_devices(self, scope: Collection[SharedVariable] | None = None) -> list[SharedVariable]:
         """Take the master's shared values back as device arrays, before a synkhronos call
         (``scope``: only those variables, the call's own; None: every one); return the variables
         the master's script set since the last call, which every device is to take.
@@ -162,6 +173,7 @@ class Registry(Part):
                 else:                       # a face the user set: it stays the variable's face
                     kept = self._faces[var] = KeptFace(device, value)
             if device is not None:
+                assert kept is not None, "a device array comes with its face"
                 if not held and value is not device:
                     storage_cell(var)[0] = value = device     # (lend counts who else holds the face)
                     kept.lend()
@@ -173,7 +185,7 @@ class Registry(Part):
             store(var, value)
         return self._for_every_device(set_here)
 
-    def _for_every_device(self, set_here):
+    def _for_every_device(self, set_here: list[SharedVariable]) -> list[SharedVariable]:
         """Of the variables the master's script set (``set_value``, or a plain PyTensor function's
         update), those every device takes at this call: all but the scattered data (whose rows
         differ by device: set them with ``synk.scatter``)."""
@@ -182,7 +194,7 @@ class Registry(Part):
         scattered = set(self.scattered_shared())
         return [var for var in set_here if var not in scattered]
 
-    def detach_values(self):
+    def detach_values(self) -> None:
         """Move the master's shared values to numpy arrays of their own, which outlive the JAX backend."""
         import jax
         for _, var in self._shared.values():
@@ -193,14 +205,14 @@ class Registry(Part):
                 store(var, np.array(value))
         self._faces.clear()         # a face's memory is its device array's
 
-    def release_programs(self):
+    def release_programs(self) -> None:
         """Drop every function's compiled programs: they hold the JAX backend, which must be able
         to go when the runtime closes though the user keeps the functions."""
         for compiled in self.compiled.values():
             release_programs(compiled)
 
     # --- bringing the workers up to date ---------------------------------------------------------
-    def ensure_shipped(self):
+    def ensure_shipped(self) -> None:
         """Bring the workers up to date before a command: new functions shipped, freed Data dropped.
 
         Checked on every call: keep it O(1).
@@ -212,7 +224,7 @@ class Registry(Part):
         if self._unshipped:
             self.ship(sync_values=False)
 
-    def drop_data(self, data_ids):
+    def drop_data(self, data_ids: Iterable[int]) -> None:
         """Have the workers let go of their mappings of ``data_ids``."""
         channel = self._state.channel
         self._state.check_open()
@@ -221,14 +233,14 @@ class Registry(Part):
         channel.ctl.args[1:1 + len(ids)] = ids
         channel.command(Op.DROP_DATA)
 
-    def _drop_released_data(self):
-        ids: list = []
+    def _drop_released_data(self) -> None:
+        ids: list[int] = []
         released = self._state.data.released
         while released and len(ids) < ARGS - 1:
             ids.append(released.popleft())
         self.drop_data(ids)
 
-    def ship(self, sync_values):
+    def ship(self, sync_values: bool) -> None:
         """Send every function not yet shipped to every worker, which compiles them.
 
         With ``sync_values``, every shared variable the workers already hold is
@@ -238,7 +250,8 @@ class Registry(Part):
         state.check_open()
         state.calls.forget_shapes()
         specs = [self.specs[fid] for fid in self._unshipped]
-        new_shared, values = {}, {}
+        new_shared: dict[int, SharedVariable] = {}
+        values: dict[int, Any] = {}
         for spec in specs:
             for var in spec.shared_variables():
                 uid = self.uid_of(var)
@@ -251,7 +264,7 @@ class Registry(Part):
                     values[uid] = value if randomness.is_generator(var) else np.asarray(value)
         shipped = self._shipped_uids
 
-        def uid_of_shipped(obj):
+        def uid_of_shipped(obj: object) -> int | None:
             entry = self._shared.get(id(obj))
             return entry[0] if entry is not None and entry[0] in shipped and entry[1] is obj else None
 
@@ -275,7 +288,7 @@ class Registry(Part):
         self._shipped_uids.update(new_shared)
         self._unshipped = []
 
-    def own_streams(self, variables):
+    def own_streams(self, variables: Iterable[SharedVariable]) -> None:
         """Before the master compiles a function: on a node after the first, its new generators
         become its own device's streams.
 

@@ -9,12 +9,29 @@ errors name ranks in one place, here.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from ..errors import StallError, SynkError, WorkerError, verbose
 from ..ipc.packing import read_pickle
+from ..ipc.segments import SegmentMirror
 from ..wire.control import ControlBlock, Status
 
-__all__ = ["RankReports", "one_report"]
+__all__ = ["RankReports", "one_report", "Reported"]
+
+
+class Reported(Protocol):
+    """What the reports read of a :class:`~synkhronos.runtime.channel.Channel`."""
+
+    ctl: ControlBlock
+    worker_warnings: dict[int, SegmentMirror]
+    master_rank: int
+    rank_offset: int
+    node: int | None
+    stall_timeout: float
+
+    def read_result_pickle(self, rank: int) -> Any:
+        """What local ``rank`` pickled into its result segment."""
 
 
 class RankReports:
@@ -26,11 +43,11 @@ class RankReports:
         Its control block, result and warning segments.
     """
 
-    def __init__(self, channel):
+    def __init__(self, channel: Reported) -> None:
         self._channel = channel
-        self._warning_registry = {}    # shared by every rank: one warning shows once
+        self._warning_registry: dict[Any, Any] = {}    # shared by every rank: one warning shows once
 
-    def raise_for(self, local_error, ranks):
+    def raise_for(self, local_error: BaseException | None, ranks: Iterable[int]) -> None:
         """Raise one :class:`WorkerError` for every rank whose part of the command failed.
 
         It names the first failing rank (this one first) and every other rank
@@ -45,9 +62,10 @@ class RankReports:
         if errors:
             raise one_report(errors) from (local_error if verbose() else None)
 
-    def worker_errors(self, ranks):
+    def worker_errors(self, ranks: Iterable[int]) -> list[WorkerError]:
         """The errors of the workers in ``ranks`` (their warnings forwarded on the way)."""
-        status, errors = self._channel.ctl.status, []
+        status = self._channel.ctl.status
+        errors: list[WorkerError] = []
         for rank in ranks:
             if status[rank, ControlBlock.WARN_NBYTES]:
                 self.forward_warnings(rank)
@@ -55,7 +73,7 @@ class RankReports:
                 errors.append(self.raised(rank, *self._channel.read_result_pickle(rank)))
         return errors
 
-    def forward_warnings(self, rank):
+    def forward_warnings(self, rank: int) -> None:
         """Show the warnings worker ``rank`` raised through this process's ``warnings``.
 
         They obey the script's filters, and one the ranks share shows once.
@@ -69,19 +87,20 @@ class RankReports:
             warnings.warn_explicit(message, category, filename, lineno,
                                    registry=self._warning_registry)
 
-    def raised(self, rank, exc_type, message, tb, where=None):
+    def raised(self, rank: int, exc_type: str, message: str, tb: str, where: str | None = None) -> WorkerError:
         """The error worker ``rank`` (local) raised."""
         error = WorkerError.raised(rank + self._channel.rank_offset, exc_type, message, tb, where=where)
         error.node = self._channel.node
         return error
 
-    def own_error(self, e):
+    def own_error(self, e: BaseException) -> WorkerError:
         """This process's own error ``e``, as a worker's would be."""
         error = WorkerError.from_exception(self._channel.master_rank + self._channel.rank_offset, e)
         error.node = self._channel.node
         return error
 
-    def stalled(self, what, arrived, missing, timeout=None, setting="stall_timeout"):
+    def stalled(self, what: str, arrived: Iterable[int], missing: Iterable[int], timeout: float | None = None,
+                setting: str = "stall_timeout") -> StallError:
         offset = self._channel.rank_offset
         return StallError(what, arrived=sorted(r + offset for r in arrived),
                           missing=sorted(r + offset for r in missing),
@@ -89,7 +108,7 @@ class RankReports:
                           setting=setting)
 
 
-def one_report(errors):
+def one_report(errors: Sequence[WorkerError]) -> WorkerError:
     """The first of ``errors``, naming the ranks that raised the same and listing the others."""
     first = errors[0]
     for other in errors[1:]:

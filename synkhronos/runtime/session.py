@@ -12,11 +12,15 @@ a call, a collective or a Data change is one conversation through the one
 control block.
 """
 
+from __future__ import annotations
+
 import atexit
 import functools
 import logging
 import os
 import threading
+from collections.abc import Callable, Collection
+from typing import Any, ParamSpec, TypeVar, overload
 
 from ..errors import WorkerError, verbose
 from ..ipc.segments import remove_stale_segments
@@ -33,6 +37,11 @@ __all__ = ["State", "Settings", "begin", "end", "current", "active", "serialized
 
 log = logging.getLogger(__name__)
 
+P = ParamSpec("P")
+R = TypeVar("R")
+#: a serialized command's arguments -> the shared variables it touches (None: every one)
+Touches = Callable[..., Collection[Any] | None]
+
 #: how long end() waits for another thread's command to finish before it stops the workers anyway
 CLOSE_WAIT = 10.0
 
@@ -40,12 +49,12 @@ CLOSE_WAIT = 10.0
 class _Lifecycle:
     """The module's one piece of global state: the running State and how the last one ended."""
 
-    def __init__(self):
-        self.state = None
+    def __init__(self) -> None:
+        self.state: State | None = None
         self.closed_once = False
         #: why the last runtime was shut down by a fault the user caused (Ctrl-C), for the next call
-        self.shut_down_because = None
-        self.forked_from = None      # in a child made by os.fork() of a master: the master's pid
+        self.shut_down_because: str | None = None
+        self.forked_from: int | None = None      # in a child made by os.fork() of a master: the master's pid
         #: one thread at a time talks to the workers (re-entrant: a collective may stage a Data)
         self.lock = threading.RLock()
         #: how many serialized calls the thread holding the lock is inside
@@ -55,7 +64,17 @@ class _Lifecycle:
 _life = _Lifecycle()
 
 
-def serialized(fn=None, *, touches=None):
+@overload
+def serialized(fn: Callable[P, R], *, touches: Touches | None = None) -> Callable[P, R]: ...
+
+
+@overload
+def serialized(fn: None = None, *,
+               touches: Touches | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+
+
+def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = None
+               ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
 
     Two threads calling functions at once would otherwise write their commands
@@ -73,7 +92,7 @@ def serialized(fn=None, *, touches=None):
         return functools.partial(serialized, touches=touches)
 
     @functools.wraps(fn)
-    def locked(*args, **kwargs):
+    def locked(*args: P.args, **kwargs: P.kwargs) -> R:
         # one frame between the caller and ``fn``: the warnings' stacklevels and the reports'
         # tracebacks count on it
         with _life.lock:
@@ -115,7 +134,7 @@ def serialized(fn=None, *, touches=None):
 LIBRARY_THREADS = ("tqdm.", "IPython.", "ipykernel.", "jupyter_client.", "zmq.", "debugpy.")
 
 
-def other_threads_alive():
+def other_threads_alive() -> bool:
     """True if a Python thread other than this one, synkhronos's own and the libraries' of
     :data:`LIBRARY_THREADS` runs.
 
@@ -131,13 +150,13 @@ def other_threads_alive():
                for t in threading.enumerate())
 
 
-def _a_librarys(thread):
+def _a_librarys(thread: threading.Thread) -> bool:
     target = getattr(thread, "_target", None)
     module = getattr(target, "__module__", None) or type(thread).__module__
     return module.startswith(LIBRARY_THREADS)
 
 
-def lock():
+def lock() -> threading.RLock:
     """The runtime's lock (re-entrant), for a caller that spans several commands: ``with lock(): ...``."""
     return _life.lock
 
@@ -168,7 +187,7 @@ def forked_from() -> int | None:
     return _life.forked_from
 
 
-def _forget_runtime_in_child():
+def _forget_runtime_in_child() -> None:
     """After ``os.fork()`` in the master: the child leaves the parent's runtime alone.
 
     A data-loader pool or a helper process forked from the user's script
@@ -187,7 +206,7 @@ def _forget_runtime_in_child():
 os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
-def begin(settings):
+def begin(settings: Settings) -> State:
     """Start a runtime with ``settings`` (validated by ``synk.fork``); return its :class:`State`.
 
     The master's environment gets what JAX and BLAS read at start-up
@@ -222,7 +241,7 @@ def begin(settings):
     return state
 
 
-def _sweep_segments():
+def _sweep_segments() -> None:
     """Remove the segments of this user's runs killed whole (their trackers too); what is not
     ours, or cannot be read, never stops a run."""
     try:
@@ -237,7 +256,7 @@ def _sweep_segments():
                  "segments (python -m synkhronos.cleanup --dry-run lists them)", len(sweep.skipped))
 
 
-def end():
+def end() -> None:
     """Stop the running State, if any, and restore the environment (idempotent).
 
     A command that another thread is running is let finish first (for up to
@@ -251,7 +270,7 @@ def end():
         interrupts.uninstall()
 
 
-def _stop_and_restore():
+def _stop_and_restore() -> None:
     locked = _life.lock.acquire(timeout=CLOSE_WAIT)
     try:
         state, _life.state = _life.state, None
@@ -269,7 +288,7 @@ def _stop_and_restore():
             _life.lock.release()
 
 
-def _forget(state):
+def _forget(state: State) -> None:
     """A runtime torn down by a fault is no longer the running one."""
     if _life.state is state:
         _life.state = None

@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
-from ..comm import class_path
+from ..comm import Comm, class_path
 from ..compile import rewrites
 from ..errors import SynkError
 from ..ipc.segments import Claim, new_prefix
@@ -63,7 +65,7 @@ class Settings:
     profile_workers: bool
     spin: float
     stall_timeout: float
-    collectives: type
+    collectives: type[Comm]
     #: where fork(timeline=...) writes every rank's timeline at close, or None
     timeline: str | None = None
     #: the directory of this node's compile cache (synkhronos.platform.compile_cache), or None (off)
@@ -88,7 +90,8 @@ class State:
         Called when a fault tears the runtime down (the session forgets it).
     """
 
-    def __init__(self, settings, on_abort=lambda state: None):
+    def __init__(self, settings: Settings,
+                 on_abort: Callable[[State], None] = lambda state: None) -> None:
         self.settings = settings
         self.topology = settings.topology or Topology(1, 0, settings.n_parallel)
         self.n_local, self.local_master = settings.n_parallel, settings.master_rank
@@ -115,7 +118,7 @@ class State:
         self.service: ServiceProcess | None = None
         self.data = DataStore(self.prefix)
         #: values a layer above keeps per runtime (numpy arguments staged as Data, say)
-        self.staging = {}
+        self.staging: dict[Hashable, Any] = {}
         self.registry = Registry(self)
         self.calls = Calls(self)
         self.collectives = Collectives(self)
@@ -123,7 +126,7 @@ class State:
         self.timeline = Timeline(self)
 
     # --- start and stop ---------------------------------------------------------------------
-    def start(self):
+    def start(self) -> None:
         """Start the workers, wait until each is ready, then join the JAX runtime with them."""
         s, t = self.settings, self.topology
         started = time.monotonic()          # fork(timeout=...) counts from here, the join included
@@ -171,7 +174,7 @@ class State:
                 devices=self.n_local, master_rank=self.local_master, platform=s.platform,
                 collectives=self.comm_kind, floatX=self.float_x()))
 
-    def _rank_context(self):
+    def _rank_context(self) -> RankContext:
         t = self.topology
         return RankContext(
             rank=self.master_rank, n_ranks=self.n_parallel, local_rank=self.local_master,
@@ -181,7 +184,7 @@ class State:
             comm_class=self.settings.collectives, prefix=self.prefix, spin=self.settings.spin,
             topology=t if t.several_nodes else None)
 
-    def _join_failed(self, coordinator, error):
+    def _join_failed(self, coordinator: str, error: Exception) -> SynkError:
         """The error of a node whose peers did not all join (the service, if ours, stopped)."""
         s, t = self.settings, self.topology
         if self.service is not None:          # nobody joined it: nothing to wait for
@@ -197,16 +200,16 @@ class State:
             f"nothing of this node's runtime is left ({type(error).__name__}: {error})")
 
     @property
-    def worker_pids(self):
+    def worker_pids(self) -> dict[int, int]:
         """The process id of every worker, by rank."""
         return {rank: p.pid for rank, p in self.channel.procs.items()} if self.channel else {}
 
     @staticmethod
-    def float_x():
+    def float_x() -> str:
         import pytensor
         return pytensor.config.floatX
 
-    def stop(self, clean=True):
+    def stop(self, clean: bool = True) -> None:
         """Stop workers (politely, then by force), unlink every segment, leave the JAX runtime, and
         give the process back every setting the runtime changed in it.
 
@@ -251,7 +254,7 @@ class State:
             use_pinned(False)
             set_gather_threads(1)
 
-    def _leave_nodes(self, clean):
+    def _leave_nodes(self, clean: bool) -> None:
         """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
         nodes = self.nodes
         assert nodes is not None, "on several nodes only"
@@ -263,7 +266,7 @@ class State:
         else:
             nodes.leave()
 
-    def abort(self):
+    def abort(self) -> None:
         """Tear everything down after a fault (dead worker, stall, Ctrl-C); another Ctrl-C meanwhile
         is raised once everything is down (the process could not start again otherwise)."""
         self._on_abort(self)
@@ -278,7 +281,7 @@ class State:
             finally:
                 self.claim.release()
 
-    def _release_segments(self):
+    def _release_segments(self) -> None:
         self.loops.release()
         self.data.release_all()
         if self.context is not None and self.context.comm_made:
@@ -286,7 +289,7 @@ class State:
         self.channel.release()
 
     @property
-    def fuses_steps(self):
+    def fuses_steps(self) -> bool:
         """Whether a training step travels as one command (:class:`synkhronos.api.step.Step`).
 
         On one node, unless every rank's CPU pool spreads over every core
@@ -297,11 +300,11 @@ class State:
         return self.nodes is None and (self.n_parallel == 1 or not (
             self.platform == "cpu" and self.channel.local_cores is None))
 
-    def check_open(self):
+    def check_open(self) -> None:
         if not self.is_open:
             raise RuntimeError("synkhronos was closed; call synk.fork() again before using it")
 
-    def check_during_collective(self):
+    def check_during_collective(self) -> None:
         """While the master waits inside a collective: the runtime is open and no worker failed."""
         self.check_open()
         self.channel.watch.during_collective()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 from ..tracing import trace
 from ..wire.control import Op
@@ -14,7 +15,7 @@ __all__ = ["Timeline"]
 class Timeline(Part):
     """The timeline commands of one runtime (see ``synk.timeline``)."""
 
-    def start(self):
+    def start(self) -> None:
         """Every rank starts recording its timeline (:mod:`synkhronos.tracing.trace`)."""
         state = self._state
         state.check_open()
@@ -22,7 +23,7 @@ class Timeline(Part):
         state.channel.ctl.args[0] = 1
         state.channel.command(Op.TIMELINE)
 
-    def stop(self):
+    def stop(self) -> dict[int, list[Any]]:
         """Every rank stops recording; return ``{global rank: spans}``."""
         state = self._state
         state.check_open()
@@ -34,7 +35,7 @@ class Timeline(Part):
                 state.channel.read_result_arrays(rank)[0].tobytes())
         return spans
 
-    def write(self, path):
+    def write(self, path: str) -> None:
         """Stop recording and write every rank's timeline to ``path`` (Chrome trace JSON)."""
         t = self._state.topology
         trace.write_chrome_trace(path, self.stop(), self._state.master_rank,

@@ -11,21 +11,40 @@ a hang. A collective that waits in native code runs in a thread of its own
 from __future__ import annotations
 
 import queue
+import subprocess
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import Failure, SynkError, WorkerError
 from ..platform.threads import start_thread
-from ..wire.control import ControlBlock, Status, op_name
+from ..wire.control import ControlBlock, Op, Status, op_name
 from .processes import describe_exit, native_crash_site
+from .reports import RankReports, Reported
 
-__all__ = ["Watch"]
+__all__ = ["Watch", "Watched", "LoopCheck"]
 
 
 #: seconds this rank's part of a collective may still take once a peer reported that it failed
 FAILED_PEER_GRACE = 2.0
+
+
+class Watched(Reported, Protocol):
+    """What the watch uses of a :class:`~synkhronos.runtime.channel.Channel`."""
+
+    worker_ranks: list[int]
+    procs: dict[int, subprocess.Popen]
+    reports: RankReports
+    spin: float
+    on_fault: Callable[[], None]
+
+
+class LoopCheck(Protocol):
+    """A loop's check (:meth:`Watch.loop_check`): ``force`` polls the processes however recently it did."""
+
+    def __call__(self, force: bool = False) -> None: ...
 
 
 class Watch:
@@ -38,12 +57,12 @@ class Watch:
         Its control block, worker processes, reports, timeouts and ``on_fault``.
     """
 
-    def __init__(self, channel):
+    def __init__(self, channel: Watched) -> None:
         self.channel = channel
-        self._collective_check = None
+        self._collective_check: Callable[[], None] | None = None
         self._collective_runner: _Runner | None = None     # the thread of native-waiting collectives
 
-    def run_local(self, fn):
+    def run_local(self, fn: Callable[[], Any] | None) -> tuple[Any, Exception | None]:
         """Run this rank's part; Ctrl-C tears the runtime down, other errors are returned."""
         try:
             return (fn() if fn is not None else None), None
@@ -53,7 +72,7 @@ class Watch:
         except Exception as e:
             return None, e
 
-    def run_inline(self, fn, ranks, what):
+    def run_inline(self, fn: Callable[[], Any], ranks: Sequence[int], what: str) -> Any:
         """Run ``fn`` (this rank's part of a collective) here; its waits call the watch."""
         self._collective_check = self.check(ranks, what, time.time() + self.channel.stall_timeout)
         error = result = None
@@ -72,16 +91,16 @@ class Watch:
         self.channel.reports.raise_for(error, ranks)
         return result
 
-    def set_collective_check(self, check):
+    def set_collective_check(self, check: Callable[[], None] | None) -> None:
         """What :meth:`during_collective` calls from now on (None: nothing)."""
         self._collective_check = check
 
-    def during_collective(self):
+    def during_collective(self) -> None:
         """The check the master's collective waits call: peers alive and not stalled."""
         if self._collective_check is not None:
             self._collective_check()
 
-    def run_in_thread(self, fn, ranks, what):
+    def run_in_thread(self, fn: Callable[[], Any], ranks: Sequence[int], what: str) -> Any:
         """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
 
         For collectives that block inside native code (the JAX runtime): only
@@ -91,9 +110,9 @@ class Watch:
             self._collective_runner = _Runner("synk-collective")
         future = self._collective_runner.submit(fn)
         deadline = time.time() + self.channel.stall_timeout
-        failed_at: list = []
+        failed_at: list[float] = []
 
-        def own_part_failed():
+        def own_part_failed() -> None:
             # this rank failed: a peer waiting for it in the collective cannot finish either
             if not (future.done() and future.exception() is not None):
                 return
@@ -119,7 +138,9 @@ class Watch:
             self.channel.on_fault()
             raise self.channel.reports.stalled(what, arrived=ranks, missing=[self.channel.master_rank]) from None
 
-    def wait_done(self, ranks, what, deadline=None, spin=None, bound=None, also=None):
+    def wait_done(self, ranks: Sequence[int], what: str | Op, deadline: float | None = None,
+                  spin: float | None = None, bound: tuple[float, str] | None = None,
+                  also: Callable[[], None] | None = None) -> None:
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
 
         ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
@@ -129,7 +150,7 @@ class Watch:
         if also is not None:
             watched = check
 
-            def check():
+            def check() -> None:
                 watched()
                 also()
         try:
@@ -139,12 +160,15 @@ class Watch:
             self.channel.on_fault()
             raise
 
-    def check(self, ranks, what, deadline, bound=None):
+    def check(self, ranks: Sequence[int], what: str | Op, deadline: float,
+              bound: tuple[float, str] | None = None) -> Callable[[], None]:
         """A check that raises (after ``on_fault``) if a rank died or ``deadline`` passed.
 
         ``what`` names the wait in messages: a phrase, or the opcode of a command.
         """
-        def check():
+        limit: dict[str, Any] = {} if bound is None else dict(timeout=bound[0], setting=bound[1])
+
+        def check() -> None:
             nonlocal what
             if not isinstance(what, str):
                 what = f"a {op_name(what)} command"
@@ -154,10 +178,10 @@ class Watch:
                 missing = [r for r in ranks if r not in arrived]
                 self.channel.on_fault()
                 raise self.channel.reports.stalled(what, arrived=arrived + [self.channel.master_rank], missing=missing,
-                                           **({} if bound is None else dict(zip(("timeout", "setting"), bound))))
+                                                   **limit)
         return check
 
-    def check_alive(self, ranks, what):
+    def check_alive(self, ranks: Sequence[int], what: str) -> None:
         """Raise (after ``on_fault``) if a worker of ``ranks`` has ended."""
         dead = {r: self.channel.procs[r].poll() for r in ranks if self.channel.procs[r].poll() is not None}
         if dead:
@@ -171,7 +195,7 @@ class Watch:
                               f"call synk.fork() to start again", worker_traceback=stacks,
                               node=self.channel.node)
 
-    def loop_check(self, ranks, what, poll=0.02):
+    def loop_check(self, ranks: Sequence[int], what: str, poll: float = 0.02) -> LoopCheck:
         """The loop's check: workers alive, none failed, and steps still being made.
 
         Polls the processes at most every ``poll`` seconds (it is called after every step).
@@ -179,7 +203,7 @@ class Watch:
         status = self.channel.ctl.status
         last: dict[str, Any] = {"at": 0.0, "moved": time.time(), "progress": None}
 
-        def check(force=False):
+        def check(force: bool = False) -> None:
             now = time.time()
             if now < last["at"] + poll and not force:
                 return
@@ -202,11 +226,12 @@ class Watch:
                                                  | {self.channel.master_rank}))
         return check
 
-    def run_local_in_thread(self, local, watch):
+    def run_local_in_thread(self, local: Callable[[], Any], watch: Callable[[], None]
+                            ) -> tuple[Any, Exception | None]:
         """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
-        future: Future = Future()
+        future: Future[tuple[Any, Exception | None]] = Future()
 
-        def target():
+        def target() -> None:
             future.set_result(self.run_local(local))
         thread = start_thread(target, "synk-loop")
         try:
@@ -218,7 +243,7 @@ class Watch:
             raise
         return future.result()
 
-    def wait_watched(self, ranks, watch):
+    def wait_watched(self, ranks: Sequence[int], watch: Callable[[], None]) -> None:
         """Wait until every rank in ``ranks`` posted ``done``, calling ``watch`` between slices."""
         try:
             for _ in ranks:
@@ -237,11 +262,11 @@ class _Runner:
     threads are joined at exit).
     """
 
-    def __init__(self, name):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         start_thread(self._serve, name)
 
-    def _serve(self):
+    def _serve(self) -> None:
         while True:
             fn, future = self._jobs.get()
             try:
@@ -249,8 +274,8 @@ class _Runner:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(e)
 
-    def submit(self, fn):
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._jobs.put((fn, future))
         return future
