@@ -120,7 +120,7 @@ def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]],
     return pairs, bare
 
 
-def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variable, str]],
+def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variable, str | None]],
                                               list[tuple[SharedVariable, Variable]]]:
     """Return ([(shared, new_value, mode)], [(generator, next_state)]) from pairs/triples or a dict.
 
@@ -130,7 +130,7 @@ def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variabl
     if updates is None:
         return [], []
     items = list(updates.items()) if isinstance(updates, dict) else list(updates)
-    triples: list[tuple[SharedVariable, Variable, str]] = []
+    triples: list[tuple[SharedVariable, Variable, str | None]] = []
     generators: list[tuple[SharedVariable, Variable]] = []
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
@@ -147,7 +147,7 @@ def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variabl
     return triples, generators
 
 
-def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable, str]],
+def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable, str | None]],
                                scattered: Sequence[Variable], name: str) -> None:
     """Warn (:class:`~synkhronos.errors.LocalUpdatesWarning`) if updates depend on scattered rows.
 
