@@ -374,7 +374,7 @@ def test_fork_works_without_a_stderr(tmp_path):
 
 
 def test_an_integer_index_beside_a_computed_range_is_not_blamed():
-    from synkhronos.api.hints import _slice_at_computed_bounds
+    from synkhronos.api.function_parts.hints import _slice_at_computed_bounds
     from synkhronos.wire.spec import FunctionSpec
     x, k, n = pt.matrix("x"), pt.lscalar("k"), pt.lscalar("n")
     out = x[:, k].sum() + pt.arange(n).sum()

@@ -36,9 +36,9 @@ from ..runtime.session import State, current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import Keep, dtype_groups, group_bytes, shapes_of
 from ..wire.control import Words
-from .batch import parse_batch
 from .data import Data, condition_value, release_large_staging, staging_data
-from .shapes import check_shared_shape
+from .function_parts.batch import parse_batch
+from .function_parts.shapes import check_shared_shape
 
 __all__ = ["broadcast", "scatter", "gather", "all_gather", "reduce", "all_reduce",
            "get_value", "set_value", "get_lengths", "get_shapes", "resolve_shareds"]

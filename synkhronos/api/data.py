@@ -18,7 +18,7 @@ import numpy as np
 
 from ..ipc.packing import dtype_code
 from ..runtime.session import current, serialized
-from .split_axes import check_data_axis
+from .function_parts.split_axes import check_data_axis
 
 if TYPE_CHECKING:
     from pytensor.graph.basic import Variable

@@ -31,19 +31,19 @@ from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
-from .batch import check_num_slices, node_local, parse_batch, parse_batch_s
-from .batch_shaped import BatchShapedState
 from .data import Data, as_pytensor_takes, condition_value, data, release_large_staging
-from .hints import CallRows, add_hint
-from .kept_plans import KeptPlans
-from .recording import compile_on_master, record
-from .shapes import check_argument_shape
-from .split_axes import RowAxes
+from .function_parts.batch import check_num_slices, node_local, parse_batch, parse_batch_s
+from .function_parts.batch_shaped import BatchShapedState
+from .function_parts.hints import CallRows, add_hint
+from .function_parts.kept_plans import KeptPlans
+from .function_parts.recording import compile_on_master, record
+from .function_parts.shapes import check_argument_shape
+from .function_parts.split_axes import RowAxes
 
 if TYPE_CHECKING:
     from ..wire.batch import Batch
     from ..wire.spec import FunctionSpec
-    from .givens import RowsFromGivens
+    from .function_parts.givens import RowsFromGivens
 
 __all__ = ["function", "Function"]
 
@@ -445,7 +445,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         computed from scalar inputs, ``{x: X_sh[i * bs:(i + 1) * bs]}``, is the
         Theano tutorials' idiom: every call splits those rows over the devices
         and equals ``pytensor.function`` over the same scalars (see
-        :mod:`synkhronos.api.givens`); each call reads the rows from the
+        :mod:`synkhronos.api.function_parts.givens`); each call reads the rows from the
         variable's value as it is then. A given that reads shared variables and
         scalars but selects no rows (``{s: table[i]}``) is computed whole on
         every device. A given that would select rows in another way is
@@ -465,7 +465,7 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
         ``{variable: axis}``: the axis holding one entry per example of scattered
         inputs (time-major sequences: ``{x: 1, mask: 1}``), which ``batch=``,
         the split and ``"avg"``'s weights follow, or that a ``"gather"`` output
-        is concatenated along (see :mod:`synkhronos.api.split_axes`).
+        is concatenated along (see :mod:`synkhronos.api.function_parts.split_axes`).
     **kwargs
         Passed to every underlying :func:`pytensor.function` (``mode`` defaults to ``"JAX"``).
 

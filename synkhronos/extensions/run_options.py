@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from ..api.checkpoint import Checkpointing
 from ..errors import is_whole
 from ..seams.rule import flag, settle
 
@@ -77,39 +78,6 @@ class Checks:
             raise ValueError(f"check_every must be a positive number of steps or None, got {self.every!r}")
         if self.on_check is not None and not callable(self.on_check):
             raise TypeError(f"on_check must be a callable taking the History, got {self.on_check!r}")
-
-
-@dataclass(frozen=True)
-class Checkpointing:
-    """Where and how often a run saves, and whether it resumes from what it finds there.
-
-    Parameters
-    ----------
-    directory : str or os.PathLike
-        The run's checkpoint is ``directory/checkpoint.safetensors``.
-    every : int
-        Global steps between saves.
-    resume : bool
-        Start from the checkpoint in ``directory`` if there is one.
-    """
-
-    directory: str | os.PathLike
-    every: int
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        directory = self.directory
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-            raise TypeError(f"checkpoint_dir must be a directory's path (a str or os.PathLike), got "
-                            f"{directory!r}")
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is a file; give a directory (the "
-                             f"run keeps its checkpoint.safetensors there)")
-        if not is_whole(self.every, at_least=1):
-            raise ValueError(f"checkpoint_every must be a positive number of steps with "
-                             f"checkpoint_dir=, got {self.every!r}")
-        settle(self, "every", int(self.every))
-        settle(self, "resume", flag(self.resume, "resume", "Checkpointing"))
 
 
 class RunShorthands(TypedDict, total=False):

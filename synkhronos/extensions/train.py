@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence, Unpack
 import numpy as np
 
 from ..api import collectives
-from ..api.batch import parse_batch_s
+from ..api.checkpoint import RunCheckpoints, next_multiple, order_record
+from ..api.function_parts.batch import parse_batch_s
 from ..errors import SynkWarning, is_whole
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
@@ -22,7 +23,6 @@ from ..seams.rule import check_rule
 from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, Resize, check_from_stats
-from .run_checkpoints import RunCheckpoints, next_multiple, order_record
 from .run_options import Checkpointing, Checks, DataOrder, RunShorthands, options_of
 from .single_process import make_single_process_train_function, make_train_function_theano
 from .step_graph import build_step_graph, call_values, givens_scalars
@@ -71,7 +71,7 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
         input of the step, as one the loss reads (see the notes).
     givens : dict, optional
         The Theano tutorials' idiom: ``{x: X_sh[i * bs:(i + 1) * bs], y: ...}``
-        with ``i`` a scalar input (see :mod:`synkhronos.api.givens`). The step
+        with ``i`` a scalar input (see :mod:`synkhronos.api.function_parts.givens`). The step
         then takes the scalars instead of data: ``train_minibatch(i)``.
     state_updates : list of (SharedVariable, expr) or (SharedVariable, expr, mode), or dict
         Applied with every step (a counter, the RBM's persistent chain), from

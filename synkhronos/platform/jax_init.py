@@ -217,7 +217,7 @@ TRUNCATION_NOTICE = r"Explicitly requested dtype \w+ requested in \w+ is not ava
 
 def _quiet_truncation_notices() -> None:
     """Ignore :data:`TRUNCATION_NOTICE` in this process until close (a float64 cast the user wrote is
-    said once, in one line, when the function is built: see synkhronos.api.recording)."""
+    said once, in one line, when the function is built: see synkhronos.api.function_parts.recording)."""
     if any(f[0] == "ignore" and getattr(f[1], "pattern", None) == TRUNCATION_NOTICE
            for f in warnings.filters):
         return

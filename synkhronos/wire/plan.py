@@ -31,7 +31,7 @@ IndexLookup = Callable[[int, int, int], np.ndarray]
 @dataclass
 class InputRef:
     """Where one input's rows live: a Data segment generation, shape and row offset, and the
-    ``axis`` its rows lie along (1 for time-major sequences, see :mod:`synkhronos.api.split_axes`)."""
+    ``axis`` its rows lie along (1 for time-major sequences, see :mod:`synkhronos.api.function_parts.split_axes`)."""
 
     data_id: int
     gen: int

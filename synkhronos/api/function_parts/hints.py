@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytensor.graph.basic import Apply, Variable
 
-    from ..errors import WorkerError
-    from ..wire.spec import FunctionSpec
+    from ...errors import WorkerError
+    from ...wire.spec import FunctionSpec
 
 __all__ = ["CallRows", "add_hint", "batch_size_written"]
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import LocalUpdatesWarning
-from ..platform.values import stored
+from ...errors import LocalUpdatesWarning
+from ...platform.values import stored
 
 if TYPE_CHECKING:
-    from ..wire.spec import FunctionSpec
+    from ...wire.spec import FunctionSpec
 
 __all__ = ["BatchShapedState"]
 

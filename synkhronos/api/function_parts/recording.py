@@ -22,13 +22,13 @@ from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors
 
-from ..comm.reduction import check_output_mode, check_update_mode
-from ..compile import graph_updates, randomness, shipping
-from ..errors import LocalUpdatesWarning, SynkWarning
-from ..platform import compile_cache
-from ..platform.internals import unsampleable_in_jax
-from ..rank.compiled import CompiledFunction
-from ..wire.spec import FunctionSpec
+from ...comm.reduction import check_output_mode, check_update_mode
+from ...compile import graph_updates, randomness, shipping
+from ...errors import LocalUpdatesWarning, SynkWarning
+from ...platform import compile_cache
+from ...platform.internals import unsampleable_in_jax
+from ...rank.compiled import CompiledFunction
+from ...wire.spec import FunctionSpec
 from .givens import RECIPE, RowsFromGivens
 from .shapes import declared_rows, shape_text
 from .split_axes import declared_axes

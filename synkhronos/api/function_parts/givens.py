@@ -45,7 +45,7 @@ from pytensor.graph.traversal import applys_between, graph_inputs, io_toposort
 from pytensor.tensor.elemwise import Elemwise
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor, indices_from_subtensor
 
-from .data import Data, as_pytensor_takes
+from ..data import Data, as_pytensor_takes
 
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable

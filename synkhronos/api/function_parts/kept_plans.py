@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .data import Data
+from ..data import Data
 
 if TYPE_CHECKING:
-    from ..runtime.state import State
-    from ..wire.plan import CallPlan
-    from ..wire.spec import FunctionSpec
+    from ...runtime.state import State
+    from ...wire.plan import CallPlan
+    from ...wire.spec import FunctionSpec
 
 #: numpy arguments a call stages through its function's Data: ``(input index, array)`` pairs
 Staged = Sequence[tuple[int, np.ndarray]]

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..wire.batch import Batch, batch_from_spec
+from ...wire.batch import Batch, batch_from_spec
 from .split_axes import time_major_example
 
 if TYPE_CHECKING:
-    from .data import Data
+    from ..data import Data
 
 __all__ = ["parse_batch", "parse_batch_s", "check_num_slices", "node_local"]
 

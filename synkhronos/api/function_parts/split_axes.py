@@ -28,12 +28,12 @@ from pytensor.tensor.elemwise import DimShuffle, Elemwise
 from pytensor.tensor.shape import Reshape, SpecifyShape
 from pytensor.tensor.subtensor import AdvancedSubtensor, Subtensor
 
-from ..comm.reduction import GATHER
+from ...comm.reduction import GATHER
 
 if TYPE_CHECKING:
     from pytensor.graph.basic import Apply
 
-    from ..wire.spec import FunctionSpec
+    from ...wire.spec import FunctionSpec
 
 __all__ = ["RowAxes", "declared_axes", "call_axis", "check_data_axis", "rows_scanned",
            "check_rows_not_scanned", "time_major_example", "SplitsAlong"]
