@@ -15,7 +15,7 @@ and reports, the master publishes it, waits for the workers and gathers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from ..wire.loop import LoopSpec
 from ..wire.plan import CallPlan
 from .context import RankContext
 from .executor import run_fused_share, run_share
+
+if TYPE_CHECKING:
+    from .loop import DeviceLoop
 
 __all__ = ["call_share", "step_share", "fused_step_share", "loop_phase"]
 
@@ -82,7 +85,7 @@ def fused_step_share(context: RankContext, plan: CallPlan, ctl: ControlBlock,
     return rows, values
 
 
-def loop_phase(loops: dict[int, Any], context: RankContext, spec: LoopSpec, phase: str, first: int,
+def loop_phase(loops: dict[int, DeviceLoop], context: RankContext, spec: LoopSpec, phase: str, first: int,
                last: int, center: Callable[[], CenterClient | None],
                beat: Callable[[], None]) -> np.ndarray | None:
     """Run phase ``phase`` of the device-driven loop ``spec`` on this rank: its global steps

@@ -8,11 +8,24 @@ tail, a device-driven loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..comm import CommContext
 from .undo import UndoLog
+
+if TYPE_CHECKING:
+    from ..comm import Comm, ProgramReducer
+    from ..seams.loop import CenterClient
+    from ..wire.control import Words
+    from ..wire.loop import LoopSpec
+    from ..wire.plan import CallPlan
+    from ..wire.topology import Topology
+    from .compiled import CompiledFunction
+    from .executor import ArgUploads
+    from .fused import StepProgram, StepPrograms
+    from .loop import DeviceLoop
 
 __all__ = ["RankContext"]
 
@@ -58,19 +71,19 @@ class RankContext:
     n_local: int
     master_rank: int
     root_rank: int
-    function: Callable[[int], Any]
+    function: Callable[[int], CompiledFunction]
     variable: Callable[[int], Any]
     view: Callable[[Any], Any]
     index_view: Callable[..., Any]
     check: Callable[[], None]
-    comm_class: type
+    comm_class: type[Comm]
     prefix: str
     spin: float
-    topology: Any = None
+    topology: Topology | None = None
     undo: UndoLog = field(default_factory=UndoLog)
-    _comm: Any = field(default=None, repr=False)
-    _programs: Any = field(default=None, repr=False)
-    _uploads: Any = field(default=None, repr=False)
+    _comm: Comm | None = field(default=None, repr=False)
+    _programs: StepPrograms | None = field(default=None, repr=False)
+    _uploads: ArgUploads | None = field(default=None, repr=False)
 
     def release_programs(self) -> None:
         """Drop the step programs, the uploads and the values the last command kept to undo, which
@@ -79,7 +92,7 @@ class RankContext:
         self.undo.begin(keep_all=False)
 
     @property
-    def step_programs(self):
+    def step_programs(self) -> StepPrograms:
         """The fused step programs this rank built (see :mod:`.fused`), made at first use."""
         if self._programs is None:
             from .fused import StepPrograms
@@ -87,7 +100,7 @@ class RankContext:
         return self._programs
 
     @property
-    def uploads(self):
+    def uploads(self) -> ArgUploads:
         """This rank's small step arguments on the device (see :class:`~.executor.ArgUploads`)."""
         if self._uploads is None:
             from .executor import ArgUploads
@@ -95,7 +108,7 @@ class RankContext:
         return self._uploads
 
     @property
-    def comm(self):
+    def comm(self) -> Comm:
         """This rank's collective implementation (built on first use)."""
         if self._comm is None:
             self._comm = self.comm_class(CommContext(
@@ -105,16 +118,16 @@ class RankContext:
         return self._comm
 
     @property
-    def comm_made(self):
+    def comm_made(self) -> bool:
         """True once :attr:`comm` was built (it then holds segments to release)."""
         return self._comm is not None
 
-    def prepare_collective(self, words):
+    def prepare_collective(self, words: Words) -> Callable[[], list[Any]]:
         """This rank's part of the collective encoded in ``words``, prepared; returns its ``execute()``."""
         from .collectives import prepare_collective
         return prepare_collective(self, words)
 
-    def step_tail(self, words, update_fid):
+    def step_tail(self, words: Words, update_fid: int) -> Callable[[], None]:
         """A training step's tail on this rank, prepared: ``run()`` all-reduces then updates.
 
         ``words`` hold the all-reduce; ``update_fid`` is the update function
@@ -124,27 +137,28 @@ class RankContext:
         execute = self.prepare_collective(words)
         update = self.function(update_fid)
 
-        def run():
+        def run() -> None:
             execute()
             run_update(update, self.undo)
         return run
 
-    def program_reducer(self):
+    def program_reducer(self) -> ProgramReducer | None:
         """How a program reduces across the ranks inside itself: nothing to reduce on one rank,
         else the collective implementation's way, or None if it reduces only between programs."""
         from ..comm import ProgramReducer
         return ProgramReducer() if self.n_ranks == 1 else self.comm.program_reducer()
 
-    def fused_step(self, plan, words, update_fid):
+    def fused_step(self, plan: CallPlan, words: Words, update_fid: int) -> StepProgram | None:
         """The step's program on this rank (see :mod:`.fused`), or None if it cannot be one."""
         from .executor import fused_step_of
         return fused_step_of(self, plan, words, update_fid)
 
-    def device_loop(self, spec, center, beat):
+    def device_loop(self, spec: LoopSpec, center: CenterClient | None,
+                    beat: Callable[[], None]) -> DeviceLoop:
         """This rank's part of the device-driven loop ``spec`` (see :class:`~.loop.DeviceLoop`)."""
         from .loop import DeviceLoop
         return DeviceLoop(spec, self, center, beat)
 
-    def share_of_call(self, plan):
+    def share_of_call(self, plan: CallPlan) -> tuple[int, int]:
         """``(rank, n_ranks)`` a call's rows are split by: the node's own for a node-local call."""
         return plan.ranks(self.rank, self.n_ranks, self.local_rank, self.n_local)

@@ -11,7 +11,11 @@ next minibatch (one device's part of a global step) from a counter the
 ranks share, so a fast device trains on more of them than a slow one.
 """
 
+from __future__ import annotations
+
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -26,12 +30,41 @@ from ..wire.loop import LoopStats, epoch_order
 from .blocks import Blocks
 from .rows import gather_rows
 
+if TYPE_CHECKING:
+    import jax
+
+    from ..comm import Comm
+    from ..wire.loop import LoopSpec
+    from ..wire.plan import InputRef
+    from .compiled import CompiledFunction, GatherBuffer
+
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 
 #: a flat gradient up to this size goes from the all-reduce to the update program as a host array
 #: (making a device array of it costs more than the update's own copy of a small input); a larger
 #: one as a device array, which on CPU views the result without a copy
 HOST_GRADIENT_MAX_BYTES = 1 << 20
+
+
+class LoopContext(Protocol):
+    """What a loop takes of its rank (:class:`~.context.RankContext` has it).
+
+    The rank context imports the loop, so the loop takes it through this contract instead.
+    """
+
+    rank: int
+    n_ranks: int
+    master_rank: int
+    root_rank: int
+
+    def function(self, fid: int) -> CompiledFunction: ...
+
+    def variable(self, uid: int) -> Any: ...
+
+    def view(self, ref: InputRef) -> Any: ...
+
+    @property
+    def comm(self) -> Comm: ...
 
 
 class DeviceLoop:
@@ -48,7 +81,8 @@ class DeviceLoop:
         Called after every step (progress for the master's watch, liveness checks).
     """
 
-    def __init__(self, spec, context, center, beat):
+    def __init__(self, spec: LoopSpec, context: LoopContext, center: CenterClient | None,
+                 beat: Callable[[], None]) -> None:
         self.spec = spec
         self.rule: Rule = spec.rule
         self.rank, self.n_ranks, self.master_rank = context.rank, context.n_ranks, context.master_rank
@@ -75,7 +109,7 @@ class DeviceLoop:
         self.blocks = Blocks(self, context)
         #: this phase's losses still on the device: (summed loss, rows of each step summed)
         self._losses: list = []
-        self._orders = {}
+        self._orders: dict[int, np.ndarray] = {}
         #: this rank's seconds spent syncing, and busy in phases, over the whole run
         self.sync_seconds = 0.0
         self._busy_before = 0.0
@@ -87,20 +121,20 @@ class DeviceLoop:
                                       else self.rule.resume(self, list(spec.rule_state)))
 
     # --- what the rules use -----------------------------------------------------------------
-    def elapsed(self):
+    def elapsed(self) -> float:
         """This rank's seconds inside the run's phases so far."""
         return self._busy_before + time.perf_counter() - self._phase_start
 
-    def param_values(self):
+    def param_values(self) -> list[np.ndarray]:
         """The parameters' values as host arrays (views on CPU)."""
         return [np.asarray(stored(v)) for v in self.params]
 
     @staticmethod
-    def device_copy(host):
+    def device_copy(host: np.ndarray) -> jax.Array:
         """A device array with the values ``host`` has now (one copy)."""
         return to_device(host)
 
-    def set_values(self, variables, values):
+    def set_values(self, variables: Sequence[Any], values: Sequence[Any]) -> None:
         """Make ``values`` (host or device arrays) the values of ``variables`` on this device."""
         for var, value in zip(variables, values):
             if isinstance(value, (np.ndarray, np.generic)):
@@ -109,7 +143,7 @@ class DeviceLoop:
                 value = value.astype(var.type.dtype)
             store(var, value)
 
-    def all_reduce(self, variables, values, op):
+    def all_reduce(self, variables: Sequence[Any], values: Sequence[Any], op: str) -> list:
         """Reduce ``values`` (host or device, one per shared variable of ``variables``) over the
         ranks, one launch per dtype."""
         comm, out = self._collectives(), [None] * len(values)
@@ -119,7 +153,7 @@ class DeviceLoop:
         comm.refresh()
         return out
 
-    def broadcast_from_master(self, values):
+    def broadcast_from_master(self, values: Sequence[Any]) -> list:
         """``values`` as node 0's master holds them, on every rank of every node (one root for all:
         each node's own master would make the nodes' broadcasts disagree)."""
         return self._collectives().broadcast(values, self.root_rank)
@@ -131,7 +165,7 @@ class DeviceLoop:
             raise RuntimeError(f"{type(self.rule).__name__} runs synchronously: its loop has no center")
         return self._center
 
-    def _collectives(self):
+    def _collectives(self) -> Comm:
         """The rank's collectives (an asynchronous rule's loop has none: it meets a center)."""
         if self.comm is None:
             raise RuntimeError(f"{type(self.rule).__name__} runs asynchronously: its loop has no "
@@ -139,7 +173,7 @@ class DeviceLoop:
         return self.comm
 
     # --- steps ------------------------------------------------------------------------------
-    def _order(self, epoch):
+    def _order(self, epoch: int) -> np.ndarray:
         order = self._orders.get(epoch)
         if order is None:
             if len(self._orders) > 1:
@@ -148,10 +182,10 @@ class DeviceLoop:
             order = self._orders[epoch] = epoch_order(spec.n_rows, epoch, spec.seed, spec.shuffle)
         return order
 
-    def _gathered(self, view, buffer, indices):
+    def _gathered(self, view: np.ndarray, buffer: GatherBuffer, indices: np.ndarray) -> np.ndarray:
         return gather_rows(view, indices, buffer((len(indices),) + view.shape[1:], view.dtype))
 
-    def _step(self, step, part, stats):
+    def _step(self, step: int, part: int, stats: LoopStats) -> None:
         """Global step ``step``'s part ``part``: gather, gradient, (all-reduce), update, rule."""
         indices, batch_rows = self.step_rows(step, part)
         rows = len(indices)
@@ -194,7 +228,7 @@ class DeviceLoop:
         v[LoopStats.ROWS] += rows
         self.beat()
 
-    def step_rows(self, step, part):
+    def step_rows(self, step: int, part: int) -> tuple[np.ndarray, int]:
         """``(indices, batch_rows)``: the rows of the epoch's order that part ``part`` of global step
         ``step`` takes, and the rows of the whole step."""
         spec = self.spec
@@ -204,13 +238,13 @@ class DeviceLoop:
         a, b = chunk(lo, hi, self.n_ranks, part)
         return self._order(epoch)[a:b], hi - lo
 
-    def weight_rows(self, rows, batch_rows):
+    def weight_rows(self, rows: int, batch_rows: int) -> np.ndarray:
         """The rows a step's gradient is weighted by: the global batch's under a rule that
         all-reduces the gradient, else this rank's as if every rank had as many."""
         return np.asarray(batch_rows if self.rule.reduces_gradient else rows * self.n_ranks,
                           self._rows_dtype)
 
-    def after_steps(self, rows, batch_rows, n_steps, stats):
+    def after_steps(self, rows: int, batch_rows: int, n_steps: int, stats: LoopStats) -> None:
         """After ``n_steps`` local steps of a block: the rule after each, the counters."""
         for _ in range(n_steps):
             done = time.perf_counter()
@@ -224,7 +258,7 @@ class DeviceLoop:
         v[LoopStats.ROWS] += rows * n_steps
         self.beat()
 
-    def run(self, first, last):
+    def run(self, first: int, last: int) -> np.ndarray:
         """Run global steps ``[first, last)``; return this rank's :class:`LoopStats` array."""
         stats = LoopStats()
         self._phase_start = time.perf_counter()
@@ -249,11 +283,11 @@ class DeviceLoop:
         stats.values[LoopStats.SKIPPED] = self.skipped
         return stats.values
 
-    def add_loss(self, loss_sum, rows):
+    def add_loss(self, loss_sum: jax.Array, rows: int) -> None:
         """A block's summed step losses (a device scalar), each step of ``rows`` rows."""
         self._losses.append((loss_sum, rows))
 
-    def _settle_losses(self, stats):
+    def _settle_losses(self, stats: LoopStats) -> None:
         """The phase's losses, read from the device at once (one transfer, at the phase's end)."""
         import jax
         if self._losses:
@@ -262,20 +296,20 @@ class DeviceLoop:
                                                     for v, (_, rows) in zip(values, self._losses))
             self._losses = []
 
-    def finish(self):
+    def finish(self) -> None:
         """Leave every device with the final parameters (the rule's), on this rank."""
         self.rule.finish(self.rule_state, self)
         self.close_center()
 
-    def center_values(self):
+    def center_values(self) -> list | None:
         """The rule's center now (copies), or None for a rule without one."""
         return self.rule.center_values(self.rule_state, self)
 
-    def saved_rule_state(self):
+    def saved_rule_state(self) -> list:
         """What a checkpoint keeps of the rule's state on this rank (arrays)."""
         return self.rule.saved_state(self.rule_state, self)
 
-    def close_center(self):
+    def close_center(self) -> None:
         """Let go of the central parameters, if the rule has them."""
         if self._center is not None:
             self._center.close()

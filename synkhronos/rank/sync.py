@@ -42,7 +42,10 @@ would move the central one :math:`n` times as fast.
   :math:`c \leftarrow \alpha c + \beta x_r`, :math:`x_r \leftarrow c`.
 """
 
+from __future__ import annotations
+
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +108,7 @@ class Average(Rule):
     every: int = 1
     state: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         settle(self, "every", positive_int(self.every, "every", "Average"))
         settle(self, "state", flag(self.state, "state", "Average"))
 
@@ -189,7 +192,7 @@ class DiLoCo(Rule):
     outer_momentum: float = 0.9
     nesterov: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         settle(self, "every", positive_int(self.every, "every", "DiLoCo"))
         settle(self, "outer_lr", positive_number(self.outer_lr, "outer_lr", "DiLoCo"))
         settle(self, "outer_momentum", fraction(self.outer_momentum, "outer_momentum", "DiLoCo"))
@@ -300,7 +303,7 @@ class EASGD(Rule):
     every: int = 1
     asynchronous: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         settle(self, "alpha", fraction(self.alpha, "alpha", "EASGD"))
         settle(self, "every", positive_int(self.every, "every", "EASGD"))
         settle(self, "asynchronous", flag(self.asynchronous, "asynchronous", "EASGD"))
@@ -329,7 +332,7 @@ class EASGD(Rule):
                 c += np.asarray(total, c.dtype)
         return True
 
-    def merge(self, center, local):
+    def merge(self, center: np.ndarray, local: np.ndarray) -> np.ndarray:
         """Asynchronous: device values ``local`` meet the center (in place); returns the device's pull."""
         pull = self.alpha * (local - center)
         center += pull
@@ -350,7 +353,7 @@ class _CentralRule(Rule):
         return loop.center.values()
 
     @staticmethod
-    def _push_and_pull(loop: RuleLoop, pushes):
+    def _push_and_pull(loop: RuleLoop, pushes: Sequence[Any]) -> list:
         """Every parameter block: the rule's :meth:`merge` of ``pushes[i]`` into the center, then the
         device takes the center. Returns the pulled device arrays."""
         pulled = loop.center.exchange(pushes, loop.device_copy)
@@ -386,7 +389,7 @@ class Downpour(_CentralRule):
 
     every: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         settle(self, "every", positive_int(self.every, "every", "Downpour"))
 
     def start(self, loop: RuleLoop) -> _Pulled:
@@ -403,7 +406,7 @@ class Downpour(_CentralRule):
         state.pulled = self._push_and_pull(loop, updates)
         return True
 
-    def merge(self, center, pushed):
+    def merge(self, center: np.ndarray, pushed: np.ndarray) -> np.ndarray:
         center += pushed
         return center
 
@@ -443,7 +446,7 @@ class RateLimited(_CentralRule):
     beta: float = 0.5
     max_rate: float = 0.25
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         settle(self, "every_n_batches", positive_int(self.every_n_batches, "every_n_batches", "RateLimited"))
         settle(self, "alpha", fraction(self.alpha, "alpha", "RateLimited"))
         settle(self, "beta", fraction(self.beta, "beta", "RateLimited"))
@@ -465,7 +468,7 @@ class RateLimited(_CentralRule):
         state.last_cost = time.perf_counter() - start
         return True
 
-    def merge(self, center, pushed):
+    def merge(self, center: np.ndarray, pushed: np.ndarray) -> np.ndarray:
         center *= self.alpha
         center += pushed
         return center

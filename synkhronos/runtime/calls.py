@@ -16,7 +16,8 @@ rank (:meth:`Calls.forget_shapes`) makes every call careful again.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -26,6 +27,11 @@ from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from .part import Part
 
+if TYPE_CHECKING:
+    from ..comm import Reservation
+    from ..rank.fused import StepProgram
+    from ..wire.plan import CallPlan
+
 __all__ = ["Calls", "FusedOutputs"]
 
 
@@ -33,12 +39,32 @@ class FusedOutputs(list):
     """A fused step's outputs, reduced across the ranks inside its program (device arrays)."""
 
 
+class Tail(Protocol):
+    """What every rank runs after its share of a call, in the call's command
+    (:class:`synkhronos.api.step.StepTail` has it)."""
+
+    @property
+    def fill(self) -> Callable[[Words], None]:
+        """``fill(words)`` writes the all-reduce."""
+        ...
+
+    @property
+    def reservation(self) -> Reservation:
+        """What the all-reduce needs of the collective implementation."""
+        ...
+
+    @property
+    def update_fid(self) -> int:
+        """The function (without inputs) every rank runs after the all-reduce."""
+        ...
+
+
 class _Kept(NamedTuple):
     """A fused program the master keeps (None: the step cannot be one), with the step tail its
     key names by ``id``."""
 
-    program: Any
-    tail: Any
+    program: StepProgram | None
+    tail: Tail
 
 
 #: fused programs the master keeps (by plan shapes, outputs and step tail)
@@ -48,19 +74,19 @@ PROGRAMS_KEPT = 256
 class Calls(Part):
     """Calls of one runtime's functions (see the module notes)."""
 
-    def __init__(self, state):
+    def __init__(self, state: Any) -> None:
         super().__init__(state)
         self._plans = PlanSlots()
         #: the shape keys (CallPlan.shape_key) of calls that have run on every rank
-        self._ran_everywhere = set()
+        self._ran_everywhere: set[tuple] = set()
         #: every rank's shapes of shared variables, by their uids, until a command may change them
-        self._shapes: dict = {}
+        self._shapes: dict[tuple[int, ...], list[list[tuple[int, ...]]]] = {}
         #: per function id, the uids of the shared variables its updates write
-        self._writes: dict = {}
+        self._writes: dict[int, frozenset[int]] = {}
         #: the master's fused step programs, by plan shapes, outputs and tail
-        self._programs: dict = {}
+        self._programs: dict[tuple, _Kept] = {}
 
-    def name(self, plan):
+    def name(self, plan: CallPlan) -> tuple[str, str, str]:
         """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
 
         Nodes calling the same function on other rows or other data both raise
@@ -68,7 +94,8 @@ class Calls(Part):
         """
         return ("a call of", self._state.registry.specs[plan.fid].name, f"({plan.arguments_text()})")
 
-    def run(self, plan, record, tail=None, reduce=None):
+    def run(self, plan: CallPlan, record: np.dtype | None, tail: Tail | None = None,
+            reduce: Callable[[Any, list], Any] | None = None) -> Any:
         """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
 
         The caller has brought the workers up to date (``Registry.ensure_shipped``)
@@ -116,7 +143,7 @@ class Calls(Part):
         ctl.header[ControlBlock.KEEP_UNDO] = keep_all
         context.undo.begin(keep_all)
 
-        def local():
+        def local() -> list | None:
             return call_share(context, plan, ctl, record)[1]
 
         fused = self._fused_program(plan, tail) if tail is not None and not keep_all else None
@@ -168,7 +195,7 @@ class Calls(Part):
             self._ran_everywhere.add(shapes)
         return result
 
-    def _fused_program(self, plan, tail):
+    def _fused_program(self, plan: CallPlan, tail: Tail) -> StepProgram | None:
         """The master's program of a step run as one program on every rank, or None if it cannot be.
 
         A step is one program (:mod:`synkhronos.rank.fused`) on one node, once
@@ -206,26 +233,26 @@ class Calls(Part):
             kept = self._programs[key] = _Kept(program, tail)
         return kept.program
 
-    def _fused_local(self, plan, program):
+    def _fused_local(self, plan: CallPlan, program: StepProgram) -> tuple[int, list]:
         """The master's part of a fused step: its share, run as one program."""
         return fused_step_share(self._state.context, plan, self._state.channel.ctl, program)
 
-    def forget_shapes(self):
+    def forget_shapes(self) -> None:
         """Count no call's shapes as run everywhere, and keep no shared variable's shapes: a shared
         variable may have another shape on some rank (a scatter, a broadcast, a value set on one
         rank or by the user)."""
         self._ran_everywhere.clear()
         self._shapes.clear()
 
-    def shapes_known(self, uids):
+    def shapes_known(self, uids: tuple[int, ...]) -> list[list[tuple[int, ...]]] | None:
         """Every rank's shapes of the shared variables ``uids`` as last asked, or None."""
         return self._shapes.get(uids)
 
-    def keep_shapes(self, uids, shapes):
+    def keep_shapes(self, uids: tuple[int, ...], shapes: list[list[tuple[int, ...]]]) -> None:
         """Keep every rank's shapes of ``uids`` until a command may change them."""
         self._shapes[uids] = shapes
 
-    def _forget_written_shapes(self, fid):
+    def _forget_written_shapes(self, fid: int) -> None:
         """Before a call of function ``fid``: forget the kept shapes of the variables it updates
         (an update may give a value of another shape)."""
         writes = self._writes.get(fid)
@@ -236,7 +263,7 @@ class Calls(Part):
         for uids in [u for u in self._shapes if writes.intersection(u)]:
             del self._shapes[uids]
 
-    def _undo(self):
+    def _undo(self) -> None:
         """Put back, on every rank of this node, what the failed command's updates replaced."""
         state = self._state
         if not state.is_open:     # shut down by the fault: nothing is left to put back
@@ -245,7 +272,7 @@ class Calls(Part):
         with contextlib.suppress(Exception):     # a fault here shuts the runtime down itself
             state.channel.command(Op.UNDO)
 
-    def _run_step(self, plan, record, tail, kind):
+    def _run_step(self, plan: CallPlan, record: np.dtype | None, tail: Tail, kind: Hashable) -> list | None:
         """The call's command extended by ``tail`` (see :meth:`run` and ``Channel.step``)."""
         state = self._state
         comm, ctl = state.context.comm, state.channel.ctl
@@ -253,10 +280,10 @@ class Calls(Part):
         tail.fill(Words(ctl.args[STEP_COLLECTIVE_AT:]))
         ctl.header[ControlBlock.UPDATE_FID] = tail.update_fid
 
-        def prepare():
+        def prepare() -> Callable[[], list | None]:
             run_tail, _, outs = step_share(state.context, plan, ctl, record)
 
-            def reduce_and_update():
+            def reduce_and_update() -> list | None:
                 run_tail()
                 return outs
             return reduce_and_update

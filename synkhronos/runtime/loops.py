@@ -10,8 +10,9 @@ rank runs its part in :class:`synkhronos.rank.loop.DeviceLoop`.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 import numpy as np
@@ -24,6 +25,12 @@ from ..tracing import trace
 from ..wire.loop import LoopSpec
 from .centers.loop_centers import LoopCenters
 from .part import Part
+
+if TYPE_CHECKING:
+    from ..rank.loop import DeviceLoop
+    from ..seams.rule import Rule
+    from ..wire.plan import InputRef
+    from .nodes import NodeLink
 
 __all__ = ["Loops", "TrainParts"]
 
@@ -41,13 +48,14 @@ class TrainParts(Protocol):
 class Loops(Part):
     """The device-driven loops of one runtime."""
 
-    def __init__(self, state):
+    def __init__(self, state: Any) -> None:
         super().__init__(state)
-        self._loops = {}      # loop id -> the master's DeviceLoop, from its first phase to finish
+        self._loops: dict[int, DeviceLoop] = {}  # loop id -> the master's DeviceLoop, from its first phase to finish
         self._centers = LoopCenters(state)
         self._next_loop = 0
 
-    def new(self, step: TrainParts, inputs, batch_size, shuffle, seed, rule, rule_state=None):
+    def new(self, step: TrainParts, inputs: Sequence[InputRef], batch_size: int, shuffle: bool, seed: int,
+            rule: Rule, rule_state: Sequence[np.ndarray] | None = None) -> LoopSpec:
         """A new loop's :class:`~synkhronos.wire.loop.LoopSpec` (nothing runs yet).
 
         Parameters
@@ -76,20 +84,20 @@ class Loops(Part):
                         center=f"{state.prefix}_center{loop_id}" if rule.asynchronous else None,
                         rule_state=None if rule_state is None else tuple(rule_state))
 
-    def run(self, spec, first, last):
+    def run(self, spec: LoopSpec, first: int, last: int) -> Any:
         """Run global steps ``[first, last)`` of loop ``spec`` on every rank.
 
         Returns every rank's counters, shape ``(n_ranks, len(STAT_FIELDS))``.
         """
         return self._phase(spec, "run", first, last)
 
-    def finish(self, spec):
+    def finish(self, spec: LoopSpec) -> None:
         """Leave every device with loop ``spec``'s final parameters; the loop is then forgotten."""
         if spec.rule.asynchronous and not self._centers.opened(spec.loop_id):
             return          # its center was never made: no device ran
         self._phase(spec, "finish")
 
-    def center_values(self, spec):
+    def center_values(self, spec: LoopSpec) -> list:
         """Loop ``spec``'s center now (copies), or the master's parameters for a rule without one."""
         loop = self._loops.get(spec.loop_id)
         values = loop.center_values() if loop is not None else None
@@ -98,22 +106,23 @@ class Loops(Part):
                       for uid in spec.synced_uids]
         return values
 
-    def rule_state(self, spec):
+    def rule_state(self, spec: LoopSpec) -> list:
         """Loop ``spec``'s rule state as the master's device holds it (arrays; see Rule.saved_state)."""
         loop = self._loops.get(spec.loop_id)
         return loop.saved_rule_state() if loop is not None else []
 
-    def release(self):
+    def release(self) -> None:
         """At the runtime's end: close every center."""
         self._centers.release()
         for loop in self._loops.values():
             loop.close_center()
         self._loops = {}
 
-    def _phase(self, spec, phase, first=0, last=0):
+    def _phase(self, spec: LoopSpec, phase: str, first: int = 0, last: int = 0) -> np.ndarray | None:
         state = self._state
         state.registry.ensure_shipped()
-        channel, nodes = state.channel, state.nodes
+        channel = state.channel
+        nodes: NodeLink | None = state.nodes
         self._centers.check()
         if not spec.rule.asynchronous:
             state.context.comm.reserve(self._reservation(spec))
@@ -126,7 +135,7 @@ class Loops(Part):
         channel.send_payload(cloudpickle.dumps(dict(spec=sent, phase=phase, first=first, last=last),
                                                protocol=pickle.HIGHEST_PROTOCOL))
 
-        def local():
+        def local() -> np.ndarray | None:
             # (a new loop is made here, once the workers have the command: a rule may start with
             # a collective)
             try:
@@ -165,19 +174,19 @@ class Loops(Part):
         by_node = nodes.exchange(("train.run", phase), stats, tolerate_loss=spec.rule.asynchronous)
         return np.concatenate([np.zeros_like(stats) if got is None else got for got in by_node])
 
-    def lost_nodes(self):
+    def lost_nodes(self) -> set[int]:
         """The nodes an asynchronous run went on without (none on one node)."""
         nodes = self._state.nodes
         return set() if nodes is None else set(nodes.lost)
 
-    def _after_step(self):
+    def _after_step(self) -> None:
         """After every step of the master's device: its workers, and on node 0 its server."""
         self._state.channel.watch.during_collective()
         self._centers.check()
 
-    def _reservation(self, spec):
+    def _reservation(self, spec: LoopSpec) -> Reservation:
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""
-        def nbytes(uid):
+        def nbytes(uid: int) -> int:
             return nbytes_of(stored(self._state.registry.shared_by_uid(uid)))
         if spec.rule.reduces_gradient:
             grad = nbytes(spec.grad_uid)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["Part"]
 
 
@@ -14,5 +16,5 @@ class Part:
         The runtime it belongs to (its channel, Data store, topology, the other parts).
     """
 
-    def __init__(self, state):
+    def __init__(self, state: Any) -> None:
         self._state = state

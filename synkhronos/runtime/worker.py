@@ -6,6 +6,8 @@ handles Ctrl-C and stops the workers) and exits on its own when the master
 process goes away.
 """
 
+from __future__ import annotations
+
 import cProfile
 import ctypes
 import ctypes.util
@@ -19,8 +21,9 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import numpy as np
 
@@ -49,6 +52,12 @@ from ..wire.plan import PlanMemo, result_record
 from ..wire.topology import Topology
 from ..wire.worker_settings import WorkerSettings
 from .data_store import DataMirrors
+
+if TYPE_CHECKING:
+    from ..rank.compiled import CompiledFunction
+    from ..rank.loop import DeviceLoop
+    from ..seams.loop import CenterClient
+    from ..wire.plan import CallPlan
 
 _PR_SET_PDEATHSIG = 1
 
@@ -91,11 +100,11 @@ class Worker:
         self.result = GrowableSegment(f"{prefix}_r{self.rank}", track=True)
         #: warnings this rank's commands raised, for the master to show through its own filters
         self.warnings_out = GrowableSegment(f"{prefix}_w{self.rank}", track=True)
-        self.pending_warnings: list = []
+        self.pending_warnings: list[tuple[str, type[Warning], str, int]] = []
         self.payload = SegmentMirror(f"{prefix}_p")
         self.datas = DataMirrors(prefix)
-        self.functions: dict = {}
-        self.shared: dict = {}
+        self.functions: dict[int, CompiledFunction] = {}
+        self.shared: dict[int, Any] = {}
         self.plans = PlanMemo()
         self._commands: Any = None     # synkhronos.rank.commands, imported by the first SHIP
         #: this rank, as the rank code sees it
@@ -113,13 +122,13 @@ class Worker:
                          Op.COLLECTIVE: self.collective, Op.GET_SHAPES: self.get_shapes,
                          Op.LOOP: self.loop, Op.TIMELINE: self.timeline, Op.STEP: self.step,
                          Op.UNDO: self.context.undo.restore, Op.STOP: lambda: None}
-        self.loops: dict = {}       # loop id -> this rank's DeviceLoop, from its first phase to finish
+        self.loops: dict[int, DeviceLoop] = {}       # loop id -> this rank's DeviceLoop, from its first phase to finish
 
-    def check_master(self):
+    def check_master(self) -> None:
         if os.getppid() != self.master_pid:
             raise MasterGone(3)
 
-    def serve(self):
+    def serve(self) -> None:
         """The command loop; returns after STOP."""
         go = self.ctl.go[self.rank]
         while True:
@@ -145,39 +154,40 @@ class Worker:
             if opcode == Op.STOP:
                 return
 
-    def report(self, state, rows=0, nbytes=0):
+    def report(self, state: int, rows: int = 0, nbytes: int = 0) -> None:
         self.ctl.set_status(self.rank, state, self.result.gen, nbytes, rows)
 
-    def record_warning(self, message, category, filename, lineno, file=None, line=None):
+    def record_warning(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       file: TextIO | None = None, line: str | None = None) -> None:
         """``warnings.showwarning`` in a worker: keep the warning for the master instead of printing it."""
         self.pending_warnings.append((str(message), category, filename, lineno))
 
-    def report_warnings(self):
+    def report_warnings(self) -> None:
         nbytes = write_pickle(self.warnings_out, self.pending_warnings)
         self.pending_warnings = []
         row = self.ctl.status[self.rank]
         row[ControlBlock.WARN_GEN], row[ControlBlock.WARN_NBYTES] = self.warnings_out.gen, nbytes
 
-    def report_error(self, e):
+    def report_error(self, e: BaseException) -> None:
         tb = traceback.format_exc()
         nbytes = write_pickle(self.result, (*what_raised(e), tb, graph_line(e)))
         self.ctl.set_status(self.rank, Status.ERROR, self.result.gen, nbytes, 0)
 
-    def write_arrays(self, arrays):
+    def write_arrays(self, arrays: Sequence[np.ndarray]) -> int:
         self.result.ensure(packed_nbytes(arrays), oversize=1.5)
         return pack_arrays(self.result.made.mm, arrays)
 
-    def payload_bytes(self):
+    def payload_bytes(self) -> bytes:
         gen = int(self.ctl.header[ControlBlock.PAYLOAD_GEN])
         nbytes = int(self.ctl.header[ControlBlock.PAYLOAD_NBYTES])
         return self.payload.get(gen).mm[:nbytes]
 
-    def payload_object(self):
+    def payload_object(self) -> Any:
         """The plain pickled object of a command (see ``Channel.send_pickled``)."""
         return pickle.loads(self.payload_bytes())
 
     # --- handlers ---------------------------------------------------------------------------
-    def ship(self):
+    def ship(self) -> None:
         # imported on the first SHIP (every CALL comes after one), not at start-up: PyTensor
         # loads once the JAX runtime is up, and no call pays for an import statement
         from ..rank import commands
@@ -193,34 +203,34 @@ class Worker:
         for spec in payload["functions"]:
             self.functions[spec.fid] = CompiledFunction(spec)
 
-    def call(self):
+    def call(self) -> int:
         plan = self._plan()
         rows, outs = self._commands.call_share(self.context, plan, self.ctl, self._record(plan))
         if outs:
             self.write_arrays(outs)
         return rows
 
-    def _plan(self):
+    def _plan(self) -> CallPlan:
         """The plan of the call the control block holds."""
         assert self._commands is not None, "a function is called after it was shipped"
         return self.plans.plan(self.ctl.header, self.ctl.args, self.datas.index_view)
 
-    def _record(self, plan):
+    def _record(self, plan: CallPlan) -> np.dtype | None:
         """How this rank's results of ``plan`` travel: their record dtype, or None (as arrays)."""
         return result_record(self.functions[plan.fid].spec, plan)
 
-    def drop_data(self):
+    def drop_data(self) -> None:
         n = int(self.ctl.args[0])
         self.datas.drop(self.ctl.args[1:1 + n])
 
-    def get_shared(self):
+    def get_shared(self) -> None:
         uids = self.payload_object()
         self.write_arrays([np.asarray(self.shared[uid].get_value(borrow=True)) for uid in uids])
 
-    def set_shared(self):
+    def set_shared(self) -> None:
         self._set_values(self.payload_object())
 
-    def _set_values(self, values):
+    def _set_values(self, values: Mapping[int, Any]) -> None:
         """Set shared values from the master; a random generator becomes this rank's own stream."""
         # relative to this node's master, whose own stream is the root's jumped by its distance
         offset = (self.grank - self.context.master_rank) % self.n_devices
@@ -231,13 +241,13 @@ class Worker:
             var.set_value(value)
             place_on_device([var])
 
-    def collective(self):
+    def collective(self) -> int:
         """Prepare, report, wait for the master's decision, then execute (or skip)."""
-        def prepare():
+        def prepare() -> tuple[Callable[[], list[Any]], int]:
             return self.context.prepare_collective(Words(self.ctl.args)), 0
         return self._two_phases(prepare)
 
-    def step(self):
+    def step(self) -> int:
         """A training step: this rank's share of the call and the collective's preparation; then,
         on the master's word, the collective and the update function (see ``Channel.step``).
         A step whose shapes ran everywhere before is one program, in one phase
@@ -245,7 +255,7 @@ class Worker:
         if self.ctl.header[ControlBlock.FUSED]:
             return self.fused_step()
 
-        def prepare():
+        def prepare() -> tuple[Callable[[], None], int]:
             plan = self._plan()
             run_tail, rows, outs = self._commands.step_share(self.context, plan, self.ctl,
                                                              self._record(plan))
@@ -254,11 +264,11 @@ class Worker:
             return run_tail, rows
         return self._two_phases(prepare)
 
-    def fused_step(self):
+    def fused_step(self) -> int:
         """This rank's share of a step as one program (see ``synkhronos.rank.fused``)."""
         return self._commands.fused_step_share(self.context, self._plan(), self.ctl)[0]
 
-    def _two_phases(self, prepare):
+    def _two_phases(self, prepare: Callable[[], tuple[Callable[[], Any], int]]) -> int:
         """``prepare()`` (returning ``(execute, rows)``), report, wait for the master's decision,
         then ``execute()`` (or skip); return the rows."""
         error, rows = None, 0
@@ -283,13 +293,13 @@ class Worker:
             trace.mark("execute")
         return rows
 
-    def loop(self):
+    def loop(self) -> int:
         """Run one phase of a device-driven loop (many steps), report this rank's counters."""
         from .centers.server import attach_center
         message = self.payload_object()
         spec = message["spec"]
 
-        def center():
+        def center() -> CenterClient | None:
             # a center on another node is waited for as long as this node's master lives: the
             # master finds a lost node 0 and ends the runtime
             return attach_center(spec.center, [self.shared[uid] for uid in spec.synced_uids],
@@ -300,13 +310,13 @@ class Worker:
             self.write_arrays([stats])
         return 0
 
-    def _beat(self, every=0.1):
+    def _beat(self, every: float = 0.1) -> Callable[[], None]:
         """After every step of a loop: count it for the master's watch; check the master now and then."""
         row = self.ctl.status[self.rank]
         field = ControlBlock.PROGRESS
         next_check = [0.0]
 
-        def beat():
+        def beat() -> None:
             row[field] += 1
             now = time.perf_counter()
             if now > next_check[0]:
@@ -314,7 +324,7 @@ class Worker:
                 self.check_master()
         return beat
 
-    def timeline(self):
+    def timeline(self) -> int:
         """Start recording this rank's timeline, or stop and hand the master what it recorded."""
         if self.ctl.args[0]:
             trace.start()
@@ -323,19 +333,19 @@ class Worker:
         self.write_arrays([np.frombuffer(pickle.dumps(spans, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)])
         return 0
 
-    def get_shapes(self):
+    def get_shapes(self) -> None:
         uids = Words(self.ctl.args).get_list()
         shapes = shapes_of(stored(self.shared[uid]) for uid in uids)
         self.write_arrays([np.array(s, dtype=np.int64) for s in shapes])
 
-    def cleanup(self):
+    def cleanup(self) -> None:
         self.result.free()
         self.warnings_out.free()
         if self.context.comm_made:
             self.context.comm.release()
 
 
-def _die_with_parent():
+def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when the master dies (best effort)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -344,17 +354,17 @@ def _die_with_parent():
         log.debug("no parent-death signal for this worker", exc_info=True)
 
 
-def _exit_on_sigterm(signum, frame):
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise Terminated(128 + signum)
 
 
-def _end_by_sigterm():
+def _end_by_sigterm() -> None:
     """End this process by SIGTERM itself, so that the master reports "killed by SIGTERM"."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main():
+def main() -> int:
     cfg: WorkerSettings = json.loads(os.environ["SYNK_WORKER"])
     fault_fd = cfg.get("fault_fd")
     if fault_fd is not None:   # a death in native code leaves its Python stacks to the master

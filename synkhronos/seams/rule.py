@@ -6,6 +6,8 @@ every rank. :func:`rule_record` and :func:`rule_difference` are what a
 checkpoint keeps of a rule, and how a resume with other settings is named.
 """
 
+from __future__ import annotations
+
 import inspect
 import json
 from dataclasses import dataclass, fields
@@ -19,13 +21,13 @@ from .loop import RuleLoop
 __all__ = ["Rule", "RuleState", "rule_record", "rule_difference", "check_rule", "steps_before_sync"]
 
 
-def positive_int(value, name, rule):
+def positive_int(value: Any, name: str, rule: str) -> int:
     if not is_whole(value, at_least=1):
         raise ValueError(f"{rule}: {name} must be a positive whole number of steps, got {value!r}")
     return int(value)
 
 
-def number(value, name, rule):
+def number(value: Any, name: str, rule: str) -> float:
     if isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{rule}: {name} must be a number, got {value!r}")
     try:
@@ -34,14 +36,14 @@ def number(value, name, rule):
         raise ValueError(f"{rule}: {name} must be a number, got {value!r}") from None
 
 
-def positive_number(value, name, rule):
+def positive_number(value: Any, name: str, rule: str) -> float:
     value = number(value, name, rule)
     if not value > 0 or not np.isfinite(value):
         raise ValueError(f"{rule}: {name} must be a positive number, got {value!r}")
     return value
 
 
-def fraction(value, name, rule, low_open=False):
+def fraction(value: Any, name: str, rule: str, low_open: bool = False) -> float:
     value = number(value, name, rule)
     if not (0 < value <= 1 if low_open else 0 <= value <= 1):
         bounds = "in (0, 1]" if low_open else "in [0, 1]"
@@ -49,14 +51,14 @@ def fraction(value, name, rule, low_open=False):
     return value
 
 
-def flag(value, name, rule):
+def flag(value: Any, name: str, rule: str) -> bool:
     """``value`` as a bool: a bool, or the whole numbers 0 and 1 (a string such as 'False' is refused)."""
     if isinstance(value, (bool, np.bool_)) or (is_whole(value) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"{rule}: {name} must be True or False, got {value!r}")
 
 
-def settle(rule, name, value):
+def settle(rule: object, name: str, value: Any) -> None:
     """Settle a checked setting on a frozen rule (in ``__post_init__``)."""
     object.__setattr__(rule, name, value)
 
@@ -265,7 +267,7 @@ HOOK_ARGUMENTS = {"start": "loop", "resume": "loop, saved", "after_update": "sta
                   "check_saved": "saved, n_ranks, n_params", "merge": "center, pushed"}
 
 
-def _check_hook_signatures(cls):
+def _check_hook_signatures(cls: type[Rule]) -> None:
     """Raise TypeError naming the hook whose own version takes other arguments than the loop gives."""
     for name, arguments in HOOK_ARGUMENTS.items():
         hook = getattr(cls, name, None)

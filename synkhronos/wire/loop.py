@@ -10,11 +10,15 @@ the same order without anything else travelling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..ipc.buffers import ceil_div
 from ..seams.rule import Rule
+
+if TYPE_CHECKING:
+    from .plan import InputRef
 
 __all__ = ["LoopSpec", "LoopStats", "epoch_order", "steps_per_epoch", "STAT_FIELDS"]
 
@@ -54,28 +58,28 @@ class LoopSpec:
     grad_fid: int
     update_fid: int
     grad_uid: int
-    param_uids: tuple
-    stat_uids: tuple
-    state_uids: tuple
-    inputs: tuple
+    param_uids: tuple[int, ...]
+    stat_uids: tuple[int, ...]
+    state_uids: tuple[int, ...]
+    inputs: tuple[InputRef, ...]
     batch_size: int
     shuffle: bool
     seed: int
     rule: Rule
     center: str | None = None
-    rule_state: tuple | None = None
+    rule_state: tuple[np.ndarray, ...] | None = None
 
     @property
-    def synced_uids(self):
+    def synced_uids(self) -> tuple[int, ...]:
         """What the rule keeps together: the parameters, then the model's statistics."""
         return self.param_uids + self.stat_uids
 
     @property
-    def n_rows(self):
+    def n_rows(self) -> int:
         return self.inputs[0].shape[0]
 
     @property
-    def steps_per_epoch(self):
+    def steps_per_epoch(self) -> int:
         return steps_per_epoch(self.n_rows, self.batch_size)
 
 
@@ -88,11 +92,11 @@ class LoopStats:
 
     STEPS, ROWS, LOSS_SUM, SYNC_SECONDS, BUSY_SECONDS, SYNCS, SKIPPED = range(len(STAT_FIELDS))
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values = np.zeros(len(STAT_FIELDS))
 
 
-def steps_per_epoch(n_rows, batch_size):
+def steps_per_epoch(n_rows: int, batch_size: int) -> int:
     """Global steps in one pass over ``n_rows`` (the last one takes what is left).
 
     Examples
@@ -103,7 +107,7 @@ def steps_per_epoch(n_rows, batch_size):
     return ceil_div(n_rows, batch_size)
 
 
-def epoch_order(n_rows, epoch, seed, shuffle=True):
+def epoch_order(n_rows: int, epoch: int, seed: int, shuffle: bool = True) -> np.ndarray:
     """The order in which epoch ``epoch`` visits the rows: a seeded permutation, or 0..n-1.
 
     Global step ``i`` of the epoch takes positions ``[i * B, (i + 1) * B)`` of
