@@ -144,10 +144,10 @@ def _exchange_against_round_trip(rounds, spec):
     import synkhronos as synk
     from demos.mnist import build_model, load_data
     from synkhronos.extensions import sync
-    from synkhronos.runtime.centers.shared import Center
-    from synkhronos.runtime.centers.server import RemoteCenter
     from synkhronos.runtime import session
     from synkhronos.runtime.centers.process import CenterServer
+    from synkhronos.runtime.centers.server import RemoteCenter
+    from synkhronos.runtime.centers.shared import Center
     state = session.current()
     _, params, _ = build_model(spec, load_data()["side"])
     values = [np.asarray(p.get_value()) for p in params]

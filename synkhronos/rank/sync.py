@@ -332,9 +332,9 @@ class EASGD(Rule):
                 c += np.asarray(total, c.dtype)
         return True
 
-    def merge(self, center: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """Asynchronous: device values ``local`` meet the center (in place); returns the device's pull."""
-        pull = self.alpha * (local - center)
+    def merge(self, center: np.ndarray, pushed: np.ndarray) -> np.ndarray:
+        """Asynchronous: the device values ``pushed`` meet the center (in place); returns the device's pull."""
+        pull = self.alpha * (pushed - center)
         center += pull
         return pull
 
