@@ -28,9 +28,10 @@ import glob
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Collection, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
+import numpy.typing as npt
 from pytensor.compile.sharedvalue import SharedVariable
 
 from ..compile import randomness
@@ -40,6 +41,10 @@ from ..runtime.session import active, current, serialized
 from ..seams.rule import Rule, flag, rule_difference, rule_record, settle
 from . import collectives
 
+if TYPE_CHECKING:
+    from ..runtime.nodes import NodeLink
+    from ..runtime.state import State
+
 __all__ = ["save", "restore", "read", "exists", "default_variables", "ARRAY_PREFIX", "Checkpointing",
            "RunCheckpoints"]
 
@@ -48,6 +53,9 @@ FORMAT_VERSION = 1
 _META_KEY = "synkhronos"
 #: the key prefix of the arrays save() keeps beside the variables
 ARRAY_PREFIX = "array/"
+
+#: what the ranks compare of a value: its shape, dtype and checksum (:func:`_digest`)
+Digest = tuple[tuple[int, ...], str, str]
 
 
 def default_variables() -> list[SharedVariable]:
@@ -63,7 +71,7 @@ def default_variables() -> list[SharedVariable]:
             and not randomness.is_generator(v)]
 
 
-def _check_variables(variables):
+def _check_variables(variables: Iterable[SharedVariable]) -> list[SharedVariable]:
     variables = list(variables)
     for var in variables:
         if not isinstance(var, SharedVariable):
@@ -75,7 +83,8 @@ def _check_variables(variables):
     return variables
 
 
-def _check_any_count(any_count, variables):
+def _check_any_count(any_count: Collection[SharedVariable] | SharedVariable | None,
+                     variables: Sequence[SharedVariable]) -> list[SharedVariable]:
     """``restore``'s ``any_count`` as a list of shared variables among ``variables``, or an error
     naming the fix."""
     if any_count is None:
@@ -98,7 +107,7 @@ def _check_any_count(any_count, variables):
     return items
 
 
-def _check_step(step):
+def _check_step(step: int | None) -> int | None:
     if step is None:
         return None
     if not is_whole(step):
@@ -106,7 +115,7 @@ def _check_step(step):
     return int(step)
 
 
-def _key(i, var):
+def _key(i: int, var: SharedVariable) -> str:
     return f"{i}/{var.name or 'unnamed'}"
 
 
@@ -181,12 +190,14 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     _tell_nodes(state, "written")
 
 
-def _values_on_every_rank(state, local, n_vars):
+def _values_on_every_rank(state: State, local: list[list[np.ndarray]], n_vars: int
+                          ) -> tuple[Callable[[int], list[np.ndarray]], list[bool], list[list[Digest]]]:
     """``(values_of, replicated, digests)``: variable ``i``'s value on every global rank, whether
     every rank holds the same, and this node's ranks' digests of their values (:func:`_digest`).
     The ranks compare digests, and on several nodes the masters send each other only the values
     that differ between ranks."""
     digests = [[_digest(v) for v in values] for values in local]
+    by_rank: list[list[np.ndarray]] | list[dict[int, np.ndarray]]
     if state.nodes is None:
         by_rank, every = local, digests
     else:
@@ -196,19 +207,19 @@ def _values_on_every_rank(state, local, n_vars):
         by_rank = joined_over_nodes(state.nodes, "checkpoint: values",
                                     [{i: values[i] for i in differ} for values in local])
 
-    def values_of(i):
+    def values_of(i: int) -> list[np.ndarray]:
         return [values[i] for values in by_rank]
     return values_of, [i not in differ for i in range(n_vars)], digests
 
 
-def _digest(value):
+def _digest(value: npt.ArrayLike) -> Digest:
     """``(shape, dtype, checksum)`` of an array: equal for equal values (a 128-bit hash of the
     bytes), what the ranks compare and what the file keeps."""
     value = np.asarray(value)
     return value.shape, str(value.dtype), _checksum(value)
 
 
-def _tell_nodes(state, outcome):
+def _tell_nodes(state: State, outcome: str) -> None:
     """On several nodes: every node learns whether node 0 wrote the checkpoint."""
     if state.nodes is None:
         return
@@ -217,7 +228,7 @@ def _tell_nodes(state, outcome):
         raise RuntimeError(f"node 0 could not write the checkpoint ({outcomes[0]})")
 
 
-def _checksum(value, algorithm=None):
+def _checksum(value: npt.ArrayLike, algorithm: str | None = None) -> str:
     """The hex digest of an array's bytes: xxHash's XXH3-128, which hashes at memory speed (a
     checksum against damage, not a cryptographic seal); ``"blake2b"`` for files written before."""
     data = _contiguous(value).reshape(-1).view(np.uint8)
@@ -228,7 +239,7 @@ def _checksum(value, algorithm=None):
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _contiguous(value):
+def _contiguous(value: npt.ArrayLike) -> np.ndarray:
     """``value`` as a C-contiguous array, copied only if it is not one (a 0-d array stays 0-d)."""
     value = np.asarray(value)
     return value if value.flags.c_contiguous else np.ascontiguousarray(value)
@@ -255,7 +266,7 @@ def digest(values: list) -> str:
     return _checksum(np.frombuffer(";".join(parts).encode(), np.uint8))
 
 
-def _header_checksum(meta, extra_text, algorithm=CHECKSUM):
+def _header_checksum(meta: Mapping[str, Any], extra_text: str, algorithm: str = CHECKSUM) -> str:
     """A digest of the metadata (the step, the layout, the data's digests, the device count) and of
     ``extra``: a file whose metadata changed is refused when read, as one whose data changed."""
     described = {k: v for k, v in meta.items() if k != "header_checksum"}
@@ -263,7 +274,7 @@ def _header_checksum(meta, extra_text, algorithm=CHECKSUM):
     return _checksum(np.frombuffer(text, np.uint8), algorithm)
 
 
-def _write_atomically(path, tensors, metadata):
+def _write_atomically(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
     flush it to disk, then rename it over ``path``."""
     from safetensors.numpy import save_file
@@ -376,7 +387,7 @@ def read_on_every_node(path: str | os.PathLike) -> tuple[dict, Any, dict]:
     return found
 
 
-def _nodes_if_running():
+def _nodes_if_running() -> NodeLink | None:
     state = active()
     return None if state is None else state.nodes
 
@@ -453,7 +464,7 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     return {"step": meta["step"], "extra": extra}
 
 
-def _check_fits(var, value, path):
+def _check_fits(var: SharedVariable, value: np.ndarray, path: str) -> None:
     own = np.asarray(var.get_value(borrow=True))
     if value.shape != own.shape or value.dtype != own.dtype:
         raise ValueError(f"{path} holds {var} as {value.dtype}{list(value.shape)} but it is "
@@ -503,16 +514,27 @@ class RunVariables(Protocol):
     optimizer_state: list
 
 
-def order_record(order, batch_size, n_rows, run_data, checkpointing):
+class RunOrder(Protocol):
+    """What :func:`order_record` takes of a run's data order (``train.DataOrder`` has it)."""
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def shuffle(self) -> bool: ...
+
+
+def order_record(order: RunOrder, batch_size: int, n_rows: int, run_data: list,
+                 checkpointing: Checkpointing | None) -> dict[str, Any]:
     """What a checkpoint records of the run's data order, which a resumed run must share: the order's
     settings and a digest of the data (taken only with checkpoints)."""
-    recorded = dict(seed=order.seed, shuffle=order.shuffle, batch_size=batch_size, n_rows=n_rows)
+    recorded: dict[str, Any] = dict(seed=order.seed, shuffle=order.shuffle, batch_size=batch_size, n_rows=n_rows)
     if checkpointing is not None:
         recorded["data_digest"] = digest(run_data)
     return recorded
 
 
-def next_multiple(step, period):
+def next_multiple(step: int, period: int) -> int:
     return (step // period + 1) * period
 
 
@@ -551,7 +573,7 @@ class RunCheckpoints:
         if checkpointing.resume and exists(self.path):
             self._resumed = self._restore()
 
-    def _restore(self):
+    def _restore(self) -> int:
         contents = read_on_every_node(self.path)
         meta, saved, tensors = contents
         saved = saved if isinstance(saved, dict) else {}
@@ -590,7 +612,7 @@ class RunCheckpoints:
             self.rule_state = []
         return int(step)
 
-    def _check_devices(self, meta, n_devices, from_center):
+    def _check_devices(self, meta: Mapping[str, Any], n_devices: int, from_center: bool) -> None:
         """Refuse parameters that differed between the devices of a checkpoint written on another count."""
         if meta["n_devices"] == n_devices or from_center:
             return
@@ -603,7 +625,7 @@ class RunCheckpoints:
                              f"{n_devices} from a checkpoint where they agree (checkpoint_every a "
                              f"multiple of the rule's every)")
 
-    def _start_from_center(self, center):
+    def _start_from_center(self, center: Sequence[npt.ArrayLike]) -> None:
         """Every device's parameters (and statistics) from the center the checkpoint holds."""
         fits = len(center) == len(self.synced) and all(
             np.shape(c) == np.shape(v.get_value(borrow=True)) for c, v in zip(center, self.synced))
@@ -615,16 +637,16 @@ class RunCheckpoints:
             var.set_value(np.asarray(value, var.dtype))
         collectives.broadcast(self.synced)
 
-    def resumed_step(self):
+    def resumed_step(self) -> int:
         """The global step the run starts from (0 unless resumed)."""
         return self._resumed
 
-    def next_step(self, done):
-        return next_multiple(done, self.every) if self.path else float("inf")
+    def next_step(self, done: int) -> float:
+        return next_multiple(done, self.every) if self.every is not None else float("inf")
 
-    def maybe_save(self, done, rule_state=lambda: []):
+    def maybe_save(self, done: int, rule_state: Callable[[], Sequence[npt.ArrayLike]] = lambda: []) -> None:
         """Save at a multiple of the period; ``rule_state()`` gives the sync rule's state (arrays)."""
-        if self.path and done % self.every == 0:
+        if self.every is not None and done % self.every == 0:
             held = rule_state()
             state = current()
             save(self.path, self.variables, step=done,
@@ -634,7 +656,7 @@ class RunCheckpoints:
                             arrays={f"rule/{i}": a for i, a in enumerate(held)})
 
 
-def _order_difference(saved, order):
+def _order_difference(saved: object, order: Mapping[str, Any]) -> str | None:
     """How the data order ``order`` differs from the checkpoint's ``saved``, in words; None if not."""
     if not isinstance(saved, dict):
         return f"it records no data order ({saved!r})"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Sequence, Unpack
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Unpack
 
 import numpy as np
 
@@ -29,6 +29,10 @@ from .step_graph import build_step_graph, call_values, givens_scalars
 from .step_graph import input_list as _input_list
 from .sync import AllReduce, Rule
 from .weighted_step import TrainStep, WeightedStep
+
+if TYPE_CHECKING:
+    from ..api.function import Function
+    from ..wire.plan import InputRef
 
 __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "make_single_process_train_function",
            "make_train_function_theano", "run", "DataOrder", "Checks", "Checkpointing", "epoch_order",
@@ -124,7 +128,7 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes={inputs[0]: 0})  # the rows its weight counts
     takes = inputs + graph.scalars
 
-    def train_minibatch(*values, batch=None, num_slices=1, **named):
+    def train_minibatch(*values: Any, batch: Any = None, num_slices: int = 1, **named: Any) -> Any:
         if len(values) < len(inputs) and not named:
             raise TypeError(f"the step takes {len(inputs)} data (one per input of x, then of y: "
                             f"{[str(v) for v in inputs]}), got {len(values)}")
@@ -138,8 +142,10 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     return step.expose(train_minibatch, takes, runs_on_devices=True)      # what run() takes
 
 
-def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, givens, state_updates,
-                              consider_constant):
+def _train_function_on_givens(loss: Any, params: Sequence[Any], inputs: list[Any], update_rule: Callable,
+                              args: Sequence[Any], kwargs: dict[str, Any], givens: dict,
+                              state_updates: Sequence[tuple] | dict | None,
+                              consider_constant: Sequence[Any] | None) -> TrainStep:
     """:func:`make_train_function` in the tutorials' idiom: the step takes the slices' scalars."""
     bounds = givens_scalars(givens)
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs + list(givens) + bounds,
@@ -147,7 +153,7 @@ def _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, g
     takes = bounds + graph.scalars
     step = WeightedStep(graph, inputs[0], inputs=bounds, givens=givens)
 
-    def train_minibatch(*values, num_slices=1, **named):
+    def train_minibatch(*values: Any, num_slices: int = 1, **named: Any) -> Any:
         values = call_values(values, named, takes)
         window = step.f_grad.given_rows(*values, 0)
         return step(window.stop - window.start, *values, num_slices=num_slices)
@@ -186,7 +192,7 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
     step = WeightedStep(graph, x, givens=[(x, x_shared), (y, y_shared)],
                          sliceable_shareds=[x_shared, y_shared])
 
-    def train_minibatch(batch_s=None, num_slices=1):
+    def train_minibatch(batch_s: Any = None, num_slices: int = 1) -> Any:
         if type(batch_s) in (list, tuple) and batch_s and all(type(b) is np.ndarray for b in batch_s):
             rows = sum(len(b) for b in batch_s)        # (the step checks them against every rank)
         else:
@@ -333,7 +339,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         while done < total:
             # checks and checkpoints at whole multiples of their periods, so that a resumed run
             # checks at the steps the uninterrupted one did
-            last = min(total, next_multiple(done, check_every), saving.next_step(done))
+            last = int(min(total, next_multiple(done, check_every), saving.next_step(done)))
             start = time.perf_counter()
             stats = stats + run_steps(spec, done, last)
             seconds += time.perf_counter() - start
@@ -354,7 +360,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     return history
 
 
-def _run_data(train_fn, x_data, y_data):
+def _run_data(train_fn: TrainStep, x_data: Any, y_data: Any) -> list[Any]:
     """The Data of :func:`run`, flat in the step's input order (x's, then y's)."""
     data = _input_list(x_data, "x") + _input_list(y_data, "y")
     if len(data) != len(train_fn.inputs):
@@ -364,7 +370,7 @@ def _run_data(train_fn, x_data, y_data):
     return data
 
 
-def _check_run_arguments(train_fn, sync):
+def _check_run_arguments(train_fn: TrainStep, sync: Rule) -> tuple[Function, Function]:
     """The gradient and update functions of ``train_fn``; the step and the rule checked."""
     if not isinstance(train_fn, TrainStep) or not train_fn.runs_on_devices:
         raise TypeError("run() takes the step function make_train_function returns (data in shared "
@@ -377,13 +383,14 @@ def _check_run_arguments(train_fn, sync):
     return train_fn.functions
 
 
-def _check_batch_size(batch_size, n_rows, n_devices):
+def _check_batch_size(batch_size: int | None, n_rows: int, n_devices: int) -> int:
     if n_rows < n_devices:
         raise ValueError(f"x_data has {n_rows} row(s) for {n_devices} devices: every device needs "
                          f"at least one row of every step; give at least {n_devices} rows")
     if not is_whole(batch_size, at_least=n_devices, below=n_rows + 1):
         raise ValueError(f"batch_size must be a whole number from {n_devices} (one row per device) "
                          f"to {n_rows} (the rows of x_data), got {batch_size!r}")
+    assert batch_size is not None
     left = n_rows % batch_size
     if 0 < left < n_devices:
         raise ValueError(f"the last step of every epoch would have {left} rows for {n_devices} "
@@ -392,7 +399,8 @@ def _check_batch_size(batch_size, n_rows, n_devices):
     return int(batch_size)
 
 
-def _check_step_traces(f_grad, train_fn, refs, batch_size, n_devices):
+def _check_step_traces(f_grad: Function, train_fn: TrainStep, refs: Sequence[InputRef], batch_size: int,
+                       n_devices: int) -> None:
     """Trace the master's share of a first step: data that does not fit the graph raises here.
 
     Inside the loop the same error would leave devices mid-step, and the
@@ -408,10 +416,11 @@ def _check_step_traces(f_grad, train_fn, refs, batch_size, n_devices):
                          f"{type(e).__name__}: {e}") from None
 
 
-def _total_steps(steps, epochs, per_epoch):
+def _total_steps(steps: int | None, epochs: int | None, per_epoch: int) -> int:
     if (steps is None) == (epochs is None):
         raise ValueError("give exactly one of steps= (global steps) and epochs= (passes over the rows)")
     value, name = (steps, "steps") if steps is not None else (epochs, "epochs")
     if not is_whole(value, at_least=1):
         raise ValueError(f"{name} must be a positive whole number, got {value!r}")
-    return int(steps) if steps is not None else int(epochs) * per_epoch
+    assert value is not None
+    return int(value) if steps is not None else int(value) * per_epoch

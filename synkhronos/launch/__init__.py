@@ -32,6 +32,8 @@ launcher runs, :class:`~.spec.LaunchSpec`), :mod:`.agent` (the elastic agent)
 and :mod:`.rendezvous` (where the agents meet).
 """
 
+from __future__ import annotations
+
 from .cli import main, parse_args
 from .spec import LaunchSpec
 

@@ -1,5 +1,7 @@
 """``python -m synkhronos.launch``: see :mod:`synkhronos.launch`."""
 
+from __future__ import annotations
+
 from .cli import main
 
 main()

@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 from enum import StrEnum
+from typing import Any
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousLost", "Kind"]
 
@@ -65,20 +66,24 @@ SPARE_CONNECTIONS = 64
 ACCEPT_RETRY_SECONDS = 0.05
 
 
+#: one message of the rendezvous: a JSON object with its ``"kind"`` (:class:`Kind`) and that kind's fields
+Message = dict[str, Any]
+
+
 class RendezvousLost(ConnectionError):
     """Node 0's launcher (the rendezvous) is gone."""
 
 
-def _send(sock, message):
+def _send(sock: socket.socket, message: Message) -> None:
     sock.sendall((json.dumps(message) + "\n").encode())
 
 
-def _family(host):
+def _family(host: str) -> socket.AddressFamily:
     """The address family of ``host`` (an IPv6 literal holds a colon)."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _free_port(host):
+def _free_port(host: str) -> int:
     with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -87,19 +92,22 @@ def _free_port(host):
 class RendezvousServer:
     """Node 0's side: who is here, which round runs, and on which nodes."""
 
-    def __init__(self, address, min_nodes, max_nodes, settle=1.0, job="", join_seconds=JOIN_SECONDS):
+    def __init__(self, address: str, min_nodes: int, max_nodes: int, settle: float = 1.0, job: str = "",
+                 join_seconds: float = JOIN_SECONDS) -> None:
         host, _, port = address.rpartition(":")
         self.host = host.strip("[]")
         self.min_nodes, self.max_nodes, self.settle = min_nodes, max_nodes, settle
         #: what every launcher of this run says it runs; a join saying otherwise is refused
         self.job = job
         self._lock = threading.Lock()
-        self._members = {}          # connection -> (joined at, preferred node rank)
-        self._waiting = set()       # connections that asked for the next round
-        self._round, self._running, self._done = 0, [], set()
+        self._members: dict[socket.socket, tuple[float, int]] = {}  # connection -> (joined at, preferred node rank)
+        self._waiting: set[socket.socket] = set()       # connections that asked for the next round
+        self._round = 0
+        self._running: list[socket.socket] = []
+        self._done: set[socket.socket] = set()
         self._join_seconds = join_seconds
         self._open = 0              # connections being served
-        self._connections: set = set()  # the sockets of those connections
+        self._connections: set[socket.socket] = set()  # the sockets of those connections
         self._max_open = 2 * max_nodes + SPARE_CONNECTIONS
         self._listener = socket.create_server((self.host, int(port)), family=_family(self.host),
                                               reuse_port=False)
@@ -112,7 +120,7 @@ class RendezvousServer:
             thread.start()
 
     # --- connections --------------------------------------------------------------------------
-    def _accept(self):
+    def _accept(self) -> None:
         """Serve every connection in a thread of its own, at most ``_max_open`` at once; an error
         accepting one (out of file descriptors, a connection reset) is waited out, never the end."""
         while not self._closed:
@@ -133,7 +141,7 @@ class RendezvousServer:
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
 
-    def _serve(self, conn):
+    def _serve(self, conn: socket.socket) -> None:
         with self._lock:
             self._connections.add(conn)
         # a stranger that has not joined in time is cut off, however slowly it keeps sending
@@ -166,13 +174,13 @@ class RendezvousServer:
             except OSError:
                 pass
 
-    def _drop_unless_joined(self, conn):
+    def _drop_unless_joined(self, conn: socket.socket) -> None:
         """The join time is up: a connection that is not a member's is shut, ending its reader."""
         if conn not in self._members:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-    def _on_message(self, conn, message):
+    def _on_message(self, conn: socket.socket, message: Message) -> bool:
         """Handle one message; False for one that ends the connection (a join of another run)."""
         with self._lock:
             kind = message.get("kind")
@@ -203,14 +211,14 @@ class RendezvousServer:
                 return False                    # anything but a join first: not a launcher
             return True
 
-    def _on_drop(self, conn):
+    def _on_drop(self, conn: socket.socket) -> None:
         with self._lock:
             self._members.pop(conn, None)
             self._waiting.discard(conn)
             if conn in self._running and conn not in self._done:
                 self._end_round("a node was lost")
 
-    def _refuse_full(self, conn):
+    def _refuse_full(self, conn: socket.socket) -> None:
         self._tell(conn, {"kind": Kind.REFUSED, "why": f"the run already has its {self.max_nodes} nodes "
                           f"(--nnodes {self.min_nodes}:{self.max_nodes}); start this node again once "
                           f"one is lost"})
@@ -219,21 +227,21 @@ class RendezvousServer:
         except OSError:
             pass
 
-    def _tell(self, conn, message):
+    def _tell(self, conn: socket.socket, message: Message) -> None:
         try:
             _send(conn, message)
         except OSError:
             pass
 
     # --- rounds -------------------------------------------------------------------------------
-    def _end_round(self, why):
+    def _end_round(self, why: str) -> None:
         """Every launcher of the running round stops its script and joins the next (lock held)."""
         for c in self._running:
             self._tell(c, {"kind": Kind.RESTART, "round": self._round, "why": why})
         self._running, self._done = [], set()
 
-    def _start_rounds(self):
-        ready_since = None
+    def _start_rounds(self) -> None:
+        ready_since: float | None = None
         while not self._closed:
             time.sleep(0.05)
             with self._lock:
@@ -246,7 +254,7 @@ class RendezvousServer:
                 self._begin_round()
                 ready_since = None
 
-    def _begin_round(self):
+    def _begin_round(self) -> None:
         """Number the waiting launchers (node 0 first, then by their own node rank) and start (lock held)."""
         order = sorted(self._waiting, key=lambda c: (self._members[c][1], self._members[c][0]))
         self._round += 1
@@ -261,7 +269,7 @@ class RendezvousServer:
             self._tell(c, {"kind": Kind.ROUND, "round": self._round, "node_rank": rank,
                            "nnodes": len(self._running), "coordinator": coordinator})
 
-    def close(self):
+    def close(self) -> None:
         """Stop serving; return once the server's threads have ended."""
         self._closed = True
         try:
@@ -283,7 +291,7 @@ class RendezvousServer:
 class RendezvousClient:
     """A launcher's side: join a round, hear when it ends."""
 
-    def __init__(self, address, node_rank, timeout, job=""):
+    def __init__(self, address: str, node_rank: int, timeout: float, job: str = "") -> None:
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout
         while True:
@@ -298,13 +306,13 @@ class RendezvousClient:
         self._sock.settimeout(None)
         self._lines = self._sock.makefile("r")
         self.node_rank, self.job = node_rank, job
-        self._messages = []
+        self._messages: list[Message] = []
         self._cond = threading.Condition()
         self._lost = False
         self._reader = threading.Thread(target=self._read, name="synk-rendezvous-client", daemon=True)
         self._reader.start()
 
-    def _read(self):
+    def _read(self) -> None:
         try:
             for line in self._lines:
                 with self._cond:
@@ -316,16 +324,16 @@ class RendezvousClient:
             self._lost = True
             self._cond.notify_all()
 
-    def join(self):
+    def join(self) -> None:
         _send(self._sock, {"kind": Kind.JOIN, "node_rank": self.node_rank, "job": self.job})
 
-    def tell(self, kind, **fields):
+    def tell(self, kind: Kind, **fields: Any) -> None:
         try:
             _send(self._sock, {"kind": kind, **fields})
         except OSError:
             pass
 
-    def next_message(self, timeout=None):
+    def next_message(self, timeout: float | None = None) -> Message | None:
         """The next message from the rendezvous; None after ``timeout`` seconds. Raises
         :class:`RendezvousLost` once node 0's launcher is gone."""
         with self._cond:
@@ -335,7 +343,7 @@ class RendezvousClient:
                 return self._messages.pop(0)
             raise RendezvousLost("node 0's launcher (the rendezvous) is gone")
 
-    def close(self):
+    def close(self) -> None:
         try:
             self._sock.shutdown(socket.SHUT_RDWR)     # the reader's file holds the socket open
             self._sock.close()

@@ -14,3 +14,5 @@ A rule's ``merge`` (:class:`synkhronos.seams.rule.Rule`) says how a push meets
 a center block; what a device may do with a center is
 :class:`synkhronos.seams.loop.CenterClient`.
 """
+
+from __future__ import annotations

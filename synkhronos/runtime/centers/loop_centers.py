@@ -68,7 +68,7 @@ class LoopCenters(Part):
         nodes.exchange(("train.run finish", spec.loop_id), None, tolerate_loss=True)
         if self._server is not None:
             try:
-                self._server.forget(spec.center)
+                self._server.forget(self._segment(spec))
             except OSError:      # it ended after its last use: the next loop starts another
                 pass
 
@@ -86,20 +86,21 @@ class LoopCenters(Part):
         """Make loop ``spec``'s center from the master's values, and the master's handle on it;
         on several nodes, serve it from node 0 and tell every node where."""
         state, nodes = self._state, self._state.nodes
+        segment = self._segment(spec)
         params = [state.registry.shared_by_uid(uid) for uid in spec.synced_uids]
         home = nodes is None or state.topology.node_rank == 0
-        where: Any = spec.center
+        where: Any = segment
         if nodes is not None and self._watch not in nodes.watches:
             nodes.watches.append(self._watch)
         center: CenterClient
         if home:
-            center = shared = Center.of(spec.center, params, create=True, merge=spec.rule.merge,
+            center = shared = Center.of(segment, params, create=True, merge=spec.rule.merge,
                                         check=state.channel.watch.during_collective)
             shared.start_claims_at(first * state.n_parallel)
             if nodes is not None:
                 try:
                     where = self._running_server().serve(
-                        spec.center, [b.shape for b in shared.blocks],
+                        segment, [b.shape for b in shared.blocks],
                         [b.dtype for b in shared.blocks], spec.rule)
                 except OSError as e:         # every node raises, before any device starts
                     shared.close()
@@ -116,6 +117,12 @@ class LoopCenters(Part):
                                      on_silence=self._node_zero_silent, on_gone=self._node_zero_gone)
         self._handles[spec.loop_id] = center
         self._routes[spec.loop_id] = where
+
+    @staticmethod
+    def _segment(spec: LoopSpec) -> str:
+        """The segment of asynchronous loop ``spec``'s center (an asynchronous loop has one)."""
+        assert spec.center is not None, "an asynchronous loop names its center's segment"
+        return spec.center
 
     @property
     def _nodes(self) -> NodeLink:

@@ -7,13 +7,20 @@ center on it through its standard input, watches it, and stops it with the
 runtime.
 """
 
+from __future__ import annotations
+
 import json
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy.typing as npt
 
 from ...platform.coordination import pipes
 from ...platform.threads import start_thread
+from ...seams.rule import Rule
 from ..processes import describe_exit, package_env, reap
 from .server import SCHEME, open_command
 
@@ -38,7 +45,7 @@ class CenterServer:
         The server could not start.
     """
 
-    def __init__(self, host, on_death=None):
+    def __init__(self, host: str, on_death: Callable[[str], None] | None = None) -> None:
         self.host, self.on_death = host, on_death
         self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.centers.server", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -52,7 +59,8 @@ class CenterServer:
         self._stopping = False
         self._watcher = start_thread(self._watch, "synk-center-server")
 
-    def serve(self, name, shapes, dtypes, rule):
+    def serve(self, name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[npt.DTypeLike],
+              rule: Rule) -> str:
         """Serve the center in segment ``name`` (blocks ``shapes``, ``dtypes``) under ``rule``'s
         merge; returns its address for the other nodes' devices.
 
@@ -64,37 +72,37 @@ class CenterServer:
         reply = self._ask(open_command(name, shapes, dtypes, rule))
         return f"{SCHEME}{self.host}:{reply['port']}#{self._token}#{name}"
 
-    def forget(self, name):
+    def forget(self, name: str) -> None:
         """Stop serving the center in segment ``name`` (every node is done with its loop)."""
         self._ask(json.dumps({"op": "close", "center": name}))
 
-    def _ask(self, line):
+    def _ask(self, line: str) -> dict[str, Any]:
         """Send one command line; its reply (raises OSError for the server's error or its end)."""
         try:
             self._stdin.write(line + "\n")
             self._stdin.flush()
-            reply = self._stdout.readline()
+            answer = self._stdout.readline()
         except OSError as e:
             raise OSError(f"node 0's center server is gone ({e})") from None
-        if not reply:
+        if not answer:
             raise OSError(f"node 0's center server is gone ({describe_exit(self.proc.poll())})")
-        reply = json.loads(reply)
+        reply: dict[str, Any] = json.loads(answer)
         if "error" in reply:
             raise OSError(f"node 0's center server refused: {reply['error']}")
         return reply
 
-    def _watch(self):
+    def _watch(self) -> None:
         code = self.proc.wait()
         if not self._stopping and self.on_death is not None:
             self.on_death(f"node 0's center server (pid {self.proc.pid}) died "
                           f"({describe_exit(code)})")
 
     @property
-    def alive(self):
+    def alive(self) -> bool:
         """Whether the server process still runs."""
         return self.proc.poll() is None
 
-    def stop(self):
+    def stop(self) -> None:
         """End the server process (it ends when its standard input closes)."""
         self._stopping = True
         try:
@@ -107,6 +115,6 @@ class CenterServer:
             watcher.join(timeout=5)
 
     @property
-    def pid(self):
+    def pid(self) -> int:
         return self.proc.pid
 

@@ -40,6 +40,8 @@ reads one JSON line back; the server ends
 when its standard input closes (its master closed it, or died).
 """
 
+from __future__ import annotations
+
 import base64
 import hmac
 import json
@@ -48,13 +50,19 @@ import pickle
 import secrets
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import cloudpickle
 import numpy as np
+import numpy.typing as npt
 import zmq
 
 from ...seams.rule import Rule
-from .shared import Center
+from .shared import Center, Merge
+
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
 
 __all__ = ["RemoteCenter", "attach_center", "SCHEME", "GONE_KEY", "server_gone", "open_command",
            "rule_document"]
@@ -78,20 +86,25 @@ _NUMBER_KINDS = "biufc"
 #: the bytes of a request's longest op (``exchange``)
 _OP_BYTES = 8
 
+#: the centers a server serves: each one's socket -> (its segment's name, the Center)
+Served = dict[zmq.Socket, tuple[str, Center]]
 
-def _frames_to_arrays(frames, shapes, dtypes):
+
+def _frames_to_arrays(frames: Sequence[zmq.Frame | bytes], shapes: Sequence[tuple[int, ...]],
+                      dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
     return [np.frombuffer(f.buffer if hasattr(f, "buffer") else f, dtype=d).reshape(s)
             for f, s, d in zip(frames, shapes, dtypes)]
 
 
-def _split(address):
+def _split(address: str) -> tuple[str, bytes, str]:
     """``tcp://host:port#token#center`` -> (endpoint, token, center name)."""
     endpoint, token, name = address.split("#", 2)
     return endpoint, token.encode(), name
 
 
 # --- the master's side of the format ------------------------------------------------------------
-def open_command(name, shapes, dtypes, rule):
+def open_command(name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[npt.DTypeLike],
+                 rule: Rule) -> str:
     """The JSON line that asks the server to serve the center in segment ``name``.
 
     JSON, not a binary layout: a center has any number of blocks of any rank;
@@ -105,7 +118,7 @@ def open_command(name, shapes, dtypes, rule):
                        "rule": rule_document(rule)})
 
 
-def rule_document(rule):
+def rule_document(rule: Rule) -> str:
     """``rule`` as the server rebuilds it to apply its :meth:`~synkhronos.seams.rule.Rule.merge`
     (see :func:`open_command`): the rule pickled by value (cloudpickle), so that a rule of the
     user's own, a class of the script itself included, merges on node 0's server as on node 0.
@@ -117,7 +130,7 @@ def rule_document(rule):
 
 
 # --- the server process -------------------------------------------------------------------------
-def _serve(host):
+def _serve(host: str) -> None:
     """The server process: serve centers until standard input closes.
 
     Its first line of output is the token; then one JSON line answers each
@@ -131,7 +144,7 @@ def _serve(host):
     poller.register(zap, zmq.POLLIN)
     stdin = sys.stdin.fileno()
     poller.register(stdin, zmq.POLLIN)
-    served: dict = {}                      # socket -> (center name, Center)
+    served: Served = {}
     commands = _Lines(stdin)
     print(token.decode(), flush=True)
     try:
@@ -157,10 +170,10 @@ def _serve(host):
 class _Lines:
     """The complete lines arriving on a file descriptor."""
 
-    def __init__(self, fd):
+    def __init__(self, fd: int) -> None:
         self.fd, self.pending = fd, b""
 
-    def read(self):
+    def read(self) -> list[bytes] | None:
         """The lines completed by what can be read now; None at the end of the input."""
         chunk = os.read(self.fd, 1 << 16)
         if not chunk:
@@ -169,7 +182,7 @@ class _Lines:
         return lines
 
 
-def _authenticate(zap, token):
+def _authenticate(zap: zmq.Socket, token: bytes) -> None:
     """Answer one of ZeroMQ's requests to let a connection in: PLAIN with the token only."""
     request = zap.recv_multipart()
     # version, request id, domain, address, identity, mechanism, user name, password
@@ -180,7 +193,7 @@ def _authenticate(zap, token):
                         b"OK" if allowed else b"denied", b"", b""])
 
 
-def _command(line, host, served, poller):
+def _command(line: bytes, host: str, served: Served, poller: zmq.Poller) -> dict[str, Any]:
     """The reply to one command of the master: ``open`` or ``close`` a center."""
     try:
         command = json.loads(line)
@@ -197,9 +210,10 @@ def _command(line, host, served, poller):
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _open(command, host, served, poller):
+def _open(command: dict[str, Any], host: str, served: Served, poller: zmq.Poller) -> int:
     """Attach to the center ``command`` names and serve it on a socket of its own; its port."""
-    shapes, dtypes = [], []
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[np.dtype] = []
     for block in command["blocks"]:
         shape, dtype = block["shape"], np.dtype(block["dtype"])
         if not all(type(n) is int and n >= 0 for n in shape) or dtype.kind not in _NUMBER_KINDS:
@@ -222,7 +236,7 @@ def _open(command, host, served, poller):
     return port
 
 
-def _merge(document):
+def _merge(document: str) -> Merge:
     """The merge of the rule ``document`` holds (see :func:`rule_document`)."""
     rule = pickle.loads(base64.b64decode(document, validate=True))
     if not isinstance(rule, Rule) or type(rule).merge is Rule.merge:
@@ -230,7 +244,7 @@ def _merge(document):
     return rule.merge
 
 
-def _serve_request(socket, center, token):
+def _serve_request(socket: zmq.Socket, center: Center, token: bytes) -> None:
     """Receive one request on a center's socket and answer it, unless it is a stranger's."""
     sender, *frames = socket.recv_multipart(copy=False)
     if not frames or len(frames[0]) != len(token) or \
@@ -240,7 +254,7 @@ def _serve_request(socket, center, token):
     socket.send_multipart([sender] + reply, copy=False)
 
 
-def _answer(center, frames):
+def _answer(center: Center, frames: Sequence[zmq.Frame]) -> list[Any]:
     """The reply to one authenticated request ``frames`` (``[op, *args]``) about ``center``."""
     op = frames[0].bytes if frames and len(frames[0]) <= _OP_BYTES else None
     sizes = [len(f) for f in frames[1:]]
@@ -260,7 +274,7 @@ def _answer(center, frames):
 
 
 # --- the devices of the other nodes -------------------------------------------------------------
-def server_gone():
+def server_gone() -> str | None:
     """What node 0's master said of its center server's death, or None if it said nothing.
 
     Read from JAX's coordination service (:data:`GONE_KEY`); None too when
@@ -272,7 +286,7 @@ def server_gone():
         return None
 
 
-def _raise_gone(why):
+def _raise_gone(why: str) -> NoReturn:
     raise RuntimeError(why)
 
 
@@ -298,8 +312,10 @@ class RemoteCenter:
     silence : float
     """
 
-    def __init__(self, address, shapes, dtypes, check=lambda: None, on_silence=lambda s: None,
-                 on_gone=_raise_gone, silence=5.0):
+    def __init__(self, address: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[npt.DTypeLike],
+                 check: Callable[[], None] = lambda: None,
+                 on_silence: Callable[[float], None] = lambda s: None,
+                 on_gone: Callable[[str], None] = _raise_gone, silence: float = 5.0) -> None:
         endpoint, self._token, self.name = _split(address)
         self.shapes, self.dtypes = [tuple(s) for s in shapes], [np.dtype(d) for d in dtypes]
         self.check, self.on_silence, self.on_gone = check, on_silence, on_gone
@@ -311,13 +327,13 @@ class RemoteCenter:
         self._socket.connect(endpoint)
 
     @classmethod
-    def of(cls, address, params, **kwargs):
+    def of(cls, address: str, params: Sequence[SharedVariable], **kwargs: Any) -> RemoteCenter:
         """The remote center of the shared variables ``params`` (their values give the shapes)."""
         from ...platform.values import stored
         values = [np.asarray(stored(p)) for p in params]
         return cls(address, [v.shape for v in values], [p.type.dtype for p in params], **kwargs)
 
-    def request(self, op, frames=()):
+    def request(self, op: bytes, frames: Sequence[bytes | np.ndarray] = ()) -> list[zmq.Frame]:
         """Send request ``op`` about this center; return the reply's frames."""
         start = time.monotonic()
         message = [self._token, op, *frames]
@@ -338,7 +354,7 @@ class RemoteCenter:
             raise RuntimeError(f"node 0's center server: {reply[1].bytes.decode()}")
         return reply
 
-    def _between_slices(self, start):
+    def _between_slices(self, start: float) -> None:
         """Between two slices of a wait for the server: this node's checks, node 0's word."""
         self.check()
         why = server_gone()
@@ -348,28 +364,30 @@ class RemoteCenter:
         if waited > self.silence:
             self.on_silence(waited)
 
-    def claim(self, limit):
+    def claim(self, limit: int) -> int | None:
         """The next unit of work below ``limit`` (every device of every node shares the counter)."""
         reply, = self.request(b"claim", [np.int64(limit).tobytes()])
         unit = int(np.frombuffer(reply.buffer, np.int64)[0])
         return None if unit < 0 else unit
 
-    def exchange(self, pushes, take=np.array):
+    def exchange(self, pushes: Sequence[npt.ArrayLike], take: Callable[[np.ndarray], Any] = np.array) -> list[Any]:
         """One device's exchange with the center: ``take`` of what the rule's merge answers, per block."""
-        pushes = [np.ascontiguousarray(p, dtype=d) for p, d in zip(pushes, self.dtypes)]
-        replies = _frames_to_arrays(self.request(b"exchange", pushes), self.shapes, self.dtypes)
+        arrays = [np.ascontiguousarray(p, dtype=d) for p, d in zip(pushes, self.dtypes)]
+        replies = _frames_to_arrays(self.request(b"exchange", arrays), self.shapes, self.dtypes)
         return [take(r) for r in replies]
 
-    def values(self):
+    def values(self) -> list[np.ndarray]:
         """A copy of every block of the center."""
         return [np.array(v) for v in
                 _frames_to_arrays(self.request(b"values"), self.shapes, self.dtypes)]
 
-    def close(self):
+    def close(self) -> None:
         self._socket.close()
 
 
-def attach_center(where, params, merge, check=lambda: None, on_silence=lambda s: None):
+def attach_center(where: str, params: Sequence[SharedVariable], merge: Merge,
+                  check: Callable[[], None] = lambda: None,
+                  on_silence: Callable[[float], None] = lambda s: None) -> Center | RemoteCenter:
     """A device's handle on a loop's center at ``where``: its shared-memory segment on node 0, or
     node 0's server from another node."""
     if where.startswith(SCHEME):

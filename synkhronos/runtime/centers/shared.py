@@ -13,23 +13,34 @@ different one. Devices claim the minibatches they train on from one shared
 counter, so a fast device takes more of them than a slow one.
 """
 
+from __future__ import annotations
+
 import math
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ...ipc.buffers import round_up
 from ...ipc.segments import Segment
-from ...ipc.semaphores import SEMAPHORE_BYTES, semaphores_in
+from ...ipc.semaphores import SEMAPHORE_BYTES, SemaphoreLike, semaphores_in
 from ...platform.values import stored
 
+if TYPE_CHECKING:
+    from pytensor.compile.sharedvalue import SharedVariable
+
 __all__ = ["Center"]
+
+#: a rule's merge: ``merge(block, pushed)`` applies a push to a block in place, returns what the device takes back
+Merge = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 _WORDS = 8
 _ALIGN = 64
 
 
-def _layout(shapes, dtypes):
+def _layout(shapes: Sequence[Sequence[int]], dtypes: Sequence[npt.DTypeLike]) -> tuple[list[int], int]:
     """Byte offset of every block after the header and the mutexes, and the segment size."""
     offset = round_up(8 * _WORDS + SEMAPHORE_BYTES * (1 + len(shapes)), _ALIGN)
     offsets = []
@@ -61,7 +72,9 @@ class Center:
 
     CLAIMED = 0
 
-    def __init__(self, name, shapes, dtypes, initial=None, merge=None, check=lambda: None):
+    def __init__(self, name: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[npt.DTypeLike],
+                 initial: Sequence[npt.ArrayLike] | None = None, merge: Merge | None = None,
+                 check: Callable[[], None] = lambda: None) -> None:
         create = initial is not None
         offsets, size = _layout(shapes, dtypes)
         self.segment = Segment(name, size, create=create)
@@ -72,14 +85,15 @@ class Center:
                        for shape, dtype, offset in zip(shapes, dtypes, offsets)]
         self.check, self.merge = check, merge
         self._owner = create
-        if create:
+        if initial is not None:
             for block, value in zip(self.blocks, initial):
                 block[...] = value
             for lock in [self._claim_lock, *self._locks]:
                 lock.post()            # a mutex starts free
 
     @classmethod
-    def of(cls, name, params, create, merge=None, check=lambda: None):
+    def of(cls, name: str, params: Sequence[SharedVariable], create: bool, merge: Merge | None = None,
+           check: Callable[[], None] = lambda: None) -> Center:
         """The center of the shared variables ``params``, one block each, shaped like their values.
 
         The creator (``create=True``, the master) fills it with their values now.
@@ -89,30 +103,31 @@ class Center:
                    initial=values if create else None, merge=merge, check=check)
 
     @contextmanager
-    def _held(self, lock):
+    def _held(self, lock: SemaphoreLike) -> Iterator[None]:
         lock.wait(self.check, spin=20e-6, slice_=0.1)
         try:
             yield
         finally:
             lock.post()
 
-    def locked(self, i):
+    def locked(self, i: int) -> AbstractContextManager[None]:
         """Hold block ``i`` (``with center.locked(i): ...``) while reading or writing it."""
         return self._held(self._locks[i])
 
-    def exchange(self, pushes, take=np.array):
+    def exchange(self, pushes: Sequence[np.ndarray], take: Callable[[np.ndarray], Any] = np.array) -> list[Any]:
         """One device's exchange: block by block, under its mutex, ``take(merge(block, push))``.
 
         ``take`` makes what the device keeps of the merge's answer (a copy)
         while the block is still held.
         """
+        assert self.merge is not None, "a center made without a merge takes no push"
         out = []
         for i, pushed in enumerate(pushes):
             with self.locked(i):
                 out.append(take(self.merge(self.blocks[i], pushed)))
         return out
 
-    def claim(self, limit):
+    def claim(self, limit: int) -> int | None:
         """The next unit of work below ``limit`` (the counter moves on by one), or None."""
         with self._held(self._claim_lock):
             unit = int(self.words[self.CLAIMED])
@@ -121,11 +136,11 @@ class Center:
             self.words[self.CLAIMED] = unit + 1
             return unit
 
-    def start_claims_at(self, unit):
+    def start_claims_at(self, unit: int) -> None:
         """The creator, before any device claims: the first unit claimed is ``unit``."""
         self.words[self.CLAIMED] = unit
 
-    def values(self):
+    def values(self) -> list[np.ndarray]:
         """A copy of every block, each read under its mutex."""
         out = []
         for i, block in enumerate(self.blocks):
@@ -133,7 +148,7 @@ class Center:
                 out.append(block.copy())
         return out
 
-    def close(self):
+    def close(self) -> None:
         """Drop this mapping; the creator also removes the segment's name."""
         self.blocks = []
         self.words = np.zeros(0, np.int64)      # (not a view: the mapping goes)
