@@ -35,8 +35,8 @@ def check(history):
     if node != 0:
         return False
     if len(history) == 1:
-        address = next(iter(state.loops._routes.values()))
-        seen["server_pid"] = state.loops._server.pid
+        address = next(iter(state.loops._centers._routes.values()))
+        seen["server_pid"] = state.loops._centers._server.pid
         stranger = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
                                                                   "center_stranger.py"),
                                      address, str(seen["server_pid"]),

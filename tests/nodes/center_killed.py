@@ -39,7 +39,7 @@ def kill_server(pid):
 
 def check(history):
     if node == 0 and len(history) == 1:
-        pid = state.loops._server.pid
+        pid = state.loops._centers._server.pid
         with open(os.path.join(out, "server_pid.txt"), "w") as f:
             f.write(str(pid))
         threading.Timer(0.2, kill_server, (pid,)).start()
