@@ -142,7 +142,8 @@ class Loops(Part):
                 return loop_phase(self._loops, state.context, spec, phase, first, last,
                                   center=lambda: self._centers.take(spec.loop_id), beat=self._after_step)
             except Exception as e:
-                if nodes is None or isinstance(e, SynkError):
+                # (an asynchronous rule has no collective across nodes: its error is its own)
+                if nodes is None or isinstance(e, SynkError) or spec.rule.asynchronous:
                     raise
                 # a collective across nodes failed: a lost node is named, as in a call
                 nodes.raise_dead_node("train.run across nodes", e)

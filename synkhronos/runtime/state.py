@@ -259,7 +259,7 @@ class State:
         nodes = self.nodes
         assert nodes is not None, "on several nodes only"
         if not clean:
-            nodes.close()
+            nodes.close(fault=True)
         elif self.topology.node_rank == 0:
             nodes.close()
             nodes.wait_until_others_left()

@@ -168,6 +168,7 @@ class LoopCenters(Part):
     def _lost(self, why: str) -> WorkerError:
         """The error of every node whose run lost node 0's center server (the runtime shut down)."""
         nodes = self._nodes
+        nodes.fault_reason = why
         nodes.on_fault()
         return WorkerError(nodes.topology.ranks_of(0)[0], Failure.DIED, "center server lost",
                            f"{why} during an asynchronous train.run, which cannot go on without it; "

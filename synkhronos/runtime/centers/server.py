@@ -45,6 +45,7 @@ from __future__ import annotations
 import base64
 import hmac
 import json
+import math
 import os
 import pickle
 import secrets
@@ -92,8 +93,14 @@ Served = dict[zmq.Socket, tuple[str, Center]]
 
 def _frames_to_arrays(frames: Sequence[zmq.Frame | bytes], shapes: Sequence[tuple[int, ...]],
                       dtypes: Sequence[np.dtype]) -> list[np.ndarray]:
-    return [np.frombuffer(f.buffer if hasattr(f, "buffer") else f, dtype=d).reshape(s)
-            for f, s, d in zip(frames, shapes, dtypes)]
+    arrays = []
+    for f, s, d in zip(frames, shapes, dtypes):
+        data = f.buffer if isinstance(f, zmq.Frame) else f
+        if len(data) != math.prod(s) * np.dtype(d).itemsize:
+            raise ValueError(f"a block of {len(data)} bytes where shape {tuple(s)} of {np.dtype(d)} "
+                             f"takes {math.prod(s) * np.dtype(d).itemsize}")
+        arrays.append(np.frombuffer(data, dtype=d).reshape(s))
+    return arrays
 
 
 def _split(address: str) -> tuple[str, bytes, str]:

@@ -124,7 +124,8 @@ class Center:
         out = []
         for i, pushed in enumerate(pushes):
             with self.locked(i):
-                out.append(take(self.merge(self.blocks[i], pushed)))
+                block = self.blocks[i]
+                out.append(take(_as_block(self.merge(block, pushed), block, self.merge)))
         return out
 
     def claim(self, limit: int) -> int | None:
@@ -155,3 +156,23 @@ class Center:
         if self._owner:
             self.segment.unlink()
         self.segment.release()
+
+
+def _as_block(answer: Any, block: np.ndarray, merge: Merge) -> np.ndarray:
+    """A merge's ``answer`` as what every device takes back: an array of ``block``'s shape and
+    dtype, wherever the push came from (node 0's devices take it here, the other nodes' through
+    the center server).
+
+    Raises
+    ------
+    ValueError
+        ``answer`` is not of the block's shape, or not numbers.
+    """
+    value = np.asarray(answer)
+    if value.shape != block.shape or value.dtype.kind not in "biufc":
+        raise ValueError(f"the rule's merge {getattr(merge, '__qualname__', merge)} answered "
+                         f"{type(answer).__name__} of shape {value.shape} and dtype {value.dtype} for "
+                         f"a center block of shape {block.shape} and dtype {block.dtype}: merge(center, "
+                         f"pushed) returns what the device takes back, an array of the block's shape "
+                         f"(the block, or a pull)")
+    return value.astype(block.dtype, copy=False)
