@@ -301,3 +301,24 @@ def test_values_synkhronos_set_per_device_stay_per_device(devices):
     f(X)
     want = [[0.0] * 3, [1.0] * 3] + [[0.0] * 3] * (devices.n_parallel - 2)
     np.testing.assert_array_equal(synk.gather(w), want)
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 10**9])
+def test_the_rendezvous_refuses_a_node_rank_outside_the_run(rank):
+    """A join with the run's job but a node rank the run cannot have (a crafted one: the command
+    line refuses it) is refused, and does not take a place in the next round."""
+    from synkhronos.launch.rendezvous import Kind, RendezvousClient, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=2, settle=0.0, job="t.py --nnodes 1:2")
+    try:
+        stranger = RendezvousClient(server.address, rank, 5, job="t.py --nnodes 1:2")
+        stranger.join()
+        refused = stranger.next_message(5)
+        assert refused["kind"] == Kind.REFUSED and "--node-rank from 0 to 1" in refused["why"], refused
+        stranger.close()
+        member = RendezvousClient(server.address, 0, 5, job="t.py --nnodes 1:2")
+        member.join()
+        started = member.next_message(5)
+        assert started["kind"] == Kind.ROUND and started["node_rank"] == 0 and started["nnodes"] == 1
+        member.close()
+    finally:
+        server.close()

@@ -192,6 +192,11 @@ class RendezvousServer:
                                       f"{rank!r}): start every node with the same script and "
                                       f"--nnodes, and a whole --node-rank"})
                     return False
+                if not 0 <= rank < self.max_nodes:
+                    self._tell(conn, {"kind": Kind.REFUSED, "why": f"node rank {rank} is not one of "
+                                      f"this run's ({self.job!r}): give a --node-rank from 0 to "
+                                      f"{self.max_nodes - 1}"})
+                    return False
                 if self._running and conn not in self._running and len(self._running) >= self.max_nodes:
                     self._refuse_full(conn)
                     return False

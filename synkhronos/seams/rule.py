@@ -234,8 +234,17 @@ def rule_record(rule: Rule) -> dict:
     {'type': 'Average', 'settings': {'every': 4, 'state': False}}
     """
     settings = {f.name: getattr(rule, f.name) for f in fields(rule)}
-    # as JSON gives it back: a tuple as a list, a value JSON cannot hold as its repr
-    return {"type": type(rule).__name__, "settings": json.loads(json.dumps(settings, default=repr))}
+    # as JSON gives it back: a tuple as a list, a value JSON cannot hold as its repr (an array's
+    # whole, which numpy's repr would cut short)
+    return {"type": type(rule).__name__, "settings": json.loads(json.dumps(settings, default=_setting_text))}
+
+
+def _setting_text(value: Any) -> str:
+    """A setting JSON cannot hold, as text that tells any two different values apart."""
+    if isinstance(value, np.ndarray):
+        with np.printoptions(threshold=value.size + 1):
+            return repr(value)
+    return repr(value)
 
 
 def rule_difference(recorded: dict, rule: Rule) -> str | None:

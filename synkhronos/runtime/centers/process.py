@@ -1,7 +1,7 @@
 """Node 0's master's handle on the process that serves its loops' centers to the other nodes.
 
 The process is :mod:`synkhronos.runtime.centers.server` (``python -m
-synkhronos.runtime.centers.server HOST``); this side starts it with the first
+synkhronos.runtime.centers HOST``); this side starts it with the first
 asynchronous loop of a runtime that spans nodes, opens and closes each loop's
 center on it through its standard input, watches it, and stops it with the
 runtime.
@@ -47,7 +47,7 @@ class CenterServer:
 
     def __init__(self, host: str, on_death: Callable[[str], None] | None = None) -> None:
         self.host, self.on_death = host, on_death
-        self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.centers.server", host],
+        self.proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.centers", host],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=package_env(), text=True)
         self._stdin, self._stdout = pipes(self.proc)

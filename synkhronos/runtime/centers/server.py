@@ -4,7 +4,7 @@ ZeroMQ, and the devices of the other nodes exchange with them at their own pace.
 An asynchronous rule's center lives in node 0's shared memory, as on one node
 (:class:`~synkhronos.runtime.centers.shared.Center`), and node 0's devices use it there.
 For the other nodes, node 0's master starts one server process per runtime
-(:func:`_serve`, run as ``python -m synkhronos.runtime.centers.server HOST``;
+(:func:`serve`, run as ``python -m synkhronos.runtime.centers HOST``;
 :class:`synkhronos.runtime.centers.process.CenterServer` is the master's handle on it):
 its own process, so that serving never waits for the master's own training to
 let go of Python's lock. The server attaches to each loop's center and serves
@@ -137,7 +137,7 @@ def rule_document(rule: Rule) -> str:
 
 
 # --- the server process -------------------------------------------------------------------------
-def _serve(host: str) -> None:
+def serve(host: str) -> None:
     """The server process: serve centers until standard input closes.
 
     Its first line of output is the token; then one JSON line answers each
@@ -400,7 +400,3 @@ def attach_center(where: str, params: Sequence[SharedVariable], merge: Merge,
     if where.startswith(SCHEME):
         return RemoteCenter.of(where, params, check=check, on_silence=on_silence)
     return Center.of(where, params, create=False, merge=merge, check=check)
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1])
