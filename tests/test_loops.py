@@ -506,6 +506,18 @@ class _NoMergeRule(sync.Rule):
     asynchronous = True
 
 
+def _rule_of_a_module_made_at_run_time():
+    """A rule whose class lives in a module built in this process (no import spec): the workers
+    could not import it (a misuse)."""
+    import sys
+    import types
+    module = types.ModuleType("synk_test_rules_made_here")
+    exec("from dataclasses import dataclass\nfrom synkhronos.extensions import sync\n"
+         "@dataclass(frozen=True)\nclass Made(sync.Average):\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    return module.Made()
+
+
 MISUSE = [
     (dict(batch_size=1), ValueError, "batch_size must be"),
     (dict(batch_size=N_ROWS + 1), ValueError, "batch_size must be"),
@@ -517,6 +529,8 @@ MISUSE = [
     (dict(sync=_OldStyleRule()), TypeError, r"_OldStyleRule.after_update takes \(loop, rows, batch_rows\), "
                                             r"but every rank calls after_update\(self, state, loop"),
     (dict(sync=_LooseRule(2)), TypeError, r"_LooseRule keeps \['every'\] outside its settings.*frozen"),
+    (dict(sync=_rule_of_a_module_made_at_run_time()), TypeError,
+     r"module 'synk_test_rules_made_here', made while this process ran.*register_pickle_by_value"),
     (dict(sync=_NoMergeRule()), TypeError, r"_NoMergeRule is asynchronous but declares no merge\(center, "
                                            r"pushed\).*derive from sync.Downpour"),
     (dict(check_every=0), ValueError, "check_every must be"),

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from ..errors import is_whole
@@ -297,12 +299,28 @@ def _check_hook_signatures(cls: type[Rule]) -> None:
                             f"RuleState (what start returns) before the loop (see sync.Rule)")
 
 
+def _check_importable_elsewhere(cls: type) -> None:
+    """Raise TypeError unless the workers can rebuild a rule of class ``cls``: cloudpickle sends a
+    class of the script by value, and a class of a module by its name, which the workers import."""
+    name = cls.__module__
+    module = sys.modules.get(name)
+    if name == "__main__" or module is None or getattr(module, "__spec__", None) is not None:
+        return
+    if name in getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", ()):
+        return
+    raise TypeError(f"{cls.__name__} is a class of the module {name!r}, made while this process ran "
+                    f"(it has no import spec): the devices' processes cannot import it. Define the "
+                    f"rule in the script or in a module on the path, or call "
+                    f"cloudpickle.register_pickle_by_value({name}) before train.run")
+
+
 def check_rule(rule: Any) -> None:
     """Raise TypeError naming the fix unless ``rule`` is a sync rule whose settings are all fields."""
     if not isinstance(rule, Rule):
         raise TypeError(f"sync must be a rule of synkhronos.extensions.sync (AllReduce(), "
                         f"EASGD(...), ...), got {rule!r}")
     _check_hook_signatures(type(rule))
+    _check_importable_elsewhere(type(rule))
     if rule.asynchronous and type(rule).merge is Rule.merge:
         raise TypeError(f"{type(rule).__name__} is asynchronous but declares no merge(center, pushed): "
                         f"define how a device's push meets a center block, or derive from "
