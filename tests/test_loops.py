@@ -180,6 +180,39 @@ def test_center_transports_meet_the_center_client_contract():
     np.testing.assert_array_equal(toy.values()[0], [1.0, 2.0])
 
 
+@pytest.mark.parametrize("answer,taken", [
+    (lambda block: block.astype(np.int64), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),      # another dtype: cast back
+    (lambda block: block.astype(np.float32), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+    (lambda block: block.T.copy(), None),                                 # another shape: refused
+    (lambda block: 1.0, None),
+    (lambda block: None, None),
+])
+def test_a_merge_answering_another_shape_or_dtype_is_named_or_cast(answer, taken):
+    """Node 0's shared-memory center (what its center server uses for the other nodes) takes back
+    from a rule's merge an array of the block's shape and dtype, or raises naming the merge."""
+    import uuid
+
+    from synkhronos.runtime.centers.shared import Center
+
+    def merge(block, pushed):
+        block += pushed
+        return answer(block)
+    center = Center(f"synk_test_center_{uuid.uuid4().hex[:8]}", [(2, 3)], [np.float64],
+                    initial=[np.zeros((2, 3))], merge=merge)
+    try:
+        push = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        if taken is None:
+            with pytest.raises(ValueError, match=r"the rule's merge .*merge answered .* for a center "
+                                                 r"block of shape \(2, 3\) and dtype float64"):
+                center.exchange([push])
+        else:
+            pulled, = center.exchange([push])
+            assert pulled.dtype == np.float64 and pulled.shape == (2, 3)
+            np.testing.assert_array_equal(pulled.ravel(), taken)
+    finally:
+        center.close()
+
+
 def local_reference(seed, x_np, y_np, rank, steps, lr):
     """Rank ``rank``'s own SGD steps on its rows of each global step, in one process."""
     X, y, loss, params, _ = mlp(seed)
