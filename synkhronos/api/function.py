@@ -32,7 +32,7 @@ from ..tracing import trace
 from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
 from .data import Data, as_pytensor_takes, condition_value, data, release_large_staging
-from .function_parts.batch import check_num_slices, node_local, parse_batch, parse_batch_s
+from .function_parts.batch import check_num_slices, node_local, parse_batch, parse_batch_s, with_new_indices
 from .function_parts.batch_shaped import BatchShapedState
 from .function_parts.hints import CallRows, add_hint
 from .function_parts.kept_plans import KeptPlans
@@ -264,8 +264,7 @@ class Function:
             if not plan.batch.is_range:
                 # the kept plan of an earlier call with as many indices: only the indices are new
                 n_scat = len(self.spec.inputs)
-                plan = plan.with_batch(parse_batch(batch, args[:n_scat], self._input_names[:n_scat],
-                                                   [ref.axis for ref in plan.scattered])[0])
+                plan = with_new_indices(plan, batch, args[:n_scat], self._input_names[:n_scat])
             if plan.sliced:           # and as many rows of the sliceable shareds on every rank
                 plan = plan.with_sliced(self._plan_batch_s(batch_s, plan if plan.scattered else None))
         state.registry.ensure_shipped()
@@ -283,7 +282,7 @@ class Function:
                 trace.mark("wait for devices")
         except WorkerError as e:
             if e.how is Failure.RAISED:
-                add_hint(e, self._call_rows(plan), self.spec)
+                add_hint(e, CallRows.of(plan, self._state.n_parallel, bool(self.spec.inputs)), self.spec)
             raise
         finally:
             if since is not None:
@@ -291,13 +290,6 @@ class Function:
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
-
-    def _call_rows(self, plan: CallPlan) -> CallRows:
-        """The rows each device got in ``plan`` (what a hint names)."""
-        if not self.spec.inputs:
-            return CallRows((), 0)
-        bounds = plan.split(self._state.n_parallel)
-        return CallRows(tuple(hi - lo for lo, hi in bounds), plan.batch.total)
 
     def _plan(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any, num_slices: Any,
               output_subset: Iterable[Any] | None) -> CallPlan:

@@ -16,6 +16,7 @@ from ...wire.batch import Batch, batch_from_spec
 from .split_axes import time_major_example
 
 if TYPE_CHECKING:
+    from ...wire.plan import CallPlan
     from ..data import Data
 
 __all__ = ["parse_batch", "parse_batch_s", "check_num_slices", "node_local"]
@@ -160,3 +161,9 @@ def node_local(datas: Sequence[Data], names: Sequence[str]) -> bool:
         raise ValueError(f"the scattered inputs mix node shards and full copies: {mixed}; make "
                          f"every one synk.data(..., sharded=True) or none")
     return bool(sharded) and all(sharded)
+
+
+def with_new_indices(plan: CallPlan, batch: Any, datas: Sequence[Data], names: Sequence[str]) -> CallPlan:
+    """A kept ``plan`` of explicit indices for a call with as many indices, ``batch`` (validated
+    against the scattered inputs ``datas`` named ``names``, along the plan's row axes)."""
+    return plan.with_batch(parse_batch(batch, datas, names, [ref.axis for ref in plan.scattered])[0])

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pytensor.graph.basic import Apply, Variable
 
     from ...errors import WorkerError
+    from ...wire.plan import CallPlan
     from ...wire.spec import FunctionSpec
 
 __all__ = ["CallRows", "add_hint", "batch_size_written"]
@@ -35,6 +36,13 @@ class CallRows:
 
     per_device: tuple[int, ...]
     total: int
+
+    @classmethod
+    def of(cls, plan: CallPlan, n_parallel: int, scatters: bool) -> CallRows:
+        """The rows each of ``n_parallel`` devices got in ``plan`` (none without scattered inputs)."""
+        if not scatters:
+            return cls((), 0)
+        return cls(tuple(hi - lo for lo, hi in plan.split(n_parallel)), plan.batch.total)
 
 
 #: an error about shapes (its first line says so): the only kind a batch size in the graph causes
