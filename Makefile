@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml setup.py
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -n 2 -m "not slow and not gpu and not serial" tests
+	$(PY) -m pytest -q -m "serial and not slow and not gpu" tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not serial and not gpu" --durations=25 tests

@@ -151,6 +151,7 @@ def test_fork_in_a_thread_that_ends():
     assert out.stdout.split() == ["12.0"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_worker_is_named(synk2):
     rt = synk2
     x = pt.matrix("x")

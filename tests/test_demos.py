@@ -88,6 +88,7 @@ def test_the_demo_resumes_from_its_checkpoint_exactly(synk2, tmp_path, loop):
         close(a, b, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_demo_writes_a_timeline(synk2, tmp_path):
     """--timeline: the demo's calls and steps on both ranks, in a file Perfetto opens."""
     import json

@@ -48,6 +48,7 @@ def test_close_leaves_nothing_and_fork_works_again(synk2, rng):
     close(g(X), X.sum(0))
 
 
+@pytest.mark.slow
 def test_fork_after_a_jax_computation_raises():
     out = run_script("""
         import jax.numpy as jnp, synkhronos as synk
@@ -99,6 +100,7 @@ def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_
     assert out.stdout.split() == ["0", "True"], out.stdout + out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_after_close_a_call_of_new_shapes_leaves_no_backend_and_as_pytensor_lets_fork_run_again():
     """The values a call of new shapes keeps to undo are let go at close(); as_pytensor after close
     computes in a backend of its own that goes with its result, so fork() runs again."""
@@ -123,6 +125,7 @@ def test_after_close_a_call_of_new_shapes_leaves_no_backend_and_as_pytensor_lets
     assert out.stdout.split("\n")[:3] == expected, out.stdout + out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_as_pytensor_after_close_goes_on_with_its_random_stream():
     out = run_script("""
         import numpy as np, pytensor, pytensor.tensor as pt

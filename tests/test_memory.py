@@ -242,6 +242,7 @@ print("LEFT", [n for n in os.listdir("/dev/shm") if n.startswith(prefix)])
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files as another user")
+@pytest.mark.slow
 def test_close_leaves_another_users_files_under_the_runs_names():
     from helpers import run_script
     out = run_script(SQUATTED_CLOSE, timeout=120)

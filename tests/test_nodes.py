@@ -299,6 +299,7 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):
 
 @needs_namespaces
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
     procs = start_nodes(os.path.join(SCRIPTS, "diverged.py"), [tmp_path], 2, 1, tmp_path)
     assert wait_all(procs, tmp_path, timeout=120) == [0, 0], read_logs(tmp_path)

@@ -174,6 +174,7 @@ def test_a_model_holding_functions_deep_copies_with_handles_on_the_same_function
     close(model["predict"](X), X @ W.get_value())
 
 
+@pytest.mark.slow
 def test_fork_prints_nothing_when_jax_was_imported_first(tmp_path):
     """XLA's log level cannot reach a process that loaded JAX already: the service's notice that its
     tasks are recoverable is taken off the process's own stderr."""
@@ -187,6 +188,7 @@ def test_fork_prints_nothing_when_jax_was_imported_first(tmp_path):
     assert done.stdout == "done\n" and done.stderr == "", done.stderr
 
 
+@pytest.mark.slow
 def test_a_float32_program_prints_no_truncation_notice_and_a_float64_cast_is_said_once(tmp_path):
     import subprocess
     import sys
@@ -339,6 +341,7 @@ def test_a_wait_preempted_while_spinning_stops_spinning_for_a_while():
         semaphores._spin_from[0] = 0.0
 
 
+@pytest.mark.slow
 def test_a_worker_that_aborts_in_native_code_is_named_with_where_it_was():
     """A C++ abort (NUTS's std::bad_cast once) ends a worker by SIGABRT: the error names the Python
     frame that called into native code, and carries every thread's stack."""
@@ -391,6 +394,7 @@ def test_a_group_may_name_one_parameter_alone():
     assert params == [W] and scale == {W: 2.0} and decay == {}
 
 
+@pytest.mark.slow
 def test_a_float64_parameter_under_float32_is_said_once(tmp_path):
     import subprocess
     import sys

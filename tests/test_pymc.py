@@ -338,6 +338,7 @@ def test_find_map_equals_pymc_find_map(synk2, name):
         np.testing.assert_allclose(by_position[key], theirs[key], rtol=1e-3, atol=1e-6)   # BFGS, not L-BFGS-B
 
 
+@pytest.mark.slow
 def test_a_likelihood_too_small_to_gain_is_computed_here_and_said_once(synk2, monkeypatch):
     """where="auto" times PyMC's own function and the devices' at the initial point and keeps the
     faster: 40 rows gain nothing from a call through the runtime."""

@@ -191,6 +191,7 @@ def test_stall_names_the_ranks(what):
     synk.fork(N_PARALLEL)
 
 
+@pytest.mark.slow
 def test_starting_the_workers_is_bounded_by_the_fork_timeout_not_the_stall_timeout():
     """A stall timeout shorter than the workers take to start (they import JAX) leaves fork() and the
     calls after it working (starting is bounded by fork(timeout=...))."""

@@ -199,6 +199,7 @@ def test_idle_strangers_are_dropped_and_a_flood_is_bounded():
         assert _joins(server)
 
 
+@pytest.mark.slow
 def test_strangers_sending_a_byte_at_a_time_are_cut_off_at_the_join_time():
     """A per-receive timeout alone would keep them forever (a "slowloris")."""
     import time
@@ -259,6 +260,7 @@ _OUT_OF_DESCRIPTORS = """
 """
 
 
+@pytest.mark.slow
 def test_the_rendezvous_serves_on_after_running_out_of_descriptors():
     out = run_script(_OUT_OF_DESCRIPTORS, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
