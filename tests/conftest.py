@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import tempfile
 
 import numpy as np
@@ -13,6 +14,11 @@ from hypothesis import HealthCheck, settings
 # test-gpu, SYNK_TEST_GPU=1) runs tests/test_gpu.py on the GPU instead.
 if not os.environ.get("SYNK_TEST_GPU"):
     os.environ["JAX_PLATFORMS"] = "cpu"
+# A suite started in the background (``nohup make test-all &``) inherits SIGINT ignored, and so
+# would every process it starts, which keeps an ignored signal across exec: the Ctrl-C tests need
+# it delivered
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import synkhronos as synk  # noqa: E402
 from synkhronos.runtime import session  # noqa: E402
