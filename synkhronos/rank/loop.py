@@ -28,6 +28,7 @@ from ..wire.batch import chunk
 from ..wire.collective import dtype_groups
 from ..wire.loop import LoopStats, epoch_order
 from .blocks import Blocks
+from .collectives.contract import CollectiveContext
 from .rows import gather_rows
 
 if TYPE_CHECKING:
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
     from ..comm import Comm
     from ..wire.loop import LoopSpec
-    from ..wire.plan import InputRef
     from .compiled import CompiledFunction, GatherBuffer
 
 __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
@@ -46,25 +46,14 @@ __all__ = ["DeviceLoop", "HOST_GRADIENT_MAX_BYTES"]
 HOST_GRADIENT_MAX_BYTES = 1 << 20
 
 
-class LoopContext(Protocol):
-    """What a loop takes of its rank (:class:`~.context.RankContext` has it).
+class LoopContext(CollectiveContext, Protocol):
+    """What a loop takes of its rank (:class:`~.context.RankContext` has it): what a collective's
+    part takes, and its compiled functions.
 
     The rank context imports the loop, so the loop takes it through this contract instead.
     """
 
-    rank: int
-    n_ranks: int
-    master_rank: int
-    root_rank: int
-
     def function(self, fid: int) -> CompiledFunction: ...
-
-    def variable(self, uid: int) -> Any: ...
-
-    def view(self, ref: InputRef) -> Any: ...
-
-    @property
-    def comm(self) -> Comm: ...
 
 
 class DeviceLoop:

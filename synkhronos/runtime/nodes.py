@@ -233,9 +233,11 @@ class NodeLink:
                 beat = self._try_get(f"synk/beat/{node}")
             except Exception as e:
                 raise self.node_died(0, 0, f"the coordination service it served is gone ({e})") from e
-            said = self._faulted.get(node) or self._try_get(f"synk/fault/{node}")
-            if said is not None:
-                self._faulted[node] = said.decode() if isinstance(said, bytes) else str(said)
+            if node not in self._faulted:
+                said = self._try_get(f"synk/fault/{node}")
+                if said is not None:
+                    self._faulted[node] = said.decode()
+            if node in self._faulted:
                 silent.append(node)
                 continue
             last = self._heard.get(node)
