@@ -398,6 +398,8 @@ def test_givens_that_cannot_be_split_are_refused_with_the_recipe(synk2, rng):
         f(3, batch=2)
     with pytest.raises(ValueError, match="no rows"):
         f(40)
+    with pytest.raises(ValueError, match="x is rows -1:3 of data_sh, which has 30"):
+        f(-1)                 # named as the call's scalars give the bounds, not as numpy reads them
     j = pt.lscalar("j")
     y = pt.matrix("y")
     g = synk.function([i, j], (x.sum() + y.sum(), "sum"), givens={x: data_sh[i:i + 4], y: data_sh[j:j + 4]})

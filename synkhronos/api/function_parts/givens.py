@@ -71,6 +71,17 @@ class RowSlice:
     stop: Variable | None
 
 
+def _bounds_text(start: int | None, stop: int | None) -> str:
+    """A slice's bounds as the call's scalars gave them (``-20:0``, ``5:``).
+
+    Examples
+    --------
+    >>> _bounds_text(-20, 0), _bounds_text(5, None)
+    ('-20:0', '5:')
+    """
+    return f"{'' if start is None else start}:{'' if stop is None else stop}"
+
+
 def _row_slice(key: Variable, value: Variable) -> RowSlice | None:
     """The :class:`RowSlice` of given ``key: value``, or None if ``value`` is not such a slice."""
     node = value.owner
@@ -297,6 +308,10 @@ class RowsFromGivens:
             n = len(s.base.get_value(borrow=True))
             lo, hi, _ = slice(start, stop).indices(n)
             ranges.append((s, lo, max(lo, hi)))
+            if hi <= lo:
+                raise ValueError(f"the givens select no rows: {s.key} is rows {_bounds_text(start, stop)} "
+                                 f"of {s.base}, which has {n}; give a range with at least one row "
+                                 f"(PyTensor would compute on an empty slice)")
         first = ranges[0]
         for s, lo, hi in ranges[1:]:
             if (lo, hi) != first[1:]:
@@ -304,9 +319,6 @@ class RowsFromGivens:
                                  f"({first[1]}:{first[2]}) and {s.key} ({lo}:{hi}); synkhronos "
                                  f"splits one range of rows over the devices: give every slice "
                                  f"the same bounds")
-        if first[2] <= first[1]:
-            raise ValueError(f"the givens select no rows ({first[0].key}: rows {first[1]}:{first[2]} "
-                             f"of {first[0].base}); give a range with at least one row")
         return slice(first[1], first[2])
 
     def _bounds_for(self, arguments: Sequence[Any]) -> list[int | None]:
