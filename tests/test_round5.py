@@ -290,6 +290,34 @@ def test_set_value_in_the_script_reaches_every_device(devices):
     np.testing.assert_array_equal(synk.gather(scale), [[1.0, 2.0, 3.0]] * devices.n_parallel)
 
 
+@pytest.mark.parametrize("how", ["own function, default mode", "own function, FAST_COMPILE",
+                                 "edit of the borrowed value"])
+def test_a_value_the_script_changes_in_place_reaches_every_device(devices, how):
+    """PyTensor's default mode updates a shared variable in place, in the numpy array synkhronos
+    gave the variable (a learning-rate decay of the Theano tutorials: ``theano.function([],
+    updates={lr: lr * decay})``), and so does an edit of ``get_value(borrow=True)``: a change of
+    the one script, every device's at the next call, as a ``set_value`` is."""
+    x = pt.matrix("x")
+    lr = pytensor.shared(np.float64(0.5), name="lr_decay")
+    w = pytensor.shared(np.ones(3), name="w_in_place")
+    f = synk.function([x], ((x @ w * lr).sum(), "sum"))
+    ref = pytensor.function([x], (x @ w * lr).sum(), mode="FAST_COMPILE")
+    X = np.arange(21.0).reshape(7, 3)
+    assert float(f(X)) == pytest.approx(float(ref(X)), rel=1e-12)
+    for _ in range(2):
+        if how == "edit of the borrowed value":
+            lr.get_value(borrow=True)[...] *= 0.5
+            w.get_value(borrow=True)[1] += 2.0            # one element of one row
+        else:
+            mode = None if how.endswith("default mode") else "FAST_COMPILE"
+            pytensor.function([], [], updates=[(lr, lr * 0.5)], mode=mode)()
+            pytensor.function([], [], updates=[(w, pt.inc_subtensor(w[1], 2.0))], mode=mode)()
+        assert float(f(X)) == pytest.approx(float(ref(X)), rel=1e-12)
+        assert [float(v) for v in synk.gather(lr)] == [float(lr.get_value())] * devices.n_parallel
+        np.testing.assert_array_equal(synk.gather(w), [w.get_value()] * devices.n_parallel)
+    assert float(lr.get_value()) == 0.125 and w.get_value().tolist() == [1.0, 5.0, 1.0]
+
+
 def test_values_synkhronos_set_per_device_stay_per_device(devices):
     """synk.set_value(rank, ...) and a broadcast are synkhronos's own: the next call keeps each
     device's value (as Average's and EASGD's per-device parameters are kept)."""
@@ -324,3 +352,21 @@ def test_the_rendezvous_refuses_a_node_rank_outside_the_run(rank):
         member.close()
     finally:
         server.close()
+
+
+def test_an_assertion_of_the_users_graph_is_said_to_go_unchecked_once_naming_it(synk2):
+    """A compiled JAX program cannot raise, and PyTensor's JAX backend drops ``Assert``: the
+    function says so when built, naming the assertion, instead of skipping it without a word."""
+    import warnings
+
+    from pytensor.raise_op import Assert
+    y = pt.vector("y")
+    checked = Assert("the rows must be non-negative")(y, pt.all(y >= 0))
+    with pytest.warns(synk.SynkWarning, match="'the rows must be non-negative' .* is not checked on the "
+                                              "devices") as said:
+        f = synk.function([y], (checked.sum(), "sum"))
+    assert len(said) == 1 and said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # PyTensor's own notice is not said again at the call
+        assert float(f(np.array([1.0, 2.0, 3.0, -4.0]))) == 2.0
+        synk.function([y], (y.sum(), "sum"))    # a graph without an assertion says nothing

@@ -19,6 +19,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from .internals import buffer_address, storage_cell
 
@@ -190,12 +191,30 @@ class KeptFace:
     (True, None)
     >>> kept.lend(); kept.restore(device).tolist()
     [0.0, 1.0, 2.0]
+
+    A face written in place since it was made (an edit of the borrowed value,
+    or the user's own PyTensor function updating the variable in place, as
+    PyTensor's default and C modes do) is a new value of the master's script,
+    found by its checksum (:meth:`written_since`):
+
+    >>> face = np.arange(3.0)
+    >>> kept = KeptFace(device, face)
+    >>> kept.written_since(face), kept.written_since(np.arange(3.0))
+    (False, False)
+    >>> face += 1; kept.written_since(face)
+    True
     """
 
-    __slots__ = ("face", "_device")
+    __slots__ = ("face", "_device", "_digest")
 
-    def __init__(self, device: jax.Array, face: np.ndarray) -> None:
+    def __init__(self, device: jax.Array, face: np.ndarray, watched: bool = True) -> None:
         self.face, self._device = face, weakref.ref(device)
+        self._digest = _digest(face) if watched else None
+
+    def written_since(self, value: Any) -> bool:
+        """Whether ``value`` is this face, written in place since it was made (never, for a face
+        made with ``watched=False``: a value that is each device's own)."""
+        return value is self.face and self._digest is not None and _digest(value) != self._digest
 
     def device_if_current(self, value: Any) -> jax.Array | None:
         """The face's device array if ``value`` is that array, or the face still over all of
@@ -220,6 +239,11 @@ class KeptFace:
         """The face, over ``device`` again (the value :meth:`device_if_current` found)."""
         self.face.base.device_array = device  # type: ignore[union-attr]  # the face's ctypes memory
         return self.face
+
+
+def _digest(face: np.ndarray) -> int:
+    """A checksum of a face's bytes (at memory speed: xxh3)."""
+    return xxhash.xxh3_64_intdigest(face if face.flags.c_contiguous else np.ascontiguousarray(face))
 
 
 #: references to a face held only by its KeptFace, counted inside KeptFace.lend (the slot, the

@@ -52,6 +52,7 @@ class Registry(Part):
         self._faces: dict[SharedVariable, KeptFace] = {}      # var -> the face user code was given
         self._shapes_left: dict[SharedVariable, object] = {}  # var -> the shape the last call left it
         self._shipped_uids: set[int] = set()
+        self._scattered_set: set[SharedVariable] | None = None
         # id -> generator already made this node master's own stream
         self._own_streams: dict[int, SharedVariable] = {}
 
@@ -63,6 +64,7 @@ class Registry(Part):
         """Keep ``spec`` (to ship) and this process's ``compiled`` function (to run calls)."""
         self.specs[spec.fid], self.compiled[spec.fid] = spec, compiled
         self._unshipped.append(spec.fid)
+        self._scattered_set = None
         self._next_fid = spec.fid + 1
         for var in spec.shared_variables():
             self.uid_of(var)
@@ -92,6 +94,12 @@ class Registry(Part):
     def scattered_shared(self) -> list[SharedVariable]:
         """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
         return [var for spec in self.specs.values() for var in spec.sliceable_shareds]
+
+    def _scattered(self) -> set[SharedVariable]:
+        """:meth:`scattered_shared` as a set, kept until the next function is registered."""
+        if self._scattered_set is None:
+            self._scattered_set = set(self.scattered_shared())
+        return self._scattered_set
 
     def shared_by_uid(self, uid: int) -> SharedVariable:
         return self._by_uid[uid]
@@ -125,7 +133,7 @@ class Registry(Part):
             face = host_face(device)
             store(var, face)
             if face is not device:
-                faces[var] = KeptFace(device, face)
+                faces[var] = KeptFace(device, face, watched=var not in self._scattered())
             else:
                 faces.pop(var, None)
 
@@ -166,12 +174,18 @@ class Registry(Part):
                 self._state.calls.forget_shapes()
                 left[var] = np.shape(value)
             kept, device = self._kept_face(var, value)
+            if device is not None and kept is not None and kept.written_since(value):
+                # the script wrote the face in place (an edit of the borrowed value, its own
+                # PyTensor function's update in place): a new value, like one it sets. Copied: the
+                # face's memory is the master's device array, which the next call may donate
+                del self._faces[var]
+                kept, device, value = None, None, np.array(value)
             if device is None and type(value) is np.ndarray:
                 device = device_face(value)
                 if device is value:         # an array of the user's own
                     device = None
                 else:                       # a face the user set: it stays the variable's face
-                    kept = self._faces[var] = KeptFace(device, value)
+                    kept = self._faces[var] = KeptFace(device, value, watched=var not in self._scattered())
             if device is not None:
                 assert kept is not None, "a device array comes with its face"
                 if not held and value is not device:
@@ -279,7 +293,7 @@ class Registry(Part):
             # what cannot travel now never will: unregister it, so other functions still ship
             for spec in specs:
                 del self.specs[spec.fid], self.compiled[spec.fid]
-            self._unshipped = []
+            self._unshipped, self._scattered_set = [], None
             names = ", ".join(spec.name for spec in specs)
             raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
                             f"they were unregistered, other functions still work") from e

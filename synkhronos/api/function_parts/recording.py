@@ -81,6 +81,7 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
     _check_sliceables(spec, sliceable, givens)
     _check_jax_can_sample(spec)
     _say_once_if_a_float64_cast_computes_in_32_bits(spec)
+    _say_if_assertions_go_unchecked(spec)
     shipping.check_shippable(spec)       # a graph that cannot travel fails here, unregistered
     return spec, bare, rows
 
@@ -226,6 +227,21 @@ def _say_once_if_a_float64_cast_computes_in_32_bits(spec: FunctionSpec) -> None:
                           f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)",
                           SynkWarning, stacklevel=5)
             return
+
+
+def _say_if_assertions_go_unchecked(spec: FunctionSpec) -> None:
+    """Say, in one line naming the first, that the assertions of the user's graph (``Assert``,
+    ``assert_op``, any ``CheckAndRaise``) are not checked on the devices: a compiled JAX program
+    cannot raise, and PyTensor's JAX backend drops them. (The shape assertions PyTensor's rewrites
+    add later are its own, and go unsaid.)"""
+    from pytensor.graph.traversal import apply_ancestors
+    from pytensor.raise_op import CheckAndRaise
+    checks = [node for node in apply_ancestors(spec.graph_vars()) if isinstance(node.op, CheckAndRaise)]
+    if checks:
+        more = f" (and {len(checks) - 1} more)" if len(checks) > 1 else ""
+        warnings.warn(f"{spec.name}: the assertion {checks[0].op.msg!r} of {checks[0].op}{more} is not "
+                      f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
+                      f"backend skips it; check the values before the call", SynkWarning, stacklevel=5)
 
 
 def _check_jax_can_sample(spec: FunctionSpec) -> None:
