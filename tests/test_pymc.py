@@ -511,6 +511,29 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
     assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0], where="devices"), "bounded")
 
 
+def test_a_density_copied_before_pm_set_data_is_refused_and_one_built_after_equals_pymc(synk2):
+    """The devices hold a copy of the rows; ``pm.set_data`` gives the model others. The old copy
+    is refused at its next evaluation, naming the variable, and a density built again equals
+    PyMC's own on the new data. A data table the function still reads goes to every device."""
+    rng = np.random.default_rng(5)
+    with pm.Model() as model:
+        x = pm.Data("x_rows", rng.normal(size=30))
+        scale = pm.Data("scale_table", np.array([1.0, 2.0]))       # not rows: read whole
+        b = pm.Normal("b")
+        pm.Normal("y", b * x, scale[0], observed=rng.normal(size=30), shape=x.shape)
+    f = spm.logp_dlogp_function(model, where="devices")
+    point = {"b": np.array(0.3)}
+    np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
+    pm.set_data({"scale_table": np.array([3.0, 2.0])}, model=model)
+    np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
+    pm.set_data({"x_rows": rng.normal(size=30)}, model=model)
+    with pytest.raises(RuntimeError, match="pm.set_data changed 'x_rows' .* build it again"):
+        f(point)
+    again = spm.logp_dlogp_function(model, where="devices")
+    np.testing.assert_allclose(again(point)[0], model.compile_logp()(point), rtol=1e-12)
+    np.testing.assert_allclose(again(point)[1], model.compile_dlogp()(point), rtol=1e-12)
+
+
 @pytest.mark.slow
 def test_nothing_left_behind(synk2):
     model, _, _ = pymc_reference("bounded")

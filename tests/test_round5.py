@@ -333,7 +333,7 @@ def test_values_synkhronos_set_per_device_stay_per_device(devices):
     np.testing.assert_array_equal(synk.gather(w), want)
 
 
-@pytest.mark.parametrize("rank", [-1, 2, 10**9])
+@pytest.mark.parametrize("rank", [-1, 2, 10**9, True, 1.0, None])
 def test_the_rendezvous_refuses_a_node_rank_outside_the_run(rank):
     """A join with the run's job but a node rank the run cannot have (a crafted one: the command
     line refuses it) is refused, and does not take a place in the next round."""
@@ -343,7 +343,8 @@ def test_the_rendezvous_refuses_a_node_rank_outside_the_run(rank):
         stranger = RendezvousClient(server.address, rank, 5, job="t.py --nnodes 1:2")
         stranger.join()
         refused = stranger.next_message(5)
-        assert refused["kind"] == Kind.REFUSED and "--node-rank from 0 to 1" in refused["why"], refused
+        said = "--node-rank from 0 to 1" if type(rank) is int else f"a whole number, not {rank!r}"
+        assert refused["kind"] == Kind.REFUSED and said in refused["why"], refused
         stranger.close()
         member = RendezvousClient(server.address, 0, 5, job="t.py --nnodes 1:2")
         member.join()

@@ -186,11 +186,14 @@ class RendezvousServer:
             kind = message.get("kind")
             if kind == Kind.JOIN:
                 rank = message.get("node_rank")
-                if message.get("job") != self.job or not isinstance(rank, int) or isinstance(rank, bool):
+                if message.get("job") != self.job:
                     self._tell(conn, {"kind": Kind.REFUSED, "why": f"this rendezvous serves the run "
-                                      f"{self.job!r}, not {message.get('job')!r} (node rank "
-                                      f"{rank!r}): start every node with the same script and "
-                                      f"--nnodes, and a whole --node-rank"})
+                                      f"{self.job!r}, not {message.get('job')!r}: start every node "
+                                      f"with the same script and --nnodes"})
+                    return False
+                if not isinstance(rank, int) or isinstance(rank, bool):
+                    self._tell(conn, {"kind": Kind.REFUSED, "why": f"a node rank is a whole number, "
+                                      f"not {rank!r}: give a whole --node-rank"})
                     return False
                 if not 0 <= rank < self.max_nodes:
                     self._tell(conn, {"kind": Kind.REFUSED, "why": f"node rank {rank} is not one of "

@@ -95,6 +95,12 @@ class Registry(Part):
         """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
         return [var for spec in self.specs.values() for var in spec.sliceable_shareds]
 
+    def _watched(self, var: SharedVariable) -> bool:
+        """Whether a change in place of ``var``'s face is the script's new value for every device:
+        not for data given out by rows (each device's own), nor for a training step's flat
+        gradient (synkhronos's own buffer, which only its steps write)."""
+        return var not in self._scattered() and not getattr(var.tag, "synk_gradient", False)
+
     def _scattered(self) -> set[SharedVariable]:
         """:meth:`scattered_shared` as a set, kept until the next function is registered."""
         if self._scattered_set is None:
@@ -133,7 +139,7 @@ class Registry(Part):
             face = host_face(device)
             store(var, face)
             if face is not device:
-                faces[var] = KeptFace(device, face, watched=var not in self._scattered())
+                faces[var] = KeptFace(device, face, watched=self._watched(var))
             else:
                 faces.pop(var, None)
 
@@ -185,7 +191,7 @@ class Registry(Part):
                 if device is value:         # an array of the user's own
                     device = None
                 else:                       # a face the user set: it stays the variable's face
-                    kept = self._faces[var] = KeptFace(device, value, watched=var not in self._scattered())
+                    kept = self._faces[var] = KeptFace(device, value, watched=self._watched(var))
             if device is not None:
                 assert kept is not None, "a device array comes with its face"
                 if not held and value is not device:

@@ -127,6 +127,8 @@ class LogpDlogp:
         #: the function on the devices (None for a model that does not split: it computes here)
         self.fn: Any = None
         self._extras: list = []
+        #: the model's data (``pm.Data``) copied into the devices' function, and its value then
+        self._data_held: list = []
         if split is None:
             return
         outputs, self._joined = self._graph(split, point, model.check_bounds)
@@ -134,6 +136,10 @@ class LogpDlogp:
                            bcast_inputs=[self._joined, *self.extra_vars],
                            name=f"pymc_logp_dlogp_{model.name or 'model'}", on_unused_input="ignore")
         self._rows = [data(value, var=var) for var, value in zip(split.row_inputs, split.row_values)]
+        # (a data variable the function still reads is a shared variable of the runtime: a set_value
+        # reaches every device; the others were copied, as rows or folded into constants)
+        kept = set(self.fn.spec.shared_variables())
+        self._data_held = [(v, v.get_value(borrow=True)) for v in getattr(model, "data_vars", []) if v not in kept]
         self._q = data(q.data.astype(self._joined.type.dtype))
         self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
 
@@ -209,9 +215,19 @@ class LogpDlogp:
         if self.here is not None:
             logp, dlogp = self.here._pytensor_function(q)
             return float(logp), np.asarray(dlogp).astype(self.dtype, copy=False)
+        self._check_data_unchanged()
         self._q[:] = q
         lik, dlik, prior, dprior = self.fn(*self._rows, self._q, *self._extras)
         return float(lik + prior), (dlik + dprior).astype(self.dtype, copy=False)
+
+    def _check_data_unchanged(self) -> None:
+        """Refuse to compute on the devices' copy of the data once ``pm.set_data`` gave the model
+        other data (the copy would be stale without a word)."""
+        for var, held in self._data_held:
+            if var.get_value(borrow=True) is not held:
+                raise RuntimeError(f"pm.set_data changed {var.name!r} of {self.model.name or 'the model'} "
+                                   f"after this density was copied to the devices: build it again "
+                                   f"(logp_dlogp_function, or a new NUTS step)")
 
     def __call__(self, point: dict) -> tuple[float, np.ndarray]:
         """``(logp, dlogp)`` at ``point`` (a dict as ``model.initial_point()`` gives)."""
