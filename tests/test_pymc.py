@@ -511,27 +511,48 @@ def test_models_that_do_not_split_by_rows_are_refused_naming_the_variable(synk2)
     assert_equals_pymc(spm.logp_dlogp_function(pymc_reference("bounded")[0], where="devices"), "bounded")
 
 
+def test_as_many_groups_as_rows_names_the_pm_data_index_and_that_index_splits(synk2):
+    """Five groups over five rows, read through a numpy index (the rugby notebook's style): the
+    refusal says the count may be a coincidence and names pm.Data for the index, and the model
+    with the index as pm.Data splits and equals PyMC's."""
+    y = np.random.default_rng(3).normal(size=5)
+    groups = np.array([4, 3, 2, 1, 0])
+    with pm.Model() as by_numpy:
+        a = pm.Normal("a", 0, 1, shape=5)
+        pm.Normal("y", a[groups], 1, observed=y)
+    with pytest.raises(spm.UnsplittableModel, match="5 groups over 5 rows is a coincidence, give the "
+                                                    "group index as pm.Data"):
+        spm.logp_dlogp_function(by_numpy, where="devices")
+    with pm.Model() as by_data:
+        index = pm.Data("groups", groups)
+        a = pm.Normal("a", 0, 1, shape=5)
+        pm.Normal("y", a[index], 1, observed=y)
+    f = spm.logp_dlogp_function(by_data, where="devices")
+    point = {"a": np.linspace(-1, 1, 5)}
+    np.testing.assert_allclose(f(point)[0], by_data.compile_logp()(point), rtol=1e-12)
+    np.testing.assert_allclose(f(point)[1], by_data.compile_dlogp()(point), rtol=1e-12)
+
+
 def test_a_density_copied_before_pm_set_data_is_refused_and_one_built_after_equals_pymc(synk2):
-    """The devices hold a copy of the rows; ``pm.set_data`` gives the model others. The old copy
-    is refused at its next evaluation, naming the variable, and a density built again equals
-    PyMC's own on the new data. A data table the function still reads goes to every device."""
+    """The devices hold a copy of the model's data (its rows, and what reads data alone, computed
+    once); ``pm.set_data`` gives the model others. The old copy is refused at its next evaluation,
+    naming the variable, and a density built again equals PyMC's own on the new data."""
     rng = np.random.default_rng(5)
     with pm.Model() as model:
         x = pm.Data("x_rows", rng.normal(size=30))
         scale = pm.Data("scale_table", np.array([1.0, 2.0]))       # not rows: read whole
         b = pm.Normal("b")
         pm.Normal("y", b * x, scale[0], observed=rng.normal(size=30), shape=x.shape)
-    f = spm.logp_dlogp_function(model, where="devices")
     point = {"b": np.array(0.3)}
-    np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
-    pm.set_data({"scale_table": np.array([3.0, 2.0])}, model=model)
-    np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
-    pm.set_data({"x_rows": rng.normal(size=30)}, model=model)
-    with pytest.raises(RuntimeError, match="pm.set_data changed 'x_rows' .* build it again"):
-        f(point)
-    again = spm.logp_dlogp_function(model, where="devices")
-    np.testing.assert_allclose(again(point)[0], model.compile_logp()(point), rtol=1e-12)
-    np.testing.assert_allclose(again(point)[1], model.compile_dlogp()(point), rtol=1e-12)
+    for name, value in (("scale_table", np.array([3.0, 2.0])), ("x_rows", rng.normal(size=30))):
+        f = spm.logp_dlogp_function(model, where="devices")
+        np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
+        pm.set_data({name: value}, model=model)
+        with pytest.raises(RuntimeError, match=f"pm.set_data changed '{name}' .* build it again"):
+            f(point)
+        again = spm.logp_dlogp_function(model, where="devices")
+        np.testing.assert_allclose(again(point)[0], model.compile_logp()(point), rtol=1e-12)
+        np.testing.assert_allclose(again(point)[1], model.compile_dlogp()(point), rtol=1e-12)
 
 
 @pytest.mark.slow

@@ -136,8 +136,8 @@ class LogpDlogp:
                            bcast_inputs=[self._joined, *self.extra_vars],
                            name=f"pymc_logp_dlogp_{model.name or 'model'}", on_unused_input="ignore")
         self._rows = [data(value, var=var) for var, value in zip(split.row_inputs, split.row_values)]
-        # (a data variable the function still reads is a shared variable of the runtime: a set_value
-        # reaches every device; the others were copied, as rows or folded into constants)
+        # (a data variable the function still read would be a shared variable of the runtime, which
+        # a set_value reaches on every device; the others were copied, as rows or computed once)
         kept = set(self.fn.spec.shared_variables())
         self._data_held = [(v, v.get_value(borrow=True)) for v in getattr(model, "data_vars", []) if v not in kept]
         self._q = data(q.data.astype(self._joined.type.dtype))

@@ -371,7 +371,9 @@ def _unsplit_shapes(model: Any, observed: list[Variable], n_rows: int, err: Exce
     per_row = [v.name for v in model.value_vars if np.ndim(point[v.name]) and np.shape(point[v.name])[0] == n_rows]
     if per_row:
         return (f"free variable {per_row[0]!r} has one value per row ({n_rows}): the likelihood of {names} "
-                f"cannot be split over the devices by rows while a parameter has a row axis")
+                f"cannot be split over the devices by rows while a parameter has a row axis (if it has one "
+                f"value per group and {n_rows} groups over {n_rows} rows is a coincidence, give the group "
+                f"index as pm.Data, whose rows the split follows)")
     reason = str(err).strip().rstrip(".")
     return (f"the log-likelihood of {names} cannot be computed on a share of the rows ({reason}): a size or "
             f"shape fixed to the row count ({n_rows}) does not split; give sizes as data.shape[0]")
