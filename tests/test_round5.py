@@ -232,9 +232,39 @@ def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
         finally:
             client.close()
         assert message["kind"] == "refused" and "connections open at once" in message["why"], message
+        assert message["busy"] is True      # not a refusal of this launcher: it may try again
         server.close()                      # long before the join time: the strangers are cut off
         time.sleep(0.5)
         assert server._open == 0
+
+
+def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(tmp_path):
+    """A flood of strangers' connections fills the rendezvous: a launcher arriving then is told it
+    is busy, tries again once the strangers are dropped (their join time), and runs its script."""
+    import io
+
+    import socket
+
+    from synkhronos.launch import LaunchSpec
+    from synkhronos.launch.agent import ElasticAgent
+    from synkhronos.launch.rendezvous import SPARE_CONNECTIONS, RendezvousServer
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    # node 1 of up to 2 (node 0's launcher, the rendezvous, is the server here)
+    spec = LaunchSpec(str(script), node_rank=1, min_nodes=1, max_nodes=2, max_restarts=1, join_timeout=20.0)
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=2, settle=0.0, job=spec.job,
+                              join_seconds=1.5)
+    host, port = server.address.rsplit(":", 1)
+    strangers = [socket.create_connection((host, int(port))) for _ in range(4 + SPARE_CONNECTIONS)]
+    try:
+        said = io.StringIO()
+        spec = LaunchSpec(**{**spec.__dict__, "coordinator": server.address})
+        assert ElasticAgent(spec, out=said).run() == 0, said.getvalue()
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        server.close()
+    assert "is busy" in said.getvalue() and "trying again" in said.getvalue(), said.getvalue()
 
 
 _OUT_OF_DESCRIPTORS = """

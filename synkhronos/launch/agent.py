@@ -28,6 +28,8 @@ __all__ = ["ElasticAgent"]
 
 #: seconds a script is given to end after SIGTERM before it is killed
 STOP_GRACE = 3.0
+#: seconds between tries to join a rendezvous that was busy (full of strangers' connections)
+BUSY_RETRY_SECONDS = 1.0
 
 
 class RoundEnd(NamedTuple):
@@ -59,6 +61,9 @@ class ElasticAgent:
         self._round: int | None = None
         self._done = False          # this node's script ended well; the others' may not have
         self._restarts = 0
+        self._address = spec.coordinator
+        self._join_by = 0.0         # monotonic time by which the first round must have started
+        self._busy_said = False
 
     def run(self) -> int:
         """Run the script under the rendezvous until it ends on every node; the exit code."""
@@ -72,16 +77,16 @@ class ElasticAgent:
                 "give --coordinator an address of this machine (node 0) and a free port"
             self._say(f"cannot keep the rendezvous at {spec.coordinator} ({e.strerror or e}): {why}")
             return 1
+        self._address = server.address if server else spec.coordinator
+        self._join_by = time.monotonic() + spec.join_timeout
         try:
-            self._client = RendezvousClient(server.address if server else spec.coordinator,
-                                            spec.node_rank, spec.join_timeout, spec.job)
+            self._client = self._connect()
         except TimeoutError as e:
             self._say(str(e))
             if server is not None:
                 server.close()
             return 1
         try:
-            self._client.join()
             while True:
                 message = self._wait_for_round()
                 if isinstance(message, int):
@@ -99,6 +104,31 @@ class ElasticAgent:
             if server is not None:
                 server.close()
 
+    def _connect(self) -> RendezvousClient:
+        """A connection to the rendezvous, joined."""
+        spec = self.spec
+        client = RendezvousClient(self._address, spec.node_rank,
+                                  max(1.0, self._join_by - time.monotonic()), spec.job)
+        client.join()
+        return client
+
+    def _try_again(self, why: str) -> bool:
+        """After a refusal that was only "not now" (the rendezvous was full of strangers'
+        connections): connect and join again, until the join time is up; False once it is."""
+        self._rendezvous.close()
+        if self._busy_said is False:
+            self._say(f"the rendezvous at {self.spec.coordinator} is busy ({why}); trying again")
+            self._busy_said = True
+        wait = min(BUSY_RETRY_SECONDS, self._join_by - time.monotonic())
+        if wait <= 0:
+            return False
+        time.sleep(wait)
+        try:
+            self._client = self._connect()
+        except TimeoutError:
+            return False
+        return True
+
     @property
     def _rendezvous(self) -> RendezvousClient:
         assert self._client is not None, "the agent has joined the rendezvous"
@@ -110,7 +140,9 @@ class ElasticAgent:
         spec, client = self.spec, self._rendezvous
         while True:
             # waiting for a round is bounded; waiting, done, for the other nodes to finish is not
-            message = client.next_message(None if self._done else spec.join_timeout)
+            first = self._round is None
+            message = client.next_message(None if self._done else max(0.0, self._join_by - time.monotonic())
+                                          if first else spec.join_timeout)
             if message is None:
                 self._say(f"no round started within {spec.join_timeout:.0f} s: fewer than "
                           f"{spec.min_nodes} nodes' launchers joined the rendezvous at {spec.coordinator}")
@@ -118,6 +150,10 @@ class ElasticAgent:
             kind = message["kind"]
             if kind == Kind.FINISHED:
                 return 0
+            if kind == Kind.REFUSED and message.get("busy") and self._round is None:
+                if self._try_again(str(message.get("why"))):
+                    client = self._rendezvous
+                    continue
             if kind == Kind.REFUSED:
                 self._say(f"the rendezvous at {spec.coordinator} refused this launcher: "
                           f"{message.get('why')}")

@@ -50,7 +50,7 @@ class Kind(StrEnum):
     RESTART = "restart"
     #: the rendezvous's: every node's script ended well; the run is over
     FINISHED = "finished"
-    #: the rendezvous's: this launcher may not join (``why``)
+    #: the rendezvous's: this launcher may not join (``why``; ``busy``: not now, it may try again)
     REFUSED = "refused"
 
 
@@ -135,8 +135,9 @@ class RendezvousServer:
                 full = self._open >= self._max_open
                 self._open += 0 if full else 1
             if full:                            # a flood of strangers: told so, and closed at once
-                self._tell(conn, {"kind": Kind.REFUSED, "why": f"the rendezvous has {self._max_open} "
-                                  f"connections open at once (a flood?); start this node again"})
+                self._tell(conn, {"kind": Kind.REFUSED, "busy": True,
+                                  "why": f"the rendezvous has {self._max_open} connections open at "
+                                         f"once (a flood?)"})
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="synk-rendezvous-peer", daemon=True).start()
