@@ -242,7 +242,6 @@ def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(
     """A flood of strangers' connections fills the rendezvous: a launcher arriving then is told it
     is busy, tries again once the strangers are dropped (their join time), and runs its script."""
     import io
-
     import socket
 
     from synkhronos.launch import LaunchSpec
