@@ -354,3 +354,24 @@ def test_a_pinned_buffer_is_written_again_only_when_free(device_arrays):
     assert faces[-1] is None                                 # all held: the caller goes the usual way
     assert buffers.empty((16, 16), "float32") is None        # too small to pay off
     assert buffers.send(np.zeros((512, 1024), "float32")) is None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_value_the_scripts_own_jax_function_leaves_reaches_every_device(device_arrays, n):
+    """Where values stay device arrays (a GPU), the user's own functions compile with mode="JAX"
+    and leave new JAX arrays in the variables they update (a learning-rate decay): a change of the
+    one script, every device's at the next call, as a ``set_value`` is; synkhronos's own results
+    (a step's update) stay as they are."""
+    device_arrays(n)
+    m = _model()
+    lr = pytensor.shared(np.float64(0.5), name="lr_jax")
+    f = synk.function([m["x"]], ((m["x"].sum(1) * lr).sum(), "sum"))
+    decay = pytensor.function([], [], updates=[(lr, lr * 0.5)], mode="JAX")
+    X = m["X"][:8]
+    for step in range(3):
+        m["step"](m["X"][:32], m["Y"][:32])             # a step's update: every device's already
+        decay()
+        assert float(f(X)) == pytest.approx(X.sum() * 0.5 ** (step + 2), rel=1e-12)
+        assert [float(v) for v in synk.gather(lr)] == [0.5 ** (step + 2)] * n
+        gathered = synk.gather(m["params"][0])
+        np.testing.assert_array_equal(gathered[0], gathered[-1])

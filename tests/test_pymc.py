@@ -547,6 +547,10 @@ def test_a_density_copied_before_pm_set_data_is_refused_and_one_built_after_equa
     for name, value in (("scale_table", np.array([3.0, 2.0])), ("x_rows", rng.normal(size=30))):
         f = spm.logp_dlogp_function(model, where="devices")
         np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
+        # the same data given again, or a function of the runtime reading the variable: no change
+        pm.set_data({name: np.array(model[name].get_value())}, model=model)
+        synk.function([], (model[name].sum(), None))()
+        np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
         pm.set_data({name: value}, model=model)
         with pytest.raises(RuntimeError, match=f"pm.set_data changed '{name}' .* build it again"):
             f(point)

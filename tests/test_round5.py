@@ -320,12 +320,14 @@ def test_set_value_in_the_script_reaches_every_device(devices):
 
 
 @pytest.mark.parametrize("how", ["own function, default mode", "own function, FAST_COMPILE",
-                                 "edit of the borrowed value"])
+                                 "own function, JAX", "edit of the borrowed value",
+                                 "edit of a borrowed value held over calls"])
 def test_a_value_the_script_changes_in_place_reaches_every_device(devices, how):
     """PyTensor's default mode updates a shared variable in place, in the numpy array synkhronos
     gave the variable (a learning-rate decay of the Theano tutorials: ``theano.function([],
     updates={lr: lr * decay})``), and so does an edit of ``get_value(borrow=True)``: a change of
-    the one script, every device's at the next call, as a ``set_value`` is."""
+    the one script, every device's at the next call, as a ``set_value`` is; so is the new JAX
+    array a ``mode="JAX"`` function leaves."""
     x = pt.matrix("x")
     lr = pytensor.shared(np.float64(0.5), name="lr_decay")
     w = pytensor.shared(np.ones(3), name="w_in_place")
@@ -333,18 +335,22 @@ def test_a_value_the_script_changes_in_place_reaches_every_device(devices, how):
     ref = pytensor.function([x], (x @ w * lr).sum(), mode="FAST_COMPILE")
     X = np.arange(21.0).reshape(7, 3)
     assert float(f(X)) == pytest.approx(float(ref(X)), rel=1e-12)
+    held_lr, held_w = lr.get_value(borrow=True), w.get_value(borrow=True)
     for _ in range(2):
         if how == "edit of the borrowed value":
             lr.get_value(borrow=True)[...] *= 0.5
             w.get_value(borrow=True)[1] += 2.0            # one element of one row
+        elif how == "edit of a borrowed value held over calls":   # as plain PyTensor: still the value
+            held_lr[...] *= 0.5
+            held_w[1] += 2.0
         else:
-            mode = None if how.endswith("default mode") else "FAST_COMPILE"
+            mode = {"default mode": None, "FAST_COMPILE": "FAST_COMPILE", "JAX": "JAX"}[how.split(", ")[1]]
             pytensor.function([], [], updates=[(lr, lr * 0.5)], mode=mode)()
             pytensor.function([], [], updates=[(w, pt.inc_subtensor(w[1], 2.0))], mode=mode)()
         assert float(f(X)) == pytest.approx(float(ref(X)), rel=1e-12)
         assert [float(v) for v in synk.gather(lr)] == [float(lr.get_value())] * devices.n_parallel
-        np.testing.assert_array_equal(synk.gather(w), [w.get_value()] * devices.n_parallel)
-    assert float(lr.get_value()) == 0.125 and w.get_value().tolist() == [1.0, 5.0, 1.0]
+        np.testing.assert_array_equal(synk.gather(w), [np.asarray(w.get_value())] * devices.n_parallel)
+    assert float(lr.get_value()) == 0.125 and np.asarray(w.get_value()).tolist() == [1.0, 5.0, 1.0]
 
 
 def test_values_synkhronos_set_per_device_stay_per_device(devices):
@@ -400,3 +406,34 @@ def test_an_assertion_of_the_users_graph_is_said_to_go_unchecked_once_naming_it(
         warnings.simplefilter("error")          # PyTensor's own notice is not said again at the call
         assert float(f(np.array([1.0, 2.0, 3.0, -4.0]))) == 2.0
         synk.function([y], (y.sum(), "sum"))    # a graph without an assertion says nothing
+
+
+def test_float32_parameters_under_float64_floatx_train_and_keep_their_dtype(devices):
+    """PyTensor's JAX backend computes a float32 parameter's gradient in float64 under the default
+    floatX (float64): every update keeps its variable's dtype, the flat gradient's all-reduce among
+    them (it once found its buffer too small), and the steps equal one process's."""
+    from synkhronos.extensions import train, updates
+    rng = np.random.default_rng(0)
+    # (2 MB of parameters: their gradient in float64 would overflow the all-reduce's buffer)
+    X = rng.normal(size=(24, 700)).astype("float32")
+    Y = rng.integers(0, 700, size=24).astype("int32")
+    W0 = (rng.normal(size=(700, 700)) * 0.03).astype("float32")
+
+    def model():
+        x, y = pt.matrix("x", dtype="float32"), pt.ivector("y")
+        W = pytensor.shared(W0.copy(), name="W_f32")
+        b = pytensor.shared(np.zeros(700, "float32"), name="b_f32")
+        p = pt.special.softmax(x @ W + b, axis=1)
+        return x, y, W, b, -pt.mean(pt.log(p[pt.arange(y.shape[0]), y]))
+    x, y, W, b, loss = model()
+    step = train.make_train_function(loss, [W, b], x, y, updates.sgd, learning_rate=0.5)
+    rx, ry, rW, rb, rloss = model()
+    g = pytensor.grad(rloss, [rW, rb])
+    ref = pytensor.function([rx, ry], rloss, updates=[(rW, rW - 0.5 * g[0]), (rb, rb - 0.5 * g[1])])
+    for i in range(3):                   # the first call, then the one-program step
+        rows = slice(8 * i, 8 * i + 8)
+        assert float(step(X[rows], Y[rows])) == pytest.approx(float(ref(X[rows], Y[rows])), rel=1e-5)
+    for ours, theirs in ((W, rW), (b, rb)):
+        assert np.asarray(ours.get_value()).dtype == np.float32
+        np.testing.assert_allclose(np.asarray(ours.get_value()), theirs.get_value(), rtol=1e-5, atol=1e-6)
+        assert {np.asarray(v).dtype for v in synk.gather(ours)} == {np.dtype("float32")}

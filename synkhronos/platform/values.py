@@ -211,6 +211,11 @@ class KeptFace:
         self.face, self._device = face, weakref.ref(device)
         self._digest = _digest(face) if watched else None
 
+    def watch_again(self) -> None:
+        """Take the face's bytes as they are now for the ones to compare with."""
+        if self._digest is not None:
+            self._digest = _digest(self.face)
+
     def written_since(self, value: Any) -> bool:
         """Whether ``value`` is this face, written in place since it was made (never, for a face
         made with ``watched=False``: a value that is each device's own)."""

@@ -143,12 +143,13 @@ def _one_step(grad: Graph, update: Graph, layout: _Layout, reducer: Reducer, op:
     function's outputs.
     """
     outs = grad.traced(*args, *[values[p] for p in layout.grad_at])
+    # (each written value keeps its variable's dtype, whatever dtype PyTensor's JAX backend computed)
     for i, p in layout.grad_out_at:
-        values[p] = outs[i]
+        values[p] = _same_type(outs[i], values[p])
     values[layout.reduced_at] = reducer.reduce(values[layout.reduced_at], op)
     new = update.traced(*[values[p] for p in layout.update_at])
     for i, p in layout.update_out_at:
-        values[p] = new[i]
+        values[p] = _same_type(new[i], values[p])
     return outs, values
 
 

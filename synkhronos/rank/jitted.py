@@ -84,6 +84,10 @@ def jitted_call(fn: Function) -> Runner | None:
     donating, donated = donating_variant(parts, [v.type for v in fn.maker.fgraph.inputs])
     #: the graph this function runs, and whether it calls host code: chosen at its first call
     chosen: list = []
+    #: per update, the dtype its variable holds in JAX's precision (set at the first call, once
+    #: JAX's precision is set): PyTensor's JAX backend may compute another (float64 for a float32
+    #: variable under floatX float64), which the variable's type does not admit
+    update_dtypes: list = []
     # all outputs of one execution become ready together: wait on one array (a random generator's
     # next state is a dict of arrays, which has no block_until_ready)
     arrays = [i for i, v in enumerate(fn.maker.fgraph.outputs) if isinstance(v.type, TensorType)]
@@ -116,6 +120,7 @@ def jitted_call(fn: Function) -> Runner | None:
                 values[n_args:] = [device_face(v) for v in values[n_args:]]
             if not chosen:
                 choose(values)
+                update_dtypes[:] = [_jax_dtype(fn.maker.fgraph.outputs[i].type) for i, _ in updates]
             graph, host = chosen
             if undo is not None and (host or undo.keep_all):
                 undo.keep(update_cells)       # before the copy below: a kept value is not donated
@@ -130,8 +135,11 @@ def jitted_call(fn: Function) -> Runner | None:
             with held() if graph is donating else contextlib.nullcontext():
                 outputs = graph(*values)
                 del values
-                for i, storage in updates:
-                    storage[0] = host_face(outputs[i]) if faces else outputs[i]
+                for (i, storage), dtype in zip(updates, update_dtypes):
+                    value = outputs[i]
+                    if dtype is not None and value.dtype != dtype:
+                        value = value.astype(dtype)
+                    storage[0] = host_face(value) if faces else value
         except Exception as e:
             raise_deferred_interrupt(e)
             outputs = fn(*args)       # raises again, with PyTensor's account of the failing node
@@ -166,6 +174,7 @@ def jitted_call(fn: Function) -> Runner | None:
         def compile_() -> None:
             if not chosen:
                 choose(values)
+                update_dtypes[:] = [_jax_dtype(fn.maker.fgraph.outputs[i].type) for i, _ in updates]
             graph: Any = jit if faces else chosen[0]        # a jax.jit function
             graph.lower(*avals).compile()
         return compile_
@@ -255,3 +264,9 @@ def copy_values_held_elsewhere(values: list[Any], donated: Iterable[int]) -> Non
     for j in donated:
         if not isinstance(values[j], jax.Array) or sys.getrefcount(values[j]) > _ONLY_IN_ITS_CELL:
             values[j] = jax.device_put(values[j], may_alias=False)
+
+
+def _jax_dtype(type_: Any) -> Any:
+    """The dtype a value of PyTensor type ``type_`` has in JAX's precision (None: not a tensor)."""
+    import jax
+    return jax.dtypes.canonicalize_dtype(type_.dtype) if isinstance(type_, TensorType) else None

@@ -11,7 +11,8 @@ device arrays (:meth:`Registry.values_to_devices`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+import weakref
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from pytensor.tensor.type import TensorType
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
 from ..platform.internals import storage_cell
-from ..platform.values import KeptFace, faces_held, host_faces_on, store, stored
+from ..platform.values import KeptFace, faces_held, host_faces_on, nbytes_of, store, stored
 from ..rank.compiled import release_programs
 from ..wire.control import ARGS, Op
 from .part import Part
@@ -31,10 +32,14 @@ if TYPE_CHECKING:
     from ..rank.compiled import CompiledFunction
     from ..wire.spec import FunctionSpec
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "WATCHED_BYTES"]
 
 #: no shape a value has (a variable no call has left a value in yet)
 _ANY = object()
+#: the largest value whose change in place between calls is found (by a checksum read at each call
+#: that uses it, and when a call gives it a new value); a larger one changed in place stays the
+#: master's until ``synk.broadcast``
+WATCHED_BYTES = 16 << 20
 
 
 class Registry(Part):
@@ -51,6 +56,8 @@ class Registry(Part):
         self._tensors: list[SharedVariable] = []    # the tensors among them: what user code reads as numpy
         self._faces: dict[SharedVariable, KeptFace] = {}      # var -> the face user code was given
         self._shapes_left: dict[SharedVariable, object] = {}  # var -> the shape the last call left it
+        # var -> the device array the last command left it (where no face stands for it)
+        self._arrays_left: dict[SharedVariable, Callable[[], Any]] = {}
         self._shipped_uids: set[int] = set()
         self._scattered_set: set[SharedVariable] | None = None
         # id -> generator already made this node master's own stream
@@ -95,11 +102,13 @@ class Registry(Part):
         """Every shared variable some function slices (``sliceable_shareds``: data, not state)."""
         return [var for spec in self.specs.values() for var in spec.sliceable_shareds]
 
-    def _watched(self, var: SharedVariable) -> bool:
+    def _watched(self, var: SharedVariable, value: Any) -> bool:
         """Whether a change in place of ``var``'s face is the script's new value for every device:
-        not for data given out by rows (each device's own), nor for a training step's flat
-        gradient (synkhronos's own buffer, which only its steps write)."""
-        return var not in self._scattered() and not getattr(var.tag, "synk_gradient", False)
+        not for data given out by rows (each device's own), a training step's flat gradient
+        (synkhronos's own buffer, which only its steps write), nor a value over
+        :data:`WATCHED_BYTES` (a table every call would read once more to check)."""
+        return var not in self._scattered() and not getattr(var.tag, "synk_gradient", False) and \
+            nbytes_of(value) <= WATCHED_BYTES
 
     def _scattered(self) -> set[SharedVariable]:
         """:meth:`scattered_shared` as a set, kept until the next function is registered."""
@@ -127,6 +136,7 @@ class Registry(Part):
             cell = storage_cell(var)
             if plain and var not in faces:        # a device array stays one: only its shape is kept
                 left[var] = np.shape(cell[0])
+                self._arrays_left[var] = _reference(cell[0])
                 continue
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
@@ -139,7 +149,7 @@ class Registry(Part):
             face = host_face(device)
             store(var, face)
             if face is not device:
-                faces[var] = KeptFace(device, face, watched=self._watched(var))
+                faces[var] = KeptFace(device, face, watched=self._watched(var, face))
             else:
                 faces.pop(var, None)
 
@@ -174,6 +184,9 @@ class Registry(Part):
                 if shape != left.get(var, _ANY):
                     self._state.calls.forget_shapes()
                     left[var] = shape
+                last = self._arrays_left.get(var)
+                if last is not None and last() is not value:
+                    set_here.append(var)    # another array, the script's (its own mode="JAX" update)
                 continue
             if np.shape(value) != left.get(var, _ANY):
                 # a shape other than the one a call left: the user's own function set it
@@ -182,16 +195,19 @@ class Registry(Part):
             kept, device = self._kept_face(var, value)
             if device is not None and kept is not None and kept.written_since(value):
                 # the script wrote the face in place (an edit of the borrowed value, its own
-                # PyTensor function's update in place): a new value, like one it sets. Copied: the
-                # face's memory is the master's device array, which the next call may donate
-                del self._faces[var]
-                kept, device, value = None, None, np.array(value)
+                # PyTensor function's update in place): a new value, every device's
+                if device_face(value) is device:    # the face is the master's array: it holds it
+                    kept.watch_again()
+                    set_here.append(var)
+                else:                               # a copy of it (a GPU's): the value goes up
+                    del self._faces[var]
+                    kept, device, value = None, None, np.array(value)
             if device is None and type(value) is np.ndarray:
                 device = device_face(value)
                 if device is value:         # an array of the user's own
                     device = None
                 else:                       # a face the user set: it stays the variable's face
-                    kept = self._faces[var] = KeptFace(device, value, watched=self._watched(var))
+                    kept = self._faces[var] = KeptFace(device, value, watched=self._watched(var, value))
             if device is not None:
                 assert kept is not None, "a device array comes with its face"
                 if not held and value is not device:
@@ -201,6 +217,8 @@ class Registry(Part):
             if isinstance(value, np.ndarray):      # set by the user: maybe of another shape
                 value = to_device(value.astype(var.type.dtype, copy=False))
                 self._state.calls.forget_shapes()
+                set_here.append(var)
+            elif kept is not None:                 # a device array of the script's own, for the face
                 set_here.append(var)
             store(var, value)
         return self._for_every_device(set_here)
@@ -324,3 +342,12 @@ class Registry(Part):
             if distance and randomness.is_generator(var) and id(var) not in self._own_streams:
                 self._own_streams[id(var)] = var        # (kept: the id stays this variable's)
                 var.set_value(randomness.device_stream(var.get_value(borrow=True), distance))
+
+
+def _reference(value: Any) -> Callable[[], Any]:
+    """A reference to ``value`` that does not keep it alive where it can (a device array): called,
+    it gives ``value``, or None once it is gone."""
+    try:
+        return weakref.ref(value)
+    except TypeError:           # (a value that takes no weak reference is held)
+        return lambda: value

@@ -12,6 +12,7 @@ cannot travel. The tutorials' ``givens`` idiom is rewritten here
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -197,6 +198,9 @@ def _update_names(targets: Iterable[SharedVariable], triples: Sequence[tuple[Sha
     return [named(s) for s in targets]
 
 
+#: the package's directory: a warning about the user's graph names the first line outside it
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 #: whether this process has said that a float64 cast computes in float32 (see below)
 _SAID_64_BITS = [False]
 
@@ -236,12 +240,15 @@ def _say_if_assertions_go_unchecked(spec: FunctionSpec) -> None:
     add later are its own, and go unsaid.)"""
     from pytensor.graph.traversal import apply_ancestors
     from pytensor.raise_op import CheckAndRaise
-    checks = [node for node in apply_ancestors(spec.graph_vars()) if isinstance(node.op, CheckAndRaise)]
+    # (one assertion may stand in the graph twice: its value and its gradient both pass through it)
+    checks = list(dict.fromkeys((str(node.op), node.op.msg) for node in apply_ancestors(spec.graph_vars())
+                                if isinstance(node.op, CheckAndRaise)))
     if checks:
         more = f" (and {len(checks) - 1} more)" if len(checks) > 1 else ""
-        warnings.warn(f"{spec.name}: the assertion {checks[0].op.msg!r} of {checks[0].op}{more} is not "
+        warnings.warn(f"{spec.name}: the assertion {checks[0][1]!r} of {checks[0][0]}{more} is not "
                       f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
-                      f"backend skips it; check the values before the call", SynkWarning, stacklevel=5)
+                      f"backend skips it; check the values before the call", SynkWarning,
+                      skip_file_prefixes=(_PACKAGE,))
 
 
 def _check_jax_can_sample(spec: FunctionSpec) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
+import xxhash
 from pymc.blocking import DictToArrayBijection
 from pymc.logprob.utils import local_check_parameter_to_ninf_switch, local_remove_check_parameter
 from pymc.model import modelcontext
@@ -139,7 +140,8 @@ class LogpDlogp:
         # (a data variable the function still read would be a shared variable of the runtime, which
         # a set_value reaches on every device; the others were copied, as rows or computed once)
         kept = set(self.fn.spec.shared_variables())
-        self._data_held = [(v, v.get_value(borrow=True)) for v in getattr(model, "data_vars", []) if v not in kept]
+        self._data_held = [[v, v.get_value(borrow=True), _digest(v.get_value(borrow=True))]
+                           for v in getattr(model, "data_vars", []) if v not in kept]
         self._q = data(q.data.astype(self._joined.type.dtype))
         self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
 
@@ -222,12 +224,18 @@ class LogpDlogp:
 
     def _check_data_unchanged(self) -> None:
         """Refuse to compute on the devices' copy of the data once ``pm.set_data`` gave the model
-        other data (the copy would be stale without a word)."""
-        for var, held in self._data_held:
-            if var.get_value(borrow=True) is not held:
+        other data (the copy would be stale without a word). A value that is another array (a
+        ``set_value``, or synkhronos's own face of a data variable a function of the runtime reads)
+        is compared by its bytes, once."""
+        for held in self._data_held:
+            var, value = held[0], held[0].get_value(borrow=True)
+            if value is held[1]:
+                continue
+            if _digest(value) != held[2]:
                 raise RuntimeError(f"pm.set_data changed {var.name!r} of {self.model.name or 'the model'} "
                                    f"after this density was copied to the devices: build it again "
                                    f"(logp_dlogp_function, or a new NUTS step)")
+            held[1] = value
 
     def __call__(self, point: dict) -> tuple[float, np.ndarray]:
         """``(logp, dlogp)`` at ``point`` (a dict as ``model.initial_point()`` gives)."""
@@ -239,6 +247,12 @@ class LogpDlogp:
     def point_map_info(self) -> tuple:
         """Names, shapes, sizes and dtypes of the raveled vector's pieces (PyMC's ``RaveledVars``)."""
         return self._point_map_info
+
+
+def _digest(value: Any) -> tuple[tuple[int, ...], str, int]:
+    """A data value's shape, dtype and checksum of its bytes."""
+    array = np.ascontiguousarray(value)
+    return array.shape, array.dtype.str, xxhash.xxh3_64_intdigest(array)
 
 
 def _median_seconds(call: Callable[[], object], calls: int = TIMED_CALLS) -> float:

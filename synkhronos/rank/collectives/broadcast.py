@@ -47,7 +47,9 @@ def prepare(context: CollectiveContext, vars_: Sequence[SharedVariable], words: 
 
     def execute() -> list[Any]:
         for idx, values in groups:
-            for i, v in zip(idx, comm.broadcast(values, root)):
-                keep_on_device(vars_[i], v)
+            received = comm.broadcast(values, root)
+            if rank != root:    # the root's value stays its own array (one the script may hold)
+                for i, v in zip(idx, received):
+                    keep_on_device(vars_[i], v)
         return []
     return execute
