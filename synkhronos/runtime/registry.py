@@ -187,6 +187,7 @@ class Registry(Part):
                 last = self._arrays_left.get(var)
                 if last is not None and last() is not value:
                     set_here.append(var)    # another array, the script's (its own mode="JAX" update)
+                    store(var, _of_its_type(var, value))
                 continue
             if np.shape(value) != left.get(var, _ANY):
                 # a shape other than the one a call left: the user's own function set it
@@ -220,6 +221,7 @@ class Registry(Part):
                 set_here.append(var)
             elif kept is not None:                 # a device array of the script's own, for the face
                 set_here.append(var)
+                value = _of_its_type(var, value)
             store(var, value)
         return self._for_every_device(set_here)
 
@@ -351,3 +353,11 @@ def _reference(value: Any) -> Callable[[], Any]:
         return weakref.ref(value)
     except TypeError:           # (a value that takes no weak reference is held)
         return lambda: value
+
+
+def _of_its_type(var: SharedVariable, value: Any) -> Any:
+    """A device array the script left in ``var``, in ``var``'s dtype as JAX holds it (PyTensor's
+    JAX backend may compute another: float64 for a float32 variable under floatX float64)."""
+    import jax
+    dtype = jax.dtypes.canonicalize_dtype(var.type.dtype)
+    return value.astype(dtype) if getattr(value, "dtype", dtype) != dtype else value
