@@ -47,9 +47,10 @@ def prepare(context: CollectiveContext, vars_: Sequence[SharedVariable], words: 
 
     def execute() -> list[Any]:
         for idx, values in groups:
-            received = comm.broadcast(values, root)
-            if rank != root:    # the root's value stays its own array (one the script may hold)
-                for i, v in zip(idx, received):
+            for i, own, v in zip(idx, values, comm.broadcast(values, root)):
+                # the root's device array stays its value (the script may hold its face); a value
+                # just set there (numpy) goes on the device as the others' do
+                if rank != root or isinstance(own, np.ndarray):
                     keep_on_device(vars_[i], v)
         return []
     return execute
