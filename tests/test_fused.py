@@ -375,3 +375,31 @@ def test_a_value_the_scripts_own_jax_function_leaves_reaches_every_device(device
         assert [float(v) for v in synk.gather(lr)] == [0.5 ** (step + 2)] * n
         gathered = synk.gather(m["params"][0])
         np.testing.assert_array_equal(gathered[0], gathered[-1])
+
+
+def test_per_device_values_stay_per_device_over_calls_made_while_a_thread_runs(device_arrays):
+    """While another thread runs, the values are numpy faces (a reader may hold them); after, device
+    arrays again. Neither change is the script's: each device keeps its own updates."""
+    import threading
+    device_arrays(2)
+    w = pytensor.shared(np.zeros(3), name="w_thread_per_device")
+    x = pt.dvector("x")
+    f = synk.function([x], x.sum(), updates=[(w, w + x.sum())], local_updates=True)
+    X = synk.data(np.arange(4.0))        # rows 0, 1 on device 0 and 2, 3 on device 1: 1 and 5 a call
+
+    def per_device():
+        return [float(synk.get_value(rank, w)[0]) for rank in (0, 1)]
+    f(X)
+    done = threading.Event()
+    waiting = threading.Thread(target=done.wait)
+    waiting.start()
+    f(X)
+    done.set()
+    waiting.join()
+    f(X)
+    assert per_device() == [3.0, 15.0]
+    caller = threading.Thread(target=lambda: f(X))
+    caller.start()
+    caller.join()
+    f(X)
+    assert per_device() == [5.0, 25.0]

@@ -144,7 +144,7 @@ class ElasticAgent:
             message = client.next_message(None if self._done else max(0.0, self._join_by - time.monotonic())
                                           if first else spec.join_timeout)
             if message is None:
-                self._say(f"no round started within {spec.join_timeout:.0f} s: fewer than "
+                self._say(f"no round started within {spec.join_timeout:.3g} s: fewer than "
                           f"{spec.min_nodes} nodes' launchers joined the rendezvous at {spec.coordinator}")
                 return 1
             kind = message["kind"]
@@ -154,6 +154,9 @@ class ElasticAgent:
                 if self._try_again(str(message.get("why"))):
                     client = self._rendezvous
                     continue
+                self._say(f"the rendezvous at {spec.coordinator} stayed busy for the join time "
+                          f"({spec.join_timeout:.3g} s): {message.get('why')}")
+                return 1
             if kind == Kind.REFUSED:
                 self._say(f"the rendezvous at {spec.coordinator} refused this launcher: "
                           f"{message.get('why')}")

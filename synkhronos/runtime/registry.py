@@ -150,8 +150,9 @@ class Registry(Part):
             store(var, face)
             if face is not device:
                 faces[var] = KeptFace(device, face, watched=self._watched(var, face))
-            else:
+            else:           # (no face any more: faces are no longer held) the array is what is left
                 faces.pop(var, None)
+                self._arrays_left[var] = _reference(device)
 
     def _in(self, scope: Collection[SharedVariable] | None) -> Collection[SharedVariable]:
         """The tensors a command touches: ``scope`` (a function's own), or every one (None)."""
