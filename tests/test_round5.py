@@ -441,3 +441,46 @@ def test_float32_parameters_under_float64_floatx_train_and_keep_their_dtype(devi
         assert np.asarray(ours.get_value()).dtype == np.float32
         np.testing.assert_allclose(np.asarray(ours.get_value()), theirs.get_value(), rtol=1e-5, atol=1e-6)
         assert {np.asarray(v).dtype for v in synk.gather(ours)} == {np.dtype("float32")}
+
+
+def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step():
+    """A step of several commands (the gradient function, the all-reduce, the update) stores its
+    state updates (a step counter) with the gradient: a Ctrl-C landing before the update stored
+    puts the master's counter back, so that the values the script keeps are a whole step's."""
+    from synkhronos.extensions import train, updates
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2)
+    try:
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.full(3, 0.1), name="w_half")
+        count = pytensor.shared(np.float64(0), name="count_half")
+        loss = ((x @ w - y) ** 2).mean()
+        step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1,
+                                         state_updates=[(count, count + 1)])
+        X, Y = np.arange(12.0).reshape(4, 3) / 10, np.ones(4)
+        for _ in range(3):
+            step(X, Y)
+        w_before, count_before = np.array(w.get_value()), float(count.get_value())
+        context = session.current().context
+        tail_of = context.step_tail
+
+        def interrupted_tail(*args):
+            tail_of(*args)
+
+            def run() -> None:
+                raise KeyboardInterrupt         # the gradient function has stored; nothing else has
+            return run
+        context.step_tail = interrupted_tail
+        with pytest.raises(KeyboardInterrupt):
+            step(X, Y)
+        assert float(count.get_value()) == count_before == 3.0
+        np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)
+        synk.fork(2)                            # and the run goes on from there
+        step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1,
+                                         state_updates=[(count, count + 1)])
+        step(X, Y)
+        assert [float(c) for c in synk.gather(count)] == [4.0, 4.0]
+    finally:
+        synk.close()

@@ -274,6 +274,7 @@ class State:
             try:
                 if self.channel is None:
                     return
+                self.calls.put_back_half_step()
                 for p in self.channel.procs.values():
                     if p.poll() is None:
                         p.kill()
