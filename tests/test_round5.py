@@ -251,8 +251,10 @@ def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(
     script.write_text("print('ran')\n")
     # node 1 of up to 2 (node 0's launcher, the rendezvous, is the server here)
     spec = LaunchSpec(str(script), node_rank=1, min_nodes=1, max_nodes=2, max_restarts=1, join_timeout=20.0)
+    # (strangers dropped only after 4 s: the launcher with the short join time meets them, however
+    # slow the machine)
     server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=2, settle=0.0, job=spec.job,
-                              join_seconds=1.5)
+                              join_seconds=4.0)
     host, port = server.address.rsplit(":", 1)
     strangers = [socket.create_connection((host, int(port))) for _ in range(4 + SPARE_CONNECTIONS)]
     try:
@@ -482,5 +484,34 @@ def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_
                                          state_updates=[(count, count + 1)])
         step(X, Y)
         assert [float(c) for c in synk.gather(count)] == [4.0, 4.0]
+    finally:
+        synk.close()
+
+
+def test_a_ctrl_c_between_a_loop_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step():
+    """The same in ``train.run``, whose master steps on its own device in the main thread."""
+    from synkhronos.extensions import train, updates
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2)
+    try:
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.full(3, 0.1), name="w_half_loop")
+        count = pytensor.shared(np.float64(0), name="count_half_loop")
+        step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd,
+                                         learning_rate=0.1, state_updates=[(count, count + 1)])
+        X, Y = synk.data(np.arange(48.0).reshape(16, 3) / 50), synk.data(np.ones(16))
+        train.run(step, X, Y, batch_size=4, steps=3, shuffle=False)
+        w_before, count_before = np.array(w.get_value()), float(count.get_value())
+        update = session.current().registry.compiled[step.functions[1].spec.fid]
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt             # the gradient function has stored; nothing else has
+        update.run = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            train.run(step, X, Y, batch_size=4, steps=2, shuffle=False)
+        assert float(count.get_value()) == count_before == 3.0
+        np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)
     finally:
         synk.close()

@@ -13,6 +13,8 @@ ranks share, so a fast device trains on more of them than a slow one.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..platform.device_arrays import adopt, to_device
+from ..platform.internals import storage_cell
 from ..platform.values import store, stored
 from ..seams.loop import CenterClient
 from ..seams.rule import Rule, RuleState
@@ -30,6 +33,7 @@ from ..wire.loop import LoopStats, epoch_order
 from .blocks import Blocks
 from .collectives.contract import CollectiveContext
 from .rows import gather_rows
+from .undo import HalfStep
 
 if TYPE_CHECKING:
     import jax
@@ -96,6 +100,8 @@ class DeviceLoop:
             self.comm.all_reduce_host if small and host_reduce else self.comm.all_reduce
         #: steps run as one program each block (see .blocks), where the rule and the data allow
         self.blocks = Blocks(self, context)
+        #: where a Ctrl-C can land (the master's main thread): the state a step's gradient stores
+        self._half_step = _half_step_guard(self.grad, self.update, self.grad_var)
         #: this phase's losses still on the device: (summed loss, rows of each step summed)
         self._losses: list = []
         self._orders: dict[int, np.ndarray] = {}
@@ -184,6 +190,31 @@ class DeviceLoop:
                    for view, buffer in zip(self.views, self.grad.gather_buffers)]
         if trace.on:
             trace.mark("gather rows")
+        if self._half_step is None:
+            self._gradient_then_update(rows_in, rows, batch_rows, stats)
+        else:
+            self._half_step.begin()
+            try:
+                self._gradient_then_update(rows_in, rows, batch_rows, stats)
+            except KeyboardInterrupt:
+                self._half_step.put_back_if_half()
+                raise
+        done = time.perf_counter()
+        if trace.on:
+            trace.mark("update")
+        synced = self.rule.after_update(self.rule_state, self, rows, batch_rows)
+        if synced:
+            self.sync_seconds += time.perf_counter() - done
+            stats.values[LoopStats.SYNCS] += 1
+        if trace.on:
+            trace.end("sync" if synced else None, step=step, part=part, rows=rows)
+        v = stats.values
+        v[LoopStats.STEPS] += 1
+        v[LoopStats.ROWS] += rows
+        self.beat()
+
+    def _gradient_then_update(self, rows_in: list, rows: int, batch_rows: int, stats: LoopStats) -> None:
+        """The gradient on this rank's rows, the all-reduce (if the rule reduces it), the update."""
         # a rule without a gradient all-reduce steps on this rank's own mean gradient
         loss = self.grad.run(rows_in + [self.weight_rows(rows, batch_rows)])[0]
         self._losses.append((loss, rows))
@@ -203,19 +234,6 @@ class DeviceLoop:
             if trace.on:
                 trace.mark("all-reduce")
         self.update.run([])
-        done = time.perf_counter()
-        if trace.on:
-            trace.mark("update")
-        synced = self.rule.after_update(self.rule_state, self, rows, batch_rows)
-        if synced:
-            self.sync_seconds += time.perf_counter() - done
-            stats.values[LoopStats.SYNCS] += 1
-        if trace.on:
-            trace.end("sync" if synced else None, step=step, part=part, rows=rows)
-        v = stats.values
-        v[LoopStats.STEPS] += 1
-        v[LoopStats.ROWS] += rows
-        self.beat()
 
     def step_rows(self, step: int, part: int) -> tuple[np.ndarray, int]:
         """``(indices, batch_rows)``: the rows of the epoch's order that part ``part`` of global step
@@ -302,3 +320,14 @@ class DeviceLoop:
         """Let go of the central parameters, if the rule has them."""
         if self._center is not None:
             self._center.close()
+
+
+def _half_step_guard(grad: CompiledFunction, update: CompiledFunction, grad_var: Any) -> HalfStep | None:
+    """The guard of a step whose gradient graph stores state updates, where a Ctrl-C can land (the
+    master's main thread; a worker ignores SIGINT); else None (nothing to guard, or no Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return None
+    side = [storage_cell(var) for var, _, _ in grad.spec.updates if var is not grad_var]
+    return HalfStep(side, [storage_cell(var) for var, _, _ in update.spec.updates]) if side else None
+

@@ -18,9 +18,11 @@ specific to fail) and whose graph calls no host code is not kept, and donates.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any, Iterable
 
-__all__ = ["UndoLog"]
+__all__ = ["UndoLog", "HalfStep"]
 
 
 class UndoLog:
@@ -63,3 +65,49 @@ class UndoLog:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+class HalfStep:
+    """A training step of several graphs: the state updates its gradient graph stores (a step
+    counter), and the cells its update graph writes. A Ctrl-C landing between the two stores
+    would leave the state one step ahead of the parameters; :meth:`put_back_if_half` puts the
+    state back then, so that what the script keeps is a whole step's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> count, weights = [np.array(0.0)], [np.array([1.0])]
+    >>> guard = HalfStep([count], [weights])
+    >>> guard.begin(); count[0] = np.array(1.0)         # the gradient graph stored; a Ctrl-C
+    >>> guard.put_back_if_half(); float(count[0][()])
+    0.0
+    >>> guard.begin(); count[0] = np.array(1.0); weights[0] = np.array([0.5])   # a whole step
+    >>> guard.put_back_if_half(); float(count[0][()])
+    1.0
+    """
+
+    def __init__(self, side: list[list], updated: list[list]) -> None:
+        self.side, self.updated = side, updated
+        self._before: list = []
+        self._refs: list[Callable[[], Any]] = []
+
+    def begin(self) -> None:
+        """A step starts: remember the state's values, and (weakly) what the update graph's cells hold."""
+        self._before = [cell[0] for cell in self.side]
+        self._refs = [_reference(cell[0]) for cell in self.updated]
+
+    def put_back_if_half(self) -> None:
+        """If the update graph has not stored since :meth:`begin`, put the state's values back."""
+        if self._before and all(ref() is cell[0] for cell, ref in zip(self.updated, self._refs)):
+            for cell, value in zip(self.side, self._before):
+                cell[0] = value
+        self._before, self._refs = [], []
+
+
+def _reference(value: Any) -> Callable[[], Any]:
+    """A weak reference to ``value`` where it takes one (a device array), else a strong one."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+

@@ -16,7 +16,6 @@ rank (:meth:`Calls.forget_shapes`) makes every call careful again.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -25,6 +24,7 @@ import numpy as np
 from ..platform.internals import storage_cell
 from ..platform.values import faces_held
 from ..rank.commands import call_share, fused_step_share, step_share
+from ..rank.undo import HalfStep
 from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from .part import Part
@@ -88,7 +88,7 @@ class Calls(Part):
         #: the master's fused step programs, by plan shapes, outputs and tail
         self._programs: dict[tuple, _Kept] = {}
         #: a step run as its commands' phases, while it runs (see :meth:`put_back_half_step`)
-        self._step_begun: _StepBegun | None = None
+        self._step_begun: HalfStep | None = None
 
     def name(self, plan: CallPlan) -> tuple[str, str, str]:
         """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
@@ -292,7 +292,9 @@ class Calls(Part):
                 return outs
             return reduce_and_update
         side = self._side_updates(plan.fid)
-        self._step_begun = _StepBegun(side, [cell[0] for cell in side], self._cells_written_by(tail.update_fid))
+        if side:
+            self._step_begun = HalfStep(side, self._cells_written_by(tail.update_fid))
+            self._step_begun.begin()
         try:
             return state.channel.step(prepare, comm.waits_in_python, kind)
         finally:
@@ -303,9 +305,8 @@ class Calls(Part):
         updates and its update function did not store yet, put the master's state back, so that
         the values the script keeps are those of a whole step."""
         begun, self._step_begun = self._step_begun, None
-        if begun is not None and begun.update_not_stored():
-            for cell, value in zip(begun.side, begun.before):
-                cell[0] = value
+        if begun is not None:
+            begun.put_back_if_half()
 
     def _side_updates(self, fid: int) -> list[list]:
         """The master's cells of what function ``fid`` updates besides a step's flat gradient (its
@@ -317,23 +318,3 @@ class Calls(Part):
 
     def _written_by(self, fid: int) -> list:
         return [var for var, _, _ in self._state.registry.specs[fid].updates]
-
-
-class _StepBegun:
-    """A step under way on the master: its state updates' cells and their values before it, and
-    (weakly) what its update function's cells held, to tell whether it stored yet."""
-
-    def __init__(self, side: list[list], before: list, updated: list[list]) -> None:
-        self.side, self.before = side, before
-        self._updated = [(cell, _reference(cell[0])) for cell in updated]
-
-    def update_not_stored(self) -> bool:
-        return all(ref() is cell[0] for cell, ref in self._updated)
-
-
-def _reference(value: Any) -> Callable[[], Any]:
-    """A weak reference to ``value`` where it takes one (a device array), else a strong one."""
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
