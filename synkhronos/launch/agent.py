@@ -144,6 +144,10 @@ class ElasticAgent:
             message = client.next_message(None if self._done else max(0.0, self._join_by - time.monotonic())
                                           if first else spec.join_timeout)
             if message is None:
+                if first and self._busy_said:
+                    self._say(f"the rendezvous at {spec.coordinator} stayed busy for the join time "
+                              f"({spec.join_timeout:.3g} s)")
+                    return 1
                 self._say(f"no round started within {spec.join_timeout:.3g} s: fewer than "
                           f"{spec.min_nodes} nodes' launchers joined the rendezvous at {spec.coordinator}")
                 return 1
