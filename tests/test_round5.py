@@ -261,7 +261,8 @@ def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(
         impatient = io.StringIO()          # a join time shorter than the flood: it says why it ends
         short = LaunchSpec(**{**spec.__dict__, "coordinator": server.address, "join_timeout": 0.3})
         assert ElasticAgent(short, out=impatient).run() == 1
-        assert "stayed busy for the join time (0.3 s)" in impatient.getvalue(), impatient.getvalue()
+        said = impatient.getvalue()
+        assert "no round started within 0.3 s" in said and ("stayed busy" in said or "was busy" in said), said
         said = io.StringIO()
         spec = LaunchSpec(**{**spec.__dict__, "coordinator": server.address})
         assert ElasticAgent(spec, out=said).run() == 0, said.getvalue()

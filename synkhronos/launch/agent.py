@@ -144,11 +144,8 @@ class ElasticAgent:
             message = client.next_message(None if self._done else max(0.0, self._join_by - time.monotonic())
                                           if first else spec.join_timeout)
             if message is None:
-                if first and self._busy_said:
-                    self._say(f"the rendezvous at {spec.coordinator} stayed busy for the join time "
-                              f"({spec.join_timeout:.3g} s)")
-                    return 1
-                self._say(f"no round started within {spec.join_timeout:.3g} s: fewer than "
+                busy = "the rendezvous was busy (a flood of connections), or " if first and self._busy_said else ""
+                self._say(f"no round started within {spec.join_timeout:.3g} s: {busy}fewer than "
                           f"{spec.min_nodes} nodes' launchers joined the rendezvous at {spec.coordinator}")
                 return 1
             kind = message["kind"]
@@ -158,8 +155,8 @@ class ElasticAgent:
                 if self._try_again(str(message.get("why"))):
                     client = self._rendezvous
                     continue
-                self._say(f"the rendezvous at {spec.coordinator} stayed busy for the join time "
-                          f"({spec.join_timeout:.3g} s): {message.get('why')}")
+                self._say(f"no round started within {spec.join_timeout:.3g} s: the rendezvous at "
+                          f"{spec.coordinator} stayed busy ({message.get('why')})")
                 return 1
             if kind == Kind.REFUSED:
                 self._say(f"the rendezvous at {spec.coordinator} refused this launcher: "
