@@ -446,73 +446,77 @@ def test_float32_parameters_under_float64_floatx_train_and_keep_their_dtype(devi
         assert {np.asarray(v).dtype for v in synk.gather(ours)} == {np.dtype("float32")}
 
 
-def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step():
+@pytest.fixture
+def own_runtime():
+    """A 2-device runtime of the test's own, which the test may shut down (the module's is closed
+    first, and forked again by the next test that needs it)."""
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2)
+    yield
+    synk.close()
+
+
+def _counted_step(name):
+    """A training step whose gradient function stores a state update (a step counter): ``(build,
+    w, count)``, ``build()`` making the step in the runtime there is."""
+    from synkhronos.extensions import train, updates
+    x, y = pt.matrix("x"), pt.vector("y")
+    w = pytensor.shared(np.full(3, 0.1), name=f"w_{name}")
+    count = pytensor.shared(np.float64(0), name=f"count_{name}")
+
+    def build():
+        return train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd,
+                                         learning_rate=0.1, state_updates=[(count, count + 1)])
+    return build, w, count
+
+
+def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step(own_runtime):
     """A step of several commands (the gradient function, the all-reduce, the update) stores its
     state updates (a step counter) with the gradient: a Ctrl-C landing before the update stored
     puts the master's counter back, so that the values the script keeps are a whole step's."""
-    from synkhronos.extensions import train, updates
     from synkhronos.runtime import session
-    if session.active() is not None:
-        synk.close()
-    synk.fork(2)
-    try:
-        x, y = pt.matrix("x"), pt.vector("y")
-        w = pytensor.shared(np.full(3, 0.1), name="w_half")
-        count = pytensor.shared(np.float64(0), name="count_half")
-        loss = ((x @ w - y) ** 2).mean()
-        step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1,
-                                         state_updates=[(count, count + 1)])
-        X, Y = np.arange(12.0).reshape(4, 3) / 10, np.ones(4)
-        for _ in range(3):
-            step(X, Y)
-        w_before, count_before = np.array(w.get_value()), float(count.get_value())
-        context = session.current().context
-        tail_of = context.step_tail
-
-        def interrupted_tail(*args):
-            tail_of(*args)
-
-            def run() -> None:
-                raise KeyboardInterrupt         # the gradient function has stored; nothing else has
-            return run
-        context.step_tail = interrupted_tail
-        with pytest.raises(KeyboardInterrupt):
-            step(X, Y)
-        assert float(count.get_value()) == count_before == 3.0
-        np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)
-        synk.fork(2)                            # and the run goes on from there
-        step = train.make_train_function(loss, [w], x, y, updates.sgd, learning_rate=0.1,
-                                         state_updates=[(count, count + 1)])
+    build, w, count = _counted_step("half")
+    step = build()
+    X, Y = np.arange(12.0).reshape(4, 3) / 10, np.ones(4)
+    for _ in range(3):
         step(X, Y)
-        assert [float(c) for c in synk.gather(count)] == [4.0, 4.0]
-    finally:
-        synk.close()
+    w_before, count_before = np.array(w.get_value()), float(count.get_value())
+    context = session.current().context
+    tail_of = context.step_tail
+
+    def interrupted_tail(*args):
+        tail_of(*args)
+
+        def run() -> None:
+            raise KeyboardInterrupt         # the gradient function has stored; nothing else has
+        return run
+    context.step_tail = interrupted_tail
+    with pytest.raises(KeyboardInterrupt):
+        step(X, Y)
+    assert float(count.get_value()) == count_before == 3.0
+    np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)
+    synk.fork(2)                            # and the run goes on from there
+    build()(X, Y)
+    assert [float(c) for c in synk.gather(count)] == [4.0, 4.0]
 
 
-def test_a_ctrl_c_between_a_loop_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step():
+def test_a_ctrl_c_between_a_loop_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step(own_runtime):
     """The same in ``train.run``, whose master steps on its own device in the main thread."""
-    from synkhronos.extensions import train, updates
+    from synkhronos.extensions import train
     from synkhronos.runtime import session
-    if session.active() is not None:
-        synk.close()
-    synk.fork(2)
-    try:
-        x, y = pt.matrix("x"), pt.vector("y")
-        w = pytensor.shared(np.full(3, 0.1), name="w_half_loop")
-        count = pytensor.shared(np.float64(0), name="count_half_loop")
-        step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd,
-                                         learning_rate=0.1, state_updates=[(count, count + 1)])
-        X, Y = synk.data(np.arange(48.0).reshape(16, 3) / 50), synk.data(np.ones(16))
-        train.run(step, X, Y, batch_size=4, steps=3, shuffle=False)
-        w_before, count_before = np.array(w.get_value()), float(count.get_value())
-        update = session.current().registry.compiled[step.functions[1].spec.fid]
+    build, w, count = _counted_step("half_loop")
+    step = build()
+    X, Y = synk.data(np.arange(48.0).reshape(16, 3) / 50), synk.data(np.ones(16))
+    train.run(step, X, Y, batch_size=4, steps=3, shuffle=False)
+    w_before, count_before = np.array(w.get_value()), float(count.get_value())
+    update = session.current().registry.compiled[step.functions[1].spec.fid]
 
-        def interrupted(*args, **kwargs):
-            raise KeyboardInterrupt             # the gradient function has stored; nothing else has
-        update.run = interrupted
-        with pytest.raises(KeyboardInterrupt):
-            train.run(step, X, Y, batch_size=4, steps=2, shuffle=False)
-        assert float(count.get_value()) == count_before == 3.0
-        np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)
-    finally:
-        synk.close()
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt             # the gradient function has stored; nothing else has
+    update.run = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        train.run(step, X, Y, batch_size=4, steps=2, shuffle=False)
+    assert float(count.get_value()) == count_before == 3.0
+    np.testing.assert_array_equal(np.asarray(w.get_value()), w_before)

@@ -151,7 +151,7 @@ class ElasticAgent:
             kind = message["kind"]
             if kind == Kind.FINISHED:
                 return 0
-            if kind == Kind.REFUSED and message.get("busy") and self._round is None:
+            if kind == Kind.REFUSED and message.get("busy") and first:
                 if self._try_again(str(message.get("why"))):
                     client = self._rendezvous
                     continue

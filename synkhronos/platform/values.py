@@ -16,6 +16,7 @@ import ctypes
 import math
 import sys
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     import jax
 
 __all__ = ["stored", "store", "host_face", "device_face", "hold_faces", "faces_held", "KeptFace",
-           "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE", "nbytes_of"]
+           "use_host_faces", "host_faces_on", "host_faces_wanted", "HOST_FACES_VARIABLE", "nbytes_of",
+           "reference"]
 
 
 def stored(var: Any) -> Any:
@@ -244,6 +246,22 @@ class KeptFace:
         """The face, over ``device`` again (the value :meth:`device_if_current` found)."""
         self.face.base.device_array = device  # type: ignore[union-attr]  # the face's ctypes memory
         return self.face
+
+
+def reference(value: Any) -> Callable[[], Any]:
+    """A reference to ``value`` that does not keep it alive where it can (a device array): called,
+    it gives ``value``, or None once it is gone.
+
+    Examples
+    --------
+    >>> held = np.zeros(2); ref = reference(held)
+    >>> ref() is held, reference(1.5)()
+    (True, 1.5)
+    """
+    try:
+        return weakref.ref(value)
+    except TypeError:           # (a value that takes no weak reference is held)
+        return lambda: value
 
 
 def _digest(face: np.ndarray) -> int:

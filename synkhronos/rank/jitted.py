@@ -105,6 +105,7 @@ def jitted_call(fn: Function) -> Runner | None:
             if host and graph is donating:
                 graph = jit
         chosen[:] = [graph, host]
+        update_dtypes[:] = [_jax_dtype(fn.maker.fgraph.outputs[i].type) for i, _ in updates]
 
     def call(*args: Any, undo: UndoLog | None = None) -> list[Any]:
         for cell, arg in zip(arg_cells, args):
@@ -120,7 +121,6 @@ def jitted_call(fn: Function) -> Runner | None:
                 values[n_args:] = [device_face(v) for v in values[n_args:]]
             if not chosen:
                 choose(values)
-                update_dtypes[:] = [_jax_dtype(fn.maker.fgraph.outputs[i].type) for i, _ in updates]
             graph, host = chosen
             if undo is not None and (host or undo.keep_all):
                 undo.keep(update_cells)       # before the copy below: a kept value is not donated
@@ -174,7 +174,6 @@ def jitted_call(fn: Function) -> Runner | None:
         def compile_() -> None:
             if not chosen:
                 choose(values)
-                update_dtypes[:] = [_jax_dtype(fn.maker.fgraph.outputs[i].type) for i, _ in updates]
             graph: Any = jit if faces else chosen[0]        # a jax.jit function
             graph.lower(*avals).compile()
         return compile_

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..platform.device_arrays import adopt, to_device
-from ..platform.internals import storage_cell
 from ..platform.values import store, stored
 from ..seams.loop import CenterClient
 from ..seams.rule import Rule, RuleState
@@ -33,7 +32,7 @@ from ..wire.loop import LoopStats, epoch_order
 from .blocks import Blocks
 from .collectives.contract import CollectiveContext
 from .rows import gather_rows
-from .undo import HalfStep
+from .undo import HalfStep, half_step
 
 if TYPE_CHECKING:
     import jax
@@ -101,7 +100,7 @@ class DeviceLoop:
         #: steps run as one program each block (see .blocks), where the rule and the data allow
         self.blocks = Blocks(self, context)
         #: where a Ctrl-C can land (the master's main thread): the state a step's gradient stores
-        self._half_step = _half_step_guard(self.grad, self.update, self.grad_var)
+        self._half_step = _half_step_guard(self.grad, self.update)
         #: this phase's losses still on the device: (summed loss, rows of each step summed)
         self._losses: list = []
         self._orders: dict[int, np.ndarray] = {}
@@ -322,12 +321,10 @@ class DeviceLoop:
             self._center.close()
 
 
-def _half_step_guard(grad: CompiledFunction, update: CompiledFunction, grad_var: Any) -> HalfStep | None:
+def _half_step_guard(grad: CompiledFunction, update: CompiledFunction) -> HalfStep | None:
     """The guard of a step whose gradient graph stores state updates, where a Ctrl-C can land (the
     master's main thread; a worker ignores SIGINT); else None (nothing to guard, or no Ctrl-C)."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         return None
-    side = [storage_cell(var) for var, _, _ in grad.spec.updates if var is not grad_var]
-    return HalfStep(side, [storage_cell(var) for var, _, _ in update.spec.updates]) if side else None
-
+    return half_step(grad.spec.updates, update.spec.updates)

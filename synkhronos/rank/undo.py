@@ -18,11 +18,13 @@ specific to fail) and whose graph calls no host code is not kept, and donates.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, Iterable
 
-__all__ = ["UndoLog", "HalfStep"]
+from ..platform.internals import storage_cell
+from ..platform.values import reference
+
+__all__ = ["UndoLog", "HalfStep", "half_step"]
 
 
 class UndoLog:
@@ -94,7 +96,7 @@ class HalfStep:
     def begin(self) -> None:
         """A step starts: remember the state's values, and (weakly) what the update graph's cells hold."""
         self._before = [cell[0] for cell in self.side]
-        self._refs = [_reference(cell[0]) for cell in self.updated]
+        self._refs = [reference(cell[0]) for cell in self.updated]
 
     def put_back_if_half(self) -> None:
         """If the update graph has not stored since :meth:`begin`, put the state's values back."""
@@ -104,10 +106,10 @@ class HalfStep:
         self._before, self._refs = [], []
 
 
-def _reference(value: Any) -> Callable[[], Any]:
-    """A weak reference to ``value`` where it takes one (a device array), else a strong one."""
-    try:
-        return weakref.ref(value)
-    except TypeError:
-        return lambda: value
+def half_step(grad_updates: Iterable[tuple], update_updates: Iterable[tuple]) -> HalfStep | None:
+    """The :class:`HalfStep` of a step whose gradient graph has ``grad_updates`` and whose update
+    graph has ``update_updates`` (``(shared, value, mode)`` triples), or None where the gradient
+    graph stores nothing but the step's flat gradient (its scratch buffer: nothing to put back)."""
+    side = [storage_cell(var) for var, _, _ in grad_updates if not getattr(var.tag, "synk_gradient", False)]
+    return HalfStep(side, [storage_cell(var) for var, _, _ in update_updates]) if side else None
 

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..platform.internals import storage_cell
 from ..platform.values import faces_held
 from ..rank.commands import call_share, fused_step_share, step_share
-from ..rank.undo import HalfStep
+from ..rank.undo import HalfStep, half_step
 from ..wire.control import STEP_COLLECTIVE_AT, ControlBlock, Op, Words
 from ..wire.plan import PlanSlots
 from .part import Part
@@ -291,9 +290,9 @@ class Calls(Part):
                 run_tail()
                 return outs
             return reduce_and_update
-        side = self._side_updates(plan.fid)
-        if side:
-            self._step_begun = HalfStep(side, self._cells_written_by(tail.update_fid))
+        specs = state.registry.specs
+        self._step_begun = half_step(specs[plan.fid].updates, specs[tail.update_fid].updates)
+        if self._step_begun is not None:
             self._step_begun.begin()
         try:
             return state.channel.step(prepare, comm.waits_in_python, kind)
@@ -307,14 +306,3 @@ class Calls(Part):
         begun, self._step_begun = self._step_begun, None
         if begun is not None:
             begun.put_back_if_half()
-
-    def _side_updates(self, fid: int) -> list[list]:
-        """The master's cells of what function ``fid`` updates besides a step's flat gradient (its
-        scratch buffer): a step's state updates, which its update function's must not outrun."""
-        return [storage_cell(var) for var in self._written_by(fid) if not getattr(var.tag, "synk_gradient", False)]
-
-    def _cells_written_by(self, fid: int) -> list[list]:
-        return [storage_cell(var) for var in self._written_by(fid)]
-
-    def _written_by(self, fid: int) -> list:
-        return [var for var, _, _ in self._state.registry.specs[fid].updates]

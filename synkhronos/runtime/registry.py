@@ -11,7 +11,6 @@ device arrays (:meth:`Registry.values_to_devices`).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from pytensor.tensor.type import TensorType
 from ..compile import randomness, rewrites, shipping
 from ..platform.device_arrays import device_face, host_face, to_device
 from ..platform.internals import storage_cell
-from ..platform.values import KeptFace, faces_held, host_faces_on, nbytes_of, store, stored
+from ..platform.values import KeptFace, faces_held, host_faces_on, nbytes_of, reference, store, stored
 from ..rank.compiled import release_programs
 from ..wire.control import ARGS, Op
 from .part import Part
@@ -136,7 +135,7 @@ class Registry(Part):
             cell = storage_cell(var)
             if plain and var not in faces:        # a device array stays one: only its shape is kept
                 left[var] = np.shape(cell[0])
-                self._arrays_left[var] = _reference(cell[0])
+                self._arrays_left[var] = reference(cell[0])
                 continue
             kept, device = self._kept_face(var, cell[0])
             if device is not None:
@@ -152,7 +151,7 @@ class Registry(Part):
                 faces[var] = KeptFace(device, face, watched=self._watched(var, face))
             else:           # (no face any more: faces are no longer held) the array is what is left
                 faces.pop(var, None)
-                self._arrays_left[var] = _reference(device)
+                self._arrays_left[var] = reference(device)
 
     def _in(self, scope: Collection[SharedVariable] | None) -> Collection[SharedVariable]:
         """The tensors a command touches: ``scope`` (a function's own), or every one (None)."""
@@ -345,15 +344,6 @@ class Registry(Part):
             if distance and randomness.is_generator(var) and id(var) not in self._own_streams:
                 self._own_streams[id(var)] = var        # (kept: the id stays this variable's)
                 var.set_value(randomness.device_stream(var.get_value(borrow=True), distance))
-
-
-def _reference(value: Any) -> Callable[[], Any]:
-    """A reference to ``value`` that does not keep it alive where it can (a device array): called,
-    it gives ``value``, or None once it is gone."""
-    try:
-        return weakref.ref(value)
-    except TypeError:           # (a value that takes no weak reference is held)
-        return lambda: value
 
 
 def _of_its_type(var: SharedVariable, value: Any) -> Any:
