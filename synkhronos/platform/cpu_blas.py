@@ -31,9 +31,10 @@ def _numpy_openblas() -> list[LibController]:
     """threadpoolctl's controllers of the OpenBLAS numpy loaded (its own copy), or an empty list."""
     import numpy
     from threadpoolctl import ThreadpoolController
-    root = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy")
+    # the loader names libraries by their real path, and a venv may be reached through a link
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(numpy.__file__))), "numpy")
     return [lib for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers
-            if lib.filepath and lib.filepath.startswith(root)]
+            if lib.filepath and os.path.realpath(lib.filepath).startswith(root)]
 
 
 def limit_blas_threads(threads: int) -> bool:
