@@ -168,6 +168,41 @@ def test_by_default_the_cache_is_jax_s_directory_when_set_else_the_user_s_cache(
     assert out.stdout.strip() == os.path.join(home, "synkhronos", "jax", compile_cache.host_fingerprint())
 
 
+def test_the_source_pytensor_generates_is_kept_once_in_the_users_cache_not_left_in_tmp(tmp_path):
+    """Every rank compiles every function, per shape: PyTensor's default would leave a new file in the
+    temporary directory each time, for good. The user's own choice of place is kept."""
+    tmp, home, chosen = tmp_path / "tmp", tmp_path / "xdg", tmp_path / "chosen"
+    tmp.mkdir()
+    script = """
+        import sys
+        import numpy as np, pytensor, pytensor.tensor as pt
+        pytensor.config.generated_src_dir = sys.argv[1]
+        import synkhronos as synk
+        synk.fork(2, compile_cache=False)
+        x = pt.vector("x")
+        f = synk.function([x], [((x * 2).sum(), "sum"), (x + 1, "gather")])
+        for rows in (4, 6, 8):
+            f(np.arange(float(rows)))
+        during = pytensor.config.generated_src_dir
+        synk.close()
+        print("KEPT", during, "|", pytensor.config.generated_src_dir, "|")
+    """
+
+    def generated_in(directory):
+        return [name for name in os.listdir(directory)
+                if "jax_funcified_fgraph" in open(os.path.join(directory, name), errors="replace").read()]
+
+    out = run_script(script, env={"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(home)}, args=[""])
+    assert out.returncode == 0, out.stderr[-3000:]
+    kept = home / "synkhronos" / "pytensor-src"
+    assert out.stdout.split("KEPT")[1].split() == [str(kept), "|", "|"]     # given back at close
+    assert generated_in(tmp) == [] and len(generated_in(kept)) >= 1
+    out = run_script(script, env={"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(home)}, args=[str(chosen)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("KEPT")[1].split() == [str(chosen), "|", str(chosen), "|"]
+    assert generated_in(tmp) == [] and len(generated_in(chosen)) >= 1
+
+
 @pytest.mark.slow
 def test_two_runs_at_once_share_one_cache(tmp_path):
     cache = tmp_path / "cache"

@@ -49,7 +49,8 @@ import warnings
 
 from ..errors import SynkWarning
 
-__all__ = ["directory", "host_fingerprint", "usable_directory", "recalls", "record", "MAX_BYTES", "ENV_VAR"]
+__all__ = ["directory", "host_fingerprint", "usable_directory", "recalls", "record", "generated_source_directory",
+           "MAX_BYTES", "ENV_VAR"]
 
 #: JAX's own setting of the cache directory, honoured when set
 ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
@@ -57,11 +58,24 @@ ENV_VAR = "JAX_COMPILATION_CACHE_DIR"
 MAX_BYTES = 2 * 2**30
 
 
+def _cache_home() -> str:
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def _default_base() -> str:
     if os.environ.get(ENV_VAR):
         return os.environ[ENV_VAR]
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache_home, "synkhronos", "jax")
+    return os.path.join(_cache_home(), "synkhronos", "jax")
+
+
+def generated_source_directory() -> str:
+    """Where PyTensor keeps the Python source of the functions a runtime compiles: one file per
+    distinct source, in the user's cache directory (``$XDG_CACHE_HOME``, by default ``~/.cache``)
+    ``/synkhronos/pytensor-src``; PyTensor removes the files unused for weeks.
+
+    See :func:`synkhronos.platform.jax_init.keep_generated_source`.
+    """
+    return os.path.join(_cache_home(), "synkhronos", "pytensor-src")
 
 
 def host_fingerprint() -> str:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["backend_exists", "count_devices", "default_platform", "configure_environment",
            "initialize_process", "device_cores", "platform", "shutdown_process", "ENV_VARS",
-           "set_precision", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache",
+           "set_precision", "keep_generated_source", "forget_runtime_in_child", "has_gpu_plugin", "use_compile_cache",
            "import_jax", "import_modules", "global_random_states_kept", "drop_backend"]
 
 ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -209,6 +209,27 @@ def set_precision(float_x: str) -> None:
         _quiet_truncation_notices()
 
 
+def keep_generated_source(directory: str) -> None:
+    """Have PyTensor keep the Python source of the functions it compiles in ``directory`` (one file
+    per distinct source) until the runtime stops, unless the user chose a place
+    (``pytensor.config.generated_src_dir``).
+
+    PyTensor's default writes a new file in the temporary directory at every
+    compile and never removes it; every rank compiles every function, per
+    shape, so a day of runs would leave thousands there.
+    """
+    import pytensor
+    if not hasattr(pytensor.config, "generated_src_dir") or pytensor.config.generated_src_dir:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return                           # a read-only home: PyTensor's default place, as without us
+    changes.record("pytensor.config.generated_src_dir",
+                   lambda: setattr(pytensor.config, "generated_src_dir", ""))
+    pytensor.config.generated_src_dir = directory
+
+
 #: JAX's notice, at each trace, that a 64-bit dtype computes in 32 bits (with x64 off, as floatX
 #: float32 has it): PyTensor's own graphs hold int64 index arithmetic (``arange``, shapes) and
 #: float64 accumulators, so every float32 program would print it
@@ -299,6 +320,7 @@ def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str,
         cpu_blas.limit_blas_threads(min(threads, share) if threads else share)
     _configure_jax("jax_platforms", jax_platforms(platform))
     set_precision(float_x)
+    keep_generated_source(compile_cache.generated_source_directory())
     # A dead worker must become an exception in the master, not a process abort.
     _configure_jax("jax_enable_recoverability", True)
     if platform == "cpu":
