@@ -3,6 +3,9 @@
 
 import os
 
+import pytest
+from helpers import run_script
+
 from synkhronos.platform.native_output import TASK_WATCH_CANCELLED, TASK_WATCH_DETAIL, native_lines_dropped
 
 #: what a close() on one GPU printed (JAX 0.11.2 with its CUDA plugin): the backend's watch of the
@@ -48,3 +51,30 @@ def test_the_gpu_backends_task_watch_lines_are_dropped_whole(capfd):
 def test_the_users_own_lines_are_kept_even_beside_them(capfd):
     assert _through_the_filter(capfd, USERS_OWN) == USERS_OWN
     assert _through_the_filter(capfd, GPU_TASK_WATCH + USERS_OWN + GPU_TASK_WATCH) == USERS_OWN
+
+
+@pytest.mark.parametrize("first", ["train.run", "a call"])
+def test_a_run_on_gloo_prints_only_what_the_script_prints(first):
+    """Gloo says "[Gloo] Rank r is connected" on stdout as the ranks first meet, whether in a
+    collective of its own or inside a training step's program."""
+    out = run_script("""
+        import sys
+        import numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        from synkhronos.extensions import train, updates
+        synk.fork(2, collectives="jax")
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.full(3, 0.1), name="w")
+        step = train.make_train_function(((x @ w - y) ** 2).mean(), [w], x, y, updates.sgd,
+                                         learning_rate=0.1)
+        X, Y = synk.data(np.arange(48.0).reshape(16, 3) / 50), synk.data(np.ones(16))
+        if sys.argv[1] == "a call":
+            print("loss", round(float(step(X, Y)), 6))
+        train.run(step, X, Y, batch_size=4, steps=3, shuffle=False)
+        print("w", np.round(w.get_value(), 6).tolist())
+        synk.close()
+    """, args=[first])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [line.split()[0] for line in out.stdout.splitlines()] == \
+        (["loss"] if first == "a call" else []) + ["w"], out.stdout
+    assert out.stderr == ""

@@ -10,7 +10,9 @@ several nodes, say) is a subclass and an entry in :data:`synkhronos.comm.KINDS`.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
@@ -87,7 +89,8 @@ class ProgramReducer:
     :meth:`wrap` makes the body the program every rank runs, and
     :meth:`globals_of` / :meth:`locals_of` turn this rank's values into the
     program's arguments and its results back (on one rank: the values
-    themselves). :meth:`Comm.program_reducer` gives the one of a collective
+    themselves); each run of the program goes inside :meth:`running`.
+    :meth:`Comm.program_reducer` gives the one of a collective
     implementation that can reduce inside a program.
     """
 
@@ -106,6 +109,11 @@ class ProgramReducer:
     def locals_of(self, tree: Any) -> Any:
         """The program's results as this rank's values."""
         return tree
+
+    def running(self) -> AbstractContextManager[None]:
+        """Around a run of a program :meth:`wrap` made: what the collective library prints of
+        its own as the ranks first meet is kept from the user's output (nothing to keep here)."""
+        return contextlib.nullcontext()
 
 
 class Comm(ABC):

@@ -7,7 +7,9 @@ array (``jax.make_array_from_single_device_arrays``); XLA lowers ``psum`` /
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,7 +86,7 @@ class JaxComm(Comm):
         self.sharding = NamedSharding(self.mesh, self.spec)
         self._bodies = _bodies()
         self._programs: dict[Hashable, Body] = {}
-        self._connected = False
+        self._meeting = _FirstMeeting()
         self._reducer: MeshReducer | None = None
 
     def _program(self, key: Hashable, body: Body) -> Body:
@@ -111,18 +113,13 @@ class JaxComm(Comm):
             local = local.astype(jnp.int8)
         glob = jax.make_array_from_single_device_arrays(
             (self.n_ranks * local.shape[0],), self.sharding, [local])
-        if not self._connected:
-            # Gloo prints "[Gloo] Rank r is connected to ..." on stdout as the ranks first connect
-            with native_lines_dropped(1, GLOO_CONNECTED):
-                out = self._program(key, body)(glob).addressable_data(0).block_until_ready()
-            self._connected = True
-        else:
+        with self._meeting.running():
             out = self._program(key, body)(glob).addressable_data(0)
         return out.astype(jnp.bool_) if bool_input else out
 
     def program_reducer(self) -> MeshReducer:
         if self._reducer is None:
-            self._reducer = MeshReducer(self.mesh, self.n_ranks)
+            self._reducer = MeshReducer(self.mesh, self.n_ranks, self._meeting)
         return self._reducer
 
     def all_reduce(self, values: Sequence[Any], op: str) -> list[Any]:
@@ -138,6 +135,27 @@ class JaxComm(Comm):
         return _unflat(self._run(("bcast", root), _psum_from_root(root), _flat(values)), values)
 
 
+class _FirstMeeting:
+    """Whether the ranks of one runtime have met in a collective yet: Gloo prints "[Gloo] Rank r is
+    connected to ..." on stdout as they first do, in whichever program that is (a collective of
+    the implementation's own, or a training step's program reducing inside itself)."""
+
+    def __init__(self) -> None:
+        self.met = False
+
+    def running(self) -> AbstractContextManager[None]:
+        """Around a run of a program holding a collective."""
+        return contextlib.nullcontext() if self.met else self._first()
+
+    @contextlib.contextmanager
+    def _first(self) -> Iterator[None]:
+        # (Gloo serves CPU devices, whose programs run in the caller: the runtime turns their
+        # asynchronous dispatch off)
+        with native_lines_dropped(1, GLOO_CONNECTED):
+            yield
+        self.met = True
+
+
 class MeshReducer(ProgramReducer):
     """Reductions inside one program over the runtime's 1-D mesh of every process's device.
 
@@ -151,9 +169,13 @@ class MeshReducer(ProgramReducer):
     shapes: the program is one for all of them.
     """
 
-    def __init__(self, mesh: Mesh, n_ranks: int) -> None:
+    def __init__(self, mesh: Mesh, n_ranks: int, meeting: _FirstMeeting | None = None) -> None:
         self.mesh, self.n_ranks = mesh, n_ranks
         self._reduce = _bodies()
+        self._meeting = meeting or _FirstMeeting()
+
+    def running(self) -> AbstractContextManager[None]:
+        return self._meeting.running()
 
     def reduce(self, x: Any, mode: str | None) -> Any:
         return x if mode is None else self._reduce[mode](x)

@@ -242,7 +242,7 @@ class _Program:
         program = self._program(key, body, donate)
         glob = self.reducer.globals_of((donated, others, args))
         del donated
-        with held():
+        with held(), self.reducer.running():
             try:
                 written, results = self.reducer.locals_of(program(*glob))
             except Exception as e:
