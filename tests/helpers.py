@@ -207,6 +207,36 @@ def _jax_inside_call(op, **kwargs):
     return call
 
 
+def _no_negative(x):
+    if np.any(np.asarray(x) < 0):
+        raise ValueError("a negative value reached the check")
+    return np.asarray(x)
+
+
+class RaiseIfNegative(Op):
+    """Identity that raises (in host code, on the rank computing it) if a value is negative: a
+    failure of one rank's rows, as a user's host check would make."""
+
+    __props__ = ()
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        outputs[0][0] = _no_negative(inputs[0])
+
+    def grad(self, inputs, output_grads):
+        return [output_grads[0]]
+
+
+@jax_funcify.register(RaiseIfNegative)
+def _jax_raise_if_negative(op, **kwargs):
+    def call(x):
+        return jax.pure_callback(_no_negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return call
+
+
 class HoldingShmComm(ShmComm):
     """A shared-memory Comm that announces itself inside its collectives and holds one rank there.
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -201,6 +202,41 @@ def test_the_source_pytensor_generates_is_kept_once_in_the_users_cache_not_left_
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("KEPT")[1].split() == [str(chosen), "|", str(chosen), "|"]
     assert generated_in(tmp) == [] and len(generated_in(chosen)) >= 1
+
+
+def test_a_place_for_generated_source_set_during_the_run_stays_and_an_unwritable_one_is_not_taken(tmp_path):
+    """A ``generated_src_dir`` the user sets while the runtime runs is theirs after close(); where
+    the cache's directory cannot be written (a read-only file system; as root, permissions would
+    not stop it), PyTensor's default place serves, and every compile, theirs too, works."""
+    unwritable = "/sys/kernel"
+    if not os.path.isdir(unwritable) or os.access(unwritable, os.W_OK) and _writable(unwritable):
+        pytest.skip("no unwritable directory to point the cache at here")
+    home, mine = tmp_path / "xdg", tmp_path / "mine"
+    (home / "synkhronos").mkdir(parents=True)
+    os.symlink(unwritable, home / "synkhronos" / "pytensor-src")
+    out = run_script("""
+        import sys
+        import numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        synk.fork(2, compile_cache=False)
+        x = pt.vector("x")
+        f = synk.function([x], [((x * 3).sum(), "sum")])
+        plain = pytensor.function([x], x * 2)
+        print("RAN", float(f(np.arange(4.0))[0]), plain(np.ones(2)).tolist(), repr(pytensor.config.generated_src_dir))
+        pytensor.config.generated_src_dir = sys.argv[1]
+        synk.close()
+        print("AFTER", pytensor.config.generated_src_dir)
+    """, env={"XDG_CACHE_HOME": str(home)}, args=[str(mine)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RAN 18.0 [2.0, 2.0] ''" in out.stdout and f"AFTER {mine}" in out.stdout, out.stdout
+
+
+def _writable(directory):
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterable, Iterator
 from types import ModuleType
@@ -223,10 +224,15 @@ def keep_generated_source(directory: str) -> None:
         return
     try:
         os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            pass
     except OSError:
-        return                           # a read-only home: PyTensor's default place, as without us
-    changes.record("pytensor.config.generated_src_dir",
-                   lambda: setattr(pytensor.config, "generated_src_dir", ""))
+        return          # (a read-only home, another user's directory) PyTensor's default place
+
+    def give_back() -> None:
+        if pytensor.config.generated_src_dir == directory:      # (not a place the user set since)
+            pytensor.config.generated_src_dir = ""
+    changes.record("pytensor.config.generated_src_dir", give_back)
     pytensor.config.generated_src_dir = directory
 
 

@@ -13,8 +13,6 @@ ranks share, so a fast device trains on more of them than a slow one.
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -99,8 +97,10 @@ class DeviceLoop:
             self.comm.all_reduce_host if small and host_reduce else self.comm.all_reduce
         #: steps run as one program each block (see .blocks), where the rule and the data allow
         self.blocks = Blocks(self, context)
-        #: where a Ctrl-C can land (the master's main thread): the state a step's gradient stores
-        self._half_step = _half_step_guard(self.grad, self.update)
+        #: on a node's master, whose values the script keeps when the run fails or is interrupted:
+        #: the state a step's gradient stores
+        self._half_step = _half_step_guard(self.grad, self.update) if self.rank == self.master_rank \
+            else None
         #: this phase's losses still on the device: (summed loss, rows of each step summed)
         self._losses: list = []
         self._orders: dict[int, np.ndarray] = {}
@@ -195,7 +195,7 @@ class DeviceLoop:
             self._half_step.begin()
             try:
                 self._gradient_then_update(rows_in, rows, batch_rows, stats)
-            except KeyboardInterrupt:
+            except BaseException:       # a Ctrl-C, or another rank's failure met in the all-reduce
                 self._half_step.put_back_if_half()
                 raise
         done = time.perf_counter()
@@ -315,6 +315,12 @@ class DeviceLoop:
         """What a checkpoint keeps of the rule's state on this rank (arrays)."""
         return self.rule.saved_state(self.rule_state, self)
 
+    def put_back_half_step(self) -> None:
+        """Before a fault's teardown: if a step's gradient stored its state and its update did not
+        store yet, put the state back (a whole step's values are what the script keeps)."""
+        if self._half_step is not None:
+            self._half_step.put_back_if_half()
+
     def close_center(self) -> None:
         """Let go of the central parameters, if the rule has them."""
         if self._center is not None:
@@ -322,9 +328,10 @@ class DeviceLoop:
 
 
 def _half_step_guard(grad: CompiledFunction, update: CompiledFunction) -> HalfStep | None:
-    """The guard of a step whose gradient graph stores state updates, where a Ctrl-C can land (the
-    master's main thread; a worker ignores SIGINT); else None (nothing to guard, or no Ctrl-C)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        return None
+    """The guard of a step whose gradient graph stores state updates (None: nothing to guard).
+
+    A step that fails or is interrupted between its gradient's store and its
+    update's puts the state back: the run is shut down then, and the master's
+    values are what the script keeps.
+    """
     return half_step(grad.spec.updates, update.spec.updates)

@@ -111,6 +111,12 @@ class Loops(Part):
         loop = self._loops.get(spec.loop_id)
         return loop.saved_rule_state() if loop is not None else []
 
+    def put_back_half_steps(self) -> None:
+        """Before a fault's teardown: every master loop's step that stored its state but not its
+        update is put back (see :meth:`DeviceLoop.put_back_half_step`)."""
+        for loop in self._loops.values():
+            loop.put_back_half_step()
+
     def release(self) -> None:
         """At the runtime's end: close every center."""
         self._centers.release()

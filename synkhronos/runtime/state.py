@@ -275,6 +275,7 @@ class State:
                 if self.channel is None:
                     return
                 self.calls.put_back_half_step()
+                self.loops.put_back_half_steps()
                 for p in self.channel.procs.values():
                     if p.poll() is None:
                         p.kill()
