@@ -56,8 +56,11 @@ def _host_identity(name, host_fn, doc):
 
     def perform(self, node, inputs, outputs):
         outputs[0][0] = host_fn(inputs[0])
+
+    def grad(self, inputs, output_grads):         # (an identity: a loss may run through it)
+        return [output_grads[0]]
     op = type(name, (Op,), {"__props__": (), "__doc__": doc, "__module__": __name__,
-                            "make_node": make_node, "perform": perform})
+                            "make_node": make_node, "perform": perform, "grad": grad})
 
     @jax_funcify.register(op)
     def _jax(op, **kwargs):
@@ -204,36 +207,6 @@ def _jax_inside_call(op, **kwargs):
 
     def call(x):
         return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-    return call
-
-
-def _no_negative(x):
-    if np.any(np.asarray(x) < 0):
-        raise ValueError("a negative value reached the check")
-    return np.asarray(x)
-
-
-class RaiseIfNegative(Op):
-    """Identity that raises (in host code, on the rank computing it) if a value is negative: a
-    failure of one rank's rows, as a user's host check would make."""
-
-    __props__ = ()
-
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        return Apply(self, [x], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        outputs[0][0] = _no_negative(inputs[0])
-
-    def grad(self, inputs, output_grads):
-        return [output_grads[0]]
-
-
-@jax_funcify.register(RaiseIfNegative)
-def _jax_raise_if_negative(op, **kwargs):
-    def call(x):
-        return jax.pure_callback(_no_negative, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
     return call
 
 
