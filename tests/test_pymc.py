@@ -148,9 +148,25 @@ def group_covariate(n=N_ROWS, seed=9):
     return model
 
 
+def covariate_scales(n=N_ROWS, seed=10):
+    """A regression on as many covariates as rows, each covariate's coefficient scaled by a pm.Data
+    value of its own (a vector as long as the rows by coincidence: contracted with the covariates,
+    and summed on its own, never read by row)."""
+    import pytensor.tensor as pt
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, n)) / np.sqrt(n)
+    y = X @ rng.normal(size=n) + rng.normal(size=n)
+    with pm.Model() as model:
+        scale = pm.Data("scale", rng.uniform(0.5, 2.0, size=n))
+        b = pm.Normal("b", 0, 1, shape=n)
+        pm.Normal("y", X @ (b * scale) + 0.1 * pt.sum(scale * b), 1.0, observed=y)
+    return model
+
+
 MODELS = {"logistic": logistic_regression, "hierarchical": hierarchical, "bounded": bounded,
           "centred": centred, "autoregressive": autoregressive, "group_table": group_table,
-          "mixture": mixture, "softmax": softmax_regression, "group_covariate": group_covariate}
+          "mixture": mixture, "softmax": softmax_regression, "group_covariate": group_covariate,
+          "covariate_scales": covariate_scales}
 
 
 def random_points(model, k=3, seed=3):
@@ -204,6 +220,14 @@ def test_without_jacobian_equals_pymc(synk2):
         value, grad = f(point)
         np.testing.assert_allclose(value, logp(point), rtol=1e-9)
         np.testing.assert_allclose(grad, dlogp(point), rtol=1e-9, atol=1e-12)
+
+
+def test_as_many_covariates_as_rows_split_by_the_rows_and_equal_pymc(synk2):
+    """Which arrays hold rows is not decided by their length: a per-covariate pm.Data vector as long
+    as the rows, contracted with the covariates, goes whole to every device."""
+    f = spm.logp_dlogp_function(pymc_reference("covariate_scales")[0], where="devices")
+    assert_equals_pymc(f, "covariate_scales")
+    assert [str(v) for v in f.fn.spec.inputs] == ["rows_0", "y"]     # the covariates' rows and y's
 
 
 def test_outside_the_support_is_minus_infinity_as_in_pymc(synk2):

@@ -177,6 +177,8 @@ def check_rows_kept_apart(terms: list, names: list, row_data: list) -> None:
                 continue
             mixed = _mixes_rows(node, rows)
             if mixed is not None:
+                if _is_matrix_product(node.op):        # the rows on its right-hand side are the cause
+                    source = next(rows[v] for v in node.inputs[1:] if v in rows)
                 table = isinstance(node.op, AdvancedSubtensor) and node.inputs[0] in rows
                 raise RowsMixed(f"the log-likelihood of {name!r} reads the rows of "
                                 f"{source.name or 'an array of the observed rows'} through {mixed}, "

@@ -108,7 +108,8 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
         names = ", ".join(rv.name for rv in observed)
         raise UnsplittableModel(f"the likelihood of {names} reads no array of {n_rows} rows: nothing to "
                                 f"split over the devices")
-    row_data = _rows_kept_apart(row_terms, [rv.name for rv in observed], row_data)
+    row_data, mixed = _rows_kept_apart(row_terms, [rv.name for rv in observed], row_data,
+                                       {model.rvs_to_values[rv] for rv in observed})
     once_terms = _once_terms(model, given + [v for v in row_data if v not in given], jacobian)
     row_inputs = [_row_input(var, i) for i, var in enumerate(row_data)]
     local_rows = row_inputs[0].shape[0]
@@ -116,7 +117,13 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
     replace.update(_row_counts(model, row_terms, n_rows, local_rows, set(row_data)))
     rebuilt = clone_replace(row_terms, replace=replace, rebuild_strict=False)
     split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows)
-    _check_rows_are_independent(model, observed, split, jacobian)
+    try:
+        _check_rows_are_independent(model, observed, split, jacobian)
+    except UnsplittableModel:
+        if mixed is None:
+            raise
+        # taken whole, the array was not as long as the rows by coincidence: it holds rows
+        raise UnsplittableModel(f"{mixed}; such a likelihood cannot be split over the devices") from None
     return split
 
 
@@ -182,19 +189,29 @@ def _row_input(var: Variable, i: int) -> TensorVariable:
     return pt.tensor(dtype=var.type.dtype, shape=(None, *var.type.shape[1:]), name=name)
 
 
-def _rows_kept_apart(row_terms: list, names: list[str], row_data: Sequence[Variable]) -> list[Variable]:
-    """``row_data`` less the arrays that reach the likelihood only as tables read at indices (as
-    long as the rows by coincidence: they go whole to every device); refused if any other array
-    of rows mixes rows on its way."""
-    row_data = list(row_data)
+def _rows_kept_apart(row_terms: list, names: list[str], row_data: Sequence[Variable],
+                     observed_data: Collection[Variable]) -> tuple[list[Variable], str | None]:
+    """``(row_data less the arrays as long as the rows by coincidence, why the first of them that
+    is not a table was taken whole)``.
+
+    An array that mixes rows on its way to the likelihood goes whole to every
+    device: a group table read at indices, or one value per covariate
+    contracted with the covariates. Refused if the observed data
+    (``observed_data``) mix rows. The split is then checked against PyMC's own
+    log-density (:func:`_check_rows_are_independent`): an array taken whole
+    that holds rows fails there, and the refusal is the reason given here.
+    """
+    row_data, mixed = list(row_data), None
     while True:
         try:
             check_rows_kept_apart(row_terms, names, row_data)
-            return row_data
+            return row_data, mixed
         except RowsMixed as e:
-            if not e.as_table or e.source not in row_data:
+            if e.source not in row_data or e.source in observed_data:
                 raise UnsplittableModel(f"{e}; such a likelihood cannot be split over the devices") from None
             row_data.remove(e.source)
+            if not e.as_table:
+                mixed = mixed or str(e)
 
 
 def _row_counts(model: Any, row_terms: list, n_rows: int, local_rows: Variable,
