@@ -661,6 +661,23 @@ def test_an_updated_variable_shaped_like_the_calls_rows_warns_once(synk2):
         g(X)
 
 
+def test_an_update_computed_from_the_givens_rows_is_said_once_and_not_as_batch_shaped(synk2):
+    """The tutorials' givens idiom: an update computed from the rows a minibatch index selects is
+    the literal port's LocalUpdatesWarning; a bias as long as the batch is not a persistent chain."""
+    import warnings
+    x, index = pt.matrix("x"), pt.lscalar("index")
+    data = pytensor.shared(np.ones((40, 4)), name="data_sh")
+    bias = pytensor.shared(np.zeros(4), name="bias_as_long_as_the_batch")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        f = synk.function([index], ((x + bias).sum(), "sum"), updates=[(bias, bias - 0.1 * x.mean(0))],
+                          givens={x: data[index * 4:(index + 1) * 4]}, name="givens_bias")
+        for i in range(3):
+            f(i)
+    said = [str(w.message) for w in seen if issubclass(w.category, synk.LocalUpdatesWarning)]
+    assert len(said) == 1 and "each device's own rows" in said[0], said
+
+
 def test_a_call_hands_over_only_its_own_shared_variables(synk2):
     """A call takes to the devices, and gives back as numpy, only its own function's shared
     variables: another function's keep the very arrays user code holds, and a value the user sets

@@ -80,7 +80,8 @@ class Function:
     def __init__(self, state: State, spec: FunctionSpec, bare: bool, compiled: CompiledFunction,
                  rows: RowsFromGivens | None = None, local_updates: bool = False) -> None:
         self._state = state
-        self._batch_shaped = BatchShapedState(spec, local_updates)
+        self._batch_shaped = BatchShapedState(spec, local_updates,
+                                              [s.key for s in rows.slices] if rows is not None else [])
         #: the tutorials' givens idiom: the row slices a call's scalars select (see .givens)
         self._rows = rows
         self.spec = spec

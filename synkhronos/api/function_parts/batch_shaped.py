@@ -9,7 +9,8 @@ device (and its update reads no scattered rows, so the
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,10 +31,11 @@ class BatchShapedState:
     the scattered rows (see :class:`~synkhronos.LocalUpdatesWarning`).
     """
 
-    def __init__(self, spec: FunctionSpec, local_updates: bool) -> None:
+    def __init__(self, spec: FunctionSpec, local_updates: bool, given_rows: Sequence[Any] = ()) -> None:
+        """``given_rows``: the variables the givens' row slices replace (scattered rows too)."""
         from pytensor.graph.traversal import ancestors
         self._name = spec.name
-        rows = set(spec.inputs)
+        rows = set(spec.inputs) | set(given_rows)
         # an update computed from the rows is LocalUpdatesWarning's (or a step's own gradient)
         self._updates = [s for s, value, _ in spec.updates if not rows.intersection(ancestors([value]))]
         self._unsaid = set() if local_updates else {
