@@ -3,6 +3,7 @@ whose output cannot be reduced changes nothing; Python scalars are taken as ``py
 takes them; every output is an array the caller owns. On 1, 2 and 3 devices."""
 
 import contextlib
+import os
 
 import numpy as np
 import pytensor
@@ -525,6 +526,33 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
     for k in range(7):
         alone(X[8 * k:8 * k + 8])
     np.testing.assert_allclose(w.get_value(), v.get_value(), rtol=1e-12)
+
+
+def test_a_rank_failing_in_a_loop_says_only_the_error_and_leaves_no_segment():
+    """The fault's teardown kills the workers, whose resource trackers then find their result
+    segments gone: nothing of theirs reaches the user's stderr, and /dev/shm keeps nothing."""
+    out = run_script("""
+        import os
+        import numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        from helpers import RaiseIfNegative
+        from synkhronos.errors import WorkerError
+        from synkhronos.extensions import train, updates
+        synk.fork(2)
+        x = pt.matrix("x")
+        w = pytensor.shared(np.zeros(2), name="w")
+        step = train.make_train_function((RaiseIfNegative()(x) @ w).mean(), [w], x, None, updates.sgd,
+                                         learning_rate=1.0)
+        X = np.ones((16, 2)); X[12:] = -1.0
+        try:
+            train.run(step, synk.data(X), batch_size=8, epochs=1, shuffle=False)
+        except WorkerError as e:
+            print("RAISED", os.getpid())
+    """)
+    assert out.returncode == 0 and "RAISED" in out.stdout, out.stderr[-3000:]
+    assert out.stderr == ""
+    pid = out.stdout.split("RAISED")[1].split()[0]
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"synk_{pid}_")] == []
 
 
 def test_a_ctrl_c_between_a_loop_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step(own_runtime):

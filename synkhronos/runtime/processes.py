@@ -35,6 +35,12 @@ def package_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: a worker's result segments are tracked by its resource tracker (a process of its own, given the
+#: worker's -W options), which unlinks them if the worker is killed: as a fault's teardown kills it,
+#: after the master unlinked them, the tracker's notices of that are no news to the user
+QUIET_RESOURCE_TRACKER = "ignore:resource_tracker:UserWarning:multiprocessing.resource_tracker"
+
+
 def launch_worker(settings: WorkerSettings, env: dict | None) -> subprocess.Popen:
     """Start ``python -m synkhronos.runtime.worker`` with ``settings`` and ``env``.
 
@@ -50,8 +56,8 @@ def launch_worker(settings: WorkerSettings, env: dict | None) -> subprocess.Pope
     settings = WorkerSettings(**settings, master_pid=os.getpid(), fault_fd=fault_log.fileno(),
                               die_with_parent=threading.current_thread() is threading.main_thread())
     env["SYNK_WORKER"] = json.dumps(settings)
-    proc = subprocess.Popen([sys.executable, "-m", "synkhronos.runtime.worker"], env=env,
-                            stdin=subprocess.DEVNULL, pass_fds=(fault_log.fileno(),))
+    proc = subprocess.Popen([sys.executable, "-W", QUIET_RESOURCE_TRACKER, "-m", "synkhronos.runtime.worker"],
+                            env=env, stdin=subprocess.DEVNULL, pass_fds=(fault_log.fileno(),))
     proc.fault_log = fault_log  # type: ignore[attr-defined]  # read by native_crash_site
     return proc
 
