@@ -16,7 +16,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Sequence
 
-__all__ = ["Comm", "CommContext", "Reservation", "ProgramReducer"]
+__all__ = ["Comm", "CommContext", "Reservation", "ProgramReducer", "NOTHING_TO_KEEP"]
+
+#: what :meth:`ProgramReducer.running` gives where nothing is kept from the output (reusable)
+NOTHING_TO_KEEP: AbstractContextManager[None] = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class ProgramReducer:
     def running(self) -> AbstractContextManager[None]:
         """Around a run of a program :meth:`wrap` made: what the collective library prints of
         its own as the ranks first meet is kept from the user's output (nothing to keep here)."""
-        return contextlib.nullcontext()
+        return NOTHING_TO_KEEP
 
 
 class Comm(ABC):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..platform.native_output import GLOO_CONNECTED, native_lines_dropped
-from .base import Comm, CommContext, ProgramReducer
+from .base import NOTHING_TO_KEEP, Comm, CommContext, ProgramReducer
 from .reduction import GATHER, Reduce
 
 __all__ = ["JaxComm", "MeshReducer"]
@@ -145,7 +145,7 @@ class _FirstMeeting:
 
     def running(self) -> AbstractContextManager[None]:
         """Around a run of a program holding a collective."""
-        return contextlib.nullcontext() if self.met else self._first()
+        return NOTHING_TO_KEEP if self.met else self._first()
 
     @contextlib.contextmanager
     def _first(self) -> Iterator[None]:
