@@ -135,6 +135,29 @@ def test_allreduce_on_the_jax_runtime_collective(rng):
         synk.close()
 
 
+@pytest.mark.timeout(120)
+def test_every_rank_runs_the_same_blocks_whatever_it_compiled_besides():
+    """A gradient that reads no rows builds one graph for any rows, which the master's check of
+    its first share has built already: the master must still take the loop's first step apart as
+    its workers do (a block on one rank and a step on another never meet in their collectives)."""
+    synk.close()
+    synk.fork(N_PARALLEL, collectives="jax")
+    try:
+        x = pt.matrix("x")
+        w = pytensor.shared(np.zeros(5), name="w_rowless")
+        step = train.make_train_function(x.sum(axis=1).mean() + w.sum(), [w], x, None, updates.sgd,
+                                         learning_rate=0.1)
+        train.run(step, synk.data(np.ones((64, 2))), batch_size=8, epochs=1, shuffle=False)
+        v = pytensor.shared(np.zeros(5))
+        alone = pytensor.function([], [], updates=[(v, v - 0.1 * pytensor.grad(v.sum(), v))])
+        for _ in range(8):
+            alone()
+        for rank in range(N_PARALLEL):
+            np.testing.assert_allclose(synk.get_value(rank, w), v.get_value(), rtol=1e-12)
+    finally:
+        synk.close()
+
+
 @pytest.mark.slow
 def assert_rules_agree(rng, seed, first, second, rtol, atol, **schedule):
     """The digits-like MLP trained with SGD from one start under ``first``, then under ``second``:

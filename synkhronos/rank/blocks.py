@@ -27,7 +27,7 @@ from ..seams.rule import steps_before_sync
 from ..tracing import trace
 from .fused import BlockProgram, fused_graph
 
-__all__ = ["Blocks", "MAX_BLOCK", "BLOCK_SECONDS", "DATA_SHARE_OF_FREE_MEMORY"]
+__all__ = ["Blocks", "MAX_BLOCK", "BLOCK_SECONDS", "DATA_SHARE_OF_MEMORY"]
 
 #: the most steps one block runs (its index rows go to the device at once)
 MAX_BLOCK = 1024
@@ -35,8 +35,9 @@ MAX_BLOCK = 1024
 #: blocks: a Ctrl-C waits for the block it lands in
 BLOCK_SECONDS = 2.0
 #: a loop's data goes to a device with memory statistics only if it takes at most this share of
-#: the memory free there
-DATA_SHARE_OF_FREE_MEMORY = 0.5
+#: the device's memory (its size, not what is free: every rank decides alike, and a rank that
+#: decided otherwise would run other programs than its peers, whose collectives then never meet)
+DATA_SHARE_OF_MEMORY = 0.5
 
 
 class Blocks:
@@ -54,6 +55,13 @@ class Blocks:
         self._tables: list | Literal[False] | None = None
         #: the most steps a block may take now (see BLOCK_SECONDS)
         self._cap = MAX_BLOCK
+        #: this rank's seconds in its last block (told to every rank by the next block), and that
+        #: block's length; a CPU's programs run in the caller, so only there do they count
+        self._last: tuple[float, int] = (0.0, 0)
+        self._timed = _programs_run_in_the_caller()
+        #: (gradient, rows per rank) of the steps loops have taken apart (each builds the gradient's
+        #: graph for its rows): a block of those rows may run, on every rank alike
+        self._stepped = context.stepped_apart
         #: no block can run here: unequal shares, or a reduction only between programs
         self._never = (loop.n_ranks > 1 and (loop.spec.batch_size % loop.n_ranks or loop.comm is None
                                              or context.program_reducer() is None))
@@ -72,7 +80,9 @@ class Blocks:
         # a power of two: the few lengths compile once each, however a run's steps fall
         length = 1 << (length.bit_length() - 1) if length >= 1 else 0
         rows = spec.batch_size // loop.n_ranks
-        program = self._program(rows) if length >= 1 else None
+        # (whether a block runs is decided alike on every rank: from what the loop did, never from
+        # what this rank compiled besides, as the master's check of its first share)
+        program = self._program(rows) if length >= 1 and (spec.grad_fid, rows) in self._stepped else None
         tables = self._device_tables() if program is not None else False
         if program is None or tables is False:
             return 0
@@ -86,13 +96,22 @@ class Blocks:
         update.continue_streams(upd_runner)
         # (the gradient's reductions run inside the program: they cannot be timed apart as syncing)
         start = time.perf_counter()
-        loop.add_loss(program(tables, to_device(indices.astype(np.int32)), weight), rows)
-        if time.perf_counter() - start > BLOCK_SECONDS:
-            self._cap = max(1, length // 2)
+        loss, slowest = program(tables, to_device(indices.astype(np.int32)), weight,
+                                to_device(np.asarray(self._last[0], np.float32)))
+        loop.add_loss(loss, rows)
+        if self._timed:
+            # every rank halves its blocks alike: by the slowest rank's time of the previous block
+            if float(slowest) > BLOCK_SECONDS:
+                self._cap = max(1, self._last[1] // 2)
+            self._last = (time.perf_counter() - start, length)
         if trace.on:
             trace.end("compute", first=step, steps=length, rows=rows)
         loop.after_steps(rows, spec.batch_size, length, stats)
         return length
+
+    def stepped_apart(self, rows: int) -> None:
+        """The loop took a step of ``rows`` rows on this rank apart (its graph is built)."""
+        self._stepped.add((self.loop.spec.grad_fid, rows))
 
     def _program(self, rows: int) -> BlockProgram | None:
         """The block program for steps of ``rows`` rows on this rank, or None (not yet, or never).
@@ -131,6 +150,13 @@ class Blocks:
         return self._tables
 
 
+def _programs_run_in_the_caller() -> bool:
+    """Whether this process's device runs a program in the thread that calls it (a CPU device, whose
+    dispatch the runtime makes synchronous), so that a block's time is its compute."""
+    import jax
+    return jax.local_devices()[0].platform == "cpu"
+
+
 def _fits(nbytes: int) -> bool:
     """Whether ``nbytes`` of data fit this process's device (a CPU device shares the host's memory,
     and adopts a Data's rows without a copy)."""
@@ -138,6 +164,5 @@ def _fits(nbytes: int) -> bool:
     device = jax.local_devices()[0]
     if device.platform == "cpu":
         return True
-    stats = device.memory_stats() or {}
-    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
-    return limit is None or nbytes <= DATA_SHARE_OF_FREE_MEMORY * (limit - used)
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return limit is None or nbytes <= DATA_SHARE_OF_MEMORY * limit

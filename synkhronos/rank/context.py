@@ -63,6 +63,9 @@ class RankContext:
     undo : UndoLog
         What the current command's updates replaced, while the command could still fail on
         some rank (see :mod:`.undo`).
+    stepped_apart : set
+        ``(gradient function id, rows)`` of the steps a device loop took apart on this rank:
+        the same on every rank, which run the same loops (see :mod:`.blocks`).
     """
 
     rank: int
@@ -81,6 +84,7 @@ class RankContext:
     spin: float
     topology: Topology | None = None
     undo: UndoLog = field(default_factory=UndoLog)
+    stepped_apart: set[tuple[int, int]] = field(default_factory=set)
     _comm: Comm | None = field(default=None, repr=False)
     _programs: StepPrograms | None = field(default=None, repr=False)
     _uploads: ArgUploads | None = field(default=None, repr=False)

@@ -321,7 +321,9 @@ class BlockProgram(_Program):
     Every step gathers its rows of the device-resident ``tables`` by one row of
     indices, computes the gradient with ``weight_rows`` as the step's batch
     rows, reduces it and updates. The program returns the sum of the steps'
-    losses (the gradient function's first output) on this rank.
+    losses (the gradient function's first output) on this rank, and the
+    longest of the ranks' times of their previous blocks (what the ranks
+    agree on to choose their next blocks' length alike).
 
     Parameters
     ----------
@@ -336,7 +338,7 @@ class BlockProgram(_Program):
     def _body(self, donated: list, others: list, args: tuple) -> tuple[list, Any]:
         import jax
         import jax.numpy as jnp
-        tables, index_rows, weight_rows = args
+        tables, index_rows, weight_rows, seconds = args
         written_at = self.layout.written
         merged = self._merge(donated, others)
         start = [merged[p] for p in written_at]
@@ -353,12 +355,13 @@ class BlockProgram(_Program):
             return new, outs[0].astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
 
         written, losses = jax.lax.scan(step, start, index_rows)
-        return written, jnp.sum(losses)
+        return written, (jnp.sum(losses), self.reducer.reduce(seconds, "max"))
 
-    def __call__(self, tables: list, index_rows: Any, weight_rows: Any) -> Any:
-        """Run ``len(index_rows)`` steps; return the sum of this rank's step losses (a device scalar)."""
+    def __call__(self, tables: list, index_rows: Any, weight_rows: Any, seconds: Any) -> tuple[Any, Any]:
+        """Run ``len(index_rows)`` steps; return the sum of this rank's step losses and the most
+        ``seconds`` (this rank's time of its previous block) of any rank (device scalars)."""
         shapes = (tuple(np.shape(index_rows)), tuple(t.shape for t in tables))
-        return self._run(("block", shapes), self._body, (tables, index_rows, weight_rows))
+        return self._run(("block", shapes), self._body, (tables, index_rows, weight_rows, seconds))
 
 
 class StepPrograms:

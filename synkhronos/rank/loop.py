@@ -198,6 +198,7 @@ class DeviceLoop:
             except BaseException:       # a Ctrl-C, or another rank's failure met in the all-reduce
                 self._half_step.put_back_if_half()
                 raise
+        self.blocks.stepped_apart(rows)
         done = time.perf_counter()
         if trace.on:
             trace.mark("update")
