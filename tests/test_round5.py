@@ -528,6 +528,49 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
     np.testing.assert_allclose(w.get_value(), v.get_value(), rtol=1e-12)
 
 
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step():
+    """With collectives="jax" the master's loop runs in a thread of its own while the main thread
+    watches the workers, and a Ctrl-C lands in the main thread: the loop ends after the step it is
+    in (here between its gradient and its update), then the runtime is torn down."""
+    import signal
+    import time
+
+    from synkhronos.extensions import train, updates
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2, collectives="jax")
+    try:
+        build, w, count = _counted_step("threaded_loop")
+        step = build()
+        X = synk.data(np.arange(21.0).reshape(7, 3) / 50)
+        Y = synk.data(np.ones(7))
+        update = session.current().registry.compiled[step.functions[1].spec.fid]
+        run, calls = update.run, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:             # the third step: its gradient stored, its update not
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)             # the main thread takes the Ctrl-C meanwhile
+            return run(*args, **kwargs)
+        update.run = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            train.run(step, X, Y, batch_size=7, steps=50, shuffle=False)   # 7 rows: a step at a time
+        assert float(count.get_value()) == 3.0
+        v, n = pytensor.shared(np.full(3, 0.1)), pytensor.shared(np.float64(0))
+        x, y = pt.matrix("x"), pt.vector("y")
+        alone = train.make_single_process_train_function(((x @ v - y) ** 2).mean(), [v], x, y, updates.sgd,
+                                                         learning_rate=0.1, state_updates=[(n, n + 1)],
+                                                         mode="FAST_COMPILE")
+        for _ in range(3):
+            alone(np.arange(21.0).reshape(7, 3) / 50, np.ones(7))
+        np.testing.assert_allclose(w.get_value(), v.get_value(), rtol=1e-12)
+    finally:
+        synk.close()
+
+
 def test_a_rank_failing_in_a_loop_says_only_the_error_and_leaves_no_segment():
     """The fault's teardown kills the workers, whose resource trackers then find their result
     segments gone: nothing of theirs reaches the user's stderr, and /dev/shm keeps nothing."""

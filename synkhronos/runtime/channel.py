@@ -208,7 +208,8 @@ class Channel:
         return result
 
     # --- device-driven loops ----------------------------------------------------------------
-    def loop_phase(self, local: Callable[[], Any], threaded: bool) -> Any:
+    def loop_phase(self, local: Callable[[], Any], threaded: bool,
+                   stop: Callable[[], None] | None = None) -> Any:
         """Run one phase of a device-driven loop: every worker, and ``local()`` here.
 
         A phase runs many steps with collectives among the ranks and no command
@@ -217,13 +218,14 @@ class Channel:
         still running made a step for ``stall_timeout`` seconds) or an error
         of ``local()`` shuts the runtime down and raises. ``threaded``:
         ``local()`` blocks in native collectives, so it runs in a thread
-        while this one watches; otherwise it calls ``watch.during_collective()``
-        (through its collectives and after every step).
+        while this one watches, and a Ctrl-C calls ``stop()`` (which asks it to end
+        after its step) before the teardown; otherwise it calls
+        ``watch.during_collective()`` (through its collectives and after every step).
         """
         with on_cores(self.local_cores):
-            return self._loop_phase(local, threaded)
+            return self._loop_phase(local, threaded, stop)
 
-    def _loop_phase(self, local: Callable[[], Any], threaded: bool) -> Any:
+    def _loop_phase(self, local: Callable[[], Any], threaded: bool, stop: Callable[[], None] | None) -> Any:
         """The body of :meth:`loop_phase`, on this rank's cores."""
         ranks, what = self.worker_ranks, "a training loop"
         self.ctl.status[:, ControlBlock.PROGRESS] = 0
@@ -233,7 +235,7 @@ class Channel:
         self.watch.set_collective_check(None if threaded else watch)
         try:
             if threaded:
-                result, error = self.watch.run_local_in_thread(local, watch)
+                result, error = self.watch.run_local_in_thread(local, watch, stop)
             else:
                 result, error = self.watch.run_local(local)
             if error is not None:

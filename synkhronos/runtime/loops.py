@@ -32,7 +32,12 @@ if TYPE_CHECKING:
     from ..wire.plan import InputRef
     from .nodes import NodeLink
 
-__all__ = ["Loops", "TrainParts"]
+__all__ = ["Loops", "TrainParts", "LoopStopped"]
+
+
+class LoopStopped(Exception):
+    """The master's loop, running in a thread of its own, ended between steps at a Ctrl-C that the
+    main thread took (which then tears the runtime down and raises the KeyboardInterrupt)."""
 
 
 class TrainParts(Protocol):
@@ -51,6 +56,8 @@ class Loops(Part):
     def __init__(self, state: Any) -> None:
         super().__init__(state)
         self._loops: dict[int, DeviceLoop] = {}  # loop id -> the master's DeviceLoop, from its first phase to finish
+        #: a Ctrl-C asked the master's loop thread to end after its step
+        self._stop_asked = False
         self._centers = LoopCenters(state)
         self._next_loop = 0
 
@@ -158,8 +165,9 @@ class Loops(Part):
             not state.context.comm.waits_in_python
         if trace.on:
             trace.begin("loop", f"train.run {phase}")
+        self._stop_asked = False
         try:
-            own = channel.loop_phase(local, threaded)
+            own = channel.loop_phase(local, threaded, stop=self._ask_to_stop)
             self._centers.check()
         finally:
             if trace.on:
@@ -187,9 +195,17 @@ class Loops(Part):
         return set() if nodes is None else set(nodes.lost)
 
     def _after_step(self) -> None:
-        """After every step of the master's device: its workers, and on node 0 its server."""
+        """After every step of the master's device: its workers, and on node 0 its server; and a
+        Ctrl-C the main thread took while the loop runs in a thread of its own ends it here,
+        between whole steps (:class:`LoopStopped`)."""
+        if self._stop_asked:
+            raise LoopStopped("train.run was interrupted (Ctrl-C)")
         self._state.channel.watch.during_collective()
         self._centers.check()
+
+    def _ask_to_stop(self) -> None:
+        """Have the master's loop end after its step (see :meth:`_after_step`)."""
+        self._stop_asked = True
 
     def _reservation(self, spec: LoopSpec) -> Reservation:
         """What a synchronous loop's collectives need: the flat gradient, or the parameters and state."""

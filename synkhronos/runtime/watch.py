@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -29,6 +30,8 @@ __all__ = ["Watch", "Watched", "LoopCheck"]
 
 #: seconds this rank's part of a collective may still take once a peer reported that it failed
 FAILED_PEER_GRACE = 2.0
+#: seconds a loop running in a thread of the master may take to end its step after a Ctrl-C
+STOP_WAIT = 10.0
 
 
 class Watched(Reported, Protocol):
@@ -226,20 +229,35 @@ class Watch:
                                                  | {self.channel.master_rank}))
         return check
 
-    def run_local_in_thread(self, local: Callable[[], Any], watch: Callable[[], None]
-                            ) -> tuple[Any, Exception | None]:
-        """Run ``local()`` in a thread, calling ``watch()`` here until it ends."""
+    def run_local_in_thread(self, local: Callable[[], Any], watch: Callable[[], None],
+                            stop: Callable[[], None] | None = None) -> tuple[Any, Exception | None]:
+        """Run ``local()`` in a thread, calling ``watch()`` here until it ends.
+
+        A Ctrl-C lands here, not in the thread: ``stop()`` asks ``local()`` to end
+        after its step (the thread's values are then a whole step's), which it is
+        given up to :data:`STOP_WAIT` seconds to do before the runtime is torn down.
+        """
         future: Future[tuple[Any, Exception | None]] = Future()
+        # (waited for by an event, not Thread.join: a KeyboardInterrupt inside join() leaves the
+        # thread looking ended to every later join while it runs on)
+        ended = threading.Event()
 
         def target() -> None:
-            future.set_result(self.run_local(local))
-        thread = start_thread(target, "synk-loop")
+            try:
+                future.set_result(self.run_local(local))
+            finally:
+                ended.set()
+        start_thread(target, "synk-loop")
         try:
-            while not future.done():
-                thread.join(0.02)
+            while not ended.wait(0.02):
                 watch()
         except KeyboardInterrupt:
-            self.channel.on_fault()
+            try:
+                if stop is not None:
+                    stop()
+                    ended.wait(STOP_WAIT)
+            finally:
+                self.channel.on_fault()
             raise
         return future.result()
 
