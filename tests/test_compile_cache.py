@@ -169,6 +169,7 @@ def test_by_default_the_cache_is_jax_s_directory_when_set_else_the_user_s_cache(
     assert out.stdout.strip() == os.path.join(home, "synkhronos", "jax", compile_cache.host_fingerprint())
 
 
+@pytest.mark.slow
 def test_the_source_pytensor_generates_is_kept_once_in_the_users_cache_not_left_in_tmp(tmp_path):
     """Every rank compiles every function, per shape: PyTensor's default would leave a new file in the
     temporary directory each time, for good. The user's own choice of place is kept."""
@@ -204,6 +205,7 @@ def test_the_source_pytensor_generates_is_kept_once_in_the_users_cache_not_left_
     assert generated_in(tmp) == [] and len(generated_in(chosen)) >= 1
 
 
+@pytest.mark.slow
 def test_a_place_for_generated_source_set_during_the_run_stays_and_an_unwritable_one_is_not_taken(tmp_path):
     """A ``generated_src_dir`` the user sets while the runtime runs is theirs after close(); where
     the cache's directory cannot be written (a read-only file system; as root, permissions would

@@ -53,6 +53,7 @@ def test_the_users_own_lines_are_kept_even_beside_them(capfd):
     assert _through_the_filter(capfd, GPU_TASK_WATCH + USERS_OWN + GPU_TASK_WATCH) == USERS_OWN
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["train.run", "a call"])
 def test_a_run_on_gloo_prints_only_what_the_script_prints(first):
     """Gloo says "[Gloo] Rank r is connected" on stdout as the ranks first meet, whether in a

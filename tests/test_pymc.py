@@ -222,6 +222,7 @@ def test_without_jacobian_equals_pymc(synk2):
         np.testing.assert_allclose(grad, dlogp(point), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_as_many_covariates_as_rows_split_by_the_rows_and_equal_pymc(synk2):
     """Which arrays hold rows is not decided by their length: a per-covariate pm.Data vector as long
     as the rows, contracted with the covariates, goes whole to every device."""

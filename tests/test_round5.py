@@ -571,6 +571,7 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step():
         synk.close()
 
 
+@pytest.mark.slow
 def test_a_rank_failing_in_a_loop_says_only_the_error_and_leaves_no_segment():
     """The fault's teardown kills the workers, whose resource trackers then find their result
     segments gone: nothing of theirs reaches the user's stderr, and /dev/shm keeps nothing."""
