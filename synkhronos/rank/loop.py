@@ -98,9 +98,9 @@ class DeviceLoop:
         #: steps run as one program each block (see .blocks), where the rule and the data allow
         self.blocks = Blocks(self, context)
         #: on a node's master, whose values the script keeps when the run fails or is interrupted:
-        #: the state a step's gradient stores
-        self._half_step = _half_step_guard(self.grad, self.update) if self.rank == self.master_rank \
-            else None
+        #: the state a step's gradient stores, put back if the step ends before its update stored
+        self._half_step: HalfStep | None = half_step(self.grad.spec.updates, self.update.spec.updates) \
+            if self.rank == self.master_rank else None
         #: this phase's losses still on the device: (summed loss, rows of each step summed)
         self._losses: list = []
         self._orders: dict[int, np.ndarray] = {}
@@ -326,13 +326,3 @@ class DeviceLoop:
         """Let go of the central parameters, if the rule has them."""
         if self._center is not None:
             self._center.close()
-
-
-def _half_step_guard(grad: CompiledFunction, update: CompiledFunction) -> HalfStep | None:
-    """The guard of a step whose gradient graph stores state updates (None: nothing to guard).
-
-    A step that fails or is interrupted between its gradient's store and its
-    update's puts the state back: the run is shut down then, and the master's
-    values are what the script keeps.
-    """
-    return half_step(grad.spec.updates, update.spec.updates)
