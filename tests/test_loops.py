@@ -158,6 +158,33 @@ def test_every_rank_runs_the_same_blocks_whatever_it_compiled_besides():
         synk.close()
 
 
+def test_a_thread_of_the_script_changes_nothing_under_the_jax_collectives(rng):
+    """While another thread of the script runs, the master's values stay host faces (that thread
+    may read them): the loop's block programs take them as device arrays, and train as one
+    process does."""
+    synk.close()
+    synk.fork(N_PARALLEL, collectives="jax")
+    ended = threading.Event()
+    try:
+        x_np, y_np = digits_like(rng)
+        X, y, loss, params, _ = mlp(seed=6)
+        step = train.make_train_function(loss, params, X, y, updates.sgd, learning_rate=0.1)
+        synk.distribute()
+        threading.Thread(target=ended.wait, daemon=True).start()
+        train.run(step, x_np, y_np, 20, steps=24)        # blocks of 10 rows per device, and steps
+        Xr, yr, loss_r, params_r, _ = mlp(seed=6)
+        one = train.make_single_process_train_function(loss_r, params_r, Xr, yr, updates.sgd,
+                                                        learning_rate=0.1)
+        for batch in list(global_batches(N_ROWS, 20, 3))[:24]:
+            one(x_np[batch], y_np[batch])
+        for rank in range(N_PARALLEL):
+            for a, b in zip(values_on(rank, params), [p.get_value() for p in params_r]):
+                np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+    finally:
+        ended.set()
+        synk.close()
+
+
 @pytest.mark.slow
 def assert_rules_agree(rng, seed, first, second, rtol, atol, **schedule):
     """The digits-like MLP trained with SGD from one start under ``first``, then under ``second``:
@@ -489,6 +516,24 @@ def test_rate_limited_keeps_its_sync_fraction(wide):
 def test_a_device_dying_mid_run_ends_it(tmp_path, rng, announcing):
     if session.active() is None:
         synk.fork(N_PARALLEL)
+    assert_a_dying_device_ends_the_run(tmp_path, rng, announcing)
+
+
+@pytest.mark.slow
+def test_a_device_dying_mid_run_is_named_under_the_jax_collectives(tmp_path, rng):
+    """The master's own collective fails as its peer dies (Gloo: "connection closed by peer"): the
+    error names the peer's death, the cause, not the master's failed all-reduce."""
+    synk.close()
+    synk.fork(N_PARALLEL, collectives="jax")
+    try:
+        assert_a_dying_device_ends_the_run(tmp_path, rng, AnnouncingAllReduce)
+    finally:
+        synk.close()
+
+
+def assert_a_dying_device_ends_the_run(tmp_path, rng, announcing):
+    """Worker 1 SIGKILLed inside ``train.run``: the error names its death, promptly, and nothing of
+    the runtime is left."""
     rt = session.current()
     x_np, y_np = digits_like(rng, 4000)
     X, y, loss, params, _ = mlp(seed=11)

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..platform.device_arrays import to_device
 from ..platform.native_output import GLOO_CONNECTED, native_lines_dropped
+from ..platform.values import device_face
 from .base import NOTHING_TO_KEEP, Comm, CommContext, ProgramReducer
 from .reduction import GATHER, Reduce
 
@@ -194,11 +196,22 @@ class MeshReducer(ProgramReducer):
         from jax.sharding import NamedSharding, PartitionSpec
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.tree_util.tree_map(
-            lambda a: jax.make_array_from_single_device_arrays(a.shape, replicated, [a]), tree)
+            lambda a: jax.make_array_from_single_device_arrays(a.shape, replicated, [_on_device(a)]), tree)
 
     def locals_of(self, tree: Any) -> Any:
         import jax
         return jax.tree_util.tree_map(lambda a: a.addressable_data(0), tree)
+
+
+def _on_device(value: Any) -> Any:
+    """``value`` as a device array: itself, the device array behind a host face (values are
+    faces while another thread of the script may read them: see
+    :func:`~synkhronos.platform.values.hold_faces`), or a copy sent explicitly."""
+    import jax
+    if isinstance(value, jax.Array):
+        return value
+    device = device_face(value)
+    return device if isinstance(device, jax.Array) else to_device(value)
 
 
 def _flat(values: Sequence[Any]) -> Any:

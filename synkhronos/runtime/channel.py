@@ -241,6 +241,9 @@ class Channel:
             if error is not None:
                 if isinstance(error, SynkError):
                     raise error
+                # a peer that died or raised makes this rank's collective fail too: its end is the
+                # cause to name, if it shows
+                self.watch.raise_a_peers_end(watch)
                 self.on_fault()
                 raise self.reports.own_error(error) from error
             self.watch.wait_watched(ranks, watch)

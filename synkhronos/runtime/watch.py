@@ -229,6 +229,20 @@ class Watch:
                                                  | {self.channel.master_rank}))
         return check
 
+    def raise_a_peers_end(self, check: LoopCheck, grace: float = FAILED_PEER_GRACE) -> None:
+        """After this rank's part of a loop failed: raise (through ``check``, a :meth:`loop_check`)
+        what ended a peer, a death or an error, if one shows within ``grace`` seconds.
+
+        A peer's end fails this rank's collective too (Gloo's "connection closed by
+        peer"), and the peer's own end is what the user needs to read.
+        """
+        deadline = time.time() + grace
+        while True:
+            check(force=True)
+            if time.time() >= deadline:
+                return
+            time.sleep(0.02)
+
     def run_local_in_thread(self, local: Callable[[], Any], watch: Callable[[], None],
                             stop: Callable[[], None] | None = None) -> tuple[Any, Exception | None]:
         """Run ``local()`` in a thread, calling ``watch()`` here until it ends.
