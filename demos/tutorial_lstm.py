@@ -12,9 +12,10 @@ gradient and update are two functions::
 synk`` changes what the user guide's porting section says: ``synk.fork()``
 first; the inputs split along their sample axis (``split_axes={x: 1, mask: 1}``);
 the gradient function stores each device's gradient, ``synk.all_reduce``
-averages it, and the adadelta statistics and the parameters are updated from
-the average on every device. Both print the same costs, batch by batch (even
-splits: each device's mean weighs alike). Data: synthetic IMDB-shaped reviews
+averages it (weighing each device by its samples where they split unevenly),
+and the adadelta statistics and the parameters are updated from the average on
+every device. Both print the same costs, batch by batch, on any number of
+devices. Data: synthetic IMDB-shaped reviews
 (word ids under a vocabulary, lengths from 10 to ``--maxlen``), whose label is
 whether more of their words come from the first half of the vocabulary.
 

@@ -166,6 +166,12 @@ def _require_equal_shapes(vars_: Sequence[SharedVariable], shapes: Sequence[Sequ
 def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) -> None:
     """Reduce across ranks; every rank's copy becomes the result.
 
+    An average of values the last call that wrote them computed on each rank
+    from its rows (a gradient its updates stored) weighs each rank by those
+    rows when the ranks got unequal rows: the result is the value of all the
+    call's rows, as one process computes it. Any other average is the plain
+    mean over the ranks (see :mod:`synkhronos.runtime.rows_behind`).
+
     Parameters
     ----------
     shared_vars : shared variable, name, or list of them
@@ -202,7 +208,7 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep) -> np.ndarray | list[np.n
     checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
     state = current()
     vars_, single = resolve_shareds(shared_vars)
-    fill, reservation = reduction_command(state, vars_, op, keep)
+    fill, reservation = reduction_command(state, vars_, op, keep, rows=_rows_behind(state, vars_, op))
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
         out = state.collectives.run(fill, reservation)
     if keep == Keep.RETURN:
@@ -210,13 +216,25 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep) -> np.ndarray | list[np.n
     return None
 
 
-def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL
+def _rows_behind(state: State, vars_: Sequence[SharedVariable], op: str) -> list[tuple[int, ...] | None] | None:
+    """For an average: per variable, the rows behind each device's value, where a call left the
+    devices values of unequal rows (:mod:`synkhronos.runtime.rows_behind`); None for any other
+    reduction, or where no variable has such rows."""
+    if op != Reduce.AVG:
+        return None
+    rows = [state.rows_behind.rows_of(v) if np.dtype(v.type.dtype).kind in "fc" else None for v in vars_]
+    return rows if any(r is not None for r in rows) else None
+
+
+def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL,
+                      rows: Sequence[Sequence[int] | None] | None = None
                       ) -> tuple[Callable[[Words], None], Reservation]:
     """What a reduction of ``vars_`` sends: ``(fill, reservation)``.
 
     ``fill(words)`` writes the collective (with the master's shapes, which every
     rank checks while preparing); ``reservation`` is what it needs of the
-    collective implementation.
+    collective implementation. ``rows``: per variable, the rows each rank's value
+    comes from, by which an average weighs the ranks (None: alike).
     """
     op = _check_op(op, vars_)
     own = shapes_of(stored(v) for v in vars_)
@@ -224,7 +242,7 @@ def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, ke
     one_launch = len(list(dtype_groups(vars_))) == 1
 
     def fill(w: Words) -> None:
-        kinds.all_reduce.encode(w, state.registry.uids_of(vars_), op, keep, own)
+        kinds.all_reduce.encode(w, state.registry.uids_of(vars_), op, keep, own, rows)
     return fill, Reservation(nbytes, nbytes if one_launch else 0, nbytes)
 
 
@@ -294,6 +312,7 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
 
 def _read_data(state: State, vars_: Sequence[SharedVariable], datas: Sequence[Data], batch: Any,
                chunked: bool) -> None:
+    state.rows_behind.forget(vars_)
     plans: list[tuple[Data, Batch]] = []
     for var, d in zip(vars_, datas):
         if d.shape is None:

@@ -36,7 +36,7 @@ from .function_parts.batch import check_num_slices, node_local, parse_batch, par
 from .function_parts.batch_shaped import BatchShapedState
 from .function_parts.hints import CallRows, add_hint
 from .function_parts.kept_plans import KeptPlans
-from .function_parts.recording import compile_on_master, record
+from .function_parts.recording import compile_on_master, record, written_from_rows
 from .function_parts.shapes import check_argument_shape
 from .function_parts.split_axes import RowAxes
 
@@ -105,6 +105,9 @@ class Function:
         #: the shared tensors a call reads or writes: only those go to the devices and back
         self.touched = [var for var in dict.fromkeys(spec.shared_variables())
                         if isinstance(var.type, TensorType)]
+        #: what its updates compute from the call's rows: an average of it weighs each device by
+        #: its rows (a function that weighs them itself, as a training step's, sets it empty)
+        self.row_written = written_from_rows(spec, [s.key for s in rows.slices] if rows is not None else [])
 
     def touched_now(self, *_: object) -> list[SharedVariable] | None:
         """The shared variables a call hands to the devices and back (None, every one, for a
@@ -288,9 +291,20 @@ class Function:
         finally:
             if since is not None:
                 trace.end("reduce")
+        if self.row_written and tail is None:
+            self._note_rows_behind(state, plan)
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _note_rows_behind(self, state: State, plan: CallPlan) -> None:
+        """Keep the rows behind each device's value of what the call wrote from its rows."""
+        if plan.local and state.nodes is not None:      # (each node split its own shard)
+            state.rows_behind.forget(self.row_written)
+            return
+        rows = [b.total for b in plan.sliced] if plan.sliced else \
+            CallRows.of(plan, state.n_parallel, bool(plan.scattered)).per_device
+        state.rows_behind.note(self.row_written, rows)
 
     def _plan(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any, num_slices: Any,
               output_subset: Iterable[Any] | None) -> CallPlan:

@@ -47,6 +47,8 @@ class WeightedStep:
         self.f_grad = function(list(inputs) + graph.scalars, (graph.loss, "avg"), bcast_inputs=[batch_rows],
                                updates=[(target, flat_grad * weight, "sum")] + graph.side_updates,
                                name="train_grad", **function_kwargs)
+        # (its gradient carries its rows' weight: the all-reduce's average weighs the devices alike)
+        self.f_grad.row_written = frozenset()
         self.f_upd = function([], updates=graph.param_updates, name="train_update")
         self.step = Step(self.f_grad, self.grad_shared, self.f_upd, op="avg")
         # the batch's rows travel in a Data the step writes: every call then has the same

@@ -134,6 +134,7 @@ class Collectives(Part):
         """Copy the master's values of ``vars_`` to every rank (``synk.broadcast``; and a value set
         in the master, at the next call: see ``Registry.values_to_devices``)."""
         state = self._state
+        state.rows_behind.forget(vars_)
         shapes = shapes_of(stored(v) for v in vars_)
         sizes = [math.prod(shape) for shape in shapes]
 
@@ -149,6 +150,7 @@ class Collectives(Part):
         state = self._state
         state.registry.ensure_shipped()
         state.calls.forget_shapes()
+        state.rows_behind.forget(vars_)
         t = state.topology
         if t.node_of(rank) != t.node_rank:
             return

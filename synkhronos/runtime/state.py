@@ -41,6 +41,7 @@ from .loops import Loops
 from .nodes import NodeLink
 from .processes import free_port, launch_worker, reap
 from .registry import Registry
+from .rows_behind import RowsBehind
 from .timeline import Timeline
 
 __all__ = ["State", "Settings"]
@@ -122,6 +123,8 @@ class State:
         self.registry = Registry(self)
         self.calls = Calls(self)
         self.collectives = Collectives(self)
+        #: the rows behind each device's value of what a call wrote, by which an average weighs them
+        self.rows_behind = RowsBehind()
         self.loops = Loops(self)
         self.timeline = Timeline(self)
 

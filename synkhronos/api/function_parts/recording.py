@@ -37,7 +37,7 @@ from .split_axes import declared_axes
 if TYPE_CHECKING:
     from pytensor.tensor.variable import TensorVariable
 
-__all__ = ["record", "compile_on_master", "TRACES_BY_SHAPE", "TRACES_ON_FREE_ROWS"]
+__all__ = ["record", "written_from_rows", "compile_on_master", "TRACES_BY_SHAPE", "TRACES_ON_FREE_ROWS"]
 
 
 def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inputs: Iterable[Variable] | None,
@@ -147,6 +147,21 @@ def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variabl
             continue
         triples.append((shared, pt.as_tensor_variable(value), check_update_mode(shared, mode)))
     return triples, generators
+
+
+def written_from_rows(spec: FunctionSpec, given_rows: Sequence[Variable] = ()) -> frozenset[SharedVariable]:
+    """The shared variables ``spec``'s updates compute from the call's rows: each device's value
+    comes from its own rows (see :mod:`synkhronos.runtime.rows_behind`).
+
+    The rows are the scattered inputs, ``given_rows`` (the givens' row slices of
+    the tutorials' idiom), the sliceable shared variables, and what the givens
+    replace with them.
+    """
+    rows = set(spec.inputs) | set(given_rows) | set(spec.sliceable_shareds)
+    if not rows:
+        return frozenset()
+    rows |= {key for key, value in spec.givens if rows.intersection(ancestors([value]))}
+    return frozenset(s for s, value, _ in spec.updates if rows.intersection(ancestors([value])))
 
 
 def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable, str | None]],
