@@ -196,9 +196,9 @@ def test_api_reference_is_current():
 @pytest.mark.timeout(600)
 def test_the_ported_lstm_tutorial_prints_the_single_process_costs_and_pays_for_each_length_once():
     """lstm.py on 3 devices (time-major, split along the samples: 16 samples as 6, 5 and 5) gives
-    the single-process costs batch by batch. Padded to each minibatch's own longest sequence, an epoch whose lengths were
-    all met before takes at most 3x the epoch padded to one length (the scan's gradient needs
-    concrete shapes: every length is built once per device, and kept)."""
+    the single-process costs batch by batch. Padded to each minibatch's own longest sequence, an
+    epoch whose lengths were all met before takes at most 3x the epoch padded to one length (the
+    scan's gradient needs concrete shapes: every length is built once per device, and kept)."""
     import pytensor
     synk.close()
     floatx, pytensor.config.floatX = pytensor.config.floatX, "float64"
