@@ -256,6 +256,27 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
     assert session.active() is not None
 
 
+@pytest.mark.parametrize("taken", ["checkpoint.safetensors", "checkpoint.safetensors.partial"])
+def test_a_directory_where_the_checkpoint_goes_is_refused_before_any_step(synk2, rng, tmp_path, taken):
+    from test_extensions import mlp
+    x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)
+    X, y, loss, params, _ = mlp(seed=12)
+    step = train.make_train_function(loss, params, X, y, updates.adam, learning_rate=0.1)
+    synk.distribute()
+    before = [p.get_value() for p in step.state_variables]
+    (tmp_path / taken).mkdir()
+    for resume in (True, False):
+        with pytest.raises(ValueError, match=f"{taken}' is not a regular file .* remove it or give "
+                                             f"another checkpoint_dir"):
+            train.run(step, x_np, y_np, 10, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1,
+                      resume=resume)
+    for b, p in zip(before, step.state_variables):        # nothing ran
+        np.testing.assert_array_equal(p.get_value(), b)
+    (tmp_path / taken).rmdir()
+    train.run(step, x_np, y_np, 10, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    assert checkpoint.exists(tmp_path / "checkpoint.safetensors")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", [sync.Downpour(every=1), sync.EASGD(0.5, every=1, asynchronous=True),
                                   sync.RateLimited(every_n_batches=1, max_rate=1.0)], ids=repr)

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["save", "restore", "read", "exists", "default_variables", "ARRAY_PREFIX", "Checkpointing",
            "RunCheckpoints"]
 
+#: the name beside a checkpoint that a save writes before it takes the checkpoint's place
+PARTIAL = ".partial"
+
 #: the layout version written into every checkpoint's metadata
 FORMAT_VERSION = 1
 _META_KEY = "synkhronos"
@@ -278,7 +281,7 @@ def _write_atomically(path: str, tensors: dict[str, np.ndarray], metadata: dict[
     """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
     flush it to disk, then rename it over ``path``."""
     from safetensors.numpy import save_file
-    partial = path + ".partial"
+    partial = path + PARTIAL
     for left in glob.glob(glob.escape(path) + ".tmp*"):     # what other writers' kills left
         os.remove(left)
     save_file(tensors, partial, metadata=metadata)
@@ -570,6 +573,10 @@ class RunCheckpoints:
         directory = os.fspath(checkpointing.directory)
         os.makedirs(directory, exist_ok=True)
         self.path, self.every = os.path.join(directory, self.FILE), checkpointing.every
+        for path in (self.path, self.path + PARTIAL):
+            if os.path.lexists(path) and not os.path.isfile(path):
+                raise ValueError(f"{path!r} is not a regular file (a directory?), where the run keeps "
+                                 f"its checkpoint; remove it or give another checkpoint_dir")
         if checkpointing.resume and exists(self.path):
             self._resumed = self._restore()
 
