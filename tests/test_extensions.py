@@ -124,6 +124,24 @@ def test_make_train_function_is_exact_on_uneven_batches(synk2, rng):
         close(got, ref, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.parametrize("rule", [updates.sgd, updates.adam])
+def test_a_model_of_one_0d_parameter_trains_as_one_process(synk2, rng, rule):
+    """Its flat gradient is known to be 1 long: the vector holding it is too (PyTensor takes no
+    update of another broadcast pattern)."""
+    def model(name):
+        x, y = pt.matrix("x"), pt.vector("y")
+        w = pytensor.shared(np.array(0.5), name=name)
+        return x, y, w, ((x.sum(axis=1) * w - y) ** 2).mean()
+    X_np, Y_np = rng.normal(size=(13, 2)), rng.normal(size=13)
+    x, y, w, loss = model("w_0d")
+    step = train.make_train_function(loss, [w], x, y, rule, learning_rate=0.1)
+    x1, y1, w1, loss1 = model("w_0d_single")
+    single = train.make_single_process_train_function(loss1, [w1], x1, y1, rule, learning_rate=0.1)
+    for b in [np.arange(13), np.arange(7)]:
+        close(step(X_np[b], Y_np[b]), single(X_np[b], Y_np[b]), rtol=1e-12)
+    close(w.get_value(), w1.get_value(), rtol=1e-12)
+
+
 def test_flatten_helpers():
     a = pytensor.shared(np.arange(6.0).reshape(2, 3))
     b = pytensor.shared(np.arange(2.0))

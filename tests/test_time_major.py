@@ -235,3 +235,28 @@ def test_a_scan_over_an_embedding_of_the_rows_is_refused_and_the_bcast_route_run
             split(sentence)
     whole = synk.function([], (y_pred, None), bcast_inputs=[idxs], name="classify_whole")
     np.testing.assert_array_equal(whole(sentence), want)
+
+
+def test_a_training_step_on_time_major_inputs_trains_as_one_process(runtime, rng):
+    """make_train_function(..., split_axes={x: 1, mask: 1}): each device takes whole sequences of
+    its own samples and weighs its gradient by them (11 samples as 6/5 and 3/4/4, 7 as 3/4 and
+    2/2/3); train.run, which gives out rows along axis 0, refuses the step."""
+    from synkhronos.extensions import train, updates
+    x, mask, y, w, _, _, loss = rnn("tm_step")
+    step = train.make_train_function(loss, [w], [x, mask], y, updates.sgd, learning_rate=0.3,
+                                     split_axes={x: 1, mask: 1})
+    x1, mask1, y1, w1, _, _, loss1 = rnn("tm_single")
+    single = train.make_single_process_train_function(loss1, [w1], [x1, mask1], y1, updates.sgd,
+                                                      learning_rate=0.3, mode="FAST_RUN")
+    X, M, Y = sequences(rng)
+    x_dat, m_dat = synk.data(X, split_axis=1), synk.data(M, split_axis=1)
+    for idx in [np.arange(N), np.array([3, 9, 0, 4, 7, 1, 10])]:
+        close(step(x_dat, m_dat, synk.data(Y), batch=idx), single(X[:, idx], M[:, idx], Y[idx]))
+        close(w.get_value(), w1.get_value())
+    close(step(X[:, :7], M[:, :7], Y[:7]), single(X[:, :7], M[:, :7], Y[:7]))      # numpy, as they are
+    close(w.get_value(), w1.get_value())
+    with pytest.raises(TypeError, match="takes its rows otherwise .*split_axes="):
+        train.run(step, [x_dat, m_dat], synk.data(Y), 4, steps=2)
+    with pytest.raises(ValueError, match="split_axes gives x .ndim 2. the axis 2"):
+        train.make_train_function(loss, [w], [x, mask], y, updates.sgd, learning_rate=0.3,
+                                  split_axes={x: 2})

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..api import collectives
 from ..api.checkpoint import RunCheckpoints, next_multiple, order_record
+from ..api.data import Data
 from ..api.function_parts.batch import parse_batch_s
 from ..errors import SynkWarning, is_whole
 from ..runtime.nodes import rows_of_every_node
@@ -42,7 +43,8 @@ __all__ = ["TrainStep", "make_train_function", "make_device_train_function", "ma
 def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
                         *args: Any, givens: dict | None = None,
                         state_updates: Sequence[tuple] | dict | None = None,
-                        consider_constant: Sequence[Any] | None = None, **kwargs: Any) -> TrainStep:
+                        consider_constant: Sequence[Any] | None = None, split_axes: dict | None = None,
+                        **kwargs: Any) -> TrainStep:
     """Build ``train_minibatch(*data, *scalars, batch=None, num_slices=1)`` for all devices.
 
     One step is: every device computes its local gradient into the flat vector,
@@ -84,6 +86,12 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     consider_constant : list of Variable, optional
         Variables of the loss's graph the gradient treats as constants, as
         ``pytensor.grad(..., consider_constant=...)``.
+    split_axes : dict, optional
+        The axis of each input of ``x`` and ``y`` along which its examples lie,
+        where it is not 0: ``{x: 1, mask: 1}`` for the Theano tutorials'
+        time-major sequences ``(time, samples)``, as in :func:`synkhronos.function`.
+        The step weighs each device by its examples along the first input's
+        axis. :func:`run` takes no such step (it gives out rows along axis 0).
 
     Returns
     -------
@@ -123,9 +131,11 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     if givens:
         return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, dict(givens),
                                          state_updates, consider_constant)
+    axes = _split_axes(split_axes, inputs)
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs, state_updates,
                              consider_constant)
-    step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes={inputs[0]: 0})  # the rows its weight counts
+    row_axis = axes[inputs[0]]              # the examples its weight counts
+    step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes=axes, row_axis=row_axis)
     takes = inputs + graph.scalars
 
     def train_minibatch(*values: Any, batch: Any = None, num_slices: int = 1, **named: Any) -> Any:
@@ -134,12 +144,35 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
                             f"{[str(v) for v in inputs]}), got {len(values)}")
         values = call_values(values, named, takes) if named or graph.scalars else values
         data = values[:len(inputs)]
-        rows = len(data[0]) if batch is None else batch_from_spec(batch, len(data[0])).total
+        length = _length_along(data[0], row_axis)
+        rows = length if batch is None else batch_from_spec(batch, length).total
         if getattr(data[0], "sharded", False):     # each node's batch of its own shard: all of them
             rows = rows_of_every_node(current().nodes, rows)
         return step(rows, *values, batch=batch, num_slices=num_slices)
 
-    return step.expose(train_minibatch, takes, runs_on_devices=True)      # what run() takes
+    # what run() takes: rows along axis 0
+    return step.expose(train_minibatch, takes, runs_on_devices=not any(axes.values()))
+
+
+def _split_axes(split_axes: dict | None, inputs: list[Any]) -> dict[Any, int]:
+    """The declared axes of examples: the first input's (0 unless ``split_axes`` says), and the others
+    ``split_axes`` names (an input not named takes its Data's axis, or 0)."""
+    axes = {inputs[0]: 0}
+    for var, axis in (split_axes or {}).items():
+        if not any(var is v for v in inputs):
+            raise ValueError(f"split_axes names {var}, which is not an input of x or y "
+                             f"{[str(v) for v in inputs]}")
+        if not is_whole(axis, at_least=0) or int(axis) >= var.type.ndim:
+            raise ValueError(f"split_axes gives {var} (ndim {var.type.ndim}) the axis {axis!r}; give "
+                             f"one of its axes, 0 to {var.type.ndim - 1}")
+        axes[var] = int(axis)
+    return axes
+
+
+def _length_along(value: Any, axis: int) -> int:
+    """How many examples ``value`` (a Data or an array) holds along ``axis``."""
+    shape = value.shape if isinstance(value, Data) else np.shape(value)
+    return int(shape[axis]) if shape is not None and len(shape) > axis else len(value)
 
 
 def _train_function_on_givens(loss: Any, params: Sequence[Any], inputs: list[Any], update_rule: Callable,
@@ -372,9 +405,14 @@ def _run_data(train_fn: TrainStep, x_data: Any, y_data: Any) -> list[Any]:
 
 def _check_run_arguments(train_fn: TrainStep, sync: Rule) -> tuple[Function, Function]:
     """The gradient and update functions of ``train_fn``; the step and the rule checked."""
-    if not isinstance(train_fn, TrainStep) or not train_fn.runs_on_devices:
+    if not isinstance(train_fn, TrainStep):
         raise TypeError("run() takes the step function make_train_function returns (data in shared "
                         f"memory), got {train_fn!r}")
+    if not train_fn.runs_on_devices:
+        raise TypeError(f"run() gives every device its rows along axis 0 of the data, but {train_fn!r} "
+                        f"takes its rows otherwise (givens=, split_axes=, or device data with batch_s): "
+                        f"call it in a loop of your own, or build it with make_train_function(loss, "
+                        f"params, x, y, rule) on data whose rows are axis 0")
     if train_fn.scalars:
         raise TypeError(f"run() gives every step its data only, but this step takes the scalar inputs "
                         f"{[str(v) for v in train_fn.scalars]}; make each a shared variable "

@@ -143,13 +143,15 @@ def _flat_gradient(loss: Any, params: Sequence[Any]) -> tuple[list[tuple[Any, An
     # as its own rules do, so our gradients are the ones its rules would compute.
     grads = optim.get_gradients(loss, params)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
-    grad_shared = _flat_vector(vars_flat_size(params), dtype)
     flat = flatten_vars(grads).astype(dtype)
+    grad_shared = _flat_vector(vars_flat_size(params), dtype, flat)
     return [(grad_shared, flat)], grad_shared, unflatten_vars(grad_shared, params)
 
 
-def _flat_vector(size: int, dtype: str) -> Any:
-    grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared")
+def _flat_vector(size: int, dtype: str, flat: Any) -> Any:
+    """The shared vector of ``size`` zeros that holds ``flat``, of its static length (known for
+    0-d parameters alone: PyTensor takes no update of another broadcast pattern)."""
+    grad_shared = pytensor.shared(np.zeros(size, dtype=dtype), name="grad_shared", shape=flat.type.shape)
     grad_shared.tag.synk_gradient = True     # scratch between steps: checkpoints leave it out
     return grad_shared
 
@@ -164,8 +166,8 @@ def _flat_step(loss: Any, params: Sequence[Any]) -> tuple[list[tuple[Any, Any]],
     carried = carried_statistics(loss)
     dtype = np.result_type(*[p.type.dtype for p in params]).name
     n_grads = vars_flat_size(params)
-    grad_shared = _flat_vector(n_grads + sum(c.size for c in carried), dtype)
     flat = flatten_vars(grads + [c.contribution for c in carried]).astype(dtype)
+    grad_shared = _flat_vector(n_grads + sum(c.size for c in carried), dtype, flat)
     slices = unflatten_vars(grad_shared[n_grads:], [c.target for c in carried])
     reduced = {c.target: s.astype(c.target.type.dtype) for c, s in zip(carried, slices)}
     write_backs = [(c.target, c.written(reduced.__getitem__)) for c in carried]

@@ -33,16 +33,17 @@ class WeightedStep:
     """Gradient function (row-weighted flat gradient), one all-reduce, update function.
 
     Each device scales its local mean gradient by ``n_devices * its_rows /
-    batch_rows``; the average over devices is then the full-batch gradient.
+    batch_rows`` (its rows along ``x``'s axis ``row_axis``); the average over
+    devices is then the full-batch gradient.
     """
 
     def __init__(self, graph: StepGraph, x: TensorVariable, inputs: Sequence[Variable] = (),
-                 **function_kwargs: Any) -> None:
+                 row_axis: int = 0, **function_kwargs: Any) -> None:
         self.graph, self.grad_shared, self.params = graph, graph.grad_shared, graph.params
         (target, flat_grad), = graph.grad_updates
         dtype = self.grad_shared.type.dtype
         batch_rows = pt.scalar("batch_rows", dtype=dtype)
-        weight = pt.cast(x.shape[0], dtype) * current().n_parallel / batch_rows
+        weight = pt.cast(x.shape[row_axis], dtype) * current().n_parallel / batch_rows
         # the step's scalars follow its data, whole on every device (0-d inputs are broadcast)
         self.f_grad = function(list(inputs) + graph.scalars, (graph.loss, "avg"), bcast_inputs=[batch_rows],
                                updates=[(target, flat_grad * weight, "sum")] + graph.side_updates,

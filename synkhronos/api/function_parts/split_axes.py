@@ -128,7 +128,8 @@ def call_axis(declared: int | None, data_axis: int | None, name: str, function: 
     if data_axis is not None and data_axis != declared:
         raise ValueError(f"the Data for input {name!r} declares split_axis={data_axis}, but "
                          f"{function} splits {name} along axis {declared} (its split_axes); make the "
-                         f"Data with split_axis={declared} (or none)")
+                         f"Data with split_axis={declared} (or none), or declare the function's "
+                         f"split_axes={{{name}: {data_axis}}} (make_train_function takes it too)")
     return declared
 
 
@@ -231,7 +232,8 @@ def check_rows_not_scanned(function_name: str, scanned: Sequence[int], names: Se
         f"from step to step, and the call splits the rows along axis 0 over the devices: each device "
         f"would scan only its own steps, each starting the state anew. For time-major data "
         f"(time, samples) declare the axis of the samples: synk.function(..., "
-        f"{time_major_example(which)}), or synk.data(value, split_axis=1); for one sequence per "
+        f"{time_major_example(which)}) (a training step: make_train_function(..., "
+        f"{time_major_example(which)})), or synk.data(value, split_axis=1); for one sequence per "
         f"call (a sentence's word indices), give it as a bcast_input, which every device reads "
         f"whole; to split the steps on purpose, declare {time_major_example(which, 0)}")
 
