@@ -11,9 +11,9 @@ gradient and update are two functions::
 ``--variant single`` is that script on PyTensor in one process. ``--variant
 synk`` changes what the user guide's porting section says: ``synk.fork()``
 first; the inputs split along their sample axis (``split_axes={x: 1, mask: 1}``);
-the gradient function stores each device's gradient, ``synk.all_reduce``
-averages it (weighing each device by its samples where they split unevenly),
-and the adadelta statistics and the parameters are updated from the average on
+the gradient function stores each device's gradient, ``synk.all_reduce(...,
+by_rows=True)`` averages it (weighing each device by its samples, which split
+unevenly over 3 devices), and the adadelta statistics and the parameters are updated from the average on
 every device. Both print the same costs, batch by batch, on any number of
 devices. Data: synthetic IMDB-shaped reviews
 (word ids under a vocabulary, lengths from 10 to ``--maxlen``), whose label is
@@ -168,7 +168,7 @@ def train(variant="synk", devices=2, epochs=3, n=320, batch_size=16, vocab=400, 
 
         def step(xb, mb, yb):
             c = f_grad_shared(xb, mb, yb)
-            synk.all_reduce(zipped, op="avg")        # every device's gradient, averaged
+            synk.all_reduce(zipped, op="avg", by_rows=True)   # the devices' gradients, by their samples
             f_update()
             return c
     else:

@@ -266,13 +266,17 @@ def test_a_directory_where_the_checkpoint_goes_is_refused_before_any_step(synk2,
     before = [p.get_value() for p in step.state_variables]
     (tmp_path / taken).mkdir()
     for resume in (True, False):
-        with pytest.raises(ValueError, match=f"{taken}' is not a regular file .* remove it or give "
-                                             f"another checkpoint_dir"):
+        with pytest.raises(ValueError, match=f"{taken}' is a directory, where the run keeps its "
+                                             f"checkpoint; remove it or give another checkpoint_dir"):
             train.run(step, x_np, y_np, 10, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1,
                       resume=resume)
     for b, p in zip(before, step.state_variables):        # nothing ran
         np.testing.assert_array_equal(p.get_value(), b)
     (tmp_path / taken).rmdir()
+    (tmp_path / taken).symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=f"{taken}' is a link to nothing, where the run keeps"):
+        train.run(step, x_np, y_np, 10, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1)
+    (tmp_path / taken).unlink()
     train.run(step, x_np, y_np, 10, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1)
     assert checkpoint.exists(tmp_path / "checkpoint.safetensors")
 

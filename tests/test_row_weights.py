@@ -1,6 +1,9 @@
-"""An average of what a call left on every device from its rows weighs each device by its rows: the
-contract's loop (gradient function, ``all_reduce(grad_shared, "avg")``, update) and the tutorials'
-gradient stores step as one process does on batches that split unevenly. On 1, 2 and 3 devices."""
+"""An average of what a call left on every device from its rows can weigh each device by its rows:
+the contract's loop (gradient function, ``all_reduce(grad_shared, "avg")``, update) does by itself,
+and the tutorials' gradient stores with ``by_rows=True``; both step as one process does on batches
+that split unevenly. A plain mean of values of unequal rows says so once. On 1, 2 and 3 devices."""
+
+import warnings
 
 import numpy as np
 import pytensor
@@ -67,7 +70,7 @@ def test_the_contracts_loop_steps_as_one_process_on_uneven_batches(devices):
 
 def test_a_gradient_a_call_stores_per_device_averages_over_the_calls_rows(devices):
     """The Theano tutorials' ``zipped_grads`` (``lstm.py``): each device stores its gradient
-    (``local_updates=True``), the average is the gradient of all the call's rows."""
+    (``local_updates=True``); averaged ``by_rows=True``, it is the gradient of all the call's rows."""
     X, Y = _data(1)
     x, y, w, loss = _regression("w_stored")
     g = pytensor.shared(np.zeros(3), name="g_stored")
@@ -77,11 +80,11 @@ def test_a_gradient_a_call_stores_per_device_averages_over_the_calls_rows(device
     for idx in BATCHES:
         f(X[idx], Y[idx])
         per_device = [synk.get_value(r, g) for r in range(devices.n_parallel)]
-        np.testing.assert_allclose(synk.reduce(g, op="avg", in_place=False), whole(X[idx], Y[idx]),
-                                   rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(synk.reduce(g, op="avg", in_place=False, by_rows=True),
+                                   whole(X[idx], Y[idx]), rtol=1e-12, atol=1e-15)
         for rank, value in enumerate(per_device):           # (a reduction that returns keeps them)
             np.testing.assert_array_equal(synk.get_value(rank, g), value)
-        synk.all_reduce(g, op="avg")
+        synk.all_reduce(g, op="avg", by_rows=True)
         for rank in range(devices.n_parallel):
             np.testing.assert_allclose(synk.get_value(rank, g), whole(X[idx], Y[idx]), rtol=1e-12, atol=1e-15)
 
@@ -99,7 +102,7 @@ def test_the_tutorials_givens_rows_weigh_as_scattered_rows(devices):
     whole = _gradient_at_zero()
     for index in range(3):
         f(index)
-        synk.all_reduce(g, op="avg")
+        synk.all_reduce(g, op="avg", by_rows=True)
         rows = slice(index * 7, (index + 1) * 7)
         np.testing.assert_allclose(g.get_value(), whole(X[rows], Y[rows]), rtol=1e-12, atol=1e-15)
 
@@ -126,3 +129,34 @@ def test_values_set_since_the_call_average_alike(devices):
     per_device = [synk.get_value(r, g) for r in range(n)]
     synk.all_reduce(g, op="sum")                    # only an average weighs
     np.testing.assert_allclose(g.get_value(), np.sum(per_device, axis=0), rtol=1e-12)
+
+
+def test_a_plain_mean_of_values_of_unequal_rows_says_so_once_and_stays_plain(devices):
+    """Without ``by_rows`` a variable of the script's own averages plainly: a sum over rows (or a
+    sum of several calls) is no mean over rows. ``by_rows=False`` says nothing."""
+    n = devices.n_parallel
+    X, Y = _data(4)
+    x, y, w, _ = _regression("w_summed")
+    summed = ((x @ w - y) ** 2).sum()
+    g = pytensor.shared(np.zeros(3), name="g_summed")
+    f = synk.function([x, y], [], updates=[(g, pytensor.grad(summed, w))], local_updates=True)
+    synk.distribute()
+    for _ in range(2):
+        f(X[:7], Y[:7])
+        per_device = [synk.get_value(r, g) for r in range(n)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mean = synk.reduce(g, op="avg", in_place=False)
+        np.testing.assert_allclose(mean, np.mean(per_device, axis=0), rtol=1e-12)
+        said = [str(c.message) for c in caught if issubclass(c.category, synk.SynkWarning)]
+        if n > 1 and _ == 0:
+            assert len(said) == 1 and "by_rows=True" in said[0] and "g_summed" in said[0], said
+            assert caught[0].filename == __file__           # it points at the script's line
+        else:
+            assert not said, said
+    f(X[:7], Y[:7])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        synk.all_reduce(g, op="avg", by_rows=False)
+    with pytest.raises(TypeError, match="by_rows must be None, True or False"):
+        synk.all_reduce(g, op="avg", by_rows="rows")

@@ -575,8 +575,10 @@ class RunCheckpoints:
         self.path, self.every = os.path.join(directory, self.FILE), checkpointing.every
         for path in (self.path, self.path + PARTIAL):
             if os.path.lexists(path) and not os.path.isfile(path):
-                raise ValueError(f"{path!r} is not a regular file (a directory?), where the run keeps "
-                                 f"its checkpoint; remove it or give another checkpoint_dir")
+                what = "a link to nothing" if os.path.islink(path) and not os.path.exists(path) else \
+                    "a directory" if os.path.isdir(path) else "not a regular file"
+                raise ValueError(f"{path!r} is {what}, where the run keeps its checkpoint; remove it "
+                                 f"or give another checkpoint_dir")
         if checkpointing.resume and exists(self.path):
             self._resumed = self._restore()
 

@@ -29,7 +29,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from ..comm import Reservation
 from ..comm.reduction import Reduce
 from ..compile import randomness
-from ..errors import Failure, ShapeMismatch, WorkerError, is_whole
+from ..errors import Failure, ShapeMismatch, SynkWarning, WorkerError, is_whole
 from ..platform.values import stored
 from ..rank import collectives as kinds
 from ..runtime.session import State, current, serialized
@@ -163,19 +163,27 @@ def _require_equal_shapes(vars_: Sequence[SharedVariable], shapes: Sequence[Sequ
 
 
 @serialized
-def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) -> None:
+def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None,
+               by_rows: bool | None = None) -> None:
     """Reduce across ranks; every rank's copy becomes the result.
 
-    An average of values the last call that wrote them computed on each rank
-    from its rows (a gradient its updates stored) weighs each rank by those
-    rows when the ranks got unequal rows: the result is the value of all the
-    call's rows, as one process computes it. Any other average is the plain
-    mean over the ranks (see :mod:`synkhronos.runtime.rows_behind`).
+    An average can weigh each rank by the rows its value came from (see
+    :mod:`synkhronos.runtime.rows_behind`): where the last call that wrote a
+    variable computed it from its rows and gave the ranks unequal rows, a mean
+    of per-rank means over rows is then the mean over all the call's rows, as
+    one process computes it.
 
     Parameters
     ----------
     shared_vars : shared variable, name, or list of them
     op : {"avg", "sum", "prod", "min", "max"}
+    by_rows : bool, optional
+        Weigh an average by rows: None (default) for the gradient vectors of
+        :mod:`synkhronos.extensions.updates` (a mean loss's gradient, stored
+        by one call), True for every variable a call wrote from its rows (their
+        values are means over rows), False for none (the plain mean over ranks).
+        A plain average of values of unequal rows says so once
+        (:class:`~synkhronos.SynkWarning`).
 
     Examples
     --------
@@ -187,28 +195,33 @@ def all_reduce(shared_vars: Shareds, op: str = "avg", nccl: bool | None = None) 
     (array([1., 2., 3.]), array([1., 2., 3.]))
     """
     _old_nccl(current(), nccl, "all_reduce")
-    _reduce(shared_vars, op, Keep.ALL)
+    _reduce(shared_vars, op, Keep.ALL, by_rows)
 
 
 @serialized
 def reduce(shared_vars: Shareds, op: str = "avg", in_place: bool = True,
-           nccl: bool | None = None) -> np.ndarray | list[np.ndarray] | None:
+           nccl: bool | None = None, by_rows: bool | None = None) -> np.ndarray | list[np.ndarray] | None:
     """Reduce across ranks into the master.
 
     With ``in_place=True`` the master's copy becomes the result (workers keep
     theirs); with ``in_place=False`` the result is returned and no copy changes.
+    ``by_rows``: as in :func:`all_reduce`.
     """
     _old_nccl(current(), nccl, "reduce")
-    out = _reduce(shared_vars, op, Keep.MASTER if in_place else Keep.RETURN)
+    out = _reduce(shared_vars, op, Keep.MASTER if in_place else Keep.RETURN, by_rows)
     return None if in_place else out
 
 
-def _reduce(shared_vars: Shareds, op: str, keep: Keep) -> np.ndarray | list[np.ndarray] | None:
+def _reduce(shared_vars: Shareds, op: str, keep: Keep, by_rows: bool | None = None
+            ) -> np.ndarray | list[np.ndarray] | None:
     """All-reduce / reduce with no shape round trip: the master sends its shapes and every rank
     checks its own while preparing; only a mismatch asks every rank for its shapes, to say which."""
     state = current()
     vars_, single = resolve_shareds(shared_vars)
-    fill, reservation = reduction_command(state, vars_, op, keep, rows=_rows_behind(state, vars_, op))
+    if by_rows not in (None, True, False):
+        raise TypeError(f"by_rows must be None, True or False, got {by_rows!r}")
+    rows = _rows_behind(state, vars_, op, by_rows)
+    fill, reservation = reduction_command(state, vars_, op, keep, rows=rows)
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
         out = state.collectives.run(fill, reservation)
     if keep == Keep.RETURN:
@@ -216,14 +229,33 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep) -> np.ndarray | list[np.n
     return None
 
 
-def _rows_behind(state: State, vars_: Sequence[SharedVariable], op: str) -> list[tuple[int, ...] | None] | None:
-    """For an average: per variable, the rows behind each device's value, where a call left the
-    devices values of unequal rows (:mod:`synkhronos.runtime.rows_behind`); None for any other
-    reduction, or where no variable has such rows."""
-    if op != Reduce.AVG:
+def _rows_behind(state: State, vars_: Sequence[SharedVariable], op: str, by_rows: bool | None
+                 ) -> list[tuple[int, ...] | None] | None:
+    """For an average: per variable, the rows to weigh each device's value by (see
+    :func:`all_reduce`'s ``by_rows``), or None; None for any other reduction, or where no
+    variable is weighed."""
+    if op != Reduce.AVG or by_rows is False:
         return None
-    rows = [state.rows_behind.rows_of(v) if np.dtype(v.type.dtype).kind in "fc" else None for v in vars_]
+    rows: list[tuple[int, ...] | None] = []
+    for var in vars_:
+        behind = state.rows_behind.rows_of(var) if np.dtype(var.type.dtype).kind in "fc" else None
+        if behind is not None and by_rows is None and not getattr(var.tag, "synk_gradient", False):
+            _say_plain_mean_once(state, var, behind)
+            behind = None
+        rows.append(behind)
     return rows if any(r is not None for r in rows) else None
+
+
+def _say_plain_mean_once(state: State, var: SharedVariable, rows: Sequence[int]) -> None:
+    """Warn, once per variable, that an average weighs alike values of unequal rows."""
+    if not state.rows_behind.first_plain_mean(var):
+        return
+    warnings.warn(
+        f"all_reduce(op='avg') of {var}: the call that wrote it gave the devices {list(rows)} rows, "
+        f"and the plain mean over the devices weighs their values alike. If each is a mean over "
+        f"its device's rows (a gradient of a mean loss), pass by_rows=True for the mean over all "
+        f"the rows, as one process computes it; by_rows=False keeps the plain mean and says "
+        f"nothing", SynkWarning, stacklevel=6)
 
 
 def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL,

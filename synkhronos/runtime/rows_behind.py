@@ -6,7 +6,11 @@ rows (7 rows over 3 devices: 2, 2 and 3), the plain mean of those values over
 the devices is not the value of all the rows together: each device's mean
 weighs alike. ``synk.all_reduce(var, op="avg")`` weighs them by these rows
 instead, so that the contract's loop (a gradient function, the all-reduce of
-its flat gradient, the update) steps as one process does on any batch.
+its flat gradient, the update) steps as one process does on any batch. It does
+so by itself for the gradient vectors of :mod:`synkhronos.extensions.updates`,
+which hold one call's gradient of a mean loss; for any other variable only
+when the script says its values are means over rows (``by_rows=True``): a sum
+over rows, or a sum of several calls' gradients, is no such mean.
 
 A record holds while the master's value is the one the call left: anything
 else writing the variable (another call, a collective, a loop, ``set_value``)
@@ -44,6 +48,7 @@ class RowsBehind:
 
     def __init__(self) -> None:
         self._rows: dict[SharedVariable, tuple[tuple[int, ...], Callable[[], Any]]] = {}
+        self._said: set[SharedVariable] = set()
 
     def note(self, written: Iterable[SharedVariable], rows: Sequence[int]) -> None:
         """A call wrote ``written`` on every device from its ``rows`` (per rank, in rank order)."""
@@ -68,3 +73,9 @@ class RowsBehind:
         """Something other than a call wrote ``written`` (on some device, or every device alike)."""
         for var in written:
             self._rows.pop(var, None)
+
+    def first_plain_mean(self, var: SharedVariable) -> bool:
+        """True the first time a plain mean of ``var``'s values of unequal rows is taken (said once)."""
+        first = var not in self._said
+        self._said.add(var)
+        return first
