@@ -9,6 +9,11 @@ Every rule returns ``(grad_updates, param_updates, grad_shared)``:
   parameter from the unflattened slices of ``grad_shared`` (use it in a
   separate update function, which runs identically on every device).
 
+The loss is a mean over the call's rows (as :func:`~synkhronos.extensions.train.make_train_function`'s):
+where a batch splits unevenly over the devices, the average weighs each device's
+gradient by its rows (see :func:`synkhronos.all_reduce`), so the step is the
+one-process step on the whole batch.
+
 The optimizer maths is :mod:`pytensor_ml.optim`'s: its rules accept
 precomputed gradients, and :func:`from_optim` wraps any of them (including
 ``chain(...)`` with clipping or schedules) into this three-part form. The named
