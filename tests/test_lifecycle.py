@@ -195,6 +195,34 @@ def test_bad_fork_arguments():
     assert lines[5] == "2"
     # with master_rank=1 the master computes the second half of the rows
     assert lines[6] == "15.0 [3.0, 4.0, 5.0]"
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("collectives", ["shm", "jax"])
+def test_a_master_of_another_rank_runs_and_closes_cleanly(collectives):
+    """With ``master_rank`` other than 0 the master is not JAX's process 0, which would serve the
+    coordination service: a service of its own outlives the workers, so close() (and the script's
+    end) leaves the JAX runtime cleanly, and fork() works again."""
+    out = run_script(f"""
+        import numpy as np, pytensor, pytensor.tensor as pt
+        import synkhronos as synk
+        for _ in range(2):
+            synk.fork(3, master_rank=2, collectives={collectives!r})
+            g = pytensor.shared(np.zeros(2), name="g")
+            synk.function([], (g.sum(), "sum"))
+            for rank in range(3):
+                synk.set_value(rank, g, np.full(2, float(rank)))
+            print(synk.gather(g, nd_up=0).tolist())
+            synk.all_reduce(g, op="sum")
+            print(g.get_value().tolist())
+            synk.close()
+        print("closed")
+        synk.fork(3, master_rank=1, collectives={collectives!r})
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[0.0, 0.0, 1.0, 1.0, 2.0, 2.0]", "[3.0, 3.0]"] * 2 + ["closed"], out
+    assert not out.stderr, out.stderr         # (nor the service's notices)
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ from typing import IO
 
 if __package__:
     from .internals import coordination_service
+    from .native_output import RECOVERABLE_TASKS, native_lines_dropped
 else:   # the service process, run by path: its directory is on sys.path, the package is not imported
     from internals import coordination_service  # type: ignore[no-redef]
+    from native_output import RECOVERABLE_TASKS, native_lines_dropped  # type: ignore[no-redef]
 
 __all__ = ["ServiceProcess", "GRACE", "wait_until_served", "pipes"]
 
@@ -120,13 +122,18 @@ def wait_until_served(address: str, within: float) -> bool:
 
 
 def _serve(address: str, n_processes: int, heartbeat_timeout: int) -> None:
-    """Serve until the parent says stop (then at once) or dies (then after :data:`GRACE` s)."""
-    service = coordination_service(address, n_processes, heartbeat_timeout)
-    print(_READY, flush=True)
-    said = sys.stdin.read()                 # returns when the parent closes the pipe or dies
-    if _STOP not in said:
-        time.sleep(GRACE)
-    service.shutdown()
+    """Serve until the parent says stop (then at once) or dies (then after :data:`GRACE` s).
+
+    The service's notice that its tasks are recoverable (which synkhronos asks
+    for) is dropped; anything else it prints reaches the terminal as it ends.
+    """
+    with native_lines_dropped(2, RECOVERABLE_TASKS):
+        service = coordination_service(address, n_processes, heartbeat_timeout)
+        print(_READY, flush=True)
+        said = sys.stdin.read()                 # returns when the parent closes the pipe or dies
+        if _STOP not in said:
+            time.sleep(GRACE)
+        service.shutdown()
 
 
 def pipes(proc: subprocess.Popen[str]) -> tuple[IO[str], IO[str]]:

@@ -299,12 +299,13 @@ def use_compile_cache(directory: str | None) -> None:
 def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str, timeout: float,
                        float_x: str = "float64", threads: int | None = None, local_rank: int | None = None,
                        n_local: int | None = None, cores: Iterable[int] | None = None,
-                       compile_cache_dir: str | None = None) -> jax.Device:
+                       compile_cache_dir: str | None = None, served_apart: bool = False) -> jax.Device:
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
-    process 0 serves, bound to that address only (on several nodes, a process
-    of its own serves it: :mod:`synkhronos.platform.coordination`). ``local_rank`` and
+    process 0 serves, bound to that address only (on several nodes, or with
+    ``served_apart``, a process of its own serves it:
+    :mod:`synkhronos.platform.coordination`). ``local_rank`` and
     ``n_local`` place the process among its node's processes (default: one
     node, ``rank`` of ``n_ranks``); on several nodes a dead process is noticed
     within :data:`NODE_HEARTBEAT_TIMEOUT` seconds.
@@ -343,11 +344,12 @@ def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str,
     several_nodes = n_local is not None and n_local != n_ranks
     # on several nodes the coordination service runs in a process of its own (see
     # synkhronos.platform.coordination), started by node 0's master
-    served_elsewhere = internals.service_served_elsewhere() if several_nodes else contextlib.nullcontext()
+    served_apart = served_apart or several_nodes
+    served_elsewhere = internals.service_served_elsewhere() if served_apart else contextlib.nullcontext()
     # XLA sizes its CPU pool from the affinity when the client is made (inside initialize), and
     # ignores its thread flags; the pool's threads keep the binding, one core set per rank as MPI
     # binds its ranks
-    if (several_nodes or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
+    if (served_apart or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
         raise TimeoutError(f"no coordination service listened at {coordinator} within {timeout:.1f} s")
     # the service (made here in rank 0) says it has recoverable tasks, which synkhronos asks for
     with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised(), \

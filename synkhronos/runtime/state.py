@@ -148,6 +148,8 @@ class State:
         if t.several_nodes and t.node_rank == 0:
             self.service = ServiceProcess(coordinator, self.n_parallel,
                                           jax_init.NODE_HEARTBEAT_TIMEOUT, env)
+        elif self.service_apart:
+            self.service = ServiceProcess(coordinator, self.n_parallel, max(10, int(s.timeout)), env)
         for rank in self.worker_ranks:
             self.channel.procs[rank] = launch_worker(WorkerSettings(
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
@@ -164,7 +166,8 @@ class State:
                                         max(1.0, s.timeout - (time.monotonic() - started)),
                                         self.float_x(), threads=s.threads,
                                         local_rank=self.local_master, n_local=self.n_local,
-                                        cores=cores, compile_cache_dir=s.compile_cache)
+                                        cores=cores, compile_cache_dir=s.compile_cache,
+                                        served_apart=self.service_apart)
             rewrites.keep_decision_in(s.compile_cache)
             set_gather_threads(s.threads)
         except Exception as e:
@@ -176,6 +179,13 @@ class State:
             self.nodes.check_settings_agree(dict(
                 devices=self.n_local, master_rank=self.local_master, platform=s.platform,
                 collectives=self.comm_kind, floatX=self.float_x()))
+
+    @property
+    def service_apart(self) -> bool:
+        """Whether JAX's coordination service runs in a process of its own on one node: where the
+        master is not process 0, whose process would serve it (a worker's: JAX ends every process
+        whose service stopped before it left, and the workers leave first)."""
+        return not self.topology.several_nodes and self.master_rank != 0
 
     def _rank_context(self) -> RankContext:
         t = self.topology
@@ -248,9 +258,9 @@ class State:
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
             if self.service is not None:
                 # after a fault the other nodes may still be leaving: the service stays a while,
-                # unless every one of them was found lost
-                self.service.stop(at_once=clean or self.nodes is not None and
-                                  self.nodes.every_other_node_lost())
+                # unless every one of them was found lost (or it served one node's processes)
+                self.service.stop(at_once=clean or not self.topology.several_nodes or
+                                  self.nodes is not None and self.nodes.every_other_node_lost())
                 self.service = None
             changes.restore()       # the environment, JAX's settings, BLAS threads, allocator
             use_host_faces(True)
