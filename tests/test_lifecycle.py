@@ -1,6 +1,7 @@
 """fork / close / distribute lifecycle: re-forking, clean shutdown, no leaks."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -378,3 +379,43 @@ def test_a_joining_process_waits_for_the_coordination_service_to_listen_and_no_l
     assert not wait_until_served(f"127.0.0.1:{port}", 0.3)       # nothing listens there now
     assert 0.3 <= time.monotonic() - start < 2
     assert wait_until_served("no-port-here", 1)
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_to_the_terminals_group_with_a_master_of_another_rank_leaves_fork_usable():
+    """The terminal sends Ctrl-C to the whole process group: the coordination service's own
+    process (``master_rank`` other than 0) ignores it and outlives every process of the runtime,
+    so the master shuts down cleanly and forks again, as with ``master_rank=0``."""
+    script = textwrap.dedent("""
+        import numpy as np, pytensor.tensor as pt
+        import synkhronos as synk
+        synk.fork(2, master_rank=1)
+        x = pt.matrix("x"); y = x
+        for _ in range(20):
+            y = pt.tanh(y @ y.T @ y / 100.0)
+        f = synk.function([x], (y.sum(), "sum"))
+        synk.distribute()
+        X = np.random.default_rng(0).normal(size=(1200, 1200))
+        print("ready", flush=True)
+        try:
+            for _ in range(100):
+                f(X)
+        except KeyboardInterrupt:
+            synk.fork(2, master_rank=1)
+            g = synk.function([x], (x.sum(), "sum"))
+            print("again", float(g(np.ones((6, 2)))), flush=True)
+            synk.close()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=source_env(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(2.0)                             # inside a call
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["again 12.0"], (out, err)

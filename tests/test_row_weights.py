@@ -160,3 +160,42 @@ def test_a_plain_mean_of_values_of_unequal_rows_says_so_once_and_stays_plain(dev
         synk.all_reduce(g, op="avg", by_rows=False)
     with pytest.raises(TypeError, match="by_rows must be None, True or False"):
         synk.all_reduce(g, op="avg", by_rows="rows")
+
+
+def test_a_sum_over_calls_and_a_refused_average_are_never_weighed_or_said_for_nothing(devices):
+    """An update that reads its own variable (a gradient summed over calls) holds more than one
+    call's rows: no row weights, even for a gradient vector. A plain mean said under an error
+    filter did not happen: it is said again next time; so after an average refused for another
+    reason (an integer variable beside it)."""
+    n = devices.n_parallel
+    X, Y = _data(5)
+    x, y, w, loss = _regression("w_summed_calls")
+    grad_updates, _, grad_shared = updates.sgd(loss, [w], learning_rate=0.1)
+    (_, flat), = grad_updates
+    acc = synk.function([x, y], [], updates=[(grad_shared, grad_shared + flat)])
+    g = pytensor.shared(np.zeros(3), name="g_refused")
+    counts = pytensor.shared(np.zeros(3, "int64"), name="counts_refused")
+    store = synk.function([x, y], [], updates=[(g, pytensor.grad(loss, w))], local_updates=True)
+    synk.function([], updates=[(counts, counts + 1)])
+    synk.distribute()
+    acc(X[:7], Y[:7])
+    acc(X[7:17], Y[7:17])
+    per_device = [synk.get_value(r, grad_shared) for r in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_allclose(synk.reduce(grad_shared, op="avg", in_place=False),
+                                   np.mean(per_device, axis=0), rtol=1e-12)
+    if n == 1:
+        return
+    store(X[:7], Y[:7])
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(synk.SynkWarning, match="reduce.op='avg'. of g_refused"):
+                synk.reduce(g, op="avg", in_place=False)
+    with pytest.raises(TypeError):
+        synk.all_reduce([g, counts], op="avg")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        synk.all_reduce(g, op="avg")
+    assert [str(c.message)[:25] for c in caught] == ["all_reduce(op='avg') of g"], caught

@@ -220,42 +220,47 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep, by_rows: bool | None = No
     vars_, single = resolve_shareds(shared_vars)
     if by_rows not in (None, True, False):
         raise TypeError(f"by_rows must be None, True or False, got {by_rows!r}")
-    rows = _rows_behind(state, vars_, op, by_rows)
+    _check_op(op, vars_)
+    rows, plain = _rows_behind(state, vars_, op, by_rows)
+    for var, behind in plain:            # (before the collective: an error filter stops it)
+        _say_plain_mean(var, behind, "all_reduce" if keep == Keep.ALL else "reduce")
     fill, reservation = reduction_command(state, vars_, op, keep, rows=rows)
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
         out = state.collectives.run(fill, reservation)
+    state.rows_behind.said_plain_mean([var for var, _ in plain])
     if keep == Keep.RETURN:
         return out[0] if single else out
     return None
 
 
 def _rows_behind(state: State, vars_: Sequence[SharedVariable], op: str, by_rows: bool | None
-                 ) -> list[tuple[int, ...] | None] | None:
+                 ) -> tuple[list[tuple[int, ...] | None] | None, list[tuple[SharedVariable, tuple[int, ...]]]]:
     """For an average: per variable, the rows to weigh each device's value by (see
-    :func:`all_reduce`'s ``by_rows``), or None; None for any other reduction, or where no
-    variable is weighed."""
+    :func:`all_reduce`'s ``by_rows``), or None (None for any other reduction, or where no
+    variable is weighed); and the variables of unequal rows whose plain mean is to be said."""
     if op != Reduce.AVG or by_rows is False:
-        return None
+        return None, []
     rows: list[tuple[int, ...] | None] = []
+    plain: list[tuple[SharedVariable, tuple[int, ...]]] = []
     for var in vars_:
         behind = state.rows_behind.rows_of(var) if np.dtype(var.type.dtype).kind in "fc" else None
         if behind is not None and by_rows is None and not getattr(var.tag, "synk_gradient", False):
-            _say_plain_mean_once(state, var, behind)
+            if not state.rows_behind.plain_mean_said(var):
+                plain.append((var, behind))
             behind = None
         rows.append(behind)
-    return rows if any(r is not None for r in rows) else None
+    return (rows if any(r is not None for r in rows) else None), plain
 
 
-def _say_plain_mean_once(state: State, var: SharedVariable, rows: Sequence[int]) -> None:
-    """Warn, once per variable, that an average weighs alike values of unequal rows."""
-    if not state.rows_behind.first_plain_mean(var):
-        return
+def _say_plain_mean(var: SharedVariable, rows: Sequence[int], what: str) -> None:
+    """Warn that an average weighs alike values of unequal rows (once per variable: see
+    :meth:`~synkhronos.runtime.rows_behind.RowsBehind.said_plain_mean`)."""
     warnings.warn(
-        f"all_reduce(op='avg') of {var}: the call that wrote it gave the devices {list(rows)} rows, "
+        f"{what}(op='avg') of {var}: the call that wrote it gave the devices {list(rows)} rows, "
         f"and the plain mean over the devices weighs their values alike. If each is a mean over "
         f"its device's rows (a gradient of a mean loss), pass by_rows=True for the mean over all "
         f"the rows, as one process computes it; by_rows=False keeps the plain mean and says "
-        f"nothing", SynkWarning, stacklevel=6)
+        f"nothing", SynkWarning, stacklevel=5)
 
 
 def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL,

@@ -20,6 +20,7 @@ the package).
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -56,9 +57,11 @@ class ServiceProcess:
     """
 
     def __init__(self, address: str, n_processes: int, heartbeat_timeout: float, env: dict[str, str]) -> None:
+        # (a session of its own: the terminal's Ctrl-C, sent to the script's process group, must not
+        # end the service before every process left it, which JAX answers by aborting them)
         self.proc = subprocess.Popen(
             [sys.executable, __file__, address, str(n_processes), str(int(heartbeat_timeout))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
         self._stdin, self._stdout = pipes(self.proc)
         line = self._stdout.readline().strip()
         if line != _READY:
@@ -81,6 +84,7 @@ class ServiceProcess:
             self._stdin.close()
         except OSError:     # it ended already
             pass
+        self._stdout.close()
         if not at_once:
             return
         try:
@@ -127,6 +131,7 @@ def _serve(address: str, n_processes: int, heartbeat_timeout: int) -> None:
     The service's notice that its tasks are recoverable (which synkhronos asks
     for) is dropped; anything else it prints reaches the terminal as it ends.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # its parent says when (see ServiceProcess)
     with native_lines_dropped(2, RECOVERABLE_TASKS):
         service = coordination_service(address, n_processes, heartbeat_timeout)
         print(_READY, flush=True)

@@ -10,7 +10,8 @@ its flat gradient, the update) steps as one process does on any batch. It does
 so by itself for the gradient vectors of :mod:`synkhronos.extensions.updates`,
 which hold one call's gradient of a mean loss; for any other variable only
 when the script says its values are means over rows (``by_rows=True``): a sum
-over rows, or a sum of several calls' gradients, is no such mean.
+over rows is no such mean. An update that reads its own variable (a sum over
+several calls) is never recorded: its value holds more than one call's rows.
 
 A record holds while the master's value is the one the call left: anything
 else writing the variable (another call, a collective, a loop, ``set_value``)
@@ -74,8 +75,10 @@ class RowsBehind:
         for var in written:
             self._rows.pop(var, None)
 
-    def first_plain_mean(self, var: SharedVariable) -> bool:
-        """True the first time a plain mean of ``var``'s values of unequal rows is taken (said once)."""
-        first = var not in self._said
-        self._said.add(var)
-        return first
+    def plain_mean_said(self, var: SharedVariable) -> bool:
+        """Whether a plain mean of ``var``'s values of unequal rows was taken, and said, before."""
+        return var in self._said
+
+    def said_plain_mean(self, vars_: Iterable[SharedVariable]) -> None:
+        """A plain mean of ``vars_``'s values of unequal rows was said, and taken."""
+        self._said.update(vars_)

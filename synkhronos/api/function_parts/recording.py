@@ -150,18 +150,25 @@ def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variabl
 
 
 def written_from_rows(spec: FunctionSpec, given_rows: Sequence[Variable] = ()) -> frozenset[SharedVariable]:
-    """The shared variables ``spec``'s updates compute from the call's rows: each device's value
-    comes from its own rows (see :mod:`synkhronos.runtime.rows_behind`).
+    """The shared variables ``spec``'s updates compute from the call's rows alone: each device's
+    value comes from its own rows of this call (see :mod:`synkhronos.runtime.rows_behind`).
 
     The rows are the scattered inputs, ``given_rows`` (the givens' row slices of
     the tutorials' idiom), the sliceable shared variables, and what the givens
-    replace with them.
+    replace with them. An update that reads its own variable (a sum over
+    several calls, a moving average) holds more than this call's rows: it is
+    not one.
     """
     rows = set(spec.inputs) | set(given_rows) | set(spec.sliceable_shareds)
     if not rows:
         return frozenset()
     rows |= {key for key, value in spec.givens if rows.intersection(ancestors([value]))}
-    return frozenset(s for s, value, _ in spec.updates if rows.intersection(ancestors([value])))
+    written = set()
+    for shared, value, _ in spec.updates:
+        read = set(ancestors([value]))
+        if rows.intersection(read) and shared not in read:
+            written.add(shared)
+    return frozenset(written)
 
 
 def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable, str | None]],
