@@ -296,16 +296,36 @@ def use_compile_cache(directory: str | None) -> None:
     internals.compile_once_per_host(locks, while_compiling=cpu_tuning.on_every_core)
 
 
+def served_apart(several_nodes: bool, master_rank: int) -> bool:
+    """Whether JAX's coordination service runs in a process of its own (started by node 0's
+    master), not in process 0: on several nodes, whose node 0 may be lost; and where the master
+    is not process 0 (a worker would serve it, and JAX ends every process whose service stopped
+    before it left: the workers leave first).
+
+    Examples
+    --------
+    >>> served_apart(False, 0), served_apart(False, 1), served_apart(True, 0)
+    (False, True, True)
+    """
+    return several_nodes or master_rank != 0
+
+
+def heartbeat_timeout(several_nodes: bool, timeout: float) -> int:
+    """Seconds without a heartbeat after which the coordination service counts a process dead:
+    :data:`NODE_HEARTBEAT_TIMEOUT` on several nodes, else the start-up ``timeout`` (at least 10)."""
+    return NODE_HEARTBEAT_TIMEOUT if several_nodes else max(10, int(timeout))
+
+
 def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str, timeout: float,
                        float_x: str = "float64", threads: int | None = None, local_rank: int | None = None,
                        n_local: int | None = None, cores: Iterable[int] | None = None,
-                       compile_cache_dir: str | None = None, served_apart: bool = False) -> jax.Device:
+                       compile_cache_dir: str | None = None, master_rank: int = 0) -> jax.Device:
     """Join the JAX multi-process runtime as process ``rank`` with one local device.
 
     ``coordinator`` is the ``host:port`` of JAX's coordination service, which
-    process 0 serves, bound to that address only (on several nodes, or with
-    ``served_apart``, a process of its own serves it:
-    :mod:`synkhronos.platform.coordination`). ``local_rank`` and
+    process 0 serves, bound to that address only, or a process of its own
+    where :func:`served_apart` (:mod:`synkhronos.platform.coordination`);
+    ``master_rank`` is the rank of the runtime's master. ``local_rank`` and
     ``n_local`` place the process among its node's processes (default: one
     node, ``rank`` of ``n_ranks``); on several nodes a dead process is noticed
     within :data:`NODE_HEARTBEAT_TIMEOUT` seconds.
@@ -344,12 +364,12 @@ def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str,
     several_nodes = n_local is not None and n_local != n_ranks
     # on several nodes the coordination service runs in a process of its own (see
     # synkhronos.platform.coordination), started by node 0's master
-    served_apart = served_apart or several_nodes
-    served_elsewhere = internals.service_served_elsewhere() if served_apart else contextlib.nullcontext()
+    apart = served_apart(several_nodes, master_rank)
+    served_elsewhere = internals.service_served_elsewhere() if apart else contextlib.nullcontext()
     # XLA sizes its CPU pool from the affinity when the client is made (inside initialize), and
     # ignores its thread flags; the pool's threads keep the binding, one core set per rank as MPI
     # binds its ranks
-    if (served_apart or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
+    if (apart or rank != 0) and not coordination.wait_until_served(coordinator, timeout):
         raise TimeoutError(f"no coordination service listened at {coordinator} within {timeout:.1f} s")
     # the service (made here in rank 0) says it has recoverable tasks, which synkhronos asks for
     with cpu_tuning.on_cores(cores), served_elsewhere, internals.join_errors_raised(), \
@@ -361,8 +381,7 @@ def initialize_process(rank: int, n_ranks: int, coordinator: str, platform: str,
             process_id=rank,
             local_device_ids=None if platform == "cpu" else [local_rank],
             initialization_timeout=int(timeout),
-            heartbeat_timeout_seconds=(NODE_HEARTBEAT_TIMEOUT if several_nodes
-                                       else max(10, int(timeout))),
+            heartbeat_timeout_seconds=heartbeat_timeout(several_nodes, timeout),
             shutdown_timeout_seconds=10,
         )
         return jax.local_devices()[0]      # the backend (and its thread pool) is made here

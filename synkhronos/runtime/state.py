@@ -145,11 +145,9 @@ class State:
         self.is_open = True
         coordinator = t.coordinator or f"127.0.0.1:{free_port()}"
         env = jax_init.configure_environment(dict(os.environ), s.platform, s.threads)
-        if t.several_nodes and t.node_rank == 0:
+        if jax_init.served_apart(t.several_nodes, self.master_rank) and t.node_rank == 0:
             self.service = ServiceProcess(coordinator, self.n_parallel,
-                                          jax_init.NODE_HEARTBEAT_TIMEOUT, env)
-        elif self.service_apart:
-            self.service = ServiceProcess(coordinator, self.n_parallel, max(10, int(s.timeout)), env)
+                                          jax_init.heartbeat_timeout(t.several_nodes, s.timeout), env)
         for rank in self.worker_ranks:
             self.channel.procs[rank] = launch_worker(WorkerSettings(
                 prefix=self.prefix, rank=rank, n_ranks=self.n_local, coordinator=coordinator,
@@ -167,7 +165,7 @@ class State:
                                         self.float_x(), threads=s.threads,
                                         local_rank=self.local_master, n_local=self.n_local,
                                         cores=cores, compile_cache_dir=s.compile_cache,
-                                        served_apart=self.service_apart)
+                                        master_rank=self.master_rank)
             rewrites.keep_decision_in(s.compile_cache)
             set_gather_threads(s.threads)
         except Exception as e:
@@ -179,13 +177,6 @@ class State:
             self.nodes.check_settings_agree(dict(
                 devices=self.n_local, master_rank=self.local_master, platform=s.platform,
                 collectives=self.comm_kind, floatX=self.float_x()))
-
-    @property
-    def service_apart(self) -> bool:
-        """Whether JAX's coordination service runs in a process of its own on one node: where the
-        master is not process 0, whose process would serve it (a worker's: JAX ends every process
-        whose service stopped before it left, and the workers leave first)."""
-        return not self.topology.several_nodes and self.master_rank != 0
 
     def _rank_context(self) -> RankContext:
         t = self.topology

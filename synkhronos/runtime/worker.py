@@ -116,8 +116,6 @@ class Worker:
             view=self.datas.view, index_view=self.datas.index_view, check=self.check_master,
             comm_class=self.comm_class, prefix=self.prefix, spin=self.spin,
             topology=self.topology if self.topology.several_nodes else None)
-        #: JAX's coordination service runs in a process of its own (see State.service_apart)
-        self.service_apart = not self.topology.several_nodes and self.context.master_rank != 0
         self.handlers: dict[int, Callable[[], Any]] = {
                          Op.SHIP: self.ship, Op.CALL: self.call, Op.DROP_DATA: self.drop_data,
                          Op.GET_SHARED: self.get_shared, Op.SET_SHARED: self.set_shared,
@@ -394,7 +392,7 @@ def main() -> int:
                                     threads=cfg["threads"], local_rank=worker.rank,
                                     n_local=worker.n_ranks, cores=cores,
                                     compile_cache_dir=cfg["compile_cache"],
-                                    served_apart=worker.service_apart)
+                                    master_rank=worker.context.master_rank)
         # the worker's thread runs its programs (no async dispatch): on its own cores, as its pool
         cpu_tuning.stay_on_cores(cores)
         set_gather_threads(cfg["threads"])
