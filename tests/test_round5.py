@@ -529,10 +529,12 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
 
 
 @pytest.mark.timeout(120)
-def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step():
+@pytest.mark.parametrize("presses", [1, 2])
+def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(presses):
     """With collectives="jax" the master's loop runs in a thread of its own while the main thread
     watches the workers, and a Ctrl-C lands in the main thread: the loop ends after the step it is
-    in (here between its gradient and its update), then the runtime is torn down."""
+    in (here between its gradient and its update), then the runtime is torn down. A second Ctrl-C
+    while the step ends (an impatient user) does not cut that short."""
     import signal
     import time
 
@@ -542,7 +544,7 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step():
         synk.close()
     synk.fork(2, collectives="jax")
     try:
-        build, w, count = _counted_step("threaded_loop")
+        build, w, count = _counted_step(f"threaded_loop{presses}")
         step = build()
         X = synk.data(np.arange(21.0).reshape(7, 3) / 50)
         Y = synk.data(np.ones(7))
@@ -552,7 +554,9 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step():
         def interrupted(*args, **kwargs):
             calls.append(1)
             if len(calls) == 3:             # the third step: its gradient stored, its update not
-                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(presses):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.1)
                 time.sleep(0.5)             # the main thread takes the Ctrl-C meanwhile
             return run(*args, **kwargs)
         update.run = interrupted

@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from ..errors import Failure, SynkError, WorkerError
+from ..platform.interrupt_hold import held
 from ..platform.threads import start_thread
 from ..wire.control import ControlBlock, Op, Status, op_name
 from .processes import describe_exit, native_crash_site
@@ -250,6 +251,8 @@ class Watch:
         A Ctrl-C lands here, not in the thread: ``stop()`` asks ``local()`` to end
         after its step (the thread's values are then a whole step's), which it is
         given up to :data:`STOP_WAIT` seconds to do before the runtime is torn down.
+        A second Ctrl-C meanwhile is held until the teardown has run: cutting the
+        wait short would tear the runtime down in the middle of the thread's step.
         """
         future: Future[tuple[Any, Exception | None]] = Future()
         # (waited for by an event, not Thread.join: a KeyboardInterrupt inside join() leaves the
@@ -266,12 +269,13 @@ class Watch:
             while not ended.wait(0.02):
                 watch()
         except KeyboardInterrupt:
-            try:
-                if stop is not None:
-                    stop()
-                    ended.wait(STOP_WAIT)
-            finally:
-                self.channel.on_fault()
+            with held():
+                try:
+                    if stop is not None:
+                        stop()
+                        ended.wait(STOP_WAIT)
+                finally:
+                    self.channel.on_fault()
             raise
         return future.result()
 
