@@ -73,17 +73,21 @@ def test_counting_devices_creates_no_context():
     assert int(n) >= 1 and int(n_gpu) == 0 and exists == "False", out.stderr
 
 
+@pytest.mark.parametrize("collectives", ["shm", "jax"])
 @pytest.mark.parametrize("host_faces", [pytest.param("1", marks=pytest.mark.slow), "0"],
                          ids=["host-faces", "device-values"])
-def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_faces):
+def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_faces, collectives):
     """What synkhronos keeps (functions, steps, Data, shared values) no longer holds JAX's backend
     after close(): a GPU's memory is given back, and the backend's watch of the coordination
-    service ends before the service does (its failures would be logged at exit)."""
-    out = run_script("""
-        import gc, numpy as np, pytensor, pytensor.tensor as pt
+    service ends before the service does (its failures would be logged at exit). With the JAX
+    runtime's collectives (the default on GPUs) a step is one program over the runtime's mesh, and
+    the loop's collectives run in a thread: neither may keep the mesh's devices, nor the threads
+    stay."""
+    out = run_script(f"""
+        import gc, threading, numpy as np, pytensor, pytensor.tensor as pt
         import synkhronos as synk
         from synkhronos.extensions import train, updates
-        synk.fork(2)
+        synk.fork(2, collectives="{collectives}")
         x, y = pt.matrix("x"), pt.vector("y")
         w = pytensor.shared(np.zeros(3), name="w_kept")
         loss = ((x @ w - y) ** 2).mean()
@@ -94,11 +98,13 @@ def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_
         for _ in range(3):
             step(X, X @ np.ones(3))
             f(xd, yd, batch=32)
+        train.run(step, xd, yd, batch_size=16, steps=4)
         synk.close()
         gc.collect()
-        print(sum(type(o).__name__ == "Client" for o in gc.get_objects()), float(w.get_value()[0]) > 0)
+        print(sum(type(o).__name__ == "Client" for o in gc.get_objects()), float(w.get_value()[0]) > 0,
+              [t.name for t in threading.enumerate() if t.name.startswith("synk")])
     """, env={"SYNK_HOST_FACES": host_faces})
-    assert out.stdout.split() == ["0", "True"], out.stdout + out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "True", "[]"], out.stdout + out.stderr[-2000:]
 
 
 @pytest.mark.slow

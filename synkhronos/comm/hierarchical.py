@@ -104,3 +104,5 @@ class HierarchicalComm(Comm):
     def release(self) -> None:
         if self.local is not None:
             self.local.release()
+        if self.across is not None:
+            self.across.release()

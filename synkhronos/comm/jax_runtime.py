@@ -127,6 +127,13 @@ class JaxComm(Comm):
     def all_reduce(self, values: Sequence[Any], op: str) -> list[Any]:
         return _unflat(self._run(op, self._bodies[op], _flat(values)), values)
 
+    def release(self) -> None:
+        """Let go of the mesh, its programs and this rank's device: they hold the JAX backend (a
+        GPU's memory), which must be able to go at close though the user keeps what ran here."""
+        self._programs.clear()
+        self._reducer = None
+        del self.mesh, self.sharding, self.device
+
     def all_gather(self, values: Sequence[Any]) -> list[Any]:
         import jax.numpy as jnp
         stacked = self._run(GATHER, self._bodies[GATHER], _flat(values))     # (n_ranks, size)

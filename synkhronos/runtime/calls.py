@@ -240,6 +240,11 @@ class Calls(Part):
         """The master's part of a fused step: its share, run as one program."""
         return fused_step_share(self._state.context, plan, self._state.channel.ctl, program)
 
+    def release_programs(self) -> None:
+        """Drop the master's fused step programs: through their collectives' mesh they hold the JAX
+        backend, which must be able to go when the runtime closes though the user keeps the step."""
+        self._programs.clear()
+
     def forget_shapes(self) -> None:
         """Count no call's shapes as run everywhere, and keep no shared variable's shapes: a shared
         variable may have another shape on some rank (a scatter, a broadcast, a value set on one

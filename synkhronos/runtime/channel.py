@@ -295,6 +295,7 @@ class Channel:
         Only this user's files are unlinked: another user may hold a name the
         worker skipped.
         """
+        self.watch.release()
         self.payload.free()
         for rank in self.worker_ranks:
             for kind, mirror, field in (("r", self.results[rank], ControlBlock.RESULT_GEN),

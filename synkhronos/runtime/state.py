@@ -236,6 +236,7 @@ class State:
             self.claim.release()
             self.registry.detach_values()
             self.registry.release_programs()
+            self.calls.release_programs()
             self.context.release_programs()
             self.is_open = False
             if self.nodes is not None:

@@ -95,6 +95,13 @@ class Watch:
         self.channel.reports.raise_for(error, ranks)
         return result
 
+    def release(self) -> None:
+        """At the runtime's end: the thread of native-waiting collectives ends (one stuck in a
+        collective a dead peer left is a daemon, which never holds up the interpreter's exit)."""
+        if self._collective_runner is not None:
+            self._collective_runner.stop()
+            self._collective_runner = None
+
     def set_collective_check(self, check: Callable[[], None] | None) -> None:
         """What :meth:`during_collective` calls from now on (None: nothing)."""
         self._collective_check = check
@@ -299,16 +306,23 @@ class _Runner:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         start_thread(self._serve, name)
 
     def _serve(self) -> None:
-        while True:
-            fn, future = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
             try:
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 future.set_exception(e)
+            # a job's closure holds its programs, and through them the JAX backend: nothing of
+            # it may outlive the job while the thread waits for the next
+            del job, fn, future
+
+    def stop(self) -> None:
+        """End the thread once the job it runs (if any) has ended."""
+        self._jobs.put(None)
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` in the thread; return the :class:`concurrent.futures.Future` of its result."""
