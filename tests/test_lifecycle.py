@@ -82,7 +82,8 @@ def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_
     service ends before the service does (its failures would be logged at exit). With the JAX
     runtime's collectives (the default on GPUs) a step is one program over the runtime's mesh, and
     the loop's collectives run in a thread: neither may keep the mesh's devices, nor the threads
-    stay."""
+    stay; a gathered or reduced value the script keeps is an array of its own, not a view of a
+    device array."""
     out = run_script(f"""
         import gc, threading, numpy as np, pytensor, pytensor.tensor as pt
         import synkhronos as synk
@@ -99,6 +100,9 @@ def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_
             step(X, X @ np.ones(3))
             f(xd, yd, batch=32)
         train.run(step, xd, yd, batch_size=16, steps=4)
+        kept = [synk.gather(w), synk.reduce(w, op="sum", in_place=False)]    # kept, and the user's own
+        for value in kept:
+            value[...] = 0.0
         synk.close()
         gc.collect()
         print(sum(type(o).__name__ == "Client" for o in gc.get_objects()), float(w.get_value()[0]) > 0,

@@ -529,6 +529,49 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("collectives", ["shm", "jax"])
+def test_a_ctrl_c_while_a_steps_update_runs_in_a_thread_keeps_a_whole_step(collectives):
+    """A step called by the script: with collectives="jax" its all-reduce and update run in a thread
+    of the master while the main thread watches, and a Ctrl-C lands in the main thread. The thread's
+    update is let end before the teardown, so the counter its gradient stored is not put back under
+    an update that then stores (counter one step behind the weights); with "shm" the update runs in
+    the main thread and the Ctrl-C stops it, and the counter is put back."""
+    import signal
+    import time
+
+    from synkhronos.extensions import train, updates
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2, collectives=collectives)
+    try:
+        build, w, count = _counted_step(f"threaded_step_{collectives}")
+        step = build()
+        X, Y = np.arange(12.0).reshape(4, 3) / 10, np.ones(4)
+        update = session.current().registry.compiled[step.functions[1].spec.fid]
+        run = update.run
+
+        def interrupted(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)             # the main thread takes the Ctrl-C meanwhile
+            return run(*args, **kwargs)
+        update.run = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            step(X, Y)                  # the first call: its gradient, the all-reduce, its update
+        steps = int(float(count.get_value()))
+        assert steps == (1 if collectives == "jax" else 0)
+        v = pytensor.shared(np.full(3, 0.1))
+        x, y = pt.matrix("x"), pt.vector("y")
+        alone = train.make_single_process_train_function(((x @ v - y) ** 2).mean(), [v], x, y, updates.sgd,
+                                                         learning_rate=0.1, mode="FAST_COMPILE")
+        for _ in range(steps):
+            alone(X, Y)
+        np.testing.assert_allclose(w.get_value(), v.get_value(), rtol=1e-12)
+    finally:
+        synk.close()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("presses", [1, 2])
 def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(presses):
     """With collectives="jax" the master's loop runs in a thread of its own while the main thread

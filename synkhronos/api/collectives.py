@@ -204,7 +204,8 @@ def reduce(shared_vars: Shareds, op: str = "avg", in_place: bool = True,
     """Reduce across ranks into the master.
 
     With ``in_place=True`` the master's copy becomes the result (workers keep
-    theirs); with ``in_place=False`` the result is returned and no copy changes.
+    theirs); with ``in_place=False`` the result is returned (the caller's own, writable)
+    and no copy changes.
     ``by_rows``: as in :func:`all_reduce`.
     """
     _old_nccl(current(), nccl, "reduce")
@@ -229,6 +230,7 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep, by_rows: bool | None = No
         out = state.collectives.run(fill, reservation)
     state.rows_behind.said_plain_mean([var for var, _ in plain])
     if keep == Keep.RETURN:
+        out = _owned(out)
         return out[0] if single else out
     return None
 
@@ -381,15 +383,23 @@ def gather(shared_vars: Shareds, nd_up: int = 1,
     """Collect every rank's copy in the master, in rank order.
 
     ``nd_up=1`` stacks on a new leading axis (shapes must be equal); ``nd_up=0``
-    concatenates along axis 0 (lengths may differ). Nothing is changed.
+    concatenates along axis 0 (lengths may differ). Nothing is changed. The result
+    is the caller's own (writable, no view of runtime memory).
     """
     state = current()
     _old_nccl(state, nccl, "gather")
     vars_, single = resolve_shareds(shared_vars)
     if nd_up not in (0, 1):
         raise ValueError(f"nd_up must be 0 (concatenate) or 1 (stack), got {nd_up!r}")
-    out = _gather(state, vars_, Keep.RETURN, nd_up)
+    out = _owned(_gather(state, vars_, Keep.RETURN, nd_up))
     return out[0] if single else out
+
+
+def _owned(values: list[np.ndarray]) -> list[np.ndarray]:
+    """``values`` as arrays of the user's own: a read-only view (of a device array that the JAX
+    runtime's collectives left on a CPU device, which would also keep JAX's backend alive after
+    close()) is copied."""
+    return [v if v.flags.writeable else np.array(v) for v in values]
 
 
 @serialized

@@ -132,7 +132,8 @@ class JaxComm(Comm):
         GPU's memory), which must be able to go at close though the user keeps what ran here."""
         self._programs.clear()
         self._reducer = None
-        del self.mesh, self.sharding, self.device
+        for held in ("mesh", "sharding", "device"):
+            vars(self).pop(held, None)      # (released twice: nothing left the second time)
 
     def all_gather(self, values: Sequence[Any]) -> list[Any]:
         import jax.numpy as jnp

@@ -108,6 +108,9 @@ class State:
         self.worker_ranks = [r for r in range(self.n_local) if r != self.local_master]
         self._on_abort = on_abort
         self.is_open = False
+        #: a teardown (stop or abort) is under way: a fault it meets itself (a worker it just
+        #: killed, seen dead by its own wait) leaves it to go on, instead of starting another
+        self._tearing_down = False
         # the channel and the context exist from start() on, and nothing uses a State before
         #: the command channel to this node's workers
         self.channel: Channel = None  # type: ignore[assignment]
@@ -223,8 +226,9 @@ class State:
         before it left). After a fault the service stays a while for the
         other nodes to leave (:mod:`synkhronos.platform.coordination`).
         """
-        if not self.is_open:
+        if not self.is_open or self._tearing_down:
             return
+        self._tearing_down = True
         try:
             if clean and self.nodes is not None:
                 # a node an asynchronous run went on without does not close with the others
@@ -273,7 +277,12 @@ class State:
 
     def abort(self) -> None:
         """Tear everything down after a fault (dead worker, stall, Ctrl-C); another Ctrl-C meanwhile
-        is raised once everything is down (the process could not start again otherwise)."""
+        is raised once everything is down (the process could not start again otherwise). A fault
+        the teardown meets itself (a worker it killed, seen dead by its wait) kills what still runs
+        and leaves the teardown under way to go on: run twice, it would put back and release twice."""
+        if self._tearing_down:
+            self._kill_workers()
+            return
         self._on_abort(self)
         with interrupts.deferred():
             try:
@@ -281,12 +290,15 @@ class State:
                     return
                 self.calls.put_back_half_step()
                 self.loops.put_back_half_steps()
-                for p in self.channel.procs.values():
-                    if p.poll() is None:
-                        p.kill()
+                self._kill_workers()
                 self.stop(clean=False)
             finally:
                 self.claim.release()
+
+    def _kill_workers(self) -> None:
+        for p in self.channel.procs.values():
+            if p.poll() is None:
+                p.kill()
 
     def _release_segments(self) -> None:
         self.loops.release()

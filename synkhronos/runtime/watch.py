@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as future_wait
 from typing import Any, Protocol
 
 from ..errors import Failure, SynkError, WorkerError
@@ -115,11 +116,28 @@ class Watch:
         """Run ``fn`` (this rank's part of a collective) in a thread while watching the workers.
 
         For collectives that block inside native code (the JAX runtime): only
-        another thread can notice a dead or stalled peer meanwhile.
+        another thread can notice a dead or stalled peer meanwhile. A Ctrl-C lands
+        here, not in the thread: the thread's part is given up to :data:`STOP_WAIT`
+        seconds to end (a step's update stored whole, or failed with its peers)
+        before the runtime is torn down, with any further Ctrl-C held meanwhile;
+        torn down first, a half step would be put back while the thread went on to
+        store its update.
         """
         if self._collective_runner is None:
             self._collective_runner = _Runner("synk-collective")
         future = self._collective_runner.submit(fn)
+        try:
+            return self._watch_thread(future, ranks, what)
+        except KeyboardInterrupt:
+            with held():
+                try:
+                    future_wait([future], timeout=STOP_WAIT)
+                finally:
+                    self.channel.on_fault()
+            raise
+
+    def _watch_thread(self, future: Future[Any], ranks: Sequence[int], what: str) -> Any:
+        """The body of :meth:`run_in_thread`: wait for the workers and ``future``, watching them."""
         deadline = time.time() + self.channel.stall_timeout
         failed_at: list[float] = []
 
@@ -132,7 +150,8 @@ class Watch:
                 self.channel.on_fault()
                 self.channel.reports.raise_for(future.exception(), [])
         # no spinning here: a spinning main thread would hold the GIL the collective thread needs
-        self.wait_done(ranks, what=what, deadline=deadline, spin=0, also=own_part_failed)
+        self.wait_done(ranks, what=what, deadline=deadline, spin=0, also=own_part_failed,
+                       interrupt_ends_runtime=False)
         failed = [r for r in ranks if self.channel.ctl.state(r) == Status.ERROR]
         if failed:
             # a rank that failed never joins the collective: this one's part cannot finish
@@ -151,11 +170,12 @@ class Watch:
 
     def wait_done(self, ranks: Sequence[int], what: str | Op, deadline: float | None = None,
                   spin: float | None = None, bound: tuple[float, str] | None = None,
-                  also: Callable[[], None] | None = None) -> None:
+                  also: Callable[[], None] | None = None, interrupt_ends_runtime: bool = True) -> None:
         """Wait until every rank in ``ranks`` posted ``done``, watching for death and stalls.
 
         ``bound``: ``(seconds, fork argument)`` that ``deadline`` comes from, for the
-        error (default: the stall timeout); ``also()``, if given, is called at every check too."""
+        error (default: the stall timeout); ``also()``, if given, is called at every check too;
+        ``interrupt_ends_runtime=False``: a Ctrl-C is raised as it is, the caller tears down."""
         spin = self.channel.spin if spin is None else spin
         check = self.check(ranks, what, deadline or time.time() + self.channel.stall_timeout, bound)
         if also is not None:
@@ -168,7 +188,8 @@ class Watch:
             for _ in ranks:
                 self.channel.ctl.done.wait(check, spin=spin)
         except KeyboardInterrupt:
-            self.channel.on_fault()
+            if interrupt_ends_runtime:
+                self.channel.on_fault()
             raise
 
     def check(self, ranks: Sequence[int], what: str | Op, deadline: float,
