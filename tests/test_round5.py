@@ -530,6 +530,43 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("collectives", ["shm", "jax"])
+def test_a_fault_the_teardown_meets_itself_tears_down_once(collectives):
+    """A teardown asks the workers to stop and waits for them; a worker it killed a moment before
+    (after a Ctrl-C) is seen dead by that wait, a fault of its own: it goes on once, and neither
+    puts back nor releases twice (the comm released twice raised AttributeError in place of the
+    interrupt)."""
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2, collectives=collectives)
+    x = pt.matrix("x")
+    w = pytensor.shared(np.zeros(3), name=f"w_teardown_{collectives}")
+    f = synk.function([x], (x.sum(), "sum"), updates=[(w, w + 1.0)])
+    f(np.ones((4, 3)))
+    state = session.current()
+    stop_workers, released = state.channel.stop_workers, []
+    release = state.channel.release
+
+    def meets_a_fault() -> None:
+        state.channel.on_fault()        # what its wait does on seeing a worker dead
+        stop_workers()
+
+    def counted_release() -> None:
+        released.append(1)
+        release()
+    state.channel.stop_workers, state.channel.release = meets_a_fault, counted_release
+    synk.close()
+    assert released == [1] and session.active() is None
+    np.testing.assert_array_equal(w.get_value(), [1.0, 1.0, 1.0])
+    synk.fork(2, collectives=collectives)
+    try:
+        assert float(synk.function([x], (x.sum(), "sum"))(np.ones((4, 3)))) == 12.0
+    finally:
+        synk.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collectives", ["shm", "jax"])
 def test_a_ctrl_c_while_a_steps_update_runs_in_a_thread_keeps_a_whole_step(collectives):
     """A step called by the script: with collectives="jax" its all-reduce and update run in a thread
     of the master while the main thread watches, and a Ctrl-C lands in the main thread. The thread's
