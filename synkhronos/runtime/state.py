@@ -111,6 +111,9 @@ class State:
         #: a teardown (stop or abort) is under way: a fault it meets itself (a worker it just
         #: killed, seen dead by its own wait) leaves it to go on, instead of starting another
         self._tearing_down = False
+        #: a fault met during a clean stop: it ends as after a fault (the other nodes are given
+        #: time to leave the coordination service)
+        self._fault_met = False
         # the channel and the context exist from start() on, and nothing uses a State before
         #: the command channel to this node's workers
         self.channel: Channel = None  # type: ignore[assignment]
@@ -235,6 +238,7 @@ class State:
                 self.nodes.exchange("close()", None, tolerate_loss=bool(self.nodes.lost))
             self.channel.stop_workers()
         finally:
+            clean = clean and not self._fault_met
             reap(self.channel.procs.values())
             self._release_segments()
             self.claim.release()
@@ -281,6 +285,7 @@ class State:
         the teardown meets itself (a worker it killed, seen dead by its wait) kills what still runs
         and leaves the teardown under way to go on: run twice, it would put back and release twice."""
         if self._tearing_down:
+            self._fault_met = True
             self._kill_workers()
             return
         self._on_abort(self)
