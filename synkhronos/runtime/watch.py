@@ -129,12 +129,17 @@ class Watch:
         try:
             return self._watch_thread(future, ranks, what)
         except KeyboardInterrupt:
-            with held():
-                try:
-                    future_wait([future], timeout=STOP_WAIT)
-                finally:
-                    self.channel.on_fault()
+            self._tear_down_after(lambda: future_wait([future], timeout=STOP_WAIT))
             raise
+
+    def _tear_down_after(self, let_thread_end: Callable[[], object]) -> None:
+        """After a Ctrl-C here: ``let_thread_end()`` (bounded by :data:`STOP_WAIT`), then the
+        teardown, any further Ctrl-C held until both have run."""
+        with held():
+            try:
+                let_thread_end()
+            finally:
+                self.channel.on_fault()
 
     def _watch_thread(self, future: Future[Any], ranks: Sequence[int], what: str) -> Any:
         """The body of :meth:`run_in_thread`: wait for the workers and ``future``, watching them."""
@@ -297,13 +302,11 @@ class Watch:
             while not ended.wait(0.02):
                 watch()
         except KeyboardInterrupt:
-            with held():
-                try:
-                    if stop is not None:
-                        stop()
-                        ended.wait(STOP_WAIT)
-                finally:
-                    self.channel.on_fault()
+            def let_thread_end() -> None:
+                if stop is not None:
+                    stop()
+                    ended.wait(STOP_WAIT)
+            self._tear_down_after(let_thread_end)
             raise
         return future.result()
 
