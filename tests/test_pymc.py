@@ -8,6 +8,7 @@ import functools
 import warnings
 
 import numpy as np
+import pytensor
 import pytest
 from conftest import synk_segments, worker_children
 from helpers import source_env
@@ -560,24 +561,47 @@ def test_as_many_groups_as_rows_names_the_pm_data_index_and_that_index_splits(sy
 
 def test_a_density_copied_before_pm_set_data_is_refused_and_one_built_after_equals_pymc(synk2):
     """The devices hold a copy of the model's data (its rows, and what reads data alone, computed
-    once); ``pm.set_data`` gives the model others. The old copy is refused at its next evaluation,
-    naming the variable, and a density built again equals PyMC's own on the new data."""
+    once); ``pm.set_data``, or a ``set_value`` of a plain shared variable (PyMC3's way), gives the
+    model others. The old copy is refused at its next evaluation, naming the variable, and a
+    density built again equals PyMC's own on the new data."""
     rng = np.random.default_rng(5)
+    covariate = pytensor.shared(rng.normal(size=30), name="plain_rows")
+    prior_scale = pytensor.shared(np.array(2.0), name="plain_prior_scale")
     with pm.Model() as model:
         x = pm.Data("x_rows", rng.normal(size=30))
         scale = pm.Data("scale_table", np.array([1.0, 2.0]))       # not rows: read whole
         b = pm.Normal("b")
-        pm.Normal("y", b * x, scale[0], observed=rng.normal(size=30), shape=x.shape)
-    point = {"b": np.array(0.3)}
-    for name, value in (("scale_table", np.array([3.0, 2.0])), ("x_rows", rng.normal(size=30))):
+        c = pm.Normal("c", 0.0, prior_scale)
+        pm.Normal("y", b * x + c * covariate, scale[0], observed=rng.normal(size=30), shape=x.shape)
+    point = {"b": np.array(0.3), "c": np.array(-0.7)}
+    shared = {"plain_rows": covariate, "plain_prior_scale": prior_scale}
+
+    def set_data(name: str, value: np.ndarray) -> None:
+        if name in shared:
+            shared[name].set_value(value)
+        else:
+            pm.set_data({name: value}, model=model)
+    # (a prior's scale is read by the devices' function itself, a shared variable of the runtime:
+    # a set_value reaches every device, and the density follows it)
+    followed = synk.function([], (prior_scale * 1.0, None))
+    for name, value, how in (("scale_table", np.array([3.0, 2.0]), "pm.set_data"),
+                             ("x_rows", rng.normal(size=30), "pm.set_data"),
+                             ("plain_rows", rng.normal(size=30), "set_value"),
+                             ("plain_prior_scale", np.array(0.5), None)):
         f = spm.logp_dlogp_function(model, where="devices")
         np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
         # the same data given again, or a function of the runtime reading the variable: no change
-        pm.set_data({name: np.array(model[name].get_value())}, model=model)
-        synk.function([], (model[name].sum(), None))()
+        variable = shared[name] if name in shared else model[name]
+        set_data(name, np.array(variable.get_value()))
+        synk.function([], (variable.sum(), None))()
         np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
-        pm.set_data({name: value}, model=model)
-        with pytest.raises(RuntimeError, match=f"pm.set_data changed '{name}' .* build it again"):
+        set_data(name, value)
+        if how is None:
+            np.testing.assert_allclose(followed(), 0.5)
+            np.testing.assert_allclose(f(point)[0], model.compile_logp()(point), rtol=1e-12)
+            np.testing.assert_allclose(f(point)[1], model.compile_dlogp()(point), rtol=1e-12)
+            continue
+        with pytest.raises(RuntimeError, match=f"{how} changed '{name}' .* build it again"):
             f(point)
         again = spm.logp_dlogp_function(model, where="devices")
         np.testing.assert_allclose(again(point)[0], model.compile_logp()(point), rtol=1e-12)

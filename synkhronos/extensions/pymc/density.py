@@ -84,7 +84,8 @@ def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobi
     Notes
     -----
     The data are copied into shared memory (``synk.data``) when the function
-    is built; after ``pm.set_data`` build it again.
+    is built; after ``pm.set_data``, or a ``set_value`` of a shared variable
+    the model reads, build it again (the old one refuses to compute).
     """
     if where not in WHERE:
         raise ValueError(f"where={where!r} is not one of {list(WHERE)}")
@@ -128,7 +129,7 @@ class LogpDlogp:
         #: the function on the devices (None for a model that does not split: it computes here)
         self.fn: Any = None
         self._extras: list = []
-        #: the model's data (``pm.Data``) copied into the devices' function, and its value then
+        #: the model's shared data copied into the devices' function, and its value then
         self._data_held: list = []
         if split is None:
             return
@@ -141,7 +142,7 @@ class LogpDlogp:
         # a set_value reaches on every device; the others were copied, as rows or computed once)
         kept = set(self.fn.spec.shared_variables())
         self._data_held = [[v, v.get_value(borrow=True), _digest(v.get_value(borrow=True))]
-                           for v in getattr(model, "data_vars", []) if v not in kept]
+                           for v in split.shared_data if v not in kept]
         self._q = data(q.data.astype(self._joined.type.dtype))
         self._extras = [data(np.asarray(point[v.name]), var=v) for v in self.extra_vars]
 
@@ -223,16 +224,17 @@ class LogpDlogp:
         return float(lik + prior), (dlik + dprior).astype(self.dtype, copy=False)
 
     def _check_data_unchanged(self) -> None:
-        """Refuse to compute on the devices' copy of the data once ``pm.set_data`` gave the model
-        other data (the copy would be stale without a word). A value that is another array (a
-        ``set_value``, or synkhronos's own face of a data variable a function of the runtime reads)
-        is compared by its bytes, once."""
+        """Refuse to compute on the devices' copy of the data once the model was given other data
+        (``pm.set_data``, or ``set_value`` of a plain shared variable it reads): the copy would be
+        stale without a word. A value that is another array (a ``set_value``, or synkhronos's own
+        face of a data variable a function of the runtime reads) is compared by its bytes, once."""
         for held in self._data_held:
             var, value = held[0], held[0].get_value(borrow=True)
             if value is held[1]:
                 continue
             if _digest(value) != held[2]:
-                raise RuntimeError(f"pm.set_data changed {var.name!r} of {self.model.name or 'the model'} "
+                how = "pm.set_data" if var in getattr(self.model, "data_vars", []) else "set_value"
+                raise RuntimeError(f"{how} changed {var.name or str(var)!r} of {self.model.name or 'the model'} "
                                    f"after this density was copied to the devices: build it again "
                                    f"(logp_dlogp_function, or a new NUTS step)")
             held[1] = value

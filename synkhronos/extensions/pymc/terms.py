@@ -11,7 +11,7 @@ device runs, by :class:`UnsplittableModel` naming the variable and the reason.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,10 @@ class SplitModel:
         The priors with their Jacobian terms, and the potentials that read no rows.
     n_rows : int
         The rows of the data.
+    shared_data : list of SharedVariable
+        Every shared array the log-density reads (``pm.Data``, or a plain
+        ``pytensor.shared``): a function built on the split holds a copy of
+        those it no longer reads, stale once their values change.
     """
 
     row_inputs: list
@@ -61,6 +65,7 @@ class SplitModel:
     row_terms: list
     once_terms: list
     n_rows: int
+    shared_data: list = field(default_factory=list)
 
 
 def split_model(model: Any, jacobian: bool = True) -> SplitModel:
@@ -100,6 +105,7 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
                                     f"one number over all its rows (a multivariate distribution over the "
                                     f"rows?), which cannot be split over the devices")
     row_terms = inline_op_from_graphs(row_terms)
+    read = list(graph_inputs(row_terms))
     given = _row_data(row_terms, n_rows)         # (what the priors must not read)
     # what reads data and no parameter is computed once, on all rows; what is left must keep rows apart
     row_terms, _ = fold_data(row_terms)
@@ -116,7 +122,10 @@ def split_model(model: Any, jacobian: bool = True) -> SplitModel:
     replace: dict[Variable, Variable] = dict(zip(row_data, row_inputs))
     replace.update(_row_counts(model, row_terms, n_rows, local_rows, set(row_data)))
     rebuilt = clone_replace(row_terms, replace=replace, rebuild_strict=False)
-    split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows)
+    read += [var for var in graph_inputs(once_terms) if var not in read]
+    shared_data = [var for var in read if isinstance(var, SharedVariable) and _is_data(var)]
+    split = SplitModel(row_inputs, [_value_of(var) for var in row_data], rebuilt, once_terms, n_rows,
+                       shared_data)
     try:
         _check_rows_are_independent(model, observed, split, jacobian)
     except UnsplittableModel:
