@@ -273,3 +273,70 @@ def test_a_shared_variable_given_another_shape_on_one_rank_makes_calls_careful_a
     close(f(np.ones((4, 3))), 24.0)
     for r in range(2):
         close(synk.get_value(r, m), before[r] + 1.0)
+
+
+def _regression(prefix, rng):
+    """The Theano script's regression MLP: inputs, targets, its parameters and its squared errors."""
+    x, y = pt.matrix(f"{prefix}_x"), pt.matrix(f"{prefix}_y")
+    W = pytensor.shared(rng.normal(size=(4, 3)) * 0.3, name=f"{prefix}_W")
+    b = pytensor.shared(np.zeros(3), name=f"{prefix}_b")
+    return x, y, [W, b], (pt.tanh(x.dot(W) + b) - y) ** 2
+
+
+def test_a_loss_summed_over_the_rows_is_refused_when_its_step_is_built_and_its_mean_trains_as_one_process(synk2):
+    """``cost = mlp.cost / (2 * batch_size)`` (a sum of squares): each device's loss over its rows
+    would be a fraction of the batch's, and the step, weighing devices by rows as for a mean, would
+    train n_devices times too slowly. Every step builder refuses it, naming the fix; the fix (the
+    rows' count in place of the constant) trains as one process on an uneven batch."""
+    from synkhronos.extensions import train, updates
+    rng = np.random.default_rng(3)
+    x, y, params, errors = _regression("summed", rng)
+    batch_size = pytensor.shared(np.float64(7.0), name="batch_size")
+    lr = pt.scalar("summed_lr")
+    summed = {"sum / (2 * batch_size)": errors.sum() / (2 * 7), "sum": errors.sum(),
+              "sum * lr, over a shared size": lr * errors.sum() / batch_size,
+              "sum of per-row sums, plus a penalty": errors.sum(axis=1).sum() / 7 + 0.01 * (params[0] ** 2).sum()}
+    X_sh = pytensor.shared(np.zeros((14, 4)), name="summed_X")
+    Y_sh = pytensor.shared(np.zeros((14, 3)), name="summed_Y")
+    i = pt.iscalar("summed_i")
+    for loss in summed.values():
+        builds = [lambda: train.make_train_function(loss, params, x, y, updates.sgd, 0.1),
+                  lambda: train.make_train_function(loss, params, x, y, updates.sgd, 0.1,
+                                                    givens={x: X_sh[i * 7:(i + 1) * 7], y: Y_sh[i * 7:(i + 1) * 7]}),
+                  lambda: train.make_device_train_function(loss, params, x, y, X_sh, Y_sh, updates.sgd, 0.1)]
+        for build in builds:
+            with pytest.raises(ValueError, match=r"the loss is a sum over the rows .*x\.shape\[0\]"):
+                build()
+    X, Y = rng.normal(size=(7, 4)), rng.normal(size=(7, 3))
+    mean = errors.sum() / (2 * x.shape[0])
+    x1, y1, params1, errors1 = _regression("summed_one", np.random.default_rng(3))
+    step = train.make_train_function(mean, params, x, y, updates.sgd, 0.1)
+    single = train.make_single_process_train_function(errors1.sum() / (2 * x1.shape[0]), params1, x1, y1,
+                                                      updates.sgd, 0.1)
+    synk.distribute()
+    for _ in range(3):
+        close(step(synk.data(X), synk.data(Y)), single(X, Y))
+    for p, p1 in zip(params, params1):
+        for rank in (0, 1):
+            close(synk.get_value(rank, p), p1.get_value())
+
+
+def test_an_output_summed_over_the_rows_and_averaged_by_default_is_said_when_built(synk2):
+    """An output averaged by default that sums over the rows returns the devices' average of their
+    own sums: said when the function is built (naming 'sum' and the rows' count). An explicit mode,
+    a mean and a per-row sum are not."""
+    from synkhronos.errors import SynkWarning
+    x = pt.matrix("averaged_x")
+    X = np.arange(15.0).reshape(5, 3)                      # 3 and 2 rows on the two devices
+    with pytest.warns(SynkWarning, match=r"output .* is a sum over the rows .*'avg', the default.*'sum'"):
+        averaged = synk.function([x], x.sum() / 10, name="averaged_sum")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summed = synk.function([x], (x.sum() / 10, "sum"), name="summed_sum")
+        means = synk.function([x], [x.mean(), x.sum() / x.shape[0], (x.sum(axis=1), "gather"),
+                                    ((x ** 2).sum(axis=0) / x.shape[0]).sum()], name="means")
+    synk.distribute()
+    close(summed(X), X.sum() / 10)
+    assert not np.isclose(averaged(X), X.sum() / 10)        # what the warning said
+    close(means(X)[0], X.mean())
+    close(means(X)[1], X.sum() / 5)

@@ -17,6 +17,7 @@ from ..api import collectives
 from ..api.checkpoint import RunCheckpoints, next_multiple, order_record
 from ..api.data import Data
 from ..api.function_parts.batch import parse_batch_s
+from ..api.function_parts.row_sums import sum_over_rows
 from ..errors import SynkWarning, is_whole
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
@@ -103,6 +104,13 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
         (``step.scalars``). Any input may be given by its variable's name:
         ``train_minibatch(i, corruption=0.1, lr=0.05)``.
 
+    Raises
+    ------
+    ValueError
+        For a loss that sums over the rows and scales the sum by a constant
+        (``cost.sum() / batch_size``), naming the fix (a mean: divide by
+        ``x.shape[0]``); see :mod:`synkhronos.api.function_parts.row_sums`.
+
     Notes
     -----
     The step's scalar inputs are the 0-d symbolic inputs its loss, rule and
@@ -128,6 +136,7 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     True
     """
     inputs = _input_list(x, "x") + _input_list(y, "y")
+    _refuse_a_summed_loss(loss, split_axes if isinstance(split_axes, dict) else {}, inputs)
     if givens:
         return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, dict(givens),
                                          state_updates, consider_constant)
@@ -152,6 +161,20 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
 
     # what run() takes: rows along axis 0
     return step.expose(train_minibatch, takes, runs_on_devices=not any(axes.values()))
+
+
+def _refuse_a_summed_loss(loss: Any, split_axes: dict, inputs: list[Any]) -> None:
+    """Refuse a loss that sums over the rows of ``inputs`` (along ``split_axes``, else 0) and scales
+    the sum by a constant (:mod:`synkhronos.api.function_parts.row_sums`): the step weighs the devices
+    by their rows, which equals one process for a mean only."""
+    found = sum_over_rows(loss, {var: split_axes.get(var, 0) for var in inputs if var is not None})
+    if found is not None:
+        raise ValueError(f"the loss is a sum over the rows ({found.owner.op} of {found.owner.inputs[0]}), "
+                         f"scaled by constants at most: each device computes the loss on its own rows "
+                         f"and the step weighs the devices by their rows, which equals one process for a "
+                         f"mean over the rows only (this sum would give a gradient n_devices times too "
+                         f"small); divide by the rows' count (x.shape[0]) in place of a constant batch "
+                         f"size, or use .mean()")
 
 
 def _split_axes(split_axes: dict | None, inputs: list[Any]) -> dict[Any, int]:
@@ -217,6 +240,7 @@ def make_device_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any,
     >>> train(batch_s=[rng.permutation(32)[:8], rng.permutation(32)[:8]])
     array(1.)
     """
+    _refuse_a_summed_loss(loss, {}, [x, y])
     graph = build_step_graph(loss, params, update_rule, args, kwargs, [x, y])
     if graph.scalars:
         raise TypeError(f"make_device_train_function's step takes no inputs, but the loss or the "

@@ -31,6 +31,7 @@ from ...platform.internals import unsampleable_in_jax
 from ...rank.compiled import CompiledFunction
 from ...wire.spec import FunctionSpec
 from .givens import RECIPE, RowsFromGivens
+from .row_sums import sum_over_rows
 from .shapes import declared_rows, shape_text
 from .split_axes import declared_axes
 
@@ -51,18 +52,22 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
     _check_mode(kwargs)
     inputs = _check_inputs(inputs, "inputs")
     bcast_inputs = _check_inputs(bcast_inputs, "bcast_inputs")
-    pairs, bare = _normalize_outputs(outputs)
+    pairs, bare, averaged_by_default = _normalize_outputs(outputs)
     input_axes, gather_axes = declared_axes(split_axes, inputs, bcast_inputs, pairs)
     _check_free_rows(inputs, input_axes)
     givens = list(givens.items()) if isinstance(givens, dict) else list(givens or [])
     rows = RowsFromGivens.find(inputs, bcast_inputs, givens, name or "synk.function")
     scattered_rows: list[Variable] = list(inputs)
+    row_axes: dict[Variable, int] = {var: axis or 0 for var, axis in zip(inputs, input_axes)}
     if rows is not None and rows.slices and split_axes:
         raise TypeError("split_axes does not combine with givens that select rows of shared "
                         "variables (those rows are axis 0); " + RECIPE)
     if rows is not None:       # the tutorials' idiom: the givens' row slices become scattered inputs
         scattered_rows = rows.inputs + [s.key for s in rows.slices]
+        row_axes.update({s.key: 0 for s in rows.slices})
         inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
+    _say_if_an_average_sums_rows([pairs[i][0] for i in averaged_by_default], row_axes,
+                                 name or "synk.function")
     seen: set[int] = set()
     for var in inputs + bcast_inputs:
         if id(var) in seen:
@@ -102,24 +107,41 @@ def _check_sliceables(spec: FunctionSpec, sliceable: Sequence[SharedVariable],
                             f"{value.type.ndim}); make {value} of that dtype and ndim")
 
 
-def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool]:
-    """Return ([(var, mode)], bare) from the user's ``outputs``."""
+def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Variable, int], name: str) -> None:
+    """Warn of an output averaged by default (``"avg"``) that sums over the rows and scales the sum
+    by a constant (:mod:`.row_sums`): the call would return about ``1/n_devices`` of its value."""
+    rows = {var: axis for var, axis in row_axes.items() if getattr(var.type, "ndim", 0) > 0}
+    for var in averaged:
+        found = sum_over_rows(var, rows)
+        if found is not None:
+            warnings.warn(f"{name}'s output {var} is a sum over the rows ({found.owner.op}), scaled by "
+                          f"constants at most, reduced with 'avg', the default: each device sums its own "
+                          f"rows, and the call returns their average, weighted by rows, not the batch's "
+                          f"value; give ({var}, 'sum') for the batch's, or divide by the rows' count "
+                          f"(x.shape[0]) for a mean (a gradient of it, all-reduced by rows, needs 'sum' "
+                          f"as well)", SynkWarning, stacklevel=5)
+
+
+def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool, list[int]]:
+    """Return ([(var, mode)], bare, [which are averaged by default]) from the user's ``outputs``."""
     if outputs is None:
-        return [], False
+        return [], False, []
     bare = isinstance(outputs, Variable) or (isinstance(outputs, tuple) and len(outputs) == 2
                                              and isinstance(outputs[0], Variable)
                                              and not isinstance(outputs[1], Variable))
     items = [outputs] if bare else list(outputs)
     pairs: list[tuple[Variable, str | None]] = []
+    by_default = []
     for item in items:
         if isinstance(item, Variable):
             var, mode = item, "avg"
+            by_default.append(len(pairs))
         elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Variable):
             var, mode = item
         else:
             raise TypeError(f"each output must be a variable or a (variable, mode) pair, got {item!r}")
         pairs.append((var, check_output_mode(var, mode)))
-    return pairs, bare
+    return pairs, bare, by_default
 
 
 def _normalize_updates(updates: Any) -> tuple[list[tuple[SharedVariable, Variable, str | None]],
