@@ -307,6 +307,8 @@ def test_a_loss_summed_over_the_rows_is_refused_when_its_step_is_built_and_its_m
         for build in builds:
             with pytest.raises(ValueError, match=r"the loss is a sum over the rows .*x\.shape\[0\]"):
                 build()
+    # a target read for its name alone (0 * y.sum()) counts nothing: no refusal
+    train.make_train_function(errors.mean() + 0 * y.sum(), params, x, y, updates.sgd, 0.1)
     X, Y = rng.normal(size=(7, 4)), rng.normal(size=(7, 3))
     mean = errors.sum() / (2 * x.shape[0])
     x1, y1, params1, errors1 = _regression("summed_one", np.random.default_rng(3))

@@ -655,6 +655,49 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(pre
         synk.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_during_the_teardown_keeps_the_reason_for_the_next_call():
+    """A Ctrl-C that lands outside the master's waits (here while it plans a call) tears the runtime
+    down itself; a second one meanwhile is held until the teardown has run, then raised. Both
+    interrupts carry the note, and the next call still says the runtime was shut down by a Ctrl-C
+    (not that synkhronos "is not running"). Nothing is left behind."""
+    import signal
+    import time
+
+    from conftest import child_pids, synk_segments
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    before = synk_segments()
+    synk.fork(2)
+    try:
+        x = pt.vector("pressed_twice_x")
+        f = synk.function([x], (x.sum(), "sum"), name="pressed_twice")
+        state = session.current()
+        workers, kill = list(state.worker_pids.values()), state._kill_workers
+
+        def killing_after_another_press() -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)                     # (held: raised once the teardown has run)
+            kill()
+
+        def planning(*args, **kwargs):
+            raise KeyboardInterrupt             # the first Ctrl-C, while the master plans the call
+        state._kill_workers = killing_after_another_press
+        f._plan = planning
+        with pytest.raises(KeyboardInterrupt) as pressed:
+            f(np.ones(4))
+        assert "Ctrl-C inside synk.__call__" in " ".join(getattr(pressed.value, "__notes__", []))
+        assert pressed.value.__context__ is not None        # the second press, raised after the first
+        with pytest.raises(RuntimeError, match=r"shut down \(Ctrl-C inside synk.__call__"):
+            f(np.ones(4))
+        assert session.active() is None
+        assert not set(workers) & {pid for pid, _ in child_pids()}
+        assert set(synk_segments()) <= set(before)
+    finally:
+        synk.close()
+
+
 @pytest.mark.slow
 def test_a_rank_failing_in_a_loop_says_only_the_error_and_leaves_no_segment():
     """The fault's teardown kills the workers, whose resource trackers then find their result

@@ -206,19 +206,27 @@ def deferred() -> AbstractContextManager[None]:
     return held()
 
 
-def shut_down_after(interrupt: KeyboardInterrupt, what: str, state: Any) -> str | None:
+def shut_down_after(interrupt: KeyboardInterrupt, what: str, state: Any,
+                    remember: Callable[[str], None]) -> None:
     """End ``state``'s runtime after ``interrupt`` landed inside the operation ``what``.
 
     The interrupt goes on to the user with a note saying the runtime was shut
     down and how to start again (the fault handling of a wait that the
-    interrupt ended may have shut it down already); the note is returned, or
-    None if there was no runtime.
+    interrupt ended may have shut it down already). ``remember(note)`` is
+    called before the teardown, for the next call to say: a second Ctrl-C,
+    raised once the teardown has run, carries the note too and must not lose it.
+    Nothing is done without a runtime (``state`` None).
     """
     if state is None:
-        return None
-    if state.is_open:
-        state.abort()
+        return
     note = (f"synkhronos: the runtime was shut down (Ctrl-C inside {what}, where master and "
             f"workers could have been left out of step); call synk.fork() again")
     interrupt.add_note(note)
-    return note
+    remember(note)
+    try:
+        if state.is_open:
+            state.abort()
+    except KeyboardInterrupt as again:
+        if again is not interrupt:
+            again.add_note(note)
+        raise

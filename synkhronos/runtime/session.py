@@ -116,9 +116,8 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                 raise e.with_traceback(None) from None
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
-                note = shut_down_after(interrupt, f"synk.{fn.__name__}", state) if outermost else None
-                if note is not None:
-                    _life.shut_down_because = note
+                if outermost:
+                    shut_down_after(interrupt, f"synk.{fn.__name__}", state, remember=_say_at_the_next_call)
                 raise
             finally:
                 _life.depth -= 1
@@ -127,6 +126,11 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                         _life.state.registry.values_to_user(scope if _life.state is state else None)
                     hold_faces(False)
     return locked
+
+
+def _say_at_the_next_call(why: str) -> None:
+    """What the next call raises while no runtime runs: why the last one was shut down."""
+    _life.shut_down_because = why
 
 
 #: the modules whose threads never read a user's shared variables (progress bars, a notebook

@@ -26,7 +26,9 @@ from pytensor.graph.basic import Constant, Variable, clone_get_equiv
 from pytensor.graph.fg import FunctionGraph
 from pytensor.graph.traversal import graph_inputs
 from pytensor.scalar import basic as ps
+from pytensor.tensor.basic import get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
+from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.rewriting.shape import ShapeFeature
 from pytensor.tensor.shape import Shape, Shape_i
 
@@ -89,7 +91,9 @@ class _Search:
             return None if self.reads_rows(denominator) else self.scaled_sum(numerator)
         if isinstance(scalar, ps.Mul):
             reading = [v for v in node.inputs if self.reads_rows(v)]
-            return self.scaled_sum(reading[0]) if len(reading) == 1 else None
+            if len(reading) != 1 or any(_is_zero(v) for v in node.inputs):
+                return None        # (0 * y.sum(): an input read for its name alone, counting nothing)
+            return self.scaled_sum(reading[0])
         return None
 
     def _first(self, variables: list[Variable]) -> Variable | None:
@@ -141,3 +145,11 @@ class _Search:
         if isinstance(node.op, Shape | Shape_i):
             return isinstance(node.op, Shape_i) and self._rows_in_graph.get(node.inputs[0]) == node.op.i
         return any(self._counts_rows(v, seen) for v in node.inputs)
+
+
+def _is_zero(var: Variable) -> bool:
+    """Whether ``var`` is a constant zero (broadcast or cast as it may be)."""
+    try:
+        return float(get_underlying_scalar_constant_value(var)) == 0.0
+    except NotScalarConstantError:
+        return False
