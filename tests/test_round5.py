@@ -665,6 +665,7 @@ def test_a_second_ctrl_c_during_the_teardown_keeps_the_reason_for_the_next_call(
     import time
 
     from conftest import child_pids, synk_segments
+
     from synkhronos.runtime import session
     if session.active() is not None:
         synk.close()
