@@ -19,12 +19,11 @@ search: what is found is a sum over the rows for certain.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import cache
 from typing import Any, cast
 
 from pytensor.graph.basic import Constant, Variable, clone_get_equiv
 from pytensor.graph.fg import FunctionGraph
-from pytensor.graph.traversal import graph_inputs
+from pytensor.graph.traversal import graph_inputs, io_toposort
 from pytensor.scalar import basic as ps
 from pytensor.tensor.basic import get_underlying_scalar_constant_value
 from pytensor.tensor.elemwise import CAReduce, DimShuffle, Elemwise
@@ -57,7 +56,10 @@ def sum_over_rows(loss: Variable, row_axes: Mapping[Variable, int]) -> Variable 
     """
     if not row_axes:
         return None
-    return _Search(loss, row_axes).scaled_sum(loss)
+    try:
+        return _Search(loss, row_axes).scaled_sum(loss)
+    except RecursionError:     # a chain of additions deeper than Python's stack: nothing is said
+        return None
 
 
 class _Search:
@@ -65,7 +67,7 @@ class _Search:
 
     def __init__(self, loss: Variable, rows: Mapping[Variable, int]) -> None:
         self.loss, self.rows = loss, rows
-        self.reads_rows = cache(self._reads_rows)
+        self._reading: set[Variable] | None = None
         self._shapes: tuple[dict, ShapeFeature] | None = None
         self._rows_in_graph: dict[Variable, int] = {}
 
@@ -129,11 +131,14 @@ class _Search:
         except (KeyError, AttributeError, TypeError):
             return None
 
-    def _reads_rows(self, var: Variable) -> bool:
+    def reads_rows(self, var: Variable) -> bool:
         """Whether ``var`` depends on the rows in any way (their values, or their count)."""
-        if var in self.rows:
-            return True
-        return var.owner is not None and any(self.reads_rows(v) for v in var.owner.inputs)
+        if self._reading is None:         # (one pass over the graph, in order: no recursion)
+            self._reading = set(self.rows)
+            for node in io_toposort(list(graph_inputs([self.loss])), [self.loss]):
+                if any(v in self._reading for v in node.inputs):
+                    self._reading.update(node.outputs)
+        return var in self._reading
 
     def _counts_rows(self, dim: Any, seen: set[int]) -> bool:
         """Whether the length ``dim`` (of the inferred shapes) is known to be the rows' count, or to
