@@ -307,8 +307,15 @@ def test_a_loss_summed_over_the_rows_is_refused_when_its_step_is_built_and_its_m
         for build in builds:
             with pytest.raises(ValueError, match=r"the loss is a sum over the rows .*x\.shape\[0\]"):
                 build()
-    # a target read for its name alone (0 * y.sum()) counts nothing: no refusal
-    train.make_train_function(errors.mean() + 0 * y.sum(), params, x, y, updates.sgd, 0.1)
+    # means however written are not refused: a target read for its name alone (0 * y.sum()) counts
+    # nothing; a mean written inside the sum, or weighed by normalized weights; a time-major mask
+    # (its rows along axis 1, undeclared: a Data's split_axis says it at the call)
+    weights, mask = pt.vector("summed_weights"), pt.matrix("summed_mask")
+    per_row = errors.sum(axis=1)
+    for mean, targets in ((errors.mean() + 0 * y.sum(), y), ((per_row / x.shape[0]).sum(), y),
+                          ((per_row * (weights / weights.sum())).sum(), [y, weights]),
+                          ((mask * per_row[None, :]).mean(axis=1).sum(), [y, mask])):
+        train.make_train_function(mean, params, x, targets, updates.sgd, 0.1)
     X, Y = rng.normal(size=(7, 4)), rng.normal(size=(7, 3))
     mean = errors.sum() / (2 * x.shape[0])
     x1, y1, params1, errors1 = _regression("summed_one", np.random.default_rng(3))

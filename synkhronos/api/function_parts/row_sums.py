@@ -10,10 +10,15 @@ about ``1/n`` of one process's value, and of its gradient, without a word:
 
 Found: a sum that reduces an axis whose length is the rows' count, reached
 from the output through additions, sums over other axes and factors that do
-not depend on the rows (constants, shared variables, scalar inputs). A
-division by anything that depends on the rows (``x.shape[0]``,
-``mask.sum()``, a ``mean``) makes a mean, and every other operation ends the
-search: what is found is a sum over the rows for certain.
+not depend on the rows (constants, shared variables, scalar inputs), and whose
+terms are not divided by a quantity of the whole batch. A division by anything
+that depends on the rows (``x.shape[0]``, ``mask.sum()``, a ``mean``), above
+the sum or inside it (``(cost / x.shape[0]).sum()``), makes a mean, and every
+other operation ends the search: what is found is a sum over the rows for
+certain. Not found, so not said: a sum written another way (``err.dot(err)``,
+``pt.tensordot``, a ``cumsum``), or passed through a nonlinear function
+(``pt.sqrt(cost.sum() / 64)``), and one divided by another length of the rows'
+arrays (``cost.sum() / x.shape[1]``).
 """
 
 from __future__ import annotations
@@ -79,7 +84,10 @@ class _Search:
             return None
         op = node.op
         if isinstance(op, CAReduce) and isinstance(op.scalar_op, ps.Add):
-            return var if self._reduces_rows(node.inputs[0], op.axis) else self.scaled_sum(node.inputs[0])
+            summand = node.inputs[0]
+            if not self._reduces_rows(summand, op.axis):
+                return self.scaled_sum(summand)
+            return None if self._normalized(summand) else var
         if isinstance(op, DimShuffle):
             return self.scaled_sum(node.inputs[0])
         if not isinstance(op, Elemwise):
@@ -97,6 +105,37 @@ class _Search:
                 return None        # (0 * y.sum(): an input read for its name alone, counting nothing)
             return self.scaled_sum(reading[0])
         return None
+
+    def _normalized(self, var: Variable) -> bool:
+        """Whether the terms ``var`` that a sum over the rows adds are already divided by (or
+        weighed with) a quantity of the whole batch: a mean written inside the sum
+        (``(cost / x.shape[0]).sum()``, ``(cost * (m / m.sum())).sum()``)."""
+        node = var.owner
+        if node is None or not self.reads_rows(var):
+            return False
+        op = node.op
+        if isinstance(op, DimShuffle) or (isinstance(op, CAReduce) and isinstance(op.scalar_op, ps.Add)):
+            return self._normalized(node.inputs[0])
+        if not isinstance(op, Elemwise):
+            return False
+        scalar = op.scalar_op
+        if isinstance(scalar, _PASS_THROUGH):
+            return any(self._normalized(v) for v in node.inputs)
+        if isinstance(scalar, ps.TrueDiv):
+            numerator, denominator = node.inputs
+            return self._of_the_batch(denominator) or self._normalized(numerator)
+        if isinstance(scalar, ps.Mul):
+            return any(self._of_the_batch(v) or self._normalized(v) for v in node.inputs)
+        return False
+
+    def _of_the_batch(self, var: Variable) -> bool:
+        """Whether ``var`` reads the rows and holds no axis of them: a quantity of the whole batch
+        (the rows' count, a sum of weights). Where its shape is unknown it is taken for one: nothing
+        is refused on a guess."""
+        if not self.reads_rows(var):
+            return False
+        dims = self._shape(var)
+        return dims is None or not any(self._counts_rows(d, set()) for d in dims)
 
     def _first(self, variables: list[Variable]) -> Variable | None:
         for v in variables:
