@@ -254,9 +254,9 @@ def test_ctrl_c_in_fused_steps_keeps_every_value(n, collectives, what):
 @SLOW
 @pytest.mark.parametrize("n, collectives", [(1, "shm"), (2, "jax")])
 def test_a_block_that_raises_keeps_every_value(device_arrays, n, collectives):
-    """A host callback that raises inside a block of train.run: the runtime ends as for any failed
-    loop, and the values before the block are still readable (a block that runs host code donates
-    nothing)."""
+    """A host callback that raises inside train.run (which takes such steps one at a time, never in
+    blocks): the runtime ends as for any failed loop, and the values are still readable (a step
+    that runs host code donates nothing)."""
     device_arrays(n, collectives)
     rng = np.random.default_rng(0)
     x, y = pt.matrix("x"), pt.vector("y")

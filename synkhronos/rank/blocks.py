@@ -133,10 +133,11 @@ class Blocks:
             reducer = self.context.program_reducer()
             if grad is None or update is None or reducer is None:
                 return None
-            # host code can fail while the block runs: its values are then kept, not donated
-            host = runner.runs_host_code() or upd_runner.runs_host_code()
-            program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer,
-                                   may_fail=host)
+            if runner.runs_host_code() or upd_runner.runs_host_code():
+                # host code can fail in the middle of a block, which stores all its steps or none:
+                # taken one at a time, the steps leave the values of the last whole one
+                return None
+            program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer)
             program.runners = (loop.grad, runner, loop.update, upd_runner)
             return program
         return self.context.step_programs.get(key, build)
