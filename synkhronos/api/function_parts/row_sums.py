@@ -24,6 +24,7 @@ arrays (``cost.sum() / x.shape[1]``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cache
 from typing import Any, cast
 
 from pytensor.graph.basic import Constant, Variable, clone_get_equiv
@@ -73,10 +74,13 @@ class _Search:
     def __init__(self, loss: Variable, rows: Mapping[Variable, int]) -> None:
         self.loss, self.rows = loss, rows
         self._reading: set[Variable] | None = None
+        # (once per variable: a graph that reuses a term, a = a + a, is walked in linear time)
+        self.scaled_sum = cache(self._scaled_sum)
+        self.normalized = cache(self._normalized)
         self._shapes: tuple[dict, ShapeFeature] | None = None
         self._rows_in_graph: dict[Variable, int] = {}
 
-    def scaled_sum(self, var: Variable) -> Variable | None:
+    def _scaled_sum(self, var: Variable) -> Variable | None:
         """The sum over the rows ``var`` is, up to additions, sums over other axes and row-free
         factors; or None."""
         node = var.owner
@@ -87,7 +91,7 @@ class _Search:
             summand = node.inputs[0]
             if not self._reduces_rows(summand, op.axis):
                 return self.scaled_sum(summand)
-            return None if self._normalized(summand) else var
+            return None if self.normalized(summand) else var
         if isinstance(op, DimShuffle):
             return self.scaled_sum(node.inputs[0])
         if not isinstance(op, Elemwise):
@@ -115,17 +119,17 @@ class _Search:
             return False
         op = node.op
         if isinstance(op, DimShuffle) or (isinstance(op, CAReduce) and isinstance(op.scalar_op, ps.Add)):
-            return self._normalized(node.inputs[0])
+            return self.normalized(node.inputs[0])
         if not isinstance(op, Elemwise):
             return False
         scalar = op.scalar_op
         if isinstance(scalar, _PASS_THROUGH):
-            return any(self._normalized(v) for v in node.inputs)
+            return any(self.normalized(v) for v in node.inputs)
         if isinstance(scalar, ps.TrueDiv):
             numerator, denominator = node.inputs
-            return self._of_the_batch(denominator) or self._normalized(numerator)
+            return self._of_the_batch(denominator) or self.normalized(numerator)
         if isinstance(scalar, ps.Mul):
-            return any(self._of_the_batch(v) or self._normalized(v) for v in node.inputs)
+            return any(self._of_the_batch(v) or self.normalized(v) for v in node.inputs)
         return False
 
     def _of_the_batch(self, var: Variable) -> bool:
