@@ -63,6 +63,8 @@ def _assert_died_promptly(call, prefix, pids, t_max=10):
     assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
     assert session.active() is None
     assert_clean(prefix, pids)
+    with pytest.raises(RuntimeError, match=r"shut down by an error in synk\..*WorkerError.*SIGKILL"):
+        call()                       # the next call says why the runtime ended
 
 
 def _usable_again(**fork_options):

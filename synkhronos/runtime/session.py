@@ -110,10 +110,16 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                         state.collectives.broadcast_from_master(set_here)
                 return fn(*args, **kwargs)
             except WorkerError as e:
+                if outermost:
+                    _remember_a_fault(e, f"synk.{fn.__name__}", state)
                 if not outermost or verbose():
                     raise
                 # the report names what the user needs; synkhronos's own frames are left out
                 raise e.with_traceback(None) from None
+            except Exception as error:
+                if outermost:
+                    _remember_a_fault(error, f"synk.{fn.__name__}", state)
+                raise
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
                 if outermost:
@@ -131,6 +137,16 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
 def _say_at_the_next_call(why: str) -> None:
     """What the next call raises while no runtime runs: why the last one was shut down."""
     _life.shut_down_because = why
+
+
+def _remember_a_fault(error: Exception, what: str, state: State | None) -> None:
+    """If ``error`` shut the runtime down (a worker's error or death, a stall), have the next call
+    say so, not that synkhronos "is not running"."""
+    if state is None or _life.state is not None:
+        return
+    first_line = (str(error).splitlines() or [""])[0][:300]
+    _say_at_the_next_call(f"synkhronos: the runtime was shut down by an error in {what} "
+                          f"({type(error).__name__}: {first_line}); call synk.fork() again")
 
 
 #: the modules whose threads never read a user's shared variables (progress bars, a notebook
