@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -422,14 +422,15 @@ def forget_runtime_in_child() -> None:
     internals.detach_inherited_jax()
 
 
-def shutdown_process(collect: bool = True) -> None:
+def shutdown_process(collect: bool = True, before_leaving: Callable[[], None] | None = None) -> None:
     """Leave the multi-process runtime and drop the backend and the compile cache, so that fork()
     can run again. What :func:`initialize_process` changed in the process (JAX's settings, the BLAS
     threads, the allocator's settings) is given back by the process's
     :data:`~synkhronos.platform.process_changes.changes`, after this.
 
     With ``collect``, garbage is collected until the backend is gone, before the coordination
-    service stops (a process that ends next has no need).
+    service stops (a process that ends next has no need). ``before_leaving()`` runs between the
+    two: once the backend is gone, the process leaves the runtime at once.
     """
     if "jax" not in sys.modules:
         return
@@ -442,6 +443,8 @@ def shutdown_process(collect: bool = True) -> None:
         with native_lines_dropped(2, TASK_WATCH_CANCELLED, continued_by=TASK_WATCH_DETAIL):
             try:
                 drop_backend(collect)
+                if before_leaving is not None:
+                    before_leaving()
             finally:
                 jax.distributed.shutdown()
     finally:

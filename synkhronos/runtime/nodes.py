@@ -258,7 +258,7 @@ class NodeLink:
         for node in range(1, self.topology.n_nodes):
             while time.monotonic() < deadline and self._try_get(f"synk/left/{node}") is None:
                 time.sleep(0.02)
-        time.sleep(0.1)     # their last message to the service (leaving) follows the key
+        time.sleep(0.5)     # their last message to the service (leaving) follows the key
 
     def raise_dead_node(self, doing: str, error: Exception) -> NoReturn:
         """After a failed exchange or cross-node collective: name the dead node if there is one."""

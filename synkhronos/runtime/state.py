@@ -247,13 +247,16 @@ class State:
             self.calls.release_programs()
             self.context.release_programs()
             self.is_open = False
-            if self.nodes is not None:
+            # another node says it left once its backend is gone (node 0 ends the service soon
+            # after), so that leaving the runtime is all that follows: one message to the service
+            says_it_left = clean and self.nodes is not None and self.topology.node_rank != 0
+            if self.nodes is not None and not says_it_left:
                 try:
                     self._leave_nodes(clean)
                 except Exception:       # the coordinator is gone: nobody is left to wait for
                     log.debug("leaving the other nodes failed", exc_info=True)
             try:
-                jax_init.shutdown_process()
+                jax_init.shutdown_process(before_leaving=self._said_left if says_it_left else None)
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
             if self.service is not None:
@@ -266,6 +269,14 @@ class State:
             use_host_faces(True)
             use_pinned(False)
             set_gather_threads(1)
+
+    def _said_left(self) -> None:
+        """On a node other than 0, its backend gone: tell node 0 (which serves the coordination
+        service) that this node left; a failure only means node 0 is gone already."""
+        try:
+            self._leave_nodes(clean=True)
+        except Exception:
+            log.debug("leaving the other nodes failed", exc_info=True)
 
     def _leave_nodes(self, clean: bool) -> None:
         """On several nodes: stop beating; node 0 (which started the coordination service) leaves last."""
