@@ -129,13 +129,13 @@ class Blocks:
         key = ("block", spec.grad_fid, spec.update_fid, spec.grad_uid, shapes, op, id(runner))
 
         def build() -> BlockProgram | None:
-            grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
-            reducer = self.context.program_reducer()
-            if grad is None or update is None or reducer is None:
-                return None
             if runner.runs_host_code() or upd_runner.runs_host_code():
                 # host code can fail in the middle of a block, which stores all its steps or none:
                 # taken one at a time, the steps leave the values of the last whole one
+                return None
+            grad, update = fused_graph(runner.fn), fused_graph(upd_runner.fn)
+            reducer = self.context.program_reducer()
+            if grad is None or update is None or reducer is None:
                 return None
             program = BlockProgram(grad, update, loop.grad_var.container.storage, op, reducer)
             program.runners = (loop.grad, runner, loop.update, upd_runner)

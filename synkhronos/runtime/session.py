@@ -109,17 +109,13 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                         # per-device values, and synk.set_value's, are stored by synkhronos)
                         state.collectives.broadcast_from_master(set_here)
                 return fn(*args, **kwargs)
-            except WorkerError as e:
-                if outermost:
-                    _remember_a_fault(e, f"synk.{fn.__name__}", state)
-                if not outermost or verbose():
-                    raise
-                # the report names what the user needs; synkhronos's own frames are left out
-                raise e.with_traceback(None) from None
             except Exception as error:
                 if outermost:
                     _remember_a_fault(error, f"synk.{fn.__name__}", state)
-                raise
+                if not outermost or verbose() or not isinstance(error, WorkerError):
+                    raise
+                # the report names what the user needs; synkhronos's own frames are left out
+                raise error.with_traceback(None) from None
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
                 if outermost:

@@ -251,12 +251,9 @@ class State:
             # after), so that leaving the runtime is all that follows: one message to the service
             says_it_left = clean and self.nodes is not None and self.topology.node_rank != 0
             if self.nodes is not None and not says_it_left:
-                try:
-                    self._leave_nodes(clean)
-                except Exception:       # the coordinator is gone: nobody is left to wait for
-                    log.debug("leaving the other nodes failed", exc_info=True)
+                self._leave_nodes_quietly(clean)
             try:
-                jax_init.shutdown_process(before_leaving=self._said_left if says_it_left else None)
+                jax_init.shutdown_process(before_leaving=self._leave_nodes_quietly if says_it_left else None)
             except Exception:           # the workers are gone already; nothing is left to wait for
                 log.debug("leaving the JAX runtime failed in the master", exc_info=True)
             if self.service is not None:
@@ -270,11 +267,11 @@ class State:
             use_pinned(False)
             set_gather_threads(1)
 
-    def _said_left(self) -> None:
-        """On a node other than 0, its backend gone: tell node 0 (which serves the coordination
-        service) that this node left; a failure only means node 0 is gone already."""
+    def _leave_nodes_quietly(self, clean: bool = True) -> None:
+        """:meth:`_leave_nodes`; a failure only means the coordinator is gone: nobody is left to
+        wait for."""
         try:
-            self._leave_nodes(clean=True)
+            self._leave_nodes(clean)
         except Exception:
             log.debug("leaving the other nodes failed", exc_info=True)
 
