@@ -274,6 +274,54 @@ def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(
     assert "is busy" in said.getvalue() and "trying again" in said.getvalue(), said.getvalue()
 
 
+@pytest.mark.slow
+def test_a_joined_launcher_that_reads_nothing_is_dropped_and_the_rendezvous_serves_on():
+    """A stopped launcher's buffers fill up: the rendezvous, which tells its launchers things while
+    holding its lock, drops it after its send time instead of stalling every other launcher."""
+    import json
+    import socket
+
+    from synkhronos.launch.rendezvous import Kind, RendezvousClient, RendezvousServer
+    job = "t.py --nnodes 2:2"
+    server = RendezvousServer("127.0.0.1:0", min_nodes=2, max_nodes=2, settle=0.0, job=job,
+                              send_seconds=0.5)
+    host, port = server.address.rsplit(":", 1)
+    stopped = socket.socket()
+    stopped.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stopped.connect((host, int(port)))
+    live = RendezvousClient(server.address, node_rank=0, timeout=5, job=job)
+    joined_again = None
+    try:
+        join = (json.dumps({"kind": "join", "node_rank": 1, "job": job}) + "\n").encode()
+        for cycles in range(1, 200):
+            with contextlib.suppress(OSError):  # refused once dropped
+                stopped.sendall(join)
+            live.join()
+            message = live.next_message(3)      # a drop takes about twice the send time
+            if message is None:
+                assert server._open < 2, "the rendezvous stalled"
+                break                           # the stopped one was dropped: no round of 2
+            assert message["kind"] == Kind.ROUND and message["nnodes"] == 2, message
+            live.tell(Kind.FAILED, why="x" * 60_000)     # each restart tells the stopped one 60 kB
+            message = live.next_message(5)
+            assert message is not None and message["kind"] == Kind.RESTART, message
+        else:
+            raise AssertionError("a launcher that reads nothing was never dropped")
+        assert cycles > 1                       # its buffers took a restart or more first
+        joined_again = RendezvousClient(server.address, node_rank=1, timeout=5, job=job)
+        joined_again.join()
+        live.join()
+        rounds = [client.next_message(5) for client in (live, joined_again)]
+        assert [(m["kind"], m["node_rank"], m["nnodes"]) for m in rounds] == [
+            (Kind.ROUND, 0, 2), (Kind.ROUND, 1, 2)], rounds
+    finally:
+        stopped.close()
+        live.close()
+        if joined_again is not None:
+            joined_again.close()
+        server.close()
+
+
 _OUT_OF_DESCRIPTORS = """
     import resource, socket, time
     from synkhronos.launch.rendezvous import RendezvousClient, RendezvousServer

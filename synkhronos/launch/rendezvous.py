@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import struct
 import threading
 import time
 from enum import StrEnum
@@ -64,6 +65,9 @@ JOIN_SECONDS = 10.0
 SPARE_CONNECTIONS = 64
 #: seconds the accepting thread rests after an error (out of descriptors, say) before it goes on
 ACCEPT_RETRY_SECONDS = 0.05
+#: seconds a message to a joined launcher may wait for room in its connection; one that has read
+#: nothing for so long that its buffers are full (a stopped process) is dropped, not waited for
+SEND_SECONDS = 2.0
 
 
 #: one message of the rendezvous: a JSON object with its ``"kind"`` (:class:`Kind`) and that kind's fields
@@ -76,6 +80,18 @@ class RendezvousLost(ConnectionError):
 
 def _send(sock: socket.socket, message: Message) -> None:
     sock.sendall((json.dumps(message) + "\n").encode())
+
+
+def _send_within(sock: socket.socket, message: Message, seconds: float) -> None:
+    """Send ``message`` or raise :class:`TimeoutError` once ``seconds`` have passed. Each send waits
+    at most the socket's own send time (``SO_SNDTIMEO``, or its timeout); the deadline bounds a
+    reader that takes a few bytes at a time."""
+    deadline = time.monotonic() + seconds
+    rest = memoryview((json.dumps(message) + "\n").encode())
+    while rest:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a message found no room within {seconds} s")
+        rest = rest[sock.send(rest):]
 
 
 def _family(host: str) -> socket.AddressFamily:
@@ -93,7 +109,7 @@ class RendezvousServer:
     """Node 0's side: who is here, which round runs, and on which nodes."""
 
     def __init__(self, address: str, min_nodes: int, max_nodes: int, settle: float = 1.0, job: str = "",
-                 join_seconds: float = JOIN_SECONDS) -> None:
+                 join_seconds: float = JOIN_SECONDS, send_seconds: float = SEND_SECONDS) -> None:
         host, _, port = address.rpartition(":")
         self.host = host.strip("[]")
         self.min_nodes, self.max_nodes, self.settle = min_nodes, max_nodes, settle
@@ -106,6 +122,7 @@ class RendezvousServer:
         self._running: list[socket.socket] = []
         self._done: set[socket.socket] = set()
         self._join_seconds = join_seconds
+        self._send_seconds = send_seconds
         self._open = 0              # connections being served
         self._connections: set[socket.socket] = set()  # the sockets of those connections
         self._max_open = 2 * max_nodes + SPARE_CONNECTIONS
@@ -161,7 +178,7 @@ class RendezvousServer:
                     break                       # a stranger, or garbage: dropped, counted nowhere
                 if conn in self._members:
                     deadline.cancel()
-                    conn.settimeout(None)       # a launcher is quiet while its round runs
+                    self._become_members_connection(conn)
         except Exception:                       # whatever a stranger sends ends its connection only
             pass
         finally:
@@ -174,6 +191,15 @@ class RendezvousServer:
                 conn.close()
             except OSError:
                 pass
+
+    def _become_members_connection(self, conn: socket.socket) -> None:
+        """A joined launcher is quiet while its round runs: its reads wait without end. Its writes
+        do not: the rendezvous tells it things holding its lock, and a launcher that reads
+        nothing (a stopped process) must not stall the others once its buffers are full."""
+        conn.settimeout(None)
+        whole, part = divmod(self._send_seconds, 1.0)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(whole), int(part * 1e6)))
 
     def _drop_unless_joined(self, conn: socket.socket) -> None:
         """The join time is up: a connection that is not a member's is shut, ending its reader."""
@@ -237,10 +263,13 @@ class RendezvousServer:
             pass
 
     def _tell(self, conn: socket.socket, message: Message) -> None:
+        """Send ``message``; a connection that cannot take it in time is shut (its reader then
+        drops it: a member lost, as if its node had died)."""
         try:
-            _send(conn, message)
+            _send_within(conn, message, self._send_seconds)
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     # --- rounds -------------------------------------------------------------------------------
     def _end_round(self, why: str) -> None:
