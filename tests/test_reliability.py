@@ -63,7 +63,8 @@ def _assert_died_promptly(call, prefix, pids, t_max=10):
     assert info.value.rank == 1 and info.value.how == "died" and "SIGKILL" in str(info.value)
     assert session.active() is None
     assert_clean(prefix, pids)
-    with pytest.raises(RuntimeError, match=r"shut down by an error in synk\..*WorkerError.*SIGKILL"):
+    named = r"(synk\.\w+|a call of .+?)"          # synk.all_reduce; a call of the function 'f'
+    with pytest.raises(RuntimeError, match=rf"shut down by an error in {named} \(WorkerError.*SIGKILL"):
         call()                       # the next call says why the runtime ended
 
 
@@ -518,7 +519,7 @@ CTRL_C_IN_A_CALL_AND_IN_CLOSE = """
 
     synk.fork(2)
     x = pt.matrix("x")
-    slow = synk.function([x], (SlowOnHost()(x).sum(), "sum"))
+    slow = synk.function([x], (SlowOnHost()(x).sum(), "sum"), name="slow")
     interrupt_in(0.5)
     try:
         slow(np.ones((4, 2)))
@@ -552,6 +553,6 @@ def test_ctrl_c_inside_a_call_is_named_and_ctrl_c_during_close_leaves_fork_worki
     out = run_script(CTRL_C_IN_A_CALL_AND_IN_CLOSE, timeout=220)
     lines = {t.split(" ", 1)[0]: t for t in out.stdout.splitlines() if t.split(" ", 1)[0] in
              ("NOTE", "NEXT", "AGAIN")}
-    assert "Ctrl-C inside synk." in lines.get("NOTE", ""), out.stdout + out.stderr[-3000:]
+    assert "Ctrl-C inside a call of the function 'slow'" in lines.get("NOTE", ""), out.stdout + out.stderr[-3000:]
     assert "Ctrl-C" in lines.get("NEXT", "") and "synk.fork() again" in lines["NEXT"], lines
     assert lines.get("AGAIN") == "AGAIN 8.0", out.stdout + out.stderr[-3000:]

@@ -111,7 +111,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                 return fn(*args, **kwargs)
             except Exception as error:
                 if outermost:
-                    _remember_a_fault(error, f"synk.{fn.__name__}", state)
+                    _remember_a_fault(error, what_was_called(fn, args), state)
                 if not outermost or verbose() or not isinstance(error, WorkerError):
                     raise
                 # the report names what the user needs; synkhronos's own frames are left out
@@ -119,7 +119,8 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
                 if outermost:
-                    shut_down_after(interrupt, f"synk.{fn.__name__}", state, remember=_say_at_the_next_call)
+                    shut_down_after(interrupt, what_was_called(fn, args), state,
+                                    remember=_say_at_the_next_call)
                 raise
             finally:
                 _life.depth -= 1
@@ -128,6 +129,33 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                         _life.state.registry.values_to_user(scope if _life.state is state else None)
                     hold_faces(False)
     return locked
+
+
+def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    """How a report names the call of ``fn``: ``synk.all_reduce`` for a function of synkhronos,
+    and the object's own name for a method (a function's call, by the function's name).
+
+    Examples
+    --------
+    >>> class Function:
+    ...     name = "train_step"
+    ...     def __call__(self): ...
+    ...     def as_pytensor(self): ...
+    >>> what_was_called(Function.__call__, (Function(),))
+    "a call of the function 'train_step'"
+    >>> what_was_called(Function.as_pytensor, (Function(),))
+    "the function 'train_step'.as_pytensor"
+    >>> def all_reduce(): ...
+    >>> what_was_called(all_reduce, ())
+    'synk.all_reduce'
+    """
+    if "." not in fn.__qualname__ or not args:
+        return f"synk.{fn.__name__}"
+    owner = args[0]
+    name = getattr(owner, "name", None)
+    kind = type(owner).__name__
+    who = f"the {kind.lower()} {name!r}" if isinstance(name, str) else f"a {kind}"
+    return f"a call of {who}" if fn.__name__ == "__call__" else f"{who}.{fn.__name__}"
 
 
 def _say_at_the_next_call(why: str) -> None:
