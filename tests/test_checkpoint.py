@@ -342,6 +342,40 @@ def test_damaged_files_paths_and_arguments_are_named(synk2, tmp_path):
     assert session.active() is not None
 
 
+def test_a_save_writes_regular_files_only_and_leaves_nothing_when_it_fails(synk2, tmp_path, monkeypatch):
+    """A device, a pipe or a directory at the path is refused (a save would replace it with a file),
+    a symbolic link keeps pointing at the file it names, which the save replaces, and a write that
+    fails (a full disk) leaves the previous checkpoint and nothing beside it."""
+    import safetensors.numpy
+    f, w, v = small_function(seed=4)
+    synk.distribute()
+    pipe, directory = tmp_path / "pipe.safetensors", tmp_path / "dir.safetensors"
+    os.mkfifo(pipe)
+    directory.mkdir()
+    for taken, kind in ((pipe, "not a regular file"), (directory, "a directory")):
+        with pytest.raises(ValueError, match=f"{taken} is {kind}.*give the path of a checkpoint file"):
+            checkpoint.save(taken, [w, v])
+    assert pipe.is_fifo() and directory.is_dir()
+    target, link = tmp_path / "run1.safetensors", tmp_path / "latest.safetensors"
+    checkpoint.save(target, [w, v], step=1)
+    link.symlink_to(target)
+    checkpoint.save(link, [w, v], step=2)
+    assert link.is_symlink() and checkpoint.read(target)[0]["step"] == 2
+    assert checkpoint.restore(link, [w, v])["step"] == 2
+
+    def disk_full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save(target, [w, v], step=3)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dir.safetensors", "latest.safetensors", "pipe.safetensors", "run1.safetensors"]
+    assert checkpoint.restore(target, [w, v])["step"] == 2
+    assert session.active() is not None
+
+
 def test_the_checksum_is_xxh3_and_files_checksummed_with_blake2b_still_read(synk2, tmp_path):
     """Files name their checksum (XXH3-128, at memory speed); a file without the name was written
     with blake2b and still restores, and a changed byte in it is still caught; a 0-d value keeps

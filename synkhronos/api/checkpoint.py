@@ -24,6 +24,7 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -130,7 +131,10 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     Parameters
     ----------
     path : str or path-like
-        The checkpoint file (its directory must exist).
+        The checkpoint file (its directory must exist). A symbolic link is
+        followed: the file it names is replaced and the link stays. Anything
+        else already there that is no regular file (a directory, a device, a
+        pipe) is refused.
     variables : list of SharedVariable, optional
         Default: :func:`default_variables`. A value that differs between
         devices is saved once per device.
@@ -151,13 +155,9 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     every node reads (or copied there).
     """
     state = current()
-    path = os.fspath(path)
+    path = _file_to_write(os.fspath(path))
     variables = default_variables() if variables is None else _check_variables(variables)
     step = _check_step(step)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"the checkpoint's directory {directory} does not exist; make it "
-                                f"first (os.makedirs)")
     try:
         extra_text = json.dumps(extra)
     except TypeError as e:
@@ -277,17 +277,39 @@ def _header_checksum(meta: Mapping[str, Any], extra_text: str, algorithm: str = 
     return _checksum(np.frombuffer(text, np.uint8), algorithm)
 
 
+def _file_to_write(path: str) -> str:
+    """The regular file a save of ``path`` replaces: ``path`` itself, or the file a symbolic link
+    there names (the link stays, as ``open(path, "wb")`` keeps it). Anything else already there (a
+    directory, a device, a pipe) is refused: the save would put a file in its place."""
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"the checkpoint's directory {directory} does not exist; make it "
+                                f"first (os.makedirs)")
+    if os.path.lexists(target) and not os.path.isfile(target):
+        kind = "a directory" if os.path.isdir(target) else "not a regular file (a device or a pipe?)"
+        raise ValueError(f"the checkpoint's path {path} is {kind}: a save would replace it; give the "
+                         f"path of a checkpoint file")
+    return target
+
+
 def _write_atomically(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
-    flush it to disk, then rename it over ``path``."""
+    flush it to disk, then rename it over ``path``. A write that fails or is interrupted leaves
+    nothing beside ``path``."""
     from safetensors.numpy import save_file
     partial = path + PARTIAL
     for left in glob.glob(glob.escape(path) + ".tmp*"):     # what other writers' kills left
         os.remove(left)
-    save_file(tensors, partial, metadata=metadata)
-    with open(partial, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(partial, path)             # atomic: readers see the old file or the new one
+    try:
+        save_file(tensors, partial, metadata=metadata)
+        with open(partial, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(partial, path)         # atomic: readers see the old file or the new one
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(directory)
