@@ -579,6 +579,8 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
         with pytest.raises(WorkerError, match="negative value"):
             train.run(step, synk.data(X), batch_size=8, epochs=1, shuffle=False)
         assert float(count.get_value()) == failing_step - 1
+        with pytest.raises(RuntimeError, match=r"shut down by an error in train.run \(WorkerError"):
+            train.run(step, synk.data(X), batch_size=8, epochs=1, shuffle=False)
         v = pytensor.shared(np.zeros(2))
         alone = pytensor.function([x], [], updates=[(v, v - x.mean(axis=0))])
         for k in range(failing_step - 1):
@@ -700,8 +702,9 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(pre
                 time.sleep(0.5)             # the main thread takes the Ctrl-C meanwhile
             return run(*args, **kwargs)
         update.run = interrupted
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as pressed:
             train.run(step, X, Y, batch_size=7, steps=50, shuffle=False)   # 7 rows: a step at a time
+        assert "Ctrl-C inside train.run" in " ".join(pressed.value.__notes__)
         assert float(count.get_value()) == 3.0
         v, n = pytensor.shared(np.full(3, 0.1)), pytensor.shared(np.float64(0))
         x, y = pt.matrix("x"), pt.vector("y")

@@ -380,8 +380,9 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     saving = RunCheckpoints(checkpointing, train_fn,
                             order_record(order, batch_size, n_rows, run_data, checkpointing), sync)
     spec = state.loops.new(train_fn, refs, batch_size, order.shuffle, order.seed, sync, saving.rule_state)
-    run_steps = serialized(state.loops.run)
-    history = History(sync, center_values=lambda: serialized(state.loops.center_values)(spec))
+    run_steps = serialized(state.loops.run, name="train.run")
+    history = History(sync, center_values=lambda: serialized(state.loops.center_values,
+                                                             name="train.run")(spec))
     done, elapsed = saving.resumed_step(), 0.0
     if saving.written_on is not None:
         nodes, devices = saving.written_on
@@ -402,7 +403,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             seconds += time.perf_counter() - start
             done = last
             history.lose_nodes(state.loops.lost_nodes(), done)
-            saving.maybe_save(done, lambda: serialized(state.loops.rule_state)(spec))
+            saving.maybe_save(done, lambda: serialized(state.loops.rule_state, name="train.run")(spec))
             if done % check_every and done < total:
                 continue
             elapsed += seconds
@@ -412,7 +413,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
                 break
     finally:
         if state.is_open:       # the final parameters on every device, also after on_check raised
-            serialized(state.loops.finish)(spec)
+            serialized(state.loops.finish, name="train.run")(spec)
         history.end_run()
     return history
 

@@ -65,16 +65,17 @@ _life = _Lifecycle()
 
 
 @overload
-def serialized(fn: Callable[P, R], *, touches: Touches | None = None) -> Callable[P, R]: ...
+def serialized(fn: Callable[P, R], *, touches: Touches | None = None, name: str | None = None
+               ) -> Callable[P, R]: ...
 
 
 @overload
-def serialized(fn: None = None, *,
-               touches: Touches | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+def serialized(fn: None = None, *, touches: Touches | None = None,
+               name: str | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
 
-def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = None
-               ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
+def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = None,
+               name: str | None = None) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
     """Run ``fn`` holding the runtime's lock, so that threads take turns with the workers.
 
     Two threads calling functions at once would otherwise write their commands
@@ -86,10 +87,12 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
     (:meth:`~synkhronos.runtime.registry.Registry.values_to_devices`). ``touches(*args)``,
     if given, names the shared variables the command reads or writes (a function's
     own; None: every one): only those make the trip, so a call costs the same
-    however many variables the other functions hold.
+    however many variables the other functions hold. ``name`` is how a report
+    of a Ctrl-C or a fault inside ``fn`` names the call (default:
+    :func:`what_was_called`).
     """
     if fn is None:
-        return functools.partial(serialized, touches=touches)
+        return functools.partial(serialized, touches=touches, name=name)
 
     @functools.wraps(fn)
     def locked(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -111,7 +114,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                 return fn(*args, **kwargs)
             except Exception as error:
                 if outermost:
-                    _remember_a_fault(error, what_was_called(fn, args), state)
+                    _remember_a_fault(error, name or what_was_called(fn, args), state)
                 if not outermost or verbose() or not isinstance(error, WorkerError):
                     raise
                 # the report names what the user needs; synkhronos's own frames are left out
@@ -119,7 +122,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
                 if outermost:
-                    shut_down_after(interrupt, what_was_called(fn, args), state,
+                    shut_down_after(interrupt, name or what_was_called(fn, args), state,
                                     remember=_say_at_the_next_call)
                 raise
             finally:
@@ -139,19 +142,21 @@ def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
     --------
     >>> class Function:
     ...     name = "train_step"
+    ...     @serialized
     ...     def __call__(self): ...
+    ...     @serialized
     ...     def as_pytensor(self): ...
-    >>> what_was_called(Function.__call__, (Function(),))
+    >>> what_was_called(Function.__call__.__wrapped__, (Function(),))
     "a call of the function 'train_step'"
-    >>> what_was_called(Function.as_pytensor, (Function(),))
+    >>> what_was_called(Function.as_pytensor.__wrapped__, (Function(),))
     "the function 'train_step'.as_pytensor"
     >>> def all_reduce(): ...
     >>> what_was_called(all_reduce, ())
     'synk.all_reduce'
     """
-    if "." not in fn.__qualname__ or not args:
-        return f"synk.{fn.__name__}"
-    owner = args[0]
+    owner = args[0] if args else None
+    if getattr(getattr(type(owner), fn.__name__, None), "__wrapped__", None) is not fn:
+        return f"synk.{fn.__name__}"            # a function, or a method bound already
     name = getattr(owner, "name", None)
     kind = type(owner).__name__
     who = f"the {kind.lower()} {name!r}" if isinstance(name, str) else f"a {kind}"
