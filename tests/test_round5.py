@@ -322,6 +322,29 @@ def test_a_joined_launcher_that_reads_nothing_is_dropped_and_the_rendezvous_serv
         server.close()
 
 
+def test_a_launcher_joining_a_rendezvous_that_is_gone_hears_it_is_lost():
+    """A launcher whose script failed joins the next round; the rendezvous may be gone by then:
+    that is the loss the agent reports, not a BrokenPipeError out of the launcher."""
+    import time
+
+    from synkhronos.launch.rendezvous import RendezvousClient, RendezvousLost, RendezvousServer
+    server = RendezvousServer("127.0.0.1:0", min_nodes=1, max_nodes=1, settle=0.0)
+    client = RendezvousClient(server.address, node_rank=0, timeout=5)
+    try:
+        client.join()
+        assert client.next_message(5)["kind"] == "round"
+        server.close()
+        with pytest.raises(RendezvousLost):
+            client.next_message(5)
+        with pytest.raises(RendezvousLost, match="the rendezvous"):
+            for _ in range(20):             # the first send may still go out before the reset
+                client.join()
+                time.sleep(0.05)
+    finally:
+        client.close()
+        server.close()
+
+
 _OUT_OF_DESCRIPTORS = """
     import resource, socket, time
     from synkhronos.launch.rendezvous import RendezvousClient, RendezvousServer

@@ -81,7 +81,7 @@ class ElasticAgent:
         self._join_by = time.monotonic() + spec.join_timeout
         try:
             self._client = self._connect()
-        except TimeoutError as e:
+        except (TimeoutError, RendezvousLost) as e:
             self._say(str(e))
             if server is not None:
                 server.close()

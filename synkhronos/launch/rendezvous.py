@@ -363,7 +363,12 @@ class RendezvousClient:
             self._cond.notify_all()
 
     def join(self) -> None:
-        _send(self._sock, {"kind": Kind.JOIN, "node_rank": self.node_rank, "job": self.job})
+        """Ask for a place in the next round. Raises :class:`RendezvousLost` once node 0's
+        launcher is gone (its connection closed)."""
+        try:
+            _send(self._sock, {"kind": Kind.JOIN, "node_rank": self.node_rank, "job": self.job})
+        except OSError:
+            raise RendezvousLost("node 0's launcher (the rendezvous) is gone") from None
 
     def tell(self, kind: Kind, **fields: Any) -> None:
         try:
