@@ -742,6 +742,41 @@ def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(pre
 
 
 @pytest.mark.timeout(120)
+def test_a_ctrl_c_while_a_call_hands_the_values_back_is_named_and_shuts_the_runtime_down():
+    """The values go back to the script after the command, in the call's last lines: a Ctrl-C
+    there is one inside the call (named, the runtime shut down, the next call says so), not a bare
+    interrupt leaving the values half handed back."""
+    from conftest import child_pids, synk_segments
+
+    from synkhronos.runtime import session
+    if session.active() is not None:
+        synk.close()
+    synk.fork(2)
+    try:
+        w = pytensor.shared(np.float64(0), name="w_handed_back")
+        x = pt.vector("handback_x")
+        f = synk.function([x], (x.sum(), "sum"), updates=[(w, w + 1)], name="handback")
+        f(np.ones(3))
+        state = session.current()
+        workers, hand_back = list(state.worker_pids.values()), state.registry.values_to_user
+
+        def pressed_meanwhile(*args, **kwargs):
+            hand_back(*args, **kwargs)
+            raise KeyboardInterrupt
+        state.registry.values_to_user = pressed_meanwhile
+        with pytest.raises(KeyboardInterrupt) as pressed:
+            f(np.ones(3))
+        assert "Ctrl-C inside a call of the function 'handback'" in " ".join(pressed.value.__notes__)
+        with pytest.raises(RuntimeError, match=r"shut down \(Ctrl-C inside a call of the function"):
+            f(np.ones(3))
+        assert float(w.get_value()) == 2.0                                 # both calls' updates
+        assert not set(workers) & {pid for pid, _ in child_pids()}
+        assert not [name for name in synk_segments() if name.startswith(state.prefix)]
+    finally:
+        synk.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_second_ctrl_c_during_the_teardown_keeps_the_reason_for_the_next_call():
     """A Ctrl-C that lands outside the master's waits (here while it plans a call) tears the runtime
     down itself; a second one meanwhile is held until the teardown has run, then raised. Both

@@ -128,9 +128,16 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
             finally:
                 _life.depth -= 1
                 if outermost:
-                    if _life.state is not None and _life.state.is_open:
-                        _life.state.registry.values_to_user(scope if _life.state is state else None)
-                    hold_faces(False)
+                    try:
+                        if _life.state is not None and _life.state.is_open:
+                            _life.state.registry.values_to_user(scope if _life.state is state else None)
+                    except KeyboardInterrupt as interrupt:
+                        # (landed while the values are handed back: as one inside the command)
+                        shut_down_after(interrupt, name or what_was_called(fn, args), state,
+                                        remember=_say_at_the_next_call)
+                        raise
+                    finally:
+                        hold_faces(False)
     return locked
 
 
