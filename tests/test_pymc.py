@@ -390,6 +390,31 @@ def test_a_likelihood_too_small_to_gain_is_computed_here_and_said_once(synk2, mo
     assert idata.posterior["tau"].shape == (1, 10)
 
 
+@pytest.mark.slow
+def test_a_likelihood_the_devices_cannot_compute_is_computed_here_under_auto(synk2, monkeypatch):
+    """A censored Student-t: PyTensor's JAX backend has no conversion of its CDF's gradient (a
+    ScalarLoop), so the devices cannot run it. where="auto" computes it here, as PyMC does, and
+    says why; where="devices" raises the devices' error, and the runtime goes on."""
+    from synkhronos.extensions.pymc import density
+    monkeypatch.setattr(density, "_SAID_HERE", [False])
+    y = np.clip(np.random.default_rng(8).standard_t(4, 60), -1.5, 1.5)
+    with pm.Model() as model:
+        mu, nu, s = pm.Normal("mu"), pm.Gamma("nu", 2, 0.1), pm.HalfNormal("s")
+        pm.Censored("y", pm.StudentT.dist(nu=nu, mu=mu, sigma=s), lower=-1.5, upper=1.5, observed=y)
+    with pytest.warns(synk.SynkWarning, match=r"the devices cannot compute it \(NotImplementedError: .*"
+                                              r"ScalarLoop\): it is computed in this process as PyMC"):
+        f = spm.logp_dlogp_function(model)
+    assert f.here is not None
+    point = model.initial_point()                          # the initial point, and another
+    for at in (point, {k: v + 0.3 for k, v in point.items()}):
+        logp, dlogp = f(at)
+        np.testing.assert_allclose(logp, model.compile_logp()(at), rtol=1e-12)
+        np.testing.assert_allclose(dlogp, model.compile_dlogp()(at), rtol=1e-10)
+    with pytest.raises(synk.WorkerError, match="NotImplementedError"):
+        spm.logp_dlogp_function(model, where="devices")(point)
+    assert session.active() is not None
+
+
 def radon_like(times, seed=0):
     """The radon varying-intercept model of pymc-examples on data of its shape (919 rows, 85
     counties, a floor covariate), repeated ``times`` times."""

@@ -27,7 +27,7 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 
 from ...api.data import data
 from ...api.function import function
-from ...errors import SynkWarning
+from ...errors import Failure, SynkWarning, WorkerError
 from .terms import SplitModel, UnsplittableModel, split_model
 
 if TYPE_CHECKING:
@@ -162,17 +162,32 @@ class LogpDlogp:
         here = self._pymc_function(jacobian)
         point = self.model.initial_point()
         q = DictToArrayBijection.map({v.name: point[v.name] for v in self.grad_vars}).data
-        on_devices = _median_seconds(lambda: self.raveled(q))
+        try:
+            on_devices = _median_seconds(lambda: self.raveled(q))
+        except WorkerError as error:
+            if error.how is not Failure.RAISED or not error.exc_type.endswith("NotImplementedError"):
+                raise
+            # an op PyTensor's JAX backend does not implement (a distribution's CDF, say)
+            self.here = here
+            # (the op's name, not its inner graph)
+            first = (error.message.splitlines() or [""])[0].split("{", 1)[0][:160]
+            self._say_here(f"the devices cannot compute it (NotImplementedError: {first}): it is "
+                           f"computed in this process as PyMC compiles it (said once)")
+            return
         in_process = _median_seconds(lambda: here._pytensor_function(q))
         if in_process >= on_devices:
             return
         self.here = here
+        self._say_here(f"it takes {1e3 * in_process:.3g} ms in this process as PyMC compiles it and "
+                       f"{1e3 * on_devices:.3g} ms on the devices: too small to gain, it is computed here "
+                       f"(said once; where='devices' splits it anyway)")
+
+    def _say_here(self, why: str) -> None:
+        """Say once in this process why a density splitting over the devices is computed here."""
         if not _SAID_HERE[0]:
             _SAID_HERE[0] = True
-            warnings.warn(f"the log-density of {self.model.name or 'the model'} takes {1e3 * in_process:.3g} ms "
-                          f"in this process as PyMC compiles it and {1e3 * on_devices:.3g} ms on the devices: "
-                          f"too small to gain, it is computed here (said once; where='devices' "
-                          f"splits it anyway)", SynkWarning, stacklevel=4)
+            warnings.warn(f"the log-density of {self.model.name or 'the model'}: {why}", SynkWarning,
+                          stacklevel=5)
 
     def _pymc_function(self, jacobian: bool) -> ValueGradFunction:
         """PyMC's own value-and-gradient function of the density (raveled inputs, trusted)."""
