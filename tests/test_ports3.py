@@ -409,3 +409,30 @@ def test_a_float64_parameter_under_float32_is_said_once(tmp_path):
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "Warning" in line]
     assert len(said) == 1 and "W is float64, and on the devices it computes and is kept in float32" in said[0]
+
+
+def test_a_training_step_takes_wider_data_with_allow_input_downcast_as_pytensor_function_does(devices, rng):
+    """The tutorials' ``theano.function(..., allow_input_downcast=True)``: int64 labels into an
+    ivector and float64 rows into a float32 model, narrowed; without it the step names the
+    option (it once went to the update rule, which raised a TypeError naming rmsprop)."""
+    from synkhronos.extensions import train, updates
+    x, y = pt.fmatrix("x_downcast"), pt.ivector("y_downcast")
+    X, Y = rng.normal(size=(30, 4)), rng.integers(0, 3, size=30)        # float64, int64
+
+    def model(seed):
+        w = pytensor.shared(np.random.default_rng(seed).normal(size=(4, 3)).astype("float32"),
+                            name=f"w_downcast{seed}")
+        loss = -pt.log(pt.special.softmax(x @ w, axis=-1)[pt.arange(y.shape[0]), y]).mean()
+        return loss, w
+    loss, w = model(1)
+    with pytest.raises(TypeError, match="allow_input_downcast=True"):
+        train.make_train_function(loss, [w], x, y, updates.rmsprop, learning_rate=0.01)(X, Y)
+    step = train.make_train_function(loss, [w], x, y, updates.rmsprop, learning_rate=0.01,
+                                     allow_input_downcast=True)
+    loss_alone, v = model(1)
+    alone = train.make_single_process_train_function(loss_alone, [v], x, y, updates.rmsprop,
+                                                     learning_rate=0.01, allow_input_downcast=True)
+    for _ in range(3):
+        close(step(X, Y), alone(X, Y), rtol=1e-5)
+    close(w.get_value(), v.get_value(), rtol=1e-5)
+    assert w.get_value().dtype == np.float32

@@ -22,11 +22,11 @@ def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any,
                                        givens: dict | None = None,
                                        state_updates: Sequence[tuple] | dict | None = None,
                                        consider_constant: Sequence[Any] | None = None,
-                                       **kwargs: Any) -> Callable:
+                                       allow_input_downcast: bool = False, **kwargs: Any) -> Callable:
     """The step of :func:`~synkhronos.extensions.train.make_train_function` in one process (plain PyTensor).
 
-    ``x``, ``y``, ``givens``, ``state_updates``, ``consider_constant`` and the
-    rule's arguments as there. Returns ``train_minibatch(*values, **named)`` on
+    ``x``, ``y``, ``givens``, ``state_updates``, ``consider_constant``,
+    ``allow_input_downcast`` and the rule's arguments as there. Returns ``train_minibatch(*values, **named)`` on
     numpy arrays and scalars: one per input of ``x``, then per target of ``y``
     (with ``givens``: per scalar of the slices' bounds), then per scalar input,
     by position or by name; it returns the loss.
@@ -62,7 +62,7 @@ def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any,
     takes = (bounds if givens else inputs) + graph.scalars
     side = [(var, value) for var, value, _ in graph.side_updates]
     f_grad = pytensor.function(takes, graph.loss, updates=graph.grad_updates + side, mode=mode,
-                               givens=givens)
+                               givens=givens, allow_input_downcast=allow_input_downcast)
     f_upd = pytensor.function([], [], updates=graph.param_updates, mode=mode)
 
     def train_minibatch(*values: Any, **named: Any) -> Any:

@@ -45,7 +45,7 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
                         *args: Any, givens: dict | None = None,
                         state_updates: Sequence[tuple] | dict | None = None,
                         consider_constant: Sequence[Any] | None = None, split_axes: dict | None = None,
-                        **kwargs: Any) -> TrainStep:
+                        allow_input_downcast: bool = False, **kwargs: Any) -> TrainStep:
     """Build ``train_minibatch(*data, *scalars, batch=None, num_slices=1)`` for all devices.
 
     One step is: every device computes its local gradient into the flat vector,
@@ -93,6 +93,10 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
         time-major sequences ``(time, samples)``, as in :func:`synkhronos.function`.
         The step weighs each device by its examples along the first input's
         axis. :func:`run` takes no such step (it gives out rows along axis 0).
+    allow_input_downcast : bool
+        Take data of a wider dtype than its input's (scikit-learn's int64
+        labels into an ``ivector``, float64 rows into a float32 model),
+        narrowed as ``pytensor.function(..., allow_input_downcast=True)`` does.
 
     Returns
     -------
@@ -137,14 +141,15 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
     """
     inputs = _input_list(x, "x") + _input_list(y, "y")
     _refuse_a_summed_loss(loss, split_axes if isinstance(split_axes, dict) else {}, inputs)
+    downcast = {"allow_input_downcast": True} if allow_input_downcast else {}
     if givens:
         return _train_function_on_givens(loss, params, inputs, update_rule, args, kwargs, dict(givens),
-                                         state_updates, consider_constant)
+                                         state_updates, consider_constant, downcast)
     axes = _split_axes(split_axes, inputs)
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs, state_updates,
                              consider_constant)
     row_axis = axes[inputs[0]]              # the examples its weight counts
-    step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes=axes, row_axis=row_axis)
+    step = WeightedStep(graph, inputs[0], inputs=inputs, split_axes=axes, row_axis=row_axis, **downcast)
     takes = inputs + graph.scalars
 
     def train_minibatch(*values: Any, batch: Any = None, num_slices: int = 1, **named: Any) -> Any:
@@ -201,13 +206,14 @@ def _length_along(value: Any, axis: int) -> int:
 def _train_function_on_givens(loss: Any, params: Sequence[Any], inputs: list[Any], update_rule: Callable,
                               args: Sequence[Any], kwargs: dict[str, Any], givens: dict,
                               state_updates: Sequence[tuple] | dict | None,
-                              consider_constant: Sequence[Any] | None) -> TrainStep:
+                              consider_constant: Sequence[Any] | None,
+                              function_kwargs: dict[str, Any]) -> TrainStep:
     """:func:`make_train_function` in the tutorials' idiom: the step takes the slices' scalars."""
     bounds = givens_scalars(givens)
     graph = build_step_graph(loss, params, update_rule, args, kwargs, inputs + list(givens) + bounds,
                              state_updates, consider_constant)
     takes = bounds + graph.scalars
-    step = WeightedStep(graph, inputs[0], inputs=bounds, givens=givens)
+    step = WeightedStep(graph, inputs[0], inputs=bounds, givens=givens, **function_kwargs)
 
     def train_minibatch(*values: Any, num_slices: int = 1, **named: Any) -> Any:
         values = call_values(values, named, takes)
