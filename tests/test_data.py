@@ -98,6 +98,15 @@ def test_free_memory(synk2):
         f(d)
     d.set_value(np.full(4, 2.0))                     # usable again after free
     close(f(d), 8.0)
+    d.free_memory()
+    d.set_length(3)                                  # a vector's shape is its length
+    close(f(d), 0.0)
+    rows = synk.data(np.ones((50, 3)))
+    rows.free_memory()
+    with pytest.raises(ValueError, match=r"set_length\(\) keeps the shape past the rows.*holds no value"):
+        rows.set_length(5)                           # (5, 0) once, silently
+    rows.set_shape((5, 3))
+    assert rows.shape == (5, 3)
 
 
 def test_build_inputs(synk2, rng):

@@ -207,9 +207,11 @@ class Data:
             raise TypeError("set_length() needs a Data with ndim >= 1")
         if int(length) < 0:
             raise ValueError(f"length must be >= 0, got {length}")
+        if self._shape is None and self._ndim > 1:
+            raise ValueError(f"set_length() keeps the shape past the rows, and {self!r} holds no value "
+                             f"(never given one, or freed): give it one with set_value() or set_shape()")
         old = None if self._shape is None else np.array(self.data)
-        self._resize((int(length),) + tuple(self._shape[1:] if self._shape else (0,) * (self._ndim - 1)),
-                     oversize)
+        self._resize((int(length),) + tuple(self._shape[1:] if self._shape else ()), oversize)
         view = self.data
         view[...] = 0
         if old is not None:
