@@ -323,9 +323,10 @@ def test_damaged_files_paths_and_arguments_are_named(synk2, tmp_path):
     with pytest.raises(TypeError, match="step must be a whole number"):
         checkpoint.save(path, [w], step="abc")
     open(path + ".partial", "wb").write(b"left by a killed save")      # reused, then renamed
-    open(path + ".tmp1a2b", "wb").write(b"left by a killed save")      # removed
+    open(path + ".tmpl", "wb").write(b"the user's own")                # left alone
     checkpoint.save(path, [w, v], step=np.int64(5))
-    assert sorted(os.listdir(tmp_path)) == ["ck.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["ck.safetensors", "ck.safetensors.tmpl"]
+    assert open(path + ".tmpl", "rb").read() == b"the user's own"
     assert checkpoint.restore(path, [w, v])["step"] == 5
     raw = open(path, "rb").read()
     open(path, "wb").write(raw[:len(raw) // 2])                       # truncated
@@ -355,6 +356,13 @@ def test_a_save_writes_regular_files_only_and_leaves_nothing_when_it_fails(synk2
     for taken, kind in ((pipe, "not a regular file"), (directory, "a directory")):
         with pytest.raises(ValueError, match=f"{taken} is {kind}.*give the path of a checkpoint file"):
             checkpoint.save(taken, [w, v])
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match="is a symbolic link that does not resolve"):
+        checkpoint.save(loop, [w, v])
+    with pytest.raises(ValueError, match="ends with a separator"):
+        checkpoint.save(f"{tmp_path}/new.safetensors/", [w, v])
+    loop.unlink()
     assert pipe.is_fifo() and directory.is_dir()
     target, link = tmp_path / "run1.safetensors", tmp_path / "latest.safetensors"
     checkpoint.save(target, [w, v], step=1)

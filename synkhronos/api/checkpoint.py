@@ -25,7 +25,6 @@ Examples
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 from dataclasses import dataclass
@@ -123,7 +122,7 @@ def _key(i: int, var: SharedVariable) -> str:
     return f"{i}/{var.name or 'unnamed'}"
 
 
-@serialized
+@serialized(name="synk.checkpoint.save")
 def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
          step: int | None = None, extra: Any = None, arrays: Mapping[str, Any] | None = None) -> None:
     """Write the values of ``variables`` on every device to ``path``, atomically.
@@ -281,13 +280,18 @@ def _file_to_write(path: str) -> str:
     """The regular file a save of ``path`` replaces: ``path`` itself, or the file a symbolic link
     there names (the link stays, as ``open(path, "wb")`` keeps it). Anything else already there (a
     directory, a device, a pipe) is refused: the save would put a file in its place."""
+    if path.endswith((os.sep, "/")):
+        raise ValueError(f"the checkpoint's path {path} ends with a separator, as a directory's; give "
+                         f"the path of a checkpoint file")
     target = os.path.realpath(path)
     directory = os.path.dirname(target)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"the checkpoint's directory {directory} does not exist; make it "
                                 f"first (os.makedirs)")
     if os.path.lexists(target) and not os.path.isfile(target):
-        kind = "a directory" if os.path.isdir(target) else "not a regular file (a device or a pipe?)"
+        kind = ("a directory" if os.path.isdir(target) else
+                "a symbolic link that does not resolve (a loop?)" if os.path.islink(target) else
+                "not a regular file (a device or a pipe?)")
         raise ValueError(f"the checkpoint's path {path} is {kind}: a save would replace it; give the "
                          f"path of a checkpoint file")
     return target
@@ -296,11 +300,9 @@ def _file_to_write(path: str) -> str:
 def _write_atomically(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """Write beside ``path`` (``<path>.partial``, taking the place of one a killed save left),
     flush it to disk, then rename it over ``path``. A write that fails or is interrupted leaves
-    nothing beside ``path``."""
+    nothing beside ``path``; what else lies there is the user's, and left alone."""
     from safetensors.numpy import save_file
     partial = path + PARTIAL
-    for left in glob.glob(glob.escape(path) + ".tmp*"):     # what other writers' kills left
-        os.remove(left)
     try:
         save_file(tensors, partial, metadata=metadata)
         with open(partial, "rb+") as fh:
@@ -417,7 +419,7 @@ def _nodes_if_running() -> NodeLink | None:
     return None if state is None else state.nodes
 
 
-@serialized
+@serialized(name="synk.checkpoint.restore")
 def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = None,
             any_count: Collection[SharedVariable] = ()) -> dict:
     """Set ``variables`` on every device to the values saved at ``path``.
@@ -446,7 +448,7 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     return restore_read(path, read_on_every_node(path), variables, any_count)
 
 
-@serialized
+@serialized(name="synk.checkpoint.restore")
 def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequence[SharedVariable] | None = None,
                  any_count: Collection[SharedVariable] = ()) -> dict:
     """:func:`restore` from ``contents``, what :func:`read_on_every_node` read at ``path`` (named in

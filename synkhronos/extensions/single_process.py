@@ -35,9 +35,10 @@ def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any,
     ----------
     mode : str or pytensor Mode
         The compilation mode of both functions (``"JAX"``, ``"FAST_RUN"`` for
-        PyTensor's C backend, ...). JAX needs a scan's length at compile time;
-        a graph scanning over a length that varies per call runs in
-        ``"FAST_RUN"``.
+        PyTensor's C backend, ...). JAX needs a scan's length and a slice's
+        bounds at compile time: a graph scanning over a length that varies per
+        call, or ``givens`` slicing rows at a scalar input's bounds (the
+        tutorials' ``X[i * bs:(i + 1) * bs]``), runs in ``"FAST_RUN"``.
 
     Examples
     --------

@@ -94,9 +94,12 @@ def make_train_function(loss: Any, params: Sequence[Any], x: Any, y: Any, update
         The step weighs each device by its examples along the first input's
         axis. :func:`run` takes no such step (it gives out rows along axis 0).
     allow_input_downcast : bool
-        Take data of a wider dtype than its input's (scikit-learn's int64
-        labels into an ``ivector``, float64 rows into a float32 model),
-        narrowed as ``pytensor.function(..., allow_input_downcast=True)`` does.
+        Take numpy data of a wider dtype than its input's (scikit-learn's
+        int64 labels into an ``ivector``, float64 rows into a float32 model),
+        narrowed at each call as ``pytensor.function(...,
+        allow_input_downcast=True)`` does. A :class:`~synkhronos.Data` holds
+        its input's dtype from the start: ``synk.data(value, var=x,
+        force_cast=True)`` (what :func:`run` takes).
 
     Returns
     -------
