@@ -369,7 +369,7 @@ def test_a_likelihood_too_small_to_gain_is_computed_here_and_said_once(synk2, mo
     """where="auto" times PyMC's own function and the devices' at the initial point and keeps the
     faster: 40 rows gain nothing from a call through the runtime."""
     from synkhronos.extensions.pymc import density
-    monkeypatch.setattr(density, "_SAID_HERE", [False])      # said once per process: this test's
+    monkeypatch.setattr(density, "_SAID_HERE", set())        # said once per process: this test's
     model, _, _ = pymc_reference("hierarchical")
     with pytest.warns(synk.SynkWarning, match=r"ms in this process as PyMC compiles it and .* ms on the "
                                               r"devices: too small to gain.*where='devices'"):
@@ -396,7 +396,8 @@ def test_a_likelihood_the_devices_cannot_compute_is_computed_here_under_auto(syn
     ScalarLoop), so the devices cannot run it. where="auto" computes it here, as PyMC does, and
     says why; where="devices" raises the devices' error, and the runtime goes on."""
     from synkhronos.extensions.pymc import density
-    monkeypatch.setattr(density, "_SAID_HERE", [False])
+    # (another model computed here because it was faster: this reason is said all the same)
+    monkeypatch.setattr(density, "_SAID_HERE", {"faster here"})
     y = np.clip(np.random.default_rng(8).standard_t(4, 60), -1.5, 1.5)
     with pm.Model() as model:
         mu, nu, s = pm.Normal("mu"), pm.Gamma("nu", 2, 0.1), pm.HalfNormal("s")
@@ -467,7 +468,7 @@ def test_a_model_that_does_not_split_is_computed_here_unless_the_devices_are_ask
     """Two observed variables of 40 and 7 rows: PyMC runs it, so where='auto' and 'here' do too (said
     once, with the reason); where='devices' refuses it, naming 'here'."""
     from synkhronos.extensions.pymc import density
-    monkeypatch.setattr(density, "_SAID_HERE", [False])
+    monkeypatch.setattr(density, "_SAID_HERE", set())
     with pm.Model() as model:
         a = pm.Normal("a", 0, 5)
         pm.Normal("y", a, 1, observed=np.arange(40.0))

@@ -40,8 +40,8 @@ __all__ = ["LogpDlogp", "logp_dlogp_function", "WHERE"]
 WHERE = ("auto", "devices", "here")
 #: evaluations timed per way when ``where="auto"`` chooses (the median counts)
 TIMED_CALLS = 7
-#: whether this process has said that a density runs here (said once)
-_SAID_HERE = [False]
+#: the reasons this process has given for a density computed here (each said once)
+_SAID_HERE: set[str] = set()
 
 
 def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True,
@@ -150,8 +150,8 @@ class LogpDlogp:
         """Compute in this process, as PyMC compiles the density; ``why`` (the reason the
         likelihood does not split over the devices) is said once."""
         self.here = self._pymc_function(jacobian)
-        if why is not None and not _SAID_HERE[0]:
-            _SAID_HERE[0] = True
+        if why is not None and "unsplittable" not in _SAID_HERE:
+            _SAID_HERE.add("unsplittable")
             warnings.warn(f"the likelihood of {self.model.name or 'the model'} does not split over the devices "
                           f"({why}): it is computed in this process as PyMC compiles it (said once; "
                           f"where='devices' refuses it)", SynkWarning, stacklevel=4)
@@ -171,21 +171,22 @@ class LogpDlogp:
             self.here = here
             # (the op's name, not its inner graph)
             first = (error.message.splitlines() or [""])[0].split("{", 1)[0][:160]
-            self._say_here(f"the devices cannot compute it (NotImplementedError: {first}): it is "
-                           f"computed in this process as PyMC compiles it (said once)")
+            self._say_here("not implemented", f"the devices cannot compute it (NotImplementedError: "
+                           f"{first}): it is computed in this process as PyMC compiles it (said once)")
             return
         in_process = _median_seconds(lambda: here._pytensor_function(q))
         if in_process >= on_devices:
             return
         self.here = here
-        self._say_here(f"it takes {1e3 * in_process:.3g} ms in this process as PyMC compiles it and "
+        self._say_here("faster here", f"it takes {1e3 * in_process:.3g} ms in this process as PyMC compiles it and "
                        f"{1e3 * on_devices:.3g} ms on the devices: too small to gain, it is computed here "
                        f"(said once; where='devices' splits it anyway)")
 
-    def _say_here(self, why: str) -> None:
-        """Say once in this process why a density splitting over the devices is computed here."""
-        if not _SAID_HERE[0]:
-            _SAID_HERE[0] = True
+    def _say_here(self, reason: str, why: str) -> None:
+        """Say once in this process, per ``reason``, why a density splitting over the devices is
+        computed here."""
+        if reason not in _SAID_HERE:
+            _SAID_HERE.add(reason)
             warnings.warn(f"the log-density of {self.model.name or 'the model'}: {why}", SynkWarning,
                           stacklevel=5)
 
