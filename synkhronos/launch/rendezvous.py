@@ -78,8 +78,13 @@ class RendezvousLost(ConnectionError):
     """Node 0's launcher (the rendezvous) is gone."""
 
 
+def _line(message: Message) -> bytes:
+    """``message`` as the rendezvous speaks it: one JSON object a line."""
+    return (json.dumps(message) + "\n").encode()
+
+
 def _send(sock: socket.socket, message: Message) -> None:
-    sock.sendall((json.dumps(message) + "\n").encode())
+    sock.sendall(_line(message))
 
 
 def _send_within(sock: socket.socket, message: Message, seconds: float) -> None:
@@ -87,7 +92,7 @@ def _send_within(sock: socket.socket, message: Message, seconds: float) -> None:
     at most the socket's own send time (``SO_SNDTIMEO``, or its timeout); the deadline bounds a
     reader that takes a few bytes at a time."""
     deadline = time.monotonic() + seconds
-    rest = memoryview((json.dumps(message) + "\n").encode())
+    rest = memoryview(_line(message))
     while rest:
         if time.monotonic() > deadline:
             raise TimeoutError(f"a message found no room within {seconds} s")

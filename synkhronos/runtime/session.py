@@ -114,7 +114,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                 return fn(*args, **kwargs)
             except Exception as error:
                 if outermost:
-                    _remember_a_fault(error, name or what_was_called(fn, args), state)
+                    _remember_a_fault(error, what_was_called(fn, args, name), state)
                 if not outermost or verbose() or not isinstance(error, WorkerError):
                     raise
                 # the report names what the user needs; synkhronos's own frames are left out
@@ -122,8 +122,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
             except KeyboardInterrupt as interrupt:
                 # (a fault that the interrupt caused forgets the state: the one seen at the start)
                 if outermost:
-                    shut_down_after(interrupt, name or what_was_called(fn, args), state,
-                                    remember=_say_at_the_next_call)
+                    _shut_down_after_a_ctrl_c(interrupt, what_was_called(fn, args, name), state)
                 raise
             finally:
                 _life.depth -= 1
@@ -133,17 +132,16 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
                             _life.state.registry.values_to_user(scope if _life.state is state else None)
                     except KeyboardInterrupt as interrupt:
                         # (landed while the values are handed back: as one inside the command)
-                        shut_down_after(interrupt, name or what_was_called(fn, args), state,
-                                        remember=_say_at_the_next_call)
+                        _shut_down_after_a_ctrl_c(interrupt, what_was_called(fn, args, name), state)
                         raise
                     finally:
                         hold_faces(False)
     return locked
 
 
-def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
-    """How a report names the call of ``fn``: ``synk.all_reduce`` for a function of synkhronos,
-    and the object's own name for a method (a function's call, by the function's name).
+def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...], name: str | None = None) -> str:
+    """How a report names the call of ``fn``: ``name`` if given, ``synk.all_reduce`` for a function
+    of synkhronos, and the object's own name for a method (a function's call, by the function's name).
 
     Examples
     --------
@@ -161,6 +159,8 @@ def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
     >>> what_was_called(all_reduce, ())
     'synk.all_reduce'
     """
+    if name is not None:
+        return name
     owner = args[0] if args else None
     if getattr(getattr(type(owner), fn.__name__, None), "__wrapped__", None) is not fn:
         return f"synk.{fn.__name__}"            # a function, or a method bound already
@@ -168,6 +168,11 @@ def what_was_called(fn: Callable[..., Any], args: tuple[Any, ...]) -> str:
     kind = type(owner).__name__
     who = f"the {kind.lower()} {name!r}" if isinstance(name, str) else f"a {kind}"
     return f"a call of {who}" if fn.__name__ == "__call__" else f"{who}.{fn.__name__}"
+
+
+def _shut_down_after_a_ctrl_c(interrupt: KeyboardInterrupt, what: str, state: State | None) -> None:
+    """End the runtime after a Ctrl-C inside the call ``what``; the next call says so."""
+    shut_down_after(interrupt, what, state, remember=_say_at_the_next_call)
 
 
 def _say_at_the_next_call(why: str) -> None:
