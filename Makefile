@@ -26,16 +26,23 @@ $(STAMP): pyproject.toml setup.py
 
 venv: $(STAMP)
 
+# the tree's bytecode, written before a run: where PYTHONDONTWRITEBYTECODE is set, every process a
+# run starts (each runtime's workers, each script a test runs) would compile every module again
+BYTECODE := -m compileall -q -j 0 synkhronos tests bench demos
+
 test: $(STAMP)
+	$(PY) $(BYTECODE) > /dev/null
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu and not serial" tests
 	$(PY) -m pytest -q -m "serial and not slow and not gpu" tests
 
 test-all: $(STAMP)
+	$(PY) $(BYTECODE) > /dev/null
 	$(PY) -m pytest -q -n 2 -m "not serial and not gpu" --durations=25 tests
 	$(PY) -m pytest -q -m "serial and not gpu" --durations=25 tests
 
 # the GPU tier: one GPU, when JAX finds one (else every test says it was skipped, and why)
 test-gpu: $(STAMP)
+	$(PY) $(BYTECODE) > /dev/null
 	SYNK_TEST_GPU=1 $(PY) -m pytest -q -rs -m gpu tests/test_gpu.py
 
 # the oldest JAX the supported range holds (pyproject.toml), in a venv of its own: make test there
@@ -46,6 +53,7 @@ test-jax-oldest:
 	if [ ! -x $(VENV_OLD)/bin/python ]; then "$$PYBIN" -m venv $(VENV_OLD) || exit 1; fi
 	$(VENV_OLD)/bin/python -m pip install -q -e ".[test,demo,pymc]" "jax==$(OLDEST_JAX)" "jaxlib==$(OLDEST_JAX)"
 	$(VENV_OLD)/bin/python -c "import jax; assert jax.__version__ == '$(OLDEST_JAX)', jax.__version__"
+	$(VENV_OLD)/bin/python $(BYTECODE) > /dev/null
 	$(VENV_OLD)/bin/python -m pytest -q -m "not slow and not gpu" tests
 
 lint: $(STAMP)
