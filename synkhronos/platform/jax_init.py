@@ -407,13 +407,14 @@ def drop_backend(collect: bool = True) -> None:
     _collect_until_gone(clients)
 
 
-def _collect_until_gone(refs: list, rounds: int = 3) -> None:
-    """Collect garbage until the objects of weak references ``refs`` are gone (at most ``rounds``
-    times): what holds a backend can die in stages, a finalizer freeing the next holder."""
-    for _ in range(rounds):
+def _collect_until_gone(refs: list, generations: tuple[int, ...] = (1, 1, 2, 2, 2)) -> None:
+    """Collect garbage until the objects of weak references ``refs`` are gone (at most once per
+    generation of ``generations``): what holds a backend can die in stages, a finalizer freeing the
+    next holder. The young generations come first: a full collection walks the whole heap."""
+    for generation in generations:
         if all(ref() is None for ref in refs):
             return
-        gc.collect()
+        gc.collect(generation)
 
 
 def forget_runtime_in_child() -> None:
