@@ -137,3 +137,12 @@ def no_jax_backend_left_in_the_test_process():
         backend.clear_backends()             # (the next tests fork as they would have)
         pytest.fail("this test left a JAX backend in the test process: run JAX code only in a runtime "
                     "(inside synk.fork()) or in a subprocess")
+
+
+def pytest_collection_finish(session):
+    """What collecting imported (JAX, PyTensor, PyMC, every test module) lives as long as the test
+    process: frozen out of the collector, it is not walked again by every full collection (leaving a
+    runtime collects until its backend is gone)."""
+    import gc
+    gc.collect()
+    gc.freeze()

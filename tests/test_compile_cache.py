@@ -64,13 +64,18 @@ def finished(code, stdout, stderr, timeline):
     assert code == 0, stdout + stderr[-3000:]
     result = json.loads(next(line[7:] for line in stdout.splitlines() if line.startswith("RESULT ")))
     assert result[0] == pytest.approx(EXPECTED_TOTAL)
+    return result, finished_spans(timeline), stderr
+
+
+def finished_spans(timeline):
+    """What each rank of a timeline did with its programs: {rank: {COMPILED: n, LOADED: n}}."""
     with open(timeline) as fh:
         events = json.load(fh)["traceEvents"]
     done = {}
     for e in events:
         if e.get("cat") == "compile" and e["name"] in (COMPILED, LOADED):
             done.setdefault(e["pid"], {COMPILED: 0, LOADED: 0})[e["name"]] += 1
-    return result, done, stderr
+    return done
 
 
 def entries(directory):
@@ -334,6 +339,41 @@ def test_the_master_and_its_workers_run_with_the_same_xla_flags():
     assert worker["XLA_FLAGS"] == master["XLA_FLAGS"]
     flags = master["XLA_FLAGS"].split()
     assert len(flags) == len(set(flags)) and flags[0] == "--xla_cpu_enable_fast_math=false"
+
+
+#: argv: cache, timeline. A first runtime of other thread flags, then one of two devices
+AFTER_ANOTHER = """
+import json, sys
+import numpy as np, pytensor, pytensor.tensor as pt
+import synkhronos as synk
+cache, timeline = sys.argv[1:3]
+synk.fork(1, threads_per_device=2, compile_cache=cache)        # XLA reads its flags now, once
+x = pt.vector("x")
+print("one device", synk.function([x], (x.sum(), "sum"))(np.ones(4)))
+synk.close()
+synk.fork(2, threads_per_device=1, compile_cache=cache, timeline=timeline)
+w = pytensor.shared(np.arange(6.0), name="w")
+m = pytensor.shared(np.zeros(6), name="m")
+f = synk.function([], [], updates=[(m, 0.9 * m + w), (w, w - 0.1 * m)], name="after")
+f()
+f()
+print("RESULT " + json.dumps([synk.get_value(r, w).tolist() for r in (0, 1)]))
+synk.close()
+"""
+
+
+def test_a_runtime_after_one_of_other_threads_still_compiles_each_program_once_per_host(tmp_path):
+    """XLA reads its flags once per process: a runtime after one with another thread count keeps the
+    first one's flags in its workers too, so that a worker loads what the master compiled."""
+    timeline = tmp_path / "after.json"
+    out = run_script(AFTER_ANOTHER, timeout=240, args=[str(tmp_path / "cache"), str(timeline)])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    w = np.arange(6.0) - 0.1 * np.arange(6.0)               # step 2 from m = w after step 1
+    for got in json.loads(next(line[7:] for line in out.stdout.splitlines() if line.startswith("RESULT "))):
+        np.testing.assert_allclose(got, w, rtol=1e-15)
+    done = finished_spans(str(timeline))
+    assert done[0][COMPILED] > 0 and done[1][LOADED] > 0, done
+    assert done[1][COMPILED] == 0, done                   # nothing compiled twice on the host
 
 
 #: argv: cache. Prints whether the master timed the products, and what it decided

@@ -158,19 +158,34 @@ def _installed_gpu_plugins() -> list[str]:
     return found
 
 
+#: the thread flags of this process's runtimes, once chosen: XLA reads its flags once per process (at
+#: its first backend), and a program's options hold them, so a runtime with another thread count
+#: would have its master compile every program with other options than its workers', and the
+#: processes of a host could no longer compile each program once between them
+_THREAD_FLAGS: list[list[str]] = []
+
+
+def _thread_flags(threads: int) -> list[str]:
+    """XLA's flags for ``threads`` threads a process: the first runtime's, in every later one."""
+    if not _THREAD_FLAGS:
+        _THREAD_FLAGS.append(["--xla_cpu_multi_thread_eigen=false"] if threads == 1 else [])
+    return _THREAD_FLAGS[0]
+
+
 def configure_environment(env: dict[str, str], platform: str, threads: int) -> dict[str, str]:
     """Set the variables that must be in place before JAX/BLAS start in a process.
 
     ``threads`` is the number of CPU threads this process may use (XLA's CPU
     thread pool and BLAS). Processes sharing cores otherwise oversubscribe them,
-    and each one's default pools slow the others' steps several-fold.
+    and each one's default pools slow the others' steps several-fold. XLA's
+    own flags for it are the first runtime's in every later runtime of the
+    process: XLA reads them once, and each rank's pool is sized by its cores
+    (:func:`device_cores`) anyway.
     """
     env["JAX_PLATFORMS"] = jax_platforms(platform)
     flags = env.get("XLA_FLAGS", "").split()
     if platform == "cpu":
-        ours = ["--xla_force_host_platform_device_count=1"]
-        if threads == 1:
-            ours += ["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1"]
+        ours = ["--xla_force_host_platform_device_count=1", *_thread_flags(threads)]
         # once each, however often applied: JAX's compile cache keys programs by these flags
         flags += [f for f in ours if f not in flags]
     env["XLA_FLAGS"] = " ".join(flags)
