@@ -1,10 +1,12 @@
 """Test helpers: a reference run that leaves the master's state alone, ops that fail or warn,
 and the real events fault tests wait for (a process inside a call or a collective)."""
 
+import atexit
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -75,6 +77,33 @@ def _sleep_a_while(values):
     return np.asarray(values)
 
 
+def _leave_work_for_the_exit(values):
+    """In the process it runs in (once): a line left in an open file's buffer, an atexit handler and
+    a non-daemon thread, each writing a file named by the process in $SYNK_TEST_EXIT_DIR."""
+    directory, pid = os.environ["SYNK_TEST_EXIT_DIR"], os.getpid()
+    if pid not in _LEFT_FOR_THE_EXIT:
+        log = open(os.path.join(directory, f"log-{pid}"), "w")       # never closed: left to the exit
+        log.write("rows\n")
+
+        def later():
+            time.sleep(0.5)
+            with open(os.path.join(directory, f"thread-{pid}"), "w") as fh:
+                fh.write("done\n")
+
+        def at_exit():
+            with open(os.path.join(directory, f"atexit-{pid}"), "w") as fh:
+                fh.write("ran\n")
+        atexit.register(at_exit)
+        threading.Thread(target=later).start()
+        _LEFT_FOR_THE_EXIT[pid] = log
+    return np.asarray(values)
+
+
+_LEFT_FOR_THE_EXIT: dict = {}
+
+LeavesWorkForTheExit = _host_identity("LeavesWorkForTheExit", _leave_work_for_the_exit,
+                                      "Identity that leaves an open file, an atexit handler and a thread "
+                                      "to its process's exit.")
 SlowOnHost = _host_identity("SlowOnHost", _sleep_a_while, "Identity that sleeps 3 s on the host.")
 RaiseIfNegative = _host_identity("RaiseIfNegative", _check_rows,
                                  "Identity that raises ValueError when its input holds a negative value.")

@@ -180,6 +180,27 @@ def test_function_before_fork_and_exit_cleanup():
 
 
 @pytest.mark.slow
+def test_a_worker_ends_as_a_python_process_ends(tmp_path):
+    """What a process leaves to its exit is done in the workers as in the master: a file's buffered
+    line written out, an atexit handler run, a non-daemon thread joined."""
+    out = run_script("""
+        import numpy as np, pytensor.tensor as pt
+        import synkhronos as synk
+        from helpers import LeavesWorkForTheExit
+        synk.fork(2)
+        x = pt.matrix("x")
+        print("SUM", synk.function([x], (LeavesWorkForTheExit()(x).sum(), "sum"))(np.ones((4, 3))))
+        synk.close()
+        """, timeout=120, env={"SYNK_TEST_EXIT_DIR": str(tmp_path)})
+    assert out.returncode == 0 and "SUM 12.0" in out.stdout, out.stdout + out.stderr[-3000:]
+    pids = {name.split("-")[1] for name in os.listdir(tmp_path)}
+    assert len(pids) == 2, sorted(os.listdir(tmp_path))            # the master and its worker
+    for pid in pids:
+        for kind, line in (("log", "rows"), ("atexit", "ran"), ("thread", "done")):
+            with open(tmp_path / f"{kind}-{pid}") as fh:
+                assert fh.read() == line + "\n", (kind, pid)
+
+
 def test_bad_fork_arguments():
     out = run_script("""
         import synkhronos as synk

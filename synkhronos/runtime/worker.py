@@ -416,15 +416,5 @@ def main() -> int:
     return 0
 
 
-def _end_now(code: int) -> NoReturn:
-    """End the process without the interpreter's teardown of every module (JAX's, PyTensor's: a
-    good part of a second that ``close()`` would wait): the worker has left the JAX runtime and
-    freed its segments, and nothing else it holds outlives it."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _end_now(main())
+    sys.exit(main())
