@@ -407,10 +407,11 @@ def test_a_likelihood_the_devices_cannot_compute_is_computed_here_under_auto(syn
         f = spm.logp_dlogp_function(model)
     assert f.here is not None
     point = model.initial_point()                          # the initial point, and another
+    pymc_logp, pymc_dlogp = model.compile_logp(), model.compile_dlogp()
     for at in (point, {k: v + 0.3 for k, v in point.items()}):
         logp, dlogp = f(at)
-        np.testing.assert_allclose(logp, model.compile_logp()(at), rtol=1e-12)
-        np.testing.assert_allclose(dlogp, model.compile_dlogp()(at), rtol=1e-10)
+        np.testing.assert_allclose(logp, pymc_logp(at), rtol=1e-12)
+        np.testing.assert_allclose(dlogp, pymc_dlogp(at), rtol=1e-10)
     with pytest.raises(synk.WorkerError, match="NotImplementedError"):
         spm.logp_dlogp_function(model, where="devices")(point)
     assert session.active() is not None
