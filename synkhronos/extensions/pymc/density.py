@@ -44,6 +44,13 @@ TIMED_CALLS = 7
 _SAID_HERE: set[str] = set()
 
 
+def _say_once(reason: str, message: str, stacklevel: int) -> None:
+    """Warn ``message`` once in this process per ``reason`` (``stacklevel`` counted from the caller)."""
+    if reason not in _SAID_HERE:
+        _SAID_HERE.add(reason)
+        warnings.warn(message, SynkWarning, stacklevel=stacklevel + 1)
+
+
 def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True,
                         where: str = "auto") -> LogpDlogp:
     """The model's joint log-density and its gradient, the likelihood split over the devices.
@@ -150,11 +157,10 @@ class LogpDlogp:
         """Compute in this process, as PyMC compiles the density; ``why`` (the reason the
         likelihood does not split over the devices) is said once."""
         self.here = self._pymc_function(jacobian)
-        if why is not None and "unsplittable" not in _SAID_HERE:
-            _SAID_HERE.add("unsplittable")
-            warnings.warn(f"the likelihood of {self.model.name or 'the model'} does not split over the devices "
-                          f"({why}): it is computed in this process as PyMC compiles it (said once; "
-                          f"where='devices' refuses it)", SynkWarning, stacklevel=4)
+        if why is not None:
+            _say_once("unsplittable", f"the likelihood of {self.model.name or 'the model'} does not split over "
+                      f"the devices ({why}): it is computed in this process as PyMC compiles it (said once; "
+                      f"where='devices' refuses it)", stacklevel=4)
 
     def compute_here_if_faster(self, jacobian: bool) -> None:
         """Compute in this process, as PyMC compiles the density, if that is faster than the devices
@@ -185,10 +191,7 @@ class LogpDlogp:
     def _say_here(self, reason: str, why: str) -> None:
         """Say once in this process, per ``reason``, why a density splitting over the devices is
         computed here."""
-        if reason not in _SAID_HERE:
-            _SAID_HERE.add(reason)
-            warnings.warn(f"the log-density of {self.model.name or 'the model'}: {why}", SynkWarning,
-                          stacklevel=5)
+        _say_once(reason, f"the log-density of {self.model.name or 'the model'}: {why}", stacklevel=5)
 
     def _pymc_function(self, jacobian: bool) -> ValueGradFunction:
         """PyMC's own value-and-gradient function of the density (raveled inputs, trusted)."""
