@@ -308,6 +308,11 @@ class SynkWarning(UserWarning):
     """Base class of the warnings synkhronos gives."""
 
 
+#: synkhronos's own directory: a warning given deep inside it names the first line outside it, the
+#: user's (``warnings.warn(..., skip_file_prefixes=(PACKAGE_DIR,))``), whichever way it was called
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 class LocalUpdatesWarning(SynkWarning):
     """A function's updates are computed from each device's own rows and never combined.
 

@@ -477,8 +477,9 @@ def test_a_model_that_does_not_split_is_computed_here_unless_the_devices_are_ask
     logp, dlogp = model.compile_logp(), model.compile_dlogp()
     with pytest.raises(spm.UnsplittableModel, match="different row counts.*where='here'"):
         spm.logp_dlogp_function(model, where="devices")
-    with pytest.warns(synk.SynkWarning, match="does not split over the devices .*different row counts"):
+    with pytest.warns(synk.SynkWarning, match="does not split over the devices .*different row counts") as said:
         auto = spm.logp_dlogp_function(model)
+    assert {w.filename for w in said if issubclass(w.category, synk.SynkWarning)} == {__file__}   # the user's line
     for f in (auto, spm.logp_dlogp_function(model, where="here")):
         for point in ({"a": np.array(0.5)}, {"a": np.array(-2.0)}):
             value, grad = f(point)

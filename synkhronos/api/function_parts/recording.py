@@ -12,7 +12,6 @@ cannot travel. The tutorials' ``givens`` idiom is rewritten here
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -25,7 +24,7 @@ from pytensor.graph.traversal import ancestors
 
 from ...comm.reduction import check_output_mode, check_update_mode
 from ...compile import graph_updates, randomness, shipping
-from ...errors import LocalUpdatesWarning, SynkWarning
+from ...errors import PACKAGE_DIR, LocalUpdatesWarning, SynkWarning
 from ...platform import compile_cache
 from ...platform.internals import unsampleable_in_jax
 from ...rank.compiled import CompiledFunction
@@ -242,9 +241,6 @@ def _update_names(targets: Iterable[SharedVariable], triples: Sequence[tuple[Sha
     return [named(s) for s in targets]
 
 
-#: the package's directory: a warning about the user's graph names the first line outside it
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 #: whether this process has said that a float64 cast computes in float32 (see below)
 _SAID_64_BITS = [False]
 
@@ -292,7 +288,7 @@ def _say_if_assertions_go_unchecked(spec: FunctionSpec) -> None:
         warnings.warn(f"{spec.name}: the assertion {checks[0][1]!r} of {checks[0][0]}{more} is not "
                       f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
                       f"backend skips it; check the values before the call", SynkWarning,
-                      skip_file_prefixes=(_PACKAGE,))
+                      skip_file_prefixes=(PACKAGE_DIR,))
 
 
 def _check_jax_can_sample(spec: FunctionSpec) -> None:

@@ -27,7 +27,7 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 
 from ...api.data import data
 from ...api.function import function
-from ...errors import Failure, SynkWarning, WorkerError
+from ...errors import PACKAGE_DIR, Failure, SynkWarning, WorkerError
 from .terms import SplitModel, UnsplittableModel, split_model
 
 if TYPE_CHECKING:
@@ -44,11 +44,11 @@ TIMED_CALLS = 7
 _SAID_HERE: set[str] = set()
 
 
-def _say_once(reason: str, message: str, stacklevel: int) -> None:
-    """Warn ``message`` once in this process per ``reason`` (``stacklevel`` counted from the caller)."""
+def _say_once(reason: str, message: str) -> None:
+    """Warn ``message`` once in this process per ``reason``, at the user's line."""
     if reason not in _SAID_HERE:
         _SAID_HERE.add(reason)
-        warnings.warn(message, SynkWarning, stacklevel=stacklevel + 1)
+        warnings.warn(message, SynkWarning, skip_file_prefixes=(PACKAGE_DIR,))
 
 
 def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True,
@@ -160,7 +160,7 @@ class LogpDlogp:
         if why is not None:
             _say_once("unsplittable", f"the likelihood of {self.model.name or 'the model'} does not split over "
                       f"the devices ({why}): it is computed in this process as PyMC compiles it (said once; "
-                      f"where='devices' refuses it)", stacklevel=4)
+                      f"where='devices' refuses it)")
 
     def compute_here_if_faster(self, jacobian: bool) -> None:
         """Compute in this process, as PyMC compiles the density, if that is faster than the devices
@@ -191,7 +191,7 @@ class LogpDlogp:
     def _say_here(self, reason: str, why: str) -> None:
         """Say once in this process, per ``reason``, why a density splitting over the devices is
         computed here."""
-        _say_once(reason, f"the log-density of {self.model.name or 'the model'}: {why}", stacklevel=5)
+        _say_once(reason, f"the log-density of {self.model.name or 'the model'}: {why}")
 
     def _pymc_function(self, jacobian: bool) -> ValueGradFunction:
         """PyMC's own value-and-gradient function of the density (raveled inputs, trusted)."""
