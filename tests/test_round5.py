@@ -65,6 +65,26 @@ def test_givens_index_given_a_python_int(devices):
     assert float(f(np.int64(1))) == pytest.approx(X[10:20].sum(), rel=1e-12)   # as pytensor.function
 
 
+def test_a_givens_index_found_again_selects_and_refuses_as_the_first_time(devices):
+    """The rows an index selects are kept by the index as given: a value found again, of any of
+    the int types, selects the same rows, reads the data as it is now, and one that did not fit the
+    scalar is refused every time, as pytensor.function refuses it."""
+    X = np.arange(40.0).reshape(20, 2)
+    data = pytensor.shared(X, name="memo_data")
+    index, x = pt.iscalar("index"), pt.matrix("x")
+    f = synk.function([index], (x.sum(), "sum"), givens={x: data[index * 10:(index + 1) * 10]})
+    ref = pytensor.function([index], x.sum(), givens={x: data[index * 10:(index + 1) * 10]})
+    for value in [1, np.int64(1), np.int32(1), 0, 1, np.int64(0), True]:
+        assert float(f(value)) == pytest.approx(float(ref(value)), rel=1e-12), value
+    data.set_value(X[::-1].copy())              # the same index, another value of the data
+    assert float(f(1)) == pytest.approx(X[::-1][10:20].sum(), rel=1e-12)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="allow_input_downcast"):
+            f(2 ** 40)
+        with pytest.raises(ValueError, match="select no rows"):
+            f(5)                                # rows 50:60 of 20
+
+
 def test_a_float_learning_rate_under_float32(devices):
     """``f(X, 0.1)`` with ``floatX=float32``: a Python float fits a floatX input, as in PyTensor."""
     with pytensor.config.change_flags(floatX="float32"):

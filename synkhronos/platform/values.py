@@ -79,6 +79,8 @@ def nbytes_of(value: Any) -> int:
     >>> nbytes_of(np.zeros((3, 4), "float32"))
     48
     """
+    if type(value) is np.ndarray:
+        return value.nbytes
     return math.prod(np.shape(value)) * np.dtype(value.dtype).itemsize
 
 

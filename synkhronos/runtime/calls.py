@@ -135,10 +135,11 @@ class Calls(Part):
             self._forget_written_shapes(plan.fid)
             if tail is not None:
                 self._forget_written_shapes(tail.update_fid)
-        index_arrays = plan.index_arrays()
-        if index_arrays:
-            plan.index_gen = state.data.write_indices(index_arrays)
-        self._plans.publish(plan.encode(), ctl.header, ctl.args)
+        if state.worker_ranks:      # (the master's own share reads the plan as it is)
+            index_arrays = plan.index_arrays()
+            if index_arrays:
+                plan.index_gen = state.data.write_indices(index_arrays)
+            self._plans.publish(plan.encode(), ctl.header, ctl.args)
         fields = ctl.record_fields(record) if record is not None else None
         context, local_master = state.context, state.local_master
         shapes = plan.shape_key()

@@ -59,6 +59,9 @@ class Registry(Part):
         self._arrays_left: dict[SharedVariable, Callable[[], Any]] = {}
         self._shipped_uids: set[int] = set()
         self._scattered_set: set[SharedVariable] | None = None
+        # var -> whether a change of its face in place can be the script's (see _watched), kept
+        # until the next function is registered
+        self._watchable: dict[SharedVariable, bool] = {}
         # id -> generator already made this node master's own stream
         self._own_streams: dict[int, SharedVariable] = {}
 
@@ -71,6 +74,7 @@ class Registry(Part):
         self.specs[spec.fid], self.compiled[spec.fid] = spec, compiled
         self._unshipped.append(spec.fid)
         self._scattered_set = None
+        self._watchable.clear()
         self._next_fid = spec.fid + 1
         for var in spec.shared_variables():
             self.uid_of(var)
@@ -106,8 +110,11 @@ class Registry(Part):
         not for data given out by rows (each device's own), a training step's flat gradient
         (synkhronos's own buffer, which only its steps write), nor a value over
         :data:`WATCHED_BYTES` (a table every call would read once more to check)."""
-        return var not in self._scattered() and not getattr(var.tag, "synk_gradient", False) and \
-            nbytes_of(value) <= WATCHED_BYTES
+        watchable = self._watchable.get(var)
+        if watchable is None:
+            watchable = self._watchable[var] = var not in self._scattered() and \
+                not getattr(var.tag, "synk_gradient", False)
+        return watchable and nbytes_of(value) <= WATCHED_BYTES
 
     def _scattered(self) -> set[SharedVariable]:
         """:meth:`scattered_shared` as a set, kept until the next function is registered."""
@@ -143,7 +150,9 @@ class Registry(Part):
                 cell[0] = kept.restore(device)
                 left[var] = device.shape
                 continue
-            device = stored(var)
+            device = cell[0]
+            if type(device) is np.ndarray:          # (as stored() reads it)
+                device = device_face(device)
             left[var] = np.shape(device)
             face = host_face(device)
             store(var, face)
@@ -320,6 +329,7 @@ class Registry(Part):
             for spec in specs:
                 del self.specs[spec.fid], self.compiled[spec.fid]
             self._unshipped, self._scattered_set = [], None
+            self._watchable.clear()
             names = ", ".join(spec.name for spec in specs)
             raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
                             f"they were unregistered, other functions still work") from e

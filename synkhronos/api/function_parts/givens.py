@@ -152,6 +152,9 @@ def _axis_picked(value: Variable, scalars: Iterable[Variable]) -> int | None:
 
 #: the sets of scalar values whose slice bounds a function keeps
 BOUNDS_KEPT = 65536
+#: the integer types a call's row-selecting scalars are most often given as: given as one of
+#: them, a value alone fixes the bounds, found again without converting it to the scalar's type
+_PLAIN_INTS = (int, np.int64, np.int32)
 
 
 class RowsFromGivens:
@@ -189,6 +192,8 @@ class RowsFromGivens:
         self._bounds = (fn, [self._user.index(v) for v in read], [b is not None for b in bounds])
         #: the bounds computed for the scalar values seen (they depend on nothing else)
         self._bounds_of: dict[Hashable, list[int | None]] = {}
+        # the same, by the call's own integers as given (no conversion to the scalars' types)
+        self._bounds_of_given: dict[Hashable, list[int | None]] = {}
 
     @classmethod
     def find(cls, inputs: Sequence[TensorVariable], bcast_inputs: Sequence[TensorVariable],
@@ -325,6 +330,12 @@ class RowsFromGivens:
         """The slices' bounds (None where a slice gives none) for the scalars in ``arguments``,
         computed once per distinct set of values (the tutorials' minibatch index: one per batch)."""
         fn, reads, present = self._bounds
+        given = tuple((type(arguments[i]), arguments[i]) for i in reads)
+        plain = all(kind in _PLAIN_INTS for kind, _ in given)
+        if plain:
+            known = self._bounds_of_given.get(given)
+            if known is not None:
+                return known
         # (a Data or a constant given for a scalar: its value; a numpy scalar's .data is its bytes)
         scalars = [self._scalar(i, arguments[i].data if isinstance(arguments[i], Constant | Data) else arguments[i])
                    for i in reads]
@@ -339,6 +350,8 @@ class RowsFromGivens:
             bounds = [int(next(values)) if p else None for p in present]
             if None not in key and len(self._bounds_of) < BOUNDS_KEPT:
                 self._bounds_of[key] = bounds
+        if plain and len(self._bounds_of_given) < BOUNDS_KEPT:
+            self._bounds_of_given[given] = bounds
         return bounds
 
     def _scalar(self, i: int, value: Any) -> np.ndarray:
