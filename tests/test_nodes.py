@@ -314,6 +314,11 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
         assert "rows 0:5" in rows and "rows 0:2" in rows, got
         assert indices and "3 indices (digest" in indices, got
         assert data and "data" in data, got
+        # and the same function on other values given whole (numpy rows, a broadcast scalar, the
+        # rows a givens index selects): every device would take its share of each node's own
+        for what in ("values", "scalar", "givens"):
+            assert got["errors"][what] and "values given (digest" in got["errors"][what], (what, got)
+        assert got["alike"] == np.arange(24.0)[8:16].sum(), got
 
 
 @pytest.mark.serial

@@ -29,7 +29,7 @@ from ..platform.values import store, stored
 from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
-from ..wire.plan import CallPlan, InputRef, result_record
+from ..wire.plan import CallPlan, InputRef, result_record, values_text
 from ..wire.spec import SHAPES_KEPT
 from .data import Data, as_pytensor_takes, condition_value, data, release_large_staging
 from .function_parts.batch import check_num_slices, node_local, parse_batch, parse_batch_s, with_new_indices
@@ -281,7 +281,8 @@ class Function:
         try:
             # (a fused step's outputs are reduced inside its program: device arrays, not waited for)
             outputs = state.calls.run(plan, result_record(self.spec, plan), tail,
-                                      reduce=lambda rows, columns: self._reduce(plan, rows, columns))
+                                      reduce=lambda rows, columns: self._reduce(plan, rows, columns),
+                                      values=_values_compared(state, args, kwargs))
             if since is not None:
                 trace.mark("wait for devices")
         except WorkerError as e:
@@ -519,3 +520,11 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     compiled = compile_on_master(spec, state.settings.compile_cache)     # compile errors surface here
     state.registry.register_function(spec, compiled)
     return Function(state, spec, bare, compiled, rows, local_updates)
+
+
+def _values_compared(state: State, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """On several nodes, what they compare of a call's arguments given as values, not as Data
+    (:func:`~synkhronos.wire.plan.values_text`); "" on one node."""
+    if state.nodes is None:
+        return ""
+    return values_text(v for v in [*args, *kwargs.values()] if not isinstance(v, Data))

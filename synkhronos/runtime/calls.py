@@ -89,16 +89,18 @@ class Calls(Part):
         #: a step run as its commands' phases, while it runs (see :meth:`put_back_half_step`)
         self._step_begun: HalfStep | None = None
 
-    def name(self, plan: CallPlan) -> tuple[str, str, str]:
-        """What a call is called in the exchange of its results: ``("a call of", name, on what)``.
+    def name(self, plan: CallPlan, values: str = "") -> tuple[str, str, str]:
+        """What a call is called in the exchange of its results: ``("a call of", name, on what)``;
+        ``values``: the :func:`~synkhronos.wire.plan.values_text` of its arguments given as values.
 
-        Nodes calling the same function on other rows or other data both raise
+        Nodes calling the same function on other rows, other data or other values both raise
         NodesDiverged, naming both calls.
         """
-        return ("a call of", self._state.registry.specs[plan.fid].name, f"({plan.arguments_text()})")
+        return ("a call of", self._state.registry.specs[plan.fid].name,
+                f"({plan.arguments_text()}{values})")
 
     def run(self, plan: CallPlan, record: np.dtype | None, tail: Tail | None = None,
-            reduce: Callable[[Any, list], Any] | None = None) -> Any:
+            reduce: Callable[[Any, list], Any] | None = None, values: str = "") -> Any:
         """Run ``plan`` (a :class:`~synkhronos.wire.plan.CallPlan`) everywhere.
 
         The caller has brought the workers up to date (``Registry.ensure_shipped``)
@@ -119,6 +121,9 @@ class Calls(Part):
             columns)``. A reduction that raises (an output whose rows do not
             combine in its mode) undoes the call's updates on every rank, as
             any failed call does.
+        values : str
+            On several nodes, what they compare of the arguments given as
+            values (:func:`~synkhronos.wire.plan.values_text`).
 
         Returns
         -------
@@ -164,7 +169,7 @@ class Calls(Part):
         except Exception as e:
             self._undo()
             if nodes is not None and state.is_open:
-                nodes.tell_failed(self.name(plan), e)
+                nodes.tell_failed(self.name(plan, values), e)
             raise
         if not plan.subset and nodes is None:      # a call selecting no outputs (only updates)
             if keep_all:
@@ -182,7 +187,7 @@ class Calls(Part):
                        for j in range(len(plan.subset))]
         if nodes is not None:
             try:
-                rows, columns = nodes.results_of_every_node(self.name(plan), rows, columns)
+                rows, columns = nodes.results_of_every_node(self.name(plan, values), rows, columns)
             except Exception:
                 self._undo()          # another node failed: this one's call did not happen either
                 raise

@@ -1,12 +1,14 @@
 """Run on two nodes (``... diverged.py OUT``): node 0 calls ``f``, node 1 calls ``g``; then both call
-``f`` on other rows, other indices and other Data. Each node writes the errors it got to
-OUT/node<R>.json, then both close."""
+``f`` on other rows, other indices, other Data and other numpy values, a function of a broadcast
+scalar on other scalars, and the tutorials' givens idiom on other minibatch indices. Each node
+writes the errors it got, and a call made alike afterwards, to OUT/node<R>.json, then both close."""
 
 import json
 import os
 import sys
 
 import numpy as np
+import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
@@ -16,6 +18,11 @@ node = synk.node_rank()
 x = pt.matrix("x")
 f = synk.function([x], [(x.sum(), "sum")], name="f")
 g = synk.function([x], [(x.mean(), "avg")], name="g")
+index, scale = pt.lscalar("index"), pt.scalar("scale")
+table = pytensor.shared(np.arange(24.0).reshape(12, 2), name="table")
+by_index = synk.function([index], [(x.sum(), "sum")], givens={x: table[index * 4:(index + 1) * 4]},
+                         name="by_index")
+scaled = synk.function([x], [(x.sum() * scale, "sum")], bcast_inputs=[scale], name="scaled")
 synk.distribute()
 x_data = synk.data(np.ones((6, 2)))
 f(x_data)                                   # the same call on both: fine
@@ -28,14 +35,20 @@ after = float(np.asarray(f(x_data)).ravel()[0])     # both go on in step again
 other_data = synk.data(np.full((6, 2), 2.0))
 differing = {"rows": dict(batch=slice(0, 5) if node == 0 else slice(0, 2)),
              "indices": dict(batch=np.array([0, 1, 2]) if node == 0 else np.array([3, 4, 5])),
-             "data": dict(data=x_data if node == 0 else other_data)}
+             "data": dict(data=x_data if node == 0 else other_data),
+             "values": dict(data=np.ones((6, 2)) if node == 0 else np.full((6, 2), 2.0))}
+calls = {what: (lambda kwargs=kwargs: f(kwargs.pop("data", x_data), **kwargs))
+         for what, kwargs in differing.items()}
+calls["scalar"] = lambda: scaled(x_data, 1.0 if node == 0 else 2.0)
+calls["givens"] = lambda: by_index(1 if node == 0 else 2)
 errors = {}
-for what, kwargs in differing.items():
+for what, call in calls.items():
     try:
-        f(kwargs.pop("data", x_data), **kwargs)
+        call()
         errors[what] = None
     except synk.NodesDiverged as e:
         errors[what] = str(e)
+alike = float(np.asarray(by_index(1)).ravel()[0])       # rows 4:8 of the table, on both
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
-    json.dump(dict(error=error, after=after, errors=errors), fh)
+    json.dump(dict(error=error, after=after, errors=errors, alike=alike), fh)
 synk.close()
