@@ -300,8 +300,12 @@ def test_the_demo_on_two_nodes_trains_as_on_one(tmp_path):
 @needs_namespaces
 @pytest.mark.timeout(180)
 @pytest.mark.slow
-def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
-    procs = start_nodes(os.path.join(SCRIPTS, "diverged.py"), [tmp_path], 2, 1, tmp_path)
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node):
+    """Each node raises NodesDiverged, naming both calls, and its ranks go on with the next call
+    together (with several devices a node's workers, which prepared the collective the nodes
+    disagreed on, skip it)."""
+    procs = start_nodes(os.path.join(SCRIPTS, "diverged.py"), [tmp_path, per_node], 2, per_node, tmp_path)
     assert wait_all(procs, tmp_path, timeout=120) == [0, 0], read_logs(tmp_path)
     for node in (0, 1):
         got = __import__("json").load(open(tmp_path / f"node{node}.json"))
@@ -316,9 +320,14 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path):
         assert data and "data" in data, got
         # and the same function on other values given whole (numpy rows, a broadcast scalar, the
         # rows a givens index selects): every device would take its share of each node's own
-        for what in ("values", "scalar", "givens"):
+        for what in ("values", "scalar", "givens", "scatter", "scatter rows"):
             assert got["errors"][what] and "values given (digest" in got["errors"][what], (what, got)
         assert got["alike"] == np.arange(24.0)[8:16].sum(), got
+        assert set(got["next_calls"].values()) == {12.0}, got   # the call after each, whole
+        # a scatter is compared before any node runs it; the same scatter then runs as on one node
+        n, rows = 2 * per_node, np.arange(8.0).reshape(4, 2)
+        assert got["kept"] == [np.zeros((2, 2)).tolist()] * n, got
+        assert got["scattered"] == [rows[r * 4 // n:(r + 1) * 4 // n].tolist() for r in range(n)], got
 
 
 @pytest.mark.serial

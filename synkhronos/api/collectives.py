@@ -36,6 +36,7 @@ from ..runtime.session import State, current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import Keep, dtype_groups, group_bytes, shapes_of
 from ..wire.control import Words
+from ..wire.plan import values_text
 from .data import Data, condition_value, release_large_staging, staging_data
 from .function_parts.batch import parse_batch
 from .function_parts.shapes import check_shared_shape
@@ -332,6 +333,10 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
     state = current()
     vars_, _ = resolve_shareds(shared_vars)
     values = _values_list(values, len(vars_), "values")
+    # on several nodes every node gives each value whole, and its devices take their rows of it:
+    # the nodes compare what they give (a Data's contents are taken alike)
+    given = "" if state.nodes is None else \
+        values_text([v for v in values if not isinstance(v, Data)] + [batch])
     datas = []
     for i, (var, value) in enumerate(zip(vars_, values)):
         if isinstance(value, Data):
@@ -345,12 +350,12 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
             if arr.ndim == 0:
                 raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
             datas.append(staging_data(state, ("scatter", i), arr))
-    _read_data(state, vars_, datas, batch, chunked=True)
+    _read_data(state, vars_, datas, batch, chunked=True, given=given)
     release_large_staging(state.staging)
 
 
 def _read_data(state: State, vars_: Sequence[SharedVariable], datas: Sequence[Data], batch: Any,
-               chunked: bool) -> None:
+               chunked: bool, given: str = "") -> None:
     state.rows_behind.forget(vars_)
     plans: list[tuple[Data, Batch]] = []
     for var, d in zip(vars_, datas):
@@ -374,7 +379,7 @@ def _read_data(state: State, vars_: Sequence[SharedVariable], datas: Sequence[Da
 
     def fill(w: Words) -> None:
         kinds.read_data.encode(w, state.registry.uids_of(vars_), chunked, index_gen, plans)
-    state.collectives.run(fill)
+    state.collectives.run(fill, given=given)
 
 
 @serialized

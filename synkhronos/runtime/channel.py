@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SynkError
+from ..errors import NodesDiverged, SynkError
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink_if_ours
 from ..platform.cpu_tuning import on_cores
@@ -192,7 +192,12 @@ class Channel:
         go = local_error is None and not failed
         elsewhere: BaseException | None = None
         if agree is not None:
-            go, elsewhere = agree(go)
+            try:
+                go, elsewhere = agree(go)
+            except NodesDiverged as diverged:
+                # (this node's ranks prepared and wait for the decision: they skip, as for a node
+                # that could not prepare, so that the next command finds them waiting for it)
+                go, elsewhere = False, diverged
         self.ctl.header[ControlBlock.DECISION] = Decision.GO if go else Decision.SKIP
         self.ctl.release(ranks)
         if not go:

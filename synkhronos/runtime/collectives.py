@@ -34,11 +34,14 @@ __all__ = ["Collectives"]
 class Collectives(Part):
     """Collectives and per-rank values of one runtime."""
 
-    def run(self, fill: Callable[[Words], None], reservation: Reservation | None = None) -> list[np.ndarray]:
+    def run(self, fill: Callable[[Words], None], reservation: Reservation | None = None,
+            given: str = "") -> list[np.ndarray]:
         """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.
 
         ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
-        the collective implementation first.
+        the collective implementation first. ``given``: on several nodes, what
+        they compare besides the collective's kind before any of them runs it
+        (:func:`~synkhronos.wire.plan.values_text` of the values each gives whole).
         """
         state = self._state
         since = trace.now() if trace.on else None
@@ -58,7 +61,7 @@ class Collectives(Part):
         if since is not None:
             trace.begin("collective", kind, since)
         try:
-            agree = None if nodes is None else nodes.every_node_prepared(kind)
+            agree = None if nodes is None else nodes.every_node_prepared(kind, given)
             try:
                 results = state.channel.collective(local_prepare, comm.waits_in_python, agree, kind)
             except Exception as e:

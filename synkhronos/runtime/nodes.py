@@ -282,10 +282,11 @@ class NodeLink:
                         f"fork() alike (the same devices per node, master_rank, platform, "
                         f"collectives and pytensor.config.floatX)")
 
-    def every_node_prepared(self, kind: str) -> Callable[[bool], tuple[bool, WorkerError | None]]:
-        """The agreement of a collective's two phases across nodes (see ``Channel.collective``)."""
+    def every_node_prepared(self, kind: str, given: str = "") -> Callable[[bool], tuple[bool, WorkerError | None]]:
+        """The agreement of a collective's two phases across nodes (see ``Channel.collective``);
+        nodes whose collectives differ in ``kind`` or in the values ``given`` raise NodesDiverged."""
         def agree(prepared: bool) -> tuple[bool, WorkerError | None]:
-            nodes = self.exchange(("collective", kind), prepared)
+            nodes = self.exchange(("collective", kind + given), prepared)
             failed = [node for node, ok in enumerate(nodes) if not ok]
             if not failed:
                 return True, None

@@ -1,6 +1,7 @@
-"""Run on two nodes (``... diverged.py OUT``): node 0 calls ``f``, node 1 calls ``g``; then both call
+"""Run on two nodes (``... diverged.py OUT [DEVICES_PER_NODE]``): node 0 calls ``f``, node 1 calls ``g``; then both call
 ``f`` on other rows, other indices, other Data and other numpy values, a function of a broadcast
-scalar on other scalars, and the tutorials' givens idiom on other minibatch indices. Each node
+scalar on other scalars, the tutorials' givens idiom on other minibatch indices, and a scatter of
+other values or other rows. Each node
 writes the errors it got, and a call made alike afterwards, to OUT/node<R>.json, then both close."""
 
 import json
@@ -15,6 +16,7 @@ import synkhronos as synk
 
 synk.fork()
 node = synk.node_rank()
+ranks = range(2 * (int(sys.argv[2]) if len(sys.argv) > 2 else 1))
 x = pt.matrix("x")
 f = synk.function([x], [(x.sum(), "sum")], name="f")
 g = synk.function([x], [(x.mean(), "avg")], name="g")
@@ -23,6 +25,8 @@ table = pytensor.shared(np.arange(24.0).reshape(12, 2), name="table")
 by_index = synk.function([index], [(x.sum(), "sum")], givens={x: table[index * 4:(index + 1) * 4]},
                          name="by_index")
 scaled = synk.function([x], [(x.sum() * scale, "sum")], bcast_inputs=[scale], name="scaled")
+held = pytensor.shared(np.zeros((2, 2)), name="held")
+keeps = synk.function([], updates=[(held, held * 1.0)], name="keeps")
 synk.distribute()
 x_data = synk.data(np.ones((6, 2)))
 f(x_data)                                   # the same call on both: fine
@@ -41,14 +45,22 @@ calls = {what: (lambda kwargs=kwargs: f(kwargs.pop("data", x_data), **kwargs))
          for what, kwargs in differing.items()}
 calls["scalar"] = lambda: scaled(x_data, 1.0 if node == 0 else 2.0)
 calls["givens"] = lambda: by_index(1 if node == 0 else 2)
-errors = {}
+calls["scatter"] = lambda: synk.scatter(held, np.full((4, 2), float(node + 1)))
+calls["scatter rows"] = lambda: synk.scatter(held, np.arange(12.0).reshape(6, 2),
+                                             batch=[0, 1, 2, 3] if node == 0 else [2, 3, 4, 5])
+errors, next_calls = {}, {}
 for what, call in calls.items():
     try:
         call()
         errors[what] = None
     except synk.NodesDiverged as e:
         errors[what] = str(e)
+    next_calls[what] = float(np.asarray(f(x_data)).ravel()[0])     # every rank's rows again
 alike = float(np.asarray(by_index(1)).ravel()[0])       # rows 4:8 of the table, on both
+kept = [synk.get_value(rank, held).tolist() for rank in ranks]     # no scatter above ran
+synk.scatter(held, np.arange(8.0).reshape(4, 2))
+scattered = [synk.get_value(rank, held).tolist() for rank in ranks]
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
-    json.dump(dict(error=error, after=after, errors=errors, alike=alike), fh)
+    json.dump(dict(error=error, after=after, errors=errors, next_calls=next_calls, alike=alike,
+                   kept=kept, scattered=scattered), fh)
 synk.close()
