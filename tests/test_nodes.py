@@ -322,6 +322,9 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         # rows a givens index selects): every device would take its share of each node's own
         for what in ("values", "scalar", "givens", "scatter", "scatter rows"):
             assert got["errors"][what] and "values given (digest" in got["errors"][what], (what, got)
+        reduced, by_op = got["errors"]["all_reduce"], got["errors"]["all_reduce op"]
+        assert reduced and "all_reduce of held" in reduced and "all_reduce of other" in reduced, got
+        assert by_op and "op sum" in by_op and "op max" in by_op, got
         assert got["alike"] == np.arange(24.0)[8:16].sum(), got
         assert set(got["next_calls"].values()) == {12.0}, got   # the call after each, whole
         # a scatter is compared before any node runs it; the same scatter then runs as on one node

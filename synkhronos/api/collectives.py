@@ -228,7 +228,7 @@ def _reduce(shared_vars: Shareds, op: str, keep: Keep, by_rows: bool | None = No
         _say_plain_mean(var, behind, "all_reduce" if keep == Keep.ALL else "reduce")
     fill, reservation = reduction_command(state, vars_, op, keep, rows=rows)
     with shapes_named_on_mismatch(state, vars_, f"{op} reduction"):
-        out = state.collectives.run(fill, reservation)
+        out = state.collectives.run(fill, reservation, given=f", op {op}, kept by {keep.name.lower()}")
     state.rows_behind.said_plain_mean([var for var, _ in plain])
     if keep == Keep.RETURN:
         out = _owned(out)
@@ -437,7 +437,8 @@ def _gather(state: State, vars_: Sequence[SharedVariable], keep: Keep, nd_up: in
     def fill(w: Words) -> None:
         kinds.gather.encode(w, state.registry.uids_of(vars_), keep, nd_up, shapes)
     padded = [max(math.prod(s) for s in per_rank) for per_rank in shapes]
-    return state.collectives.run(fill, Reservation(group_bytes(vars_, padded)))
+    return state.collectives.run(fill, Reservation(group_bytes(vars_, padded)),
+                                 given=f", kept by {keep.name.lower()}, nd_up {nd_up}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,9 +39,10 @@ class Collectives(Part):
         """Write a collective with ``fill(Words)`` and run it on every rank; return the master's results.
 
         ``reservation`` (a :class:`~synkhronos.comm.Reservation`) is handed to
-        the collective implementation first. ``given``: on several nodes, what
-        they compare besides the collective's kind before any of them runs it
-        (:func:`~synkhronos.wire.plan.values_text` of the values each gives whole).
+        the collective implementation first. On several nodes they compare the
+        collective's kind and variables before any of them runs it, and
+        ``given``: its options, and the
+        :func:`~synkhronos.wire.plan.values_text` of the values each gives whole.
         """
         state = self._state
         since = trace.now() if trace.on else None
@@ -61,7 +62,8 @@ class Collectives(Part):
         if since is not None:
             trace.begin("collective", kind, since)
         try:
-            agree = None if nodes is None else nodes.every_node_prepared(kind, given)
+            agree = None if nodes is None else nodes.every_node_prepared(
+                kind, f" of {self._variables_named(Words(ctl.args))}{given}")
             try:
                 results = state.channel.collective(local_prepare, comm.waits_in_python, agree, kind)
             except Exception as e:
@@ -72,6 +74,12 @@ class Collectives(Part):
         finally:
             if since is not None:
                 trace.end("execute")
+
+    def _variables_named(self, words: Words) -> str:
+        """The variables a collective written in ``words`` acts on (every kind's words name them
+        first, after its kind), as the nodes compare them."""
+        words.get()
+        return ", ".join(str(self._state.registry.shared_by_uid(uid)) for uid in words.get_list())
 
     def all_shapes(self, vars_: Sequence[SharedVariable]) -> list[list[tuple[int, ...]]]:
         """Per variable, its shape on every rank (one round trip, the first time: they are kept

@@ -1,7 +1,7 @@
 """Run on two nodes (``... diverged.py OUT [DEVICES_PER_NODE]``): node 0 calls ``f``, node 1 calls ``g``; then both call
 ``f`` on other rows, other indices, other Data and other numpy values, a function of a broadcast
-scalar on other scalars, the tutorials' givens idiom on other minibatch indices, and a scatter of
-other values or other rows. Each node
+scalar on other scalars, the tutorials' givens idiom on other minibatch indices, a scatter of
+other values or other rows, and all-reduces of other variables or by other ops. Each node
 writes the errors it got, and a call made alike afterwards, to OUT/node<R>.json, then both close."""
 
 import json
@@ -26,7 +26,8 @@ by_index = synk.function([index], [(x.sum(), "sum")], givens={x: table[index * 4
                          name="by_index")
 scaled = synk.function([x], [(x.sum() * scale, "sum")], bcast_inputs=[scale], name="scaled")
 held = pytensor.shared(np.zeros((2, 2)), name="held")
-keeps = synk.function([], updates=[(held, held * 1.0)], name="keeps")
+other = pytensor.shared(np.zeros((2, 2)), name="other")
+keeps = synk.function([], updates=[(held, held * 1.0), (other, other * 1.0)], name="keeps")
 synk.distribute()
 x_data = synk.data(np.ones((6, 2)))
 f(x_data)                                   # the same call on both: fine
@@ -48,6 +49,8 @@ calls["givens"] = lambda: by_index(1 if node == 0 else 2)
 calls["scatter"] = lambda: synk.scatter(held, np.full((4, 2), float(node + 1)))
 calls["scatter rows"] = lambda: synk.scatter(held, np.arange(12.0).reshape(6, 2),
                                              batch=[0, 1, 2, 3] if node == 0 else [2, 3, 4, 5])
+calls["all_reduce"] = lambda: synk.all_reduce(held if node == 0 else other)
+calls["all_reduce op"] = lambda: synk.all_reduce(held, op="sum" if node == 0 else "max")
 errors, next_calls = {}, {}
 for what, call in calls.items():
     try:
