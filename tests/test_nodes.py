@@ -307,6 +307,7 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
     disagreed on, skip it)."""
     procs = start_nodes(os.path.join(SCRIPTS, "diverged.py"), [tmp_path, per_node], 2, per_node, tmp_path)
     assert wait_all(procs, tmp_path, timeout=120) == [0, 0], read_logs(tmp_path)
+    runs = []
     for node in (0, 1):
         got = __import__("json").load(open(tmp_path / f"node{node}.json"))
         assert got["error"] is not None, got
@@ -327,10 +328,17 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         assert by_op and "op sum" in by_op and "op max" in by_op, got
         assert got["alike"] == np.arange(24.0)[8:16].sum(), got
         assert set(got["next_calls"].values()) == {12.0}, got   # the call after each, whole
+        # a run of other batch sizes is refused before any step; the same run then trains alike
+        run = got["errors"]["train.run"]
+        assert run and "train.run of 8 rows a step" in run and "of 4 rows a step" in run, got
+        assert got["untrained"] == [0.0, 0.0] and got["trained"][0] != [0.0, 0.0], got
+        assert all(t == got["trained"][0] for t in got["trained"]), got
+        runs.append(got["trained"])
         # a scatter is compared before any node runs it; the same scatter then runs as on one node
         n, rows = 2 * per_node, np.arange(8.0).reshape(4, 2)
         assert got["kept"] == [np.zeros((2, 2)).tolist()] * n, got
         assert got["scattered"] == [rows[r * 4 // n:(r + 1) * 4 // n].tolist() for r in range(n)], got
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.serial

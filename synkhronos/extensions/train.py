@@ -21,7 +21,7 @@ from ..api.function_parts.row_sums import sum_over_rows
 from ..errors import SynkWarning, is_whole
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
-from ..seams.rule import check_rule
+from ..seams.rule import check_rule, rule_record
 from ..wire.batch import batch_from_spec
 from ..wire.loop import epoch_order, steps_per_epoch
 from .history import History, Resize, check_from_stats
@@ -390,6 +390,14 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
                             order_record(order, batch_size, n_rows, run_data, checkpointing), sync)
     spec = state.loops.new(train_fn, refs, batch_size, order.shuffle, order.seed, sync, saving.rule_state)
     run_steps = serialized(state.loops.run, name="train.run")
+    if state.nodes is not None:
+        # every node's phases must end at the same steps, or one would wait in a collective for
+        # a node waiting elsewhere: the nodes compare the run before any of them starts it
+        run_text = (f"{batch_size} rows a step, steps {saving.resumed_step()}:{total}, checks every "
+                    f"{check_every}, checkpoints every {saving.every}, shuffle {order.shuffle} "
+                    f"(seed {order.seed}), {rule_record(sync)}, functions {spec.grad_fid} and "
+                    f"{spec.update_fid}, data {[(ref.data_id, tuple(ref.shape)) for ref in refs]}")
+        serialized(state.nodes.exchange, name="train.run")(("train.run of", run_text), None)
     history = History(sync, center_values=lambda: serialized(state.loops.center_values,
                                                              name="train.run")(spec))
     done, elapsed = saving.resumed_step(), 0.0

@@ -1,8 +1,9 @@
-"""Run on two nodes (``... diverged.py OUT [DEVICES_PER_NODE]``): node 0 calls ``f``, node 1 calls ``g``; then both call
-``f`` on other rows, other indices, other Data and other numpy values, a function of a broadcast
-scalar on other scalars, the tutorials' givens idiom on other minibatch indices, a scatter of
-other values or other rows, and all-reduces of other variables or by other ops. Each node
-writes the errors it got, and a call made alike afterwards, to OUT/node<R>.json, then both close."""
+"""Run on two nodes (``... diverged.py OUT [DEVICES_PER_NODE]``): node 0 calls ``f``, node 1 calls
+``g``; then both call ``f`` on other rows, other indices, other Data and other numpy values, a
+function of a broadcast scalar on other scalars, the tutorials' givens idiom on other minibatch
+indices, a scatter of other values or other rows, all-reduces of other variables or by other ops,
+and train.run of other batch sizes. Each node writes the errors it got, and what calls made alike
+afterwards gave, to OUT/node<R>.json, then both close."""
 
 import json
 import os
@@ -60,10 +61,24 @@ for what, call in calls.items():
         errors[what] = str(e)
     next_calls[what] = float(np.asarray(f(x_data)).ravel()[0])     # every rank's rows again
 alike = float(np.asarray(by_index(1)).ravel()[0])       # rows 4:8 of the table, on both
+# a device-driven run of other batch sizes: each node's phases would end at other steps
+from synkhronos.extensions import train, updates          # noqa: E402
+w = pytensor.shared(np.zeros(2), name="w")
+step = train.make_train_function(((x.dot(w) - x.sum(1)) ** 2).mean(), [w], x, pt.vector("y"),
+                                 updates.sgd, learning_rate=0.1)
+run_x, run_y = synk.data(np.arange(64.0).reshape(32, 2) / 32), synk.data(np.zeros(32))
+try:
+    train.run(step, run_x, run_y, 8 if node == 0 else 4, steps=4)
+    errors["train.run"] = None
+except synk.NodesDiverged as e:
+    errors["train.run"] = str(e)
+untrained = synk.get_value(0, w).tolist()
+train.run(step, run_x, run_y, 8, steps=4)
+trained = [synk.get_value(rank, w).tolist() for rank in ranks]
 kept = [synk.get_value(rank, held).tolist() for rank in ranks]     # no scatter above ran
 synk.scatter(held, np.arange(8.0).reshape(4, 2))
 scattered = [synk.get_value(rank, held).tolist() for rank in ranks]
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
     json.dump(dict(error=error, after=after, errors=errors, next_calls=next_calls, alike=alike,
-                   kept=kept, scattered=scattered), fh)
+                   kept=kept, scattered=scattered, untrained=untrained, trained=trained), fh)
 synk.close()
