@@ -14,6 +14,7 @@ import pytensor
 import pytensor.tensor as pt
 
 import synkhronos as synk
+from synkhronos.extensions import train, updates
 
 synk.fork()
 node = synk.node_rank()
@@ -62,7 +63,6 @@ for what, call in calls.items():
     next_calls[what] = float(np.asarray(f(x_data)).ravel()[0])     # every rank's rows again
 alike = float(np.asarray(by_index(1)).ravel()[0])       # rows 4:8 of the table, on both
 # a device-driven run of other batch sizes: each node's phases would end at other steps
-from synkhronos.extensions import train, updates          # noqa: E402
 w = pytensor.shared(np.zeros(2), name="w")
 step = train.make_train_function(((x.dot(w) - x.sum(1)) ** 2).mean(), [w], x, pt.vector("y"),
                                  updates.sgd, learning_rate=0.1)
