@@ -328,6 +328,14 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         assert by_op and "op sum" in by_op and "op max" in by_op, got
         assert got["alike"] == np.arange(24.0)[8:16].sum(), got
         assert set(got["next_calls"].values()) == {12.0}, got   # the call after each, whole
+        # a call refused on node 1 before it ran: node 0's same call raises, naming it
+        refused = got["errors"]["refused"]
+        assert refused.startswith("TypeError" if node == 1 else "NodesDiverged"), got
+        assert node == 1 or "refused on its node before it ran" in refused, got
+        assert "of held" in got["errors"]["get_value"] and "of other" in got["errors"]["get_value"], got
+        assert "checkpoint: digests of" in got["errors"]["save"], got
+        assert got["errors"]["keywords"] is None and got["errors"]["index type"] is None, got
+        assert np.isfinite(got["first_step"]), got
         # a run of other batch sizes is refused before any step; the same run then trains alike
         run = got["errors"]["train.run"]
         assert run and "train.run of 8 rows a step" in run and "of 4 rows a step" in run, got

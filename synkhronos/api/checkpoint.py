@@ -165,7 +165,7 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     # views of the values where they come without a copy: nothing changes them before the file
     # is written (the runtime's lock is held)
     local = [state.collectives.local_values(rank, variables, copy=False) for rank in range(state.n_local)]
-    values_of, replicated, digests = _values_on_every_rank(state, local, len(variables))
+    values_of, replicated, digests = _values_on_every_rank(state, local, variables)
     tensors, checksums, layout = {}, {}, []
     for i, var in enumerate(variables):
         key = _key(i, var)
@@ -192,18 +192,20 @@ def save(path: str | os.PathLike, variables: Sequence[SharedVariable] | None = N
     _tell_nodes(state, "written")
 
 
-def _values_on_every_rank(state: State, local: list[list[np.ndarray]], n_vars: int
+def _values_on_every_rank(state: State, local: list[list[np.ndarray]], variables: Sequence[SharedVariable]
                           ) -> tuple[Callable[[int], list[np.ndarray]], list[bool], list[list[Digest]]]:
     """``(values_of, replicated, digests)``: variable ``i``'s value on every global rank, whether
     every rank holds the same, and this node's ranks' digests of their values (:func:`_digest`).
     The ranks compare digests, and on several nodes the masters send each other only the values
-    that differ between ranks."""
+    that differ between ranks (the nodes saving other variables raise NodesDiverged)."""
+    n_vars = len(variables)
     digests = [[_digest(v) for v in values] for values in local]
     by_rank: list[list[np.ndarray]] | list[dict[int, np.ndarray]]
     if state.nodes is None:
         by_rank, every = local, digests
     else:
-        every = joined_over_nodes(state.nodes, "checkpoint: digests", digests)
+        names = ", ".join(str(var) for var in variables)
+        every = joined_over_nodes(state.nodes, ("checkpoint: digests of", names), digests)
     differ = [i for i in range(n_vars) if len({d[i] for d in every}) > 1]
     if state.nodes is not None:
         by_rank = joined_over_nodes(state.nodes, "checkpoint: values",

@@ -12,6 +12,7 @@ the results.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Sequence, Union
@@ -22,7 +23,7 @@ from pytensor.graph.basic import Variable
 from pytensor.tensor.type import TensorType
 
 from ..comm.reduction import owned, reduce_outputs
-from ..errors import Failure, WorkerError
+from ..errors import Failure, NodesDiverged, WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import backend_exists, drop_backend, set_precision
 from ..platform.values import store, stored
@@ -252,25 +253,16 @@ class Function:
         """:meth:`__call__` with its arguments as a tuple and a dict; ``tail``, a
         :class:`~synkhronos.api.step.StepTail`, runs on every device after its share of
         the call, in the same command (see :class:`synkhronos.api.step.Step`)."""
-        if self._rows is not None:
-            args, batch = self._rows.call_arguments(args, kwargs, batch, self.name)
-            kwargs = {}
         since = trace.now() if trace.on else None
         state = current()
         if state is not self._state:
             raise RuntimeError(f"{self} was built before the runtime it belonged to was closed; "
                                f"build it again after fork()")
-        kept, plan = self._kept.find(args, kwargs, batch, batch_s, num_slices, output_subset)
-        if plan is None:
-            plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
-            kept.append(plan)
-        else:
-            if not plan.batch.is_range:
-                # the kept plan of an earlier call with as many indices: only the indices are new
-                n_scat = len(self.spec.inputs)
-                plan = with_new_indices(plan, batch, args[:n_scat], self._input_names[:n_scat])
-            if plan.sliced:           # and as many rows of the sliceable shareds on every rank
-                plan = plan.with_sliced(self._plan_batch_s(batch_s, plan if plan.scattered else None))
+        try:
+            args, kwargs, plan = self._planned(args, kwargs, batch, batch_s, num_slices, output_subset)
+        except Exception as e:
+            _refused_on_this_node(state, self.name, e)
+            raise
         state.registry.ensure_shipped()
         if not state.registry.is_registered(self.spec.fid):
             raise TypeError(f"{self.name} could not be sent to the workers and was unregistered; "
@@ -282,7 +274,7 @@ class Function:
             # (a fused step's outputs are reduced inside its program: device arrays, not waited for)
             outputs = state.calls.run(plan, result_record(self.spec, plan), tail,
                                       reduce=lambda rows, columns: self._reduce(plan, rows, columns),
-                                      values=_values_compared(state, args, kwargs))
+                                      values=self._values_compared(state, args, kwargs))
             if since is not None:
                 trace.mark("wait for devices")
         except WorkerError as e:
@@ -297,6 +289,36 @@ class Function:
         if self._scratch:
             release_large_staging(self._scratch)
         return outputs[0] if (self._bare and output_subset is None) else outputs
+
+    def _planned(self, args: Sequence[Any], kwargs: Mapping[str, Any], batch: Any, batch_s: Any,
+                 num_slices: Any, output_subset: Iterable[Any] | None
+                 ) -> tuple[Sequence[Any], Mapping[str, Any], CallPlan]:
+        """``(args, kwargs, plan)`` of a call: its arguments (those of the rewritten function, with
+        givens' row slices) and its checked plan, a kept one where it fits."""
+        if self._rows is not None:
+            args, batch = self._rows.call_arguments(args, kwargs, batch, self.name)
+            kwargs = {}
+        kept, plan = self._kept.find(args, kwargs, batch, batch_s, num_slices, output_subset)
+        if plan is None:
+            plan = self._plan(args, kwargs, batch, batch_s, num_slices, output_subset)
+            kept.append(plan)
+            return args, kwargs, plan
+        if not plan.batch.is_range:
+            # the kept plan of an earlier call with as many indices: only the indices are new
+            n_scat = len(self.spec.inputs)
+            plan = with_new_indices(plan, batch, args[:n_scat], self._input_names[:n_scat])
+        if plan.sliced:           # and as many rows of the sliceable shareds on every rank
+            plan = plan.with_sliced(self._plan_batch_s(batch_s, plan if plan.scattered else None))
+        return args, kwargs, plan
+
+    def _values_compared(self, state: State, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """On several nodes, what they compare of a call's arguments given as values, not as Data
+        (:func:`~synkhronos.wire.plan.values_text`), each in its input's order and dtype, as the
+        devices take it (``2`` and ``2.0`` for a float input alike); "" on one node."""
+        if state.nodes is None:
+            return ""
+        given = zip(self.spec.all_inputs, self._collect_args(args, kwargs))
+        return values_text(_as_its_input(var, v) for var, v in given if not isinstance(v, Data))
 
     def _note_rows_behind(self, state: State, plan: CallPlan) -> None:
         """Keep the rows behind each device's value of what the call wrote from its rows."""
@@ -522,9 +544,19 @@ def function(inputs: Sequence[Variable], outputs: Outputs | None = None,
     return Function(state, spec, bare, compiled, rows, local_updates)
 
 
-def _values_compared(state: State, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """On several nodes, what they compare of a call's arguments given as values, not as Data
-    (:func:`~synkhronos.wire.plan.values_text`); "" on one node."""
-    if state.nodes is None:
-        return ""
-    return values_text(v for v in [*args, *kwargs.values()] if not isinstance(v, Data))
+def _as_its_input(var: Any, value: Any) -> Any:
+    """``value`` in the dtype of the input ``var`` (a value the call already took)."""
+    try:
+        return np.asarray(value, dtype=var.type.dtype)
+    except (TypeError, ValueError):
+        return value
+
+
+def _refused_on_this_node(state: State, name: str, error: Exception) -> None:
+    """On several nodes: a call refused here before it ran is said to the other nodes, whose same
+    call then raises (NodesDiverged, naming this one) instead of pairing with this node's next
+    call; this node raises its own ``error``."""
+    if state.nodes is None or not state.is_open:
+        return
+    with contextlib.suppress(NodesDiverged):
+        state.nodes.tell_failed(("a call of", name, "(refused on its node before it ran)"), error)

@@ -179,6 +179,8 @@ class Calls(Part):
         columns: list
         if fields is not None:
             columns = [np.array(f) for f in fields]
+        elif not plan.subset:       # (on several nodes: no rank wrote a result to read)
+            columns = []
         else:
             per_rank = [outs if rank == local_master else
                         channel.read_result_arrays(rank) if rows[rank] else None

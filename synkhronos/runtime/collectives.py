@@ -120,7 +120,8 @@ class Collectives(Part):
         owner = t.node_of(rank)
         values = self.local_values(t.local_of(rank), vars_) if owner == t.node_rank else None
         if state.nodes is not None:
-            values = state.nodes.exchange(("get_value", int(rank)), values)[owner]
+            names = ", ".join(str(var) for var in vars_)
+            values = state.nodes.exchange(("get_value", int(rank), f"of {names}"), values)[owner]
         assert values is not None, "one node holds every rank"
         return values
 

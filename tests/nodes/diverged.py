@@ -2,8 +2,10 @@
 ``g``; then both call ``f`` on other rows, other indices, other Data and other numpy values, a
 function of a broadcast scalar on other scalars, the tutorials' givens idiom on other minibatch
 indices, a scatter of other values or other rows, all-reduces of other variables or by other ops,
-and train.run of other batch sizes. Each node writes the errors it got, and what calls made alike
-afterwards gave, to OUT/node<R>.json, then both close."""
+train.run of other batch sizes, a call whose arguments one node refuses, get_value and a checkpoint
+of other variables; and the same calls in other words (keywords in another order, values of other
+types that the inputs take alike), which must not raise. Each node writes the errors it got, and
+what calls made alike afterwards gave, to OUT/node<R>.json, then both close."""
 
 import json
 import os
@@ -53,13 +55,22 @@ calls["scatter rows"] = lambda: synk.scatter(held, np.arange(12.0).reshape(6, 2)
                                              batch=[0, 1, 2, 3] if node == 0 else [2, 3, 4, 5])
 calls["all_reduce"] = lambda: synk.all_reduce(held if node == 0 else other)
 calls["all_reduce op"] = lambda: synk.all_reduce(held, op="sum" if node == 0 else "max")
+calls["refused"] = lambda: f(x_data if node == 0 else np.ones(3))     # node 1's is refused there
+calls["get_value"] = lambda: synk.get_value(0, held if node == 0 else other)
+calls["save"] = lambda: synk.checkpoint.save(os.path.join(sys.argv[1], "held.safetensors"),
+                                             [held] if node == 0 else [other])
+# the same call in other words: keywords in another order, values of other types that the inputs
+# take alike (a float input's 2 and 2.0, an index's int and np.int32)
+calls["keywords"] = lambda: scaled(x=x_data, scale=2) if node == 0 else \
+    scaled(scale=np.float32(2.0), x=x_data)
+calls["index type"] = lambda: by_index(1 if node == 0 else np.int32(1))
 errors, next_calls = {}, {}
 for what, call in calls.items():
     try:
         call()
         errors[what] = None
-    except synk.NodesDiverged as e:
-        errors[what] = str(e)
+    except Exception as e:
+        errors[what] = f"{type(e).__name__}: {e}"
     next_calls[what] = float(np.asarray(f(x_data)).ravel()[0])     # every rank's rows again
 alike = float(np.asarray(by_index(1)).ravel()[0])       # rows 4:8 of the table, on both
 # a device-driven run of other batch sizes: each node's phases would end at other steps
@@ -73,6 +84,7 @@ try:
 except synk.NodesDiverged as e:
     errors["train.run"] = str(e)
 untrained = synk.get_value(0, w).tolist()
+first_step = float(np.asarray(step(run_x, run_y)))       # a master-driven step, then a run
 train.run(step, run_x, run_y, 8, steps=4)
 trained = [synk.get_value(rank, w).tolist() for rank in ranks]
 kept = [synk.get_value(rank, held).tolist() for rank in ranks]     # no scatter above ran
@@ -80,5 +92,6 @@ synk.scatter(held, np.arange(8.0).reshape(4, 2))
 scattered = [synk.get_value(rank, held).tolist() for rank in ranks]
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
     json.dump(dict(error=error, after=after, errors=errors, next_calls=next_calls, alike=alike,
-                   kept=kept, scattered=scattered, untrained=untrained, trained=trained), fh)
+                   kept=kept, scattered=scattered, untrained=untrained, trained=trained,
+                   first_step=first_step), fh)
 synk.close()
