@@ -342,11 +342,15 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         assert got["untrained"] == [0.0, 0.0] and got["trained"][0] != [0.0, 0.0], got
         assert all(t == got["trained"][0] for t in got["trained"]), got
         runs.append(got["trained"])
+        checked = got["errors"]["on_check"]         # the nodes agree on each check's decision
+        assert checked and checked.startswith("NodesDiverged") and "on_check at step 4" in checked, got
+        assert all(c == got["checked"][0] for c in got["checked"]), got
+        runs.append(got["checked"])
         # a scatter is compared before any node runs it; the same scatter then runs as on one node
         n, rows = 2 * per_node, np.arange(8.0).reshape(4, 2)
         assert got["kept"] == [np.zeros((2, 2)).tolist()] * n, got
         assert got["scattered"] == [rows[r * 4 // n:(r + 1) * 4 // n].tolist() for r in range(n)], got
-    assert runs[0] == runs[1]
+    assert runs[:2] == runs[2:]             # (each node's trained, then checked, weights)
 
 
 @pytest.mark.serial

@@ -426,13 +426,24 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             elapsed += seconds
             history.append(check_from_stats(stats, done, per_epoch, elapsed, seconds))
             stats, seconds = 0.0, 0.0
-            if checks.on_check is not None and checks.on_check(history):
+            if checks.on_check is not None and _stops_on_every_node(state, spec, done, checks.on_check(history)):
                 break
     finally:
         if state.is_open:       # the final parameters on every device, also after on_check raised
             serialized(state.loops.finish, name="train.run")(spec)
         history.end_run()
     return history
+
+
+def _stops_on_every_node(state: Any, spec: Any, done: int, stop: Any) -> bool:
+    """Whether ``on_check`` stopped the run: on several nodes, once every node's ``on_check`` said
+    the same (a node going on alone would wait in its next step's collective for the others), and
+    after any call it made (one made on some nodes only raises NodesDiverged on every node)."""
+    stop = bool(stop)
+    if state.nodes is not None:
+        said = ("train.run: on_check at step", done, "stop" if stop else "go on")
+        serialized(state.nodes.exchange, name="train.run")(said, None, tolerate_loss=spec.rule.asynchronous)
+    return stop
 
 
 def _run_data(train_fn: TrainStep, x_data: Any, y_data: Any) -> list[Any]:

@@ -2,10 +2,11 @@
 ``g``; then both call ``f`` on other rows, other indices, other Data and other numpy values, a
 function of a broadcast scalar on other scalars, the tutorials' givens idiom on other minibatch
 indices, a scatter of other values or other rows, all-reduces of other variables or by other ops,
-train.run of other batch sizes, a call whose arguments one node refuses, get_value and a checkpoint
-of other variables; and the same calls in other words (keywords in another order, values of other
-types that the inputs take alike), which must not raise. Each node writes the errors it got, and
-what calls made alike afterwards gave, to OUT/node<R>.json, then both close."""
+train.run of other batch sizes or with an on_check that stops on one node only, a call whose
+arguments one node refuses, get_value and a checkpoint of other variables; and the same calls in
+other words (keywords in another order, values of other types that the inputs take alike), which
+must not raise. Each node writes the errors it got, and what calls made alike afterwards gave, to
+OUT/node<R>.json, then both close."""
 
 import json
 import os
@@ -87,11 +88,17 @@ untrained = synk.get_value(0, w).tolist()
 first_step = float(np.asarray(step(run_x, run_y)))       # a master-driven step, then a run
 train.run(step, run_x, run_y, 8, steps=4)
 trained = [synk.get_value(rank, w).tolist() for rank in ranks]
+try:                                    # an on_check that stops the run on node 0 only
+    train.run(step, run_x, run_y, 8, steps=8, check_every=4, on_check=lambda history: node == 0)
+    errors["on_check"] = None
+except Exception as e:
+    errors["on_check"] = f"{type(e).__name__}: {e}"
+checked = [synk.get_value(rank, w).tolist() for rank in ranks]
 kept = [synk.get_value(rank, held).tolist() for rank in ranks]     # no scatter above ran
 synk.scatter(held, np.arange(8.0).reshape(4, 2))
 scattered = [synk.get_value(rank, held).tolist() for rank in ranks]
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
     json.dump(dict(error=error, after=after, errors=errors, next_calls=next_calls, alike=alike,
                    kept=kept, scattered=scattered, untrained=untrained, trained=trained,
-                   first_step=first_step), fh)
+                   first_step=first_step, checked=checked), fh)
 synk.close()
