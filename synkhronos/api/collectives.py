@@ -333,11 +333,7 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
     state = current()
     vars_, _ = resolve_shareds(shared_vars)
     values = _values_list(values, len(vars_), "values")
-    # on several nodes every node gives each value whole, and its devices take their rows of it:
-    # the nodes compare what they give (a Data's contents are taken alike)
-    given = "" if state.nodes is None else \
-        values_text([v for v in values if not isinstance(v, Data)] + [batch])
-    datas = []
+    datas, arrays = [], []
     for i, (var, value) in enumerate(zip(vars_, values)):
         if isinstance(value, Data):
             if value.dtype != var.type.dtype or value.ndim != var.type.ndim:
@@ -349,7 +345,11 @@ def scatter(shared_vars: Shareds, values: Any, batch: Any = None) -> None:
                                   cast_hint=_COLLECTIVE_CAST)
             if arr.ndim == 0:
                 raise TypeError(f"cannot scatter a 0-d value to {var}; use broadcast")
+            arrays.append(arr)
             datas.append(staging_data(state, ("scatter", i), arr))
+    # on several nodes every node gives each value whole, and its devices take their rows of it:
+    # the nodes compare what they give, as the variables take it (a Data's contents are taken alike)
+    given = "" if state.nodes is None else values_text([*arrays, batch])
     _read_data(state, vars_, datas, batch, chunked=True, given=given)
     release_large_staging(state.staging)
 

@@ -393,11 +393,12 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     if state.nodes is not None:
         # every node's phases must end at the same steps, or one would wait in a collective for
         # a node waiting elsewhere: the nodes compare the run before any of them starts it
-        run_text = (f"{batch_size} rows a step, steps {saving.resumed_step()}:{total}, checks every "
-                    f"{check_every}, checkpoints every {saving.every}, shuffle {order.shuffle} "
-                    f"(seed {order.seed}), {rule_record(sync)}, functions {spec.grad_fid} and "
-                    f"{spec.update_fid}, data {[(ref.data_id, tuple(ref.shape)) for ref in refs]}")
-        serialized(state.nodes.exchange, name="train.run")(("train.run of", run_text), None)
+        _said_on_every_node(state, ("train.run of", f"{batch_size} rows a step, steps "
+                                    f"{saving.resumed_step()}:{total}, checks every {check_every}, "
+                                    f"checkpoints every {saving.every}, shuffle {order.shuffle} (seed "
+                                    f"{order.seed}), {rule_record(sync)}, functions {spec.grad_fid} "
+                                    f"and {spec.update_fid}, data "
+                                    f"{[(ref.data_id, tuple(ref.shape)) for ref in refs]}"))
     history = History(sync, center_values=lambda: serialized(state.loops.center_values,
                                                              name="train.run")(spec))
     done, elapsed = saving.resumed_step(), 0.0
@@ -441,9 +442,15 @@ def _stops_on_every_node(state: Any, spec: Any, done: int, stop: Any) -> bool:
     after any call it made (one made on some nodes only raises NodesDiverged on every node)."""
     stop = bool(stop)
     if state.nodes is not None:
-        said = ("train.run: on_check at step", done, "stop" if stop else "go on")
-        serialized(state.nodes.exchange, name="train.run")(said, None, tolerate_loss=spec.rule.asynchronous)
+        _said_on_every_node(state, ("train.run: on_check at step", done, "stop" if stop else "go on"),
+                            tolerate_loss=spec.rule.asynchronous)
     return stop
+
+
+def _said_on_every_node(state: Any, what: tuple, tolerate_loss: bool = False) -> None:
+    """Every node says ``what`` of its run at this point: nodes that say otherwise raise
+    NodesDiverged, naming both."""
+    serialized(state.nodes.exchange, name="train.run")(what, None, tolerate_loss=tolerate_loss)
 
 
 def _run_data(train_fn: TrainStep, x_data: Any, y_data: Any) -> list[Any]:

@@ -60,7 +60,7 @@ class Registry(Part):
         self._shipped_uids: set[int] = set()
         self._scattered_set: set[SharedVariable] | None = None
         # var -> whether a change of its face in place can be the script's (see _watched), kept
-        # until the next function is registered
+        # until the functions registered change
         self._watchable: dict[SharedVariable, bool] = {}
         # id -> generator already made this node master's own stream
         self._own_streams: dict[int, SharedVariable] = {}
@@ -73,8 +73,7 @@ class Registry(Part):
         """Keep ``spec`` (to ship) and this process's ``compiled`` function (to run calls)."""
         self.specs[spec.fid], self.compiled[spec.fid] = spec, compiled
         self._unshipped.append(spec.fid)
-        self._scattered_set = None
-        self._watchable.clear()
+        self._functions_changed()
         self._next_fid = spec.fid + 1
         for var in spec.shared_variables():
             self.uid_of(var)
@@ -116,6 +115,12 @@ class Registry(Part):
                 not getattr(var.tag, "synk_gradient", False)
         return watchable and nbytes_of(value) <= WATCHED_BYTES
 
+    def _functions_changed(self) -> None:
+        """Forget what was derived from the registered functions (:meth:`_scattered`, and
+        :meth:`_watched`'s decisions)."""
+        self._scattered_set = None
+        self._watchable.clear()
+
     def _scattered(self) -> set[SharedVariable]:
         """:meth:`scattered_shared` as a set, kept until the next function is registered."""
         if self._scattered_set is None:
@@ -150,9 +155,7 @@ class Registry(Part):
                 cell[0] = kept.restore(device)
                 left[var] = device.shape
                 continue
-            device = cell[0]
-            if type(device) is np.ndarray:          # (as stored() reads it)
-                device = device_face(device)
+            device = stored(var)
             left[var] = np.shape(device)
             face = host_face(device)
             store(var, face)
@@ -328,8 +331,8 @@ class Registry(Part):
             # what cannot travel now never will: unregister it, so other functions still ship
             for spec in specs:
                 del self.specs[spec.fid], self.compiled[spec.fid]
-            self._unshipped, self._scattered_set = [], None
-            self._watchable.clear()
+            self._unshipped = []
+            self._functions_changed()
             names = ", ".join(spec.name for spec in specs)
             raise TypeError(f"{names} cannot be sent to the workers ({type(e).__name__}: {e}); "
                             f"they were unregistered, other functions still work") from e
