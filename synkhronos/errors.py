@@ -313,6 +313,23 @@ class SynkWarning(UserWarning):
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def warn(message: str, category: type[Warning] = SynkWarning) -> None:
+    """Warn with ``message``, naming the first line outside synkhronos: the user's, however deep
+    inside synkhronos it was found and whichever way the user called it.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warn("a word to the user")
+    >>> caught[0].message.args[0], caught[0].filename.startswith(PACKAGE_DIR)
+    ('a word to the user', False)
+    """
+    import warnings
+    warnings.warn(message, category, skip_file_prefixes=(PACKAGE_DIR,))
+
+
 class LocalUpdatesWarning(SynkWarning):
     """A function's updates are computed from each device's own rows and never combined.
 

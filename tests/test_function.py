@@ -152,8 +152,10 @@ def test_more_plans_than_the_cache_holds(synk2, rng):
     f = synk.function([x], [(x.sum(), "sum")], name="many_plans")
     X = rng.normal(size=40)
     x_dat = synk.data(X)
-    for n in list(range(2, 40)) + [2, 3, 39]:     # 38 distinct plans (16 kept), then old ones again
-        close(f(x_dat, batch=n), X[:n].sum())
+    with pytest.warns(synk.SynkWarning, match="many_plans has been called with 16") as said:
+        for n in list(range(2, 40)) + [2, 3, 39]:     # 38 distinct plans (16 kept), then old ones again
+            close(f(x_dat, batch=n), X[:n].sum())
+    assert {w.filename for w in said} == {__file__}      # the user's line, from deep in a call
 
 
 def test_repeated_numpy_calls_reuse_their_plan_and_compute_each_calls_values(synk2, rng):

@@ -332,8 +332,15 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         refused = got["errors"]["refused"]
         assert refused.startswith("TypeError" if node == 1 else "NodesDiverged"), got
         assert node == 1 or "refused on its node before it ran" in refused, got
-        assert "of held" in got["errors"]["get_value"] and "of other" in got["errors"]["get_value"], got
+        for what in ("set_value", "get_value"):
+            assert "of held" in got["errors"][what] and "of other" in got["errors"][what], (what, got)
         assert "checkpoint: digests of" in got["errors"]["save"], got
+        restored = got["errors"]["restore"]
+        assert restored and restored.startswith("NodesDiverged") and "restore of held" in restored, got
+        # a step whose update each node built with another learning rate: its graphs differ
+        rate = got["errors"]["learning rate"]
+        assert rate and rate.startswith("NodesDiverged") and "graph digest" in rate, got
+        assert got["unstepped"] == [[0.0, 0.0]] * (2 * per_node), got
         assert got["errors"]["keywords"] is None and got["errors"]["index type"] is None, got
         assert np.isfinite(got["first_step"]), got
         # a run of other batch sizes is refused before any step; the same run then trains alike
@@ -351,6 +358,21 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         assert got["kept"] == [np.zeros((2, 2)).tolist()] * n, got
         assert got["scattered"] == [rows[r * 4 // n:(r + 1) * 4 // n].tolist() for r in range(n)], got
     assert runs[:2] == runs[2:]             # (each node's trained, then checked, weights)
+
+
+@pytest.mark.timeout(180)
+def test_what_nodes_compare_of_graphs_is_the_same_in_processes_of_other_hash_seeds():
+    """Nodes compare a function's graphs by a digest that must not depend on the process: pytensor-ml
+    layers, Adam, random draws and a Mode object print alike under two hash seeds."""
+    printed = []
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, os.path.join(SCRIPTS, "graph_texts.py")], timeout=150,
+                              capture_output=True, text=True, env=source_env(PYTHONHASHSEED=seed))
+        assert done.returncode == 0, done.stderr
+        printed.append(done.stdout.splitlines())
+    assert len(printed[0]) == 5 and all("graph digest" in line for line in printed[0]), printed
+    assert printed[0] == printed[1], printed
+    assert len({line.split()[-1] for line in printed[0]}) == 5, printed      # each its own
 
 
 @pytest.mark.serial

@@ -431,6 +431,8 @@ def restore(path: str | os.PathLike, variables: Sequence[SharedVariable] | None 
     saving); names, shapes and dtypes are checked. A value saved once goes
     to every device, whatever the number of devices now; values saved per
     device need the same number of devices, but for those in ``any_count``.
+    On several nodes every node restores the same variables (nodes naming other
+    ones raise NodesDiverged before any is set).
 
     Parameters
     ----------
@@ -460,6 +462,9 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     meta, extra, tensors = contents
     variables = default_variables() if variables is None else _check_variables(variables)
     any_count = _check_any_count(any_count, variables)
+    if state.nodes is not None:       # (nodes restoring other variables would pair other collectives)
+        state.nodes.exchange(("checkpoint: restore of", ", ".join(str(var) for var in variables),
+                              "any_count", ", ".join(str(var) for var in any_count)), None)
     layout = meta["variables"]
     if len(layout) != len(variables):
         raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "

@@ -18,7 +18,6 @@ own rows from shared memory and puts them on its device.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Sequence, Union
@@ -29,7 +28,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from ..comm import Reservation
 from ..comm.reduction import Reduce
 from ..compile import randomness
-from ..errors import Failure, ShapeMismatch, SynkWarning, WorkerError, is_whole
+from ..errors import Failure, ShapeMismatch, WorkerError, is_whole, warn
 from ..platform.values import stored
 from ..rank import collectives as kinds
 from ..runtime.session import State, current, serialized
@@ -97,8 +96,8 @@ def _old_nccl(state: State, nccl: bool | None, what: str) -> None:
     if not nccl and state.comm_kind != "shm":
         raise TypeError(f"{what}(nccl=False): the collective path is chosen per runtime now; for the "
                         f"shared-memory CPU path use synk.fork(collectives='shm') (CPU only)")
-    warnings.warn(f"{what}(nccl=...) is no longer needed: the path is chosen by "
-                  f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning, stacklevel=3)
+    warn(f"{what}(nccl=...) is no longer needed: the path is chosen by "
+                  f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning)
 
 
 def _check_rank(state: State, rank: Any) -> int:
@@ -258,12 +257,12 @@ def _rows_behind(state: State, vars_: Sequence[SharedVariable], op: str, by_rows
 def _say_plain_mean(var: SharedVariable, rows: Sequence[int], what: str) -> None:
     """Warn that an average weighs alike values of unequal rows (once per variable: see
     :meth:`~synkhronos.runtime.rows_behind.RowsBehind.said_plain_mean`)."""
-    warnings.warn(
+    warn(
         f"{what}(op='avg') of {var}: the call that wrote it gave the devices {list(rows)} rows, "
         f"and the plain mean over the devices weighs their values alike. If each is a mean over "
         f"its device's rows (a gradient of a mean loss), pass by_rows=True for the mean over all "
         f"the rows, as one process computes it; by_rows=False keeps the plain mean and says "
-        f"nothing", SynkWarning, stacklevel=5)
+        f"nothing")
 
 
 def reduction_command(state: State, vars_: Sequence[SharedVariable], op: str, keep: Keep = Keep.ALL,
@@ -472,8 +471,9 @@ def set_value(rank: int, shared_vars: Shareds, values: Any, batch: Any = None) -
     """Set the value(s) of shared variable(s) on device ``rank`` only.
 
     ``batch`` (int, slice or index list) selects rows of each value first. On
-    several nodes ``rank`` is global and every node makes the same call; the
-    node holding ``rank`` applies its ``values``.
+    several nodes ``rank`` is global and every node makes the same call, of the
+    same variables (nodes naming others raise NodesDiverged before any sets
+    them); the node holding ``rank`` applies its ``values``.
     """
     state = current()
     rank = _check_rank(state, rank)
@@ -487,4 +487,7 @@ def set_value(rank: int, shared_vars: Shareds, values: Any, batch: Any = None) -
         arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
                                           cast_hint=_COLLECTIVE_CAST))
         check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
+    if state.nodes is not None:       # (nodes naming other variables raise before any sets them)
+        names = ", ".join(str(var) for var in vars_)
+        state.nodes.exchange(("set_value", rank, f"of {names}"), None)
     state.collectives.set_values(rank, vars_, arrays)

@@ -109,6 +109,14 @@ class Function:
         #: what its updates compute from the call's rows: an average of it weighs each device by
         #: its rows (a function that weighs them itself, as a training step's, sets it empty)
         self.row_written = written_from_rows(spec, [s.key for s in rows.slices] if rows is not None else [])
+        self._graph_compared: str | None = None
+
+    def graph_compared(self) -> str:
+        """What the masters of several nodes compare of this function's graphs
+        (:meth:`~synkhronos.wire.spec.FunctionSpec.compared_text`), made at its first use."""
+        if self._graph_compared is None:
+            self._graph_compared = self.spec.compared_text(self._state.registry.uid_of)
+        return self._graph_compared
 
     def touched_now(self, *_: object) -> list[SharedVariable] | None:
         """The shared variables a call hands to the devices and back (None, every one, for a
@@ -312,13 +320,15 @@ class Function:
         return args, kwargs, plan
 
     def _values_compared(self, state: State, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """On several nodes, what they compare of a call's arguments given as values, not as Data
-        (:func:`~synkhronos.wire.plan.values_text`), each in its input's order and dtype, as the
-        devices take it (``2`` and ``2.0`` for a float input alike); "" on one node."""
+        """On several nodes, what they compare of a call beyond its plan: its arguments given as
+        values, not as Data (:func:`~synkhronos.wire.plan.values_text`), each in its input's order
+        and dtype, as the devices take it (``2`` and ``2.0`` for a float input alike), and the
+        function's graphs (:meth:`graph_compared`); "" on one node."""
         if state.nodes is None:
             return ""
         given = zip(self.spec.all_inputs, self._collect_args(args, kwargs))
-        return values_text(_as_its_input(var, v) for var, v in given if not isinstance(v, Data))
+        values = values_text(_as_its_input(var, v) for var, v in given if not isinstance(v, Data))
+        return f"{values}, {self.graph_compared()}"
 
     def _note_rows_behind(self, state: State, plan: CallPlan) -> None:
         """Keep the rows behind each device's value of what the call wrote from its rows."""

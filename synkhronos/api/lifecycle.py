@@ -7,13 +7,12 @@ runtime itself is :class:`synkhronos.runtime.session.State`.
 from __future__ import annotations
 
 import os
-import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 from ..comm import Comm, ShmComm, comm_class, default_kind
 from ..comm.hierarchical import HierarchicalComm
-from ..errors import SynkWarning
+from ..errors import warn
 from ..platform import cluster, jax_init
 from ..platform import compile_cache as jax_compile_cache
 from ..runtime import session
@@ -161,8 +160,7 @@ def _old_fork_options(options: dict[str, Any], platform: str | None) -> str | No
     if "use_gpu" in options:
         use_gpu = options.pop("use_gpu")
         new = "gpu" if use_gpu else "cpu"
-        warnings.warn(f"fork(use_gpu={use_gpu!r}) is fork(platform={new!r}) now", DeprecationWarning,
-                      stacklevel=4)
+        warn(f"fork(use_gpu={use_gpu!r}) is fork(platform={new!r}) now", DeprecationWarning)
         platform = platform or new
     for name in ("max_n_var", "max_dim"):
         if name in options:
@@ -231,8 +229,8 @@ def timeline(path: str) -> Iterator[None]:
                     if not raised:
                         raise
                     # the block's own exception is the one the user needs: it is not replaced
-                    warnings.warn(f"the timeline could not be written to {path} ({type(e).__name__}: "
-                                  f"{e})", SynkWarning, stacklevel=3)
+                    warn(f"the timeline could not be written to {path} ({type(e).__name__}: "
+                                  f"{e})")
 
 
 def _writable(path: str | os.PathLike[str]) -> str:

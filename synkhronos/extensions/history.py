@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, overload
@@ -10,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
-from ..errors import SynkWarning
+from ..errors import warn
 
 if TYPE_CHECKING:
     from ..rank.rule import Rule
@@ -113,18 +112,18 @@ class History:
         """The run went on without the nodes in ``lost``: record the new ones, warn naming each."""
         for node in sorted(lost - {n for _, n in self.lost_nodes}):
             self.lose_node(node, step)
-            warnings.warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
+            warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
                           f"asynchronous run goes on with the other nodes, and the minibatches its "
-                          f"devices had claimed are not trained on", SynkWarning, stacklevel=3)
+                          f"devices had claimed are not trained on")
 
     def resize(self, change: Resize) -> None:
         """Record that the run resumed on another set of nodes or devices, and warn once saying so."""
         self.resizes.append(change)
         nodes = (f"{change.nodes_before} to {change.nodes_after} nodes, "
                  if change.nodes_before is not None and change.nodes_before != change.nodes_after else "")
-        warnings.warn(f"train.run: resumed at step {change.step} on {nodes}{change.devices_before} to "
+        warn(f"train.run: resumed at step {change.step} on {nodes}{change.devices_before} to "
                       f"{change.devices_after} devices from its checkpoint: the same global batch and "
-                      f"data order go on, split over the devices there are", SynkWarning, stacklevel=3)
+                      f"data order go on, split over the devices there are")
 
     def __len__(self) -> int:
         return len(self.checks)

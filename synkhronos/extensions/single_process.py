@@ -7,11 +7,11 @@ PyTensor compilation mode.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Sequence
 
 import pytensor
 
+from ..errors import warn
 from .step_graph import build_step_graph, call_values, givens_scalars, input_list
 
 __all__ = ["make_single_process_train_function", "make_train_function_theano"]
@@ -77,6 +77,5 @@ def make_single_process_train_function(loss: Any, params: Sequence[Any], x: Any,
 def make_train_function_theano(loss: Any, params: Sequence[Any], x: Any, y: Any, update_rule: Callable,
                                *args: Any, **kwargs: Any) -> Callable:
     """The original's name of :func:`make_single_process_train_function` (deprecated)."""
-    warnings.warn("make_train_function_theano is make_single_process_train_function now",
-                  DeprecationWarning, stacklevel=2)
+    warn("make_train_function_theano is make_single_process_train_function now", DeprecationWarning)
     return make_single_process_train_function(loss, params, x, y, update_rule, *args, **kwargs)

@@ -8,7 +8,6 @@ themselves, with the sync rules of :mod:`.sync`.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence, Unpack
 
 import numpy as np
@@ -18,7 +17,7 @@ from ..api.checkpoint import RunCheckpoints, next_multiple, order_record
 from ..api.data import Data
 from ..api.function_parts.batch import parse_batch_s
 from ..api.function_parts.row_sums import sum_over_rows
-from ..errors import SynkWarning, is_whole
+from ..errors import is_whole, warn
 from ..runtime.nodes import rows_of_every_node
 from ..runtime.session import current, serialized
 from ..seams.rule import check_rule, rule_record
@@ -369,7 +368,7 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     state = current()
     sync = AllReduce() if sync is None else sync
     order, checks, checkpointing = options_of(order, checks, checkpointing, dict(shorthands))
-    f_grad, _ = _check_run_arguments(train_fn, sync)
+    f_grad, f_update = _check_run_arguments(train_fn, sync)
     if getattr(x_data, "sharded", False) and state.topology.several_nodes:
         raise ValueError("train.run splits every epoch of a full copy of the data over every "
                          "device of every node; it does not take Data sharded per node: give each "
@@ -407,9 +406,9 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         if devices != state.n_parallel or nodes not in (None, state.topology.n_nodes):
             history.resize(Resize(done, nodes, state.topology.n_nodes, devices, state.n_parallel))
     if done >= total:
-        warnings.warn(f"the checkpoint {saving.path} is at step {done}, at or past this run's "
+        warn(f"the checkpoint {saving.path} is at step {done}, at or past this run's "
                       f"end ({total} steps): nothing is left to train; ask for more steps or epochs "
-                      f"to go on", SynkWarning, stacklevel=2)
+                      f"to go on")
     stats, seconds = 0.0, 0.0
     try:
         while done < total:

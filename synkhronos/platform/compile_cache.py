@@ -45,9 +45,8 @@ from __future__ import annotations
 import hashlib
 import os
 import platform as _platform
-import warnings
 
-from ..errors import SynkWarning
+from ..errors import warn
 
 __all__ = ["directory", "host_fingerprint", "usable_directory", "recalls", "record", "generated_source_directory",
            "MAX_BYTES", "ENV_VAR"]
@@ -131,9 +130,8 @@ def usable_directory(compile_cache: str | os.PathLike | bool | None = None) -> s
             raise PermissionError(f"{path} is not writable")
     except OSError as e:
         if compile_cache is None or compile_cache is True:
-            warnings.warn(f"the compile cache is off: {path} cannot be made ({e}); set "
-                          f"fork(compile_cache=DIRECTORY) or {ENV_VAR} to a writable directory",
-                          SynkWarning, stacklevel=4)
+            warn(f"the compile cache is off: {path} cannot be made ({e}); set "
+                          f"fork(compile_cache=DIRECTORY) or {ENV_VAR} to a writable directory")
             return None
         raise ValueError(f"fork(compile_cache={compile_cache!r}): {path} cannot be made ({e}); give a "
                          f"writable directory, or compile_cache=False to compile without one") from None

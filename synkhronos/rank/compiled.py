@@ -22,7 +22,7 @@ from pytensor.graph.replace import clone_replace
 
 from ..compile.randomness import is_generator
 from ..compile.rewrites import compile_mode, raise_deferred_interrupt
-from ..errors import SynkWarning
+from ..errors import warn
 from ..ipc.buffers import aligned_empty
 from ..platform.device_arrays import place_on_device, wait_until_computed
 from ..platform.internals import check_function_graph, jit_parts
@@ -380,12 +380,12 @@ class CompiledFunction:
         met.add(shapes)
         if len(met) >= MANY_SHAPES:
             self._shapes_met = None
-            warnings.warn(
+            warn(
                 f"{self.spec.name} has been called with {MANY_SHAPES} different argument shapes, and "
                 f"each device compiles every new shape (XLA, and PyTensor too for a graph that needs "
                 f"concrete shapes); pad varying lengths to a few bucket lengths (user guide, "
                 f"'Varying shapes'); each device keeps {self.spec.shapes_kept} shapes compiled "
-                f"(synk.function(shapes_kept=...))", SynkWarning, stacklevel=2)
+                f"(synk.function(shapes_kept=...))")
 
     def _first_call(self, shapes: Shapes, args: Sequence[Any], updates: bool, undo: UndoLog | None) -> list[Any]:
         """Run the graph built for ``shapes``; if that fails, the graph on free rows, whose failure

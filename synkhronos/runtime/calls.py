@@ -91,10 +91,11 @@ class Calls(Part):
 
     def name(self, plan: CallPlan, values: str = "") -> tuple[str, str, str]:
         """What a call is called in the exchange of its results: ``("a call of", name, on what)``;
-        ``values``: the :func:`~synkhronos.wire.plan.values_text` of its arguments given as values.
+        ``values``: what the nodes compare beyond the plan (the digests of its arguments given as
+        values and of its graphs: ``Function._values_compared``).
 
-        Nodes calling the same function on other rows, other data or other values both raise
-        NodesDiverged, naming both calls.
+        Nodes calling the same function on other rows, other data or other values, or a function
+        of that name built from other graphs, both raise NodesDiverged, naming both calls.
         """
         return ("a call of", self._state.registry.specs[plan.fid].name,
                 f"({plan.arguments_text()}{values})")
@@ -122,8 +123,8 @@ class Calls(Part):
             combine in its mode) undoes the call's updates on every rank, as
             any failed call does.
         values : str
-            On several nodes, what they compare of the arguments given as
-            values (:func:`~synkhronos.wire.plan.values_text`).
+            On several nodes, what they compare beyond the plan: the digests
+            of the arguments given as values and of the function's graphs.
 
         Returns
         -------

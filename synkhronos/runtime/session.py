@@ -96,8 +96,7 @@ def serialized(fn: Callable[P, R] | None = None, *, touches: Touches | None = No
 
     @functools.wraps(fn)
     def locked(*args: P.args, **kwargs: P.kwargs) -> R:
-        # one frame between the caller and ``fn``: the warnings' stacklevels and the reports'
-        # tracebacks count on it
+        # one frame between the caller and ``fn``: the reports' tracebacks count on it
         with _life.lock:
             outermost, state = _life.depth == 0, _life.state
             _life.depth += 1

@@ -8,10 +8,12 @@ every process compiles it for its own device
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.traversal import ancestors
 
@@ -26,6 +28,13 @@ JAX_MODE = "JAX"
 #: graphs a function keeps compiled per argument shape on each device, by default
 #: (``synk.function(shapes_kept=...)``): enough for every bucket length of a padded sequence model
 SHAPES_KEPT = 256
+#: a memory address in a default ``repr`` ("<Mode object at 0x7f...>")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _without_addresses(text: str) -> str:
+    """``text`` without the memory addresses a default ``repr`` names (other in every process)."""
+    return _ADDRESS.sub("", text)
 
 
 def shared_variables(graph_vars: Iterable[Variable]) -> list[SharedVariable]:
@@ -91,16 +100,53 @@ class FunctionSpec:
         the same script: its graphs (as PyTensor prints them, types included), inputs, givens,
         options and floatX, and the versions of PyTensor and JAX."""
         import importlib.metadata
+        parts = self._described()
+        parts += [importlib.metadata.version(name) for name in ("pytensor", "jax", "jaxlib")]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
+    def compared_text(self, uid_of: Callable[[SharedVariable], int]) -> str:
+        """What the masters of several nodes compare of this function: a digest of its graphs, as
+        :meth:`digest` reads them, and of every constant's whole value (PyTensor prints a large one
+        abbreviated) and the shared variables it reads and writes, by ``uid_of`` (their ids in the
+        runtime).
+
+        Nodes that built a function of one name from other graphs (another learning rate, another
+        layer) would mix what their devices compute silently.
+
+        Examples
+        --------
+        >>> import numpy as np, pytensor.tensor as pt
+        >>> x = pt.vector("x")
+        >>> def spec(rate):
+        ...     return FunctionSpec(0, "f", [x], [], [(x * rate, "sum")], [], [], [])
+        >>> spec(0.1).compared_text(id) == spec(0.1).compared_text(id)
+        True
+        >>> spec(0.1).compared_text(id) == spec(0.2).compared_text(id)
+        False
+        """
+        import xxhash
+        from pytensor.graph.basic import Constant
+        digest = xxhash.xxh3_64("\n".join(self._described()).encode())
+        for var in ancestors(self.graph_vars()):
+            if isinstance(var, Constant):
+                value = np.asarray(var.data)
+                digest.update(f"{value.dtype.str}{value.shape};".encode())
+                digest.update(_without_addresses(repr(var.data)).encode() if value.dtype.hasobject
+                              else np.ascontiguousarray(value).view(np.uint8))
+        digest.update(repr([uid_of(var) for var in self.shared_variables()]).encode())
+        return f"graph digest {digest.hexdigest()[:8]}"
+
+    def _described(self) -> list[str]:
+        """What decides how the graph compiles, in words the same in every process that built it
+        from the same script (memory addresses left out)."""
         import pytensor
         from pytensor.printing import debugprint
         parts = [pytensor.config.floatX, repr(sorted(self.kwargs.items(), key=str)),
                  repr([(v.name, str(v.type)) for v in self.all_inputs + self.sliceable_shareds]),
                  repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs])]
-        parts += [importlib.metadata.version(name) for name in ("pytensor", "jax", "jaxlib")]
         graphs = self.graph_vars()
         parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        return [_without_addresses(part) for part in parts]
 
     def shared_variables(self) -> list[SharedVariable]:
         """Every shared variable the function reads or updates (the workers must hold them)."""

@@ -2,8 +2,9 @@
 ``g``; then both call ``f`` on other rows, other indices, other Data and other numpy values, a
 function of a broadcast scalar on other scalars, the tutorials' givens idiom on other minibatch
 indices, a scatter of other values or other rows, all-reduces of other variables or by other ops,
-train.run of other batch sizes or with an on_check that stops on one node only, a call whose
-arguments one node refuses, get_value and a checkpoint of other variables; and the same calls in
+train.run of other batch sizes or with an on_check that stops on one node only, a training step
+built with another learning rate on each node (its update's graph differs), a call whose
+arguments one node refuses, set_value, get_value, a checkpoint and a restore of other variables; and the same calls in
 other words (keywords in another order, values of other types that the inputs take alike), which
 must not raise. Each node writes the errors it got, and what calls made alike afterwards gave, to
 OUT/node<R>.json, then both close."""
@@ -33,6 +34,10 @@ scaled = synk.function([x], [(x.sum() * scale, "sum")], bcast_inputs=[scale], na
 held = pytensor.shared(np.zeros((2, 2)), name="held")
 other = pytensor.shared(np.zeros((2, 2)), name="other")
 keeps = synk.function([], updates=[(held, held * 1.0), (other, other * 1.0)], name="keeps")
+# a step built with another learning rate on each node: its update's graph differs
+v = pytensor.shared(np.zeros(2), name="v")
+step_lr = train.make_train_function(((x.dot(v) - x.sum(1)) ** 2).mean(), [v], x, pt.vector("y"),
+                                    updates.sgd, learning_rate=0.1 if node == 0 else 0.2)
 synk.distribute()
 x_data = synk.data(np.ones((6, 2)))
 f(x_data)                                   # the same call on both: fine
@@ -57,7 +62,9 @@ calls["scatter rows"] = lambda: synk.scatter(held, np.arange(12.0).reshape(6, 2)
 calls["all_reduce"] = lambda: synk.all_reduce(held if node == 0 else other)
 calls["all_reduce op"] = lambda: synk.all_reduce(held, op="sum" if node == 0 else "max")
 calls["refused"] = lambda: f(x_data if node == 0 else np.ones(3))     # node 1's is refused there
+calls["set_value"] = lambda: synk.set_value(len(ranks) - 1, held if node == 0 else other, np.zeros((2, 2)))
 calls["get_value"] = lambda: synk.get_value(0, held if node == 0 else other)
+calls["learning rate"] = lambda: step_lr(x_data, synk.data(np.zeros(6)))
 calls["save"] = lambda: synk.checkpoint.save(os.path.join(sys.argv[1], "held.safetensors"),
                                              [held] if node == 0 else [other])
 # the same call in other words: keywords in another order, values of other types that the inputs
@@ -65,6 +72,9 @@ calls["save"] = lambda: synk.checkpoint.save(os.path.join(sys.argv[1], "held.saf
 calls["keywords"] = lambda: scaled(x=x_data, scale=2) if node == 0 else \
     scaled(scale=np.float32(2.0), x=x_data)
 calls["index type"] = lambda: by_index(1 if node == 0 else np.int32(1))
+saved = os.path.join(sys.argv[1], "both.safetensors")
+synk.checkpoint.save(saved, [held])                 # the same on both: restored below
+calls["restore"] = lambda: synk.checkpoint.restore(saved, [held] if node == 0 else [other])
 errors, next_calls = {}, {}
 for what, call in calls.items():
     try:
@@ -95,10 +105,11 @@ except Exception as e:
     errors["on_check"] = f"{type(e).__name__}: {e}"
 checked = [synk.get_value(rank, w).tolist() for rank in ranks]
 kept = [synk.get_value(rank, held).tolist() for rank in ranks]     # no scatter above ran
+unstepped = [synk.get_value(rank, v).tolist() for rank in ranks]  # nor the update of either rate
 synk.scatter(held, np.arange(8.0).reshape(4, 2))
 scattered = [synk.get_value(rank, held).tolist() for rank in ranks]
 with open(os.path.join(sys.argv[1], f"node{node}.json"), "w") as fh:
     json.dump(dict(error=error, after=after, errors=errors, next_calls=next_calls, alike=alike,
                    kept=kept, scattered=scattered, untrained=untrained, trained=trained,
-                   first_step=first_step, checked=checked), fh)
+                   first_step=first_step, checked=checked, unstepped=unstepped), fh)
 synk.close()

@@ -8,13 +8,12 @@ device (and its update reads no scattered rows, so the
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import LocalUpdatesWarning
+from ...errors import LocalUpdatesWarning, warn
 from ...platform.values import stored
 
 if TYPE_CHECKING:
@@ -49,9 +48,9 @@ class BatchShapedState:
             shape = np.shape(stored(s))
             if id(s) in self._unsaid and shape and shape[0] == total:
                 self._unsaid.discard(id(s))
-                warnings.warn(
+                warn(
                     f"{self._name} updates {s}, whose first dimension ({total}) is the call's rows: "
                     f"each device keeps a {s} of its own ({len(rows)} of them), computed from its own "
                     f"{min(rows)} to {max(rows)} rows; if it holds one row per example (a persistent "
                     f"chain), size it to a device's share, or pass local_updates=True to "
-                    f"synk.function if one each is meant", LocalUpdatesWarning, stacklevel=5)
+                    f"synk.function if one each is meant", LocalUpdatesWarning)

@@ -12,7 +12,6 @@ cannot travel. The tutorials' ``givens`` idiom is rewritten here
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,7 +23,7 @@ from pytensor.graph.traversal import ancestors
 
 from ...comm.reduction import check_output_mode, check_update_mode
 from ...compile import graph_updates, randomness, shipping
-from ...errors import PACKAGE_DIR, LocalUpdatesWarning, SynkWarning
+from ...errors import LocalUpdatesWarning, warn
 from ...platform import compile_cache
 from ...platform.internals import unsampleable_in_jax
 from ...rank.compiled import CompiledFunction
@@ -113,12 +112,12 @@ def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Va
     for var in averaged:
         found = sum_over_rows(var, rows)
         if found is not None:
-            warnings.warn(f"{name}'s output {var} is a sum over the rows ({found.owner.op}), scaled by "
+            warn(f"{name}'s output {var} is a sum over the rows ({found.owner.op}), scaled by "
                           f"constants at most, reduced with 'avg', the default: each device sums its own "
                           f"rows, and the call returns their average, weighted by rows, not the batch's "
                           f"value; give ({var}, 'sum') for the batch's, or divide by the rows' count "
                           f"(x.shape[0]) for a mean (a gradient of it, all-reduced by rows, needs 'sum' "
-                          f"as well)", SynkWarning, stacklevel=5)
+                          f"as well)")
 
 
 def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool, list[int]]:
@@ -205,13 +204,13 @@ def _warn_if_updates_are_local(triples: Sequence[tuple[SharedVariable, Variable,
     local = [s for s, value, _ in triples if rows.intersection(ancestors([value]))]
     if local:
         names = ", ".join(_update_names(local[:4], triples)) + (" ..." if len(local) > 4 else "")
-        warnings.warn(
+        warn(
             f"{name}: the updates of {names} are computed from each device's own rows, so every "
             f"device steps on its own gradient and the copies drift apart (one model per device). "
             f"For data-parallel training all-reduce the gradient between computing and applying "
             f"it: synkhronos.extensions.train.make_train_function(loss, params, x, y, "
             f"updates.sgd, learning_rate=...), or the three parts of extensions.updates. Pass "
-            f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning, stacklevel=5)
+            f"local_updates=True if per-device updates are meant.", LocalUpdatesWarning)
 
 
 def _update_names(targets: Iterable[SharedVariable], triples: Sequence[tuple[SharedVariable, Any, Any]]) -> list[str]:
@@ -259,17 +258,16 @@ def _say_once_if_a_float64_cast_computes_in_32_bits(spec: FunctionSpec) -> None:
             if getattr(v.type, "dtype", None) == "float64"]
     if wide:
         _SAID_64_BITS[0] = True
-        warnings.warn(f"{spec.name}: {wide[0]} is float64, and on the devices it computes and is kept in "
+        warn(f"{spec.name}: {wide[0]} is float64, and on the devices it computes and is kept in "
                       f"float32: floatX is float32, which turns JAX's 64-bit types off (said once); "
-                      f"declare it float32, or set floatX to float64", SynkWarning, stacklevel=5)
+                      f"declare it float32, or set floatX to float64")
         return
     for node in apply_ancestors(spec.graph_vars()):
         if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Cast) and \
                 node.outputs[0].type.dtype == "float64" and node.inputs[0].type.dtype in ("float16", "float32"):
             _SAID_64_BITS[0] = True
-            warnings.warn(f"{spec.name}: {node.op} of {node.inputs[0]} computes in float32 on the "
-                          f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)",
-                          SynkWarning, stacklevel=5)
+            warn(f"{spec.name}: {node.op} of {node.inputs[0]} computes in float32 on the "
+                          f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)")
             return
 
 
@@ -285,10 +283,9 @@ def _say_if_assertions_go_unchecked(spec: FunctionSpec) -> None:
                                 if isinstance(node.op, CheckAndRaise)))
     if checks:
         more = f" (and {len(checks) - 1} more)" if len(checks) > 1 else ""
-        warnings.warn(f"{spec.name}: the assertion {checks[0][1]!r} of {checks[0][0]}{more} is not "
+        warn(f"{spec.name}: the assertion {checks[0][1]!r} of {checks[0][0]}{more} is not "
                       f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
-                      f"backend skips it; check the values before the call", SynkWarning,
-                      skip_file_prefixes=(PACKAGE_DIR,))
+                      f"backend skips it; check the values before the call")
 
 
 def _check_jax_can_sample(spec: FunctionSpec) -> None:

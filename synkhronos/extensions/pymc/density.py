@@ -9,7 +9,6 @@ counted once, exactly as PyMC counts them, whatever the device count.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from pytensor.graph.rewriting.utils import rewrite_graph
 
 from ...api.data import data
 from ...api.function import function
-from ...errors import PACKAGE_DIR, Failure, SynkWarning, WorkerError
+from ...errors import Failure, WorkerError, warn
 from .terms import SplitModel, UnsplittableModel, split_model
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ def _say_once(reason: str, message: str) -> None:
     """Warn ``message`` once in this process per ``reason``, at the user's line."""
     if reason not in _SAID_HERE:
         _SAID_HERE.add(reason)
-        warnings.warn(message, SynkWarning, skip_file_prefixes=(PACKAGE_DIR,))
+        warn(message)
 
 
 def logp_dlogp_function(model: Any = None, grad_vars: list | None = None, jacobian: bool = True,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from pymc.model import modelcontext
 from pymc.step_methods.hmc.quadpotential import QuadPotentialDiagAdapt
 from pymc.util import get_random_generator
 
-from ...errors import SynkWarning
+from ...errors import warn
 from .density import LogpDlogp, logp_dlogp_function
 from .steps import _ONE_PROCESS, NUTS
 
@@ -82,7 +81,7 @@ def sample(draws: int = 1000, *, tune: int | None = None, chains: int | None = N
         raise ValueError(f"nuts_sampler={nuts_sampler!r} samples with its own compiled model; the "
                          f"devices serve PyMC's own NUTS: leave nuts_sampler out (or 'pymc')")
     if cores not in (None, 1):
-        warnings.warn(f"cores={cores}: {_ONE_PROCESS.split(': ')[0]}", SynkWarning, stacklevel=2)
+        warn(f"cores={cores}: {_ONE_PROCESS.split(': ')[0]}")
     if chains is None:
         chains = max(2, min(4, os.cpu_count() or 1))
     sample_kwargs, nuts_kwargs = _split_kwargs(kwargs)
