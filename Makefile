@@ -30,15 +30,18 @@ venv: $(STAMP)
 # run starts (each runtime's workers, each script a test runs) would compile every module again
 BYTECODE := -m compileall -q -j 0 synkhronos tests bench demos
 
+# the test files holding tests that run alone (marked serial): their phase collects only those
+SERIAL_FILES = $(shell grep -l "mark.serial" tests/test_*.py)
+
 test: $(STAMP)
 	$(PY) $(BYTECODE) > /dev/null
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu and not serial" tests
-	$(PY) -m pytest -q -m "serial and not slow and not gpu" tests
+	$(PY) -m pytest -q -m "serial and not slow and not gpu" $(SERIAL_FILES)
 
 test-all: $(STAMP)
 	$(PY) $(BYTECODE) > /dev/null
 	$(PY) -m pytest -q -n 2 -m "not serial and not gpu" --durations=25 tests
-	$(PY) -m pytest -q -m "serial and not gpu" --durations=25 tests
+	$(PY) -m pytest -q -m "serial and not gpu" --durations=25 $(SERIAL_FILES)
 
 # the GPU tier: one GPU, when JAX finds one (else every test says it was skipped, and why)
 test-gpu: $(STAMP)

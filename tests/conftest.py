@@ -85,13 +85,15 @@ def worker_children():
 
 
 @pytest.fixture
-def synk2():
-    """A running 2-device runtime (re-forked if a test closed it or forked another count)."""
+def synk2(request):
+    """A running 2-device runtime (re-forked if a test closed it or forked another count), of the
+    test's ``comm_kind`` when it takes that fixture too, else of the default collectives."""
+    kind = request.getfixturevalue("comm_kind") if "comm_kind" in request.fixturenames else "shm"
     active = session.active()
-    if active is not None and (active.n_parallel != N_PARALLEL or active.comm_kind != "shm"):
+    if active is not None and (active.n_parallel != N_PARALLEL or active.comm_kind != kind):
         synk.close()
     if session.active() is None:
-        synk.fork(N_PARALLEL)
+        synk.fork(N_PARALLEL, collectives=kind)
     yield session.current()
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 import pytensor.tensor as pt
+import pytest
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.link.jax.dispatch import jax_funcify
@@ -440,6 +441,12 @@ def _abort(values):
 
 
 AbortOnHost = _host_identity("AbortOnHost", _abort, "Identity that aborts a worker natively.")
+
+
+#: the device counts of the module fixtures that run a test on each: 1, 2 and 3 in the full suite; in
+#: the fast tier 2, the count of the suite's own runtime (no fork of its own; its tests' batches split
+#: unevenly over 2 as well)
+DEVICE_COUNTS = [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow)]
 
 
 def forked(n):

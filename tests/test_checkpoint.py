@@ -256,7 +256,8 @@ def test_run_checkpoint_misuse_is_refused(synk2, rng, tmp_path):
     assert session.active() is not None
 
 
-@pytest.mark.parametrize("taken", ["checkpoint.safetensors", "checkpoint.safetensors.partial"])
+@pytest.mark.parametrize("taken", [pytest.param("checkpoint.safetensors", marks=pytest.mark.slow),
+                                   "checkpoint.safetensors.partial"])
 def test_a_directory_where_the_checkpoint_goes_is_refused_before_any_step(synk2, rng, tmp_path, taken):
     from test_extensions import mlp
     x_np, y_np = rng.normal(size=(60, 6)), rng.integers(0, 3, size=60)

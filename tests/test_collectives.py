@@ -125,6 +125,10 @@ def test_gather_and_all_gather_unequal_lengths(held, rng):
         close(synk.get_value(rank, c), np.concatenate([values[0][2], values[1][2]]))
 
 
+def test_the_tests_of_each_collectives_kind_run_on_a_runtime_of_that_kind(comm_kind, synk2):
+    assert synk2.comm_kind == comm_kind and session.current() is synk2
+
+
 def test_large_all_reduce_is_exact(comm_kind, synk2):
     big = pytensor.shared(np.zeros(3_000_000, "float32"), name="big")
     synk.function([], [(big.sum(), "sum")])

@@ -362,6 +362,7 @@ synk.close()
 """
 
 
+@pytest.mark.slow
 def test_a_runtime_after_one_of_other_threads_still_compiles_each_program_once_per_host(tmp_path):
     """XLA reads its flags once per process: a runtime after one with another thread count keeps the
     first one's flags in its workers too, so that a worker loads what the master compiled."""

@@ -18,7 +18,8 @@ from synkhronos.runtime import session
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=[(1, "shm"), (1, "jax"), (3, "shm"), (3, "jax")],
+@pytest.fixture(scope="module", params=[(1, "shm"), pytest.param((1, "jax"), marks=pytest.mark.slow),
+                                        pytest.param((3, "shm"), marks=pytest.mark.slow), (3, "jax")],
                 ids=lambda p: f"{p[0]}dev-{p[1]}")
 def runtime(request):
     n, kind = request.param

@@ -283,6 +283,7 @@ def _regression(prefix, rng):
     return x, y, [W, b], (pt.tanh(x.dot(W) + b) - y) ** 2
 
 
+@pytest.mark.slow
 def test_a_loss_summed_over_the_rows_is_refused_when_its_step_is_built_and_its_mean_trains_as_one_process(synk2):
     """``cost = mlp.cost / (2 * batch_size)`` (a sum of squares): each device's loss over its rows
     would be a fraction of the batch's, and the step, weighing devices by rows as for a mean, would

@@ -69,7 +69,7 @@ STEADY = [(1, "shm", {"synk_step": 1}), (2, "jax", {"synk_step": 1}),
           pytest.param(2, "shm", {PYTENSOR_GRAPH: 2}, marks=SLOW)]
 
 
-@pytest.mark.parametrize("n, collectives, expected", STEADY)
+@pytest.mark.parametrize("n, collectives, expected", [STEADY[0], pytest.param(*STEADY[1], marks=SLOW), STEADY[2]])
 def test_a_steady_master_loop_step_launches_one_program(device_arrays, n, collectives, expected):
     device_arrays(n, collectives)
     m = _model()
@@ -100,8 +100,9 @@ def test_a_steady_step_on_device_data_launches_one_program(device_arrays, n, col
 
 
 @pytest.mark.parametrize("n, collectives, expected", [(1, "shm", {"synk_steps": 1}),
-                                                      (2, "jax", {"synk_steps": 1}),
-                                                      (2, "shm", {PYTENSOR_GRAPH: 16})])
+                                                      pytest.param(2, "jax", {"synk_steps": 1}, marks=SLOW),
+                                                      pytest.param(2, "shm", {PYTENSOR_GRAPH: 16},
+                                                                   marks=SLOW)])
 def test_a_device_loop_block_is_one_program(device_arrays, n, collectives, expected):
     device_arrays(n, collectives)
     m = _model()
@@ -165,7 +166,7 @@ def test_fused_steps_on_device_data_equal_one_process(device_arrays, n, collecti
     _equal_to_one_process(m, batches, losses)
 
 
-@pytest.mark.parametrize("n, collectives", [(1, "shm"), pytest.param(2, "jax", marks=SLOW),
+@pytest.mark.parametrize("n, collectives", [pytest.param(1, "shm", marks=SLOW), pytest.param(2, "jax", marks=SLOW),
                                             pytest.param(3, "jax", marks=SLOW)])
 def test_run_in_blocks_equals_the_master_loop(device_arrays, n, collectives):
     """AllReduce in blocks of steps (each epoch's last, shorter step apart) against the master
@@ -272,6 +273,7 @@ def test_a_block_that_raises_keeps_every_value(device_arrays, n, collectives):
     synk.fork(n, collectives=collectives)
 
 
+@pytest.mark.slow
 def test_a_shape_set_by_the_users_own_function_is_asked_again(device_arrays):
     """A sliceable shared shrunk by the user's own JAX-mode function: batch_s past its new end is
     refused (the kept shapes were forgotten), not read from its last row."""
@@ -356,7 +358,7 @@ def test_a_pinned_buffer_is_written_again_only_when_free(device_arrays):
     assert buffers.send(np.zeros((512, 1024), "float32")) is None
 
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=SLOW)])
 def test_a_value_the_scripts_own_jax_function_leaves_reaches_every_device(device_arrays, n):
     """Where values stay device arrays (a GPU), the user's own functions compile with mode="JAX"
     and leave new JAX arrays in the variables they update (a learning-rate decay): a change of the
@@ -377,6 +379,7 @@ def test_a_value_the_scripts_own_jax_function_leaves_reaches_every_device(device
         np.testing.assert_array_equal(gathered[0], gathered[-1])
 
 
+@pytest.mark.slow
 def test_per_device_values_stay_per_device_over_calls_made_while_a_thread_runs(device_arrays):
     """While another thread runs, the values are numpy faces (a reader may hold them); after, device
     arrays again. Neither change is the script's: each device keeps its own updates."""

@@ -74,8 +74,9 @@ def test_counting_devices_creates_no_context():
 
 
 @pytest.mark.parametrize("collectives", ["shm", "jax"])
-@pytest.mark.parametrize("host_faces", [pytest.param("1", marks=pytest.mark.slow), "0"],
+@pytest.mark.parametrize("host_faces", ["1", "0"],
                          ids=["host-faces", "device-values"])
+@pytest.mark.slow
 def test_close_lets_the_jax_backend_go_though_the_user_keeps_the_functions(host_faces, collectives):
     """What synkhronos keeps (functions, steps, Data, shared values) no longer holds JAX's backend
     after close(): a GPU's memory is given back, and the backend's watch of the coordination
@@ -201,6 +202,7 @@ def test_a_worker_ends_as_a_python_process_ends(tmp_path):
                 assert fh.read() == line + "\n", (kind, pid)
 
 
+@pytest.mark.slow
 def test_bad_fork_arguments():
     out = run_script("""
         import synkhronos as synk

@@ -136,6 +136,7 @@ def test_allreduce_on_the_jax_runtime_collective(rng):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_every_rank_runs_the_same_blocks_whatever_it_compiled_besides():
     """A gradient that reads no rows builds one graph for any rows, which the master's check of
     its first share has built already: the master must still take the loop's first step apart as
@@ -158,6 +159,7 @@ def test_every_rank_runs_the_same_blocks_whatever_it_compiled_besides():
         synk.close()
 
 
+@pytest.mark.slow
 def test_a_thread_of_the_script_changes_nothing_under_the_jax_collectives(rng):
     """While another thread of the script runs, the master's values stay host faces (that thread
     may read them): the loop's block programs take them as device arrays, and train as one
@@ -203,10 +205,12 @@ def assert_rules_agree(rng, seed, first, second, rtol, atol, **schedule):
     return want, init
 
 
+@pytest.mark.slow
 def test_average_every_step_with_sgd_is_allreduce(synk2, rng):
     assert_rules_agree(rng, 7, sync.AllReduce(), sync.Average(every=1), 1e-9, 1e-12, epochs=2)
 
 
+@pytest.mark.slow
 def test_a_rule_written_against_the_rule_loop_contract_alone_runs_as_the_built_in_one(synk2, rng):
     """ToyAverage (tests/helpers.py) uses only synkhronos.seams.loop.RuleLoop; it computes what
     Average does, rows unevenly split included."""
@@ -371,6 +375,7 @@ def check_diloco(n, rng, steps=9):
                 np.testing.assert_allclose(got, w, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_diloco_takes_its_outer_nesterov_steps_exactly(synk2, rng):
     check_diloco(N_PARALLEL, rng)
 
@@ -765,6 +770,7 @@ def test_rules_are_settings_only_frozen_comparable_and_recorded(rule):
                                                    f"the checkpoint, {other!r} here")
 
 
+@pytest.mark.slow
 def test_the_grouped_options_run_as_their_keywords_do(model, rng, tmp_path):
     """order=, checks= and checkpointing= are the keywords' settings, grouped: the same run."""
     step, params, init = model
@@ -819,6 +825,7 @@ def test_input_that_cannot_run_is_refused_before_the_loop_and_the_runtime_stays(
     train.run(step, x_np, y_np, BATCH, steps=2)
 
 
+@pytest.mark.slow
 def test_average_with_state_keeps_adams_step_count_whole_on_every_device(synk2, rng):
     """Average(state=True) averages Adam's int64 step count weighted by uneven rows (2 and 1 of 3):
     the count stays the number of steps on every device (a weighted sum of equal counts is the

@@ -361,6 +361,7 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_what_nodes_compare_of_graphs_is_the_same_in_processes_of_other_hash_seeds():
     """Nodes compare a function's graphs by a digest that must not depend on the process: pytensor-ml
     layers, Adam, random draws and a Mode object print alike under two hash seeds."""

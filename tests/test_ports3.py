@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close, forked
+from helpers import DEVICE_COUNTS, close, forked
 
 import synkhronos as synk
 from synkhronos.runtime import session
@@ -16,7 +16,7 @@ from synkhronos.runtime import session
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def device_count(request):
     """Module-scoped so that pytest runs every test of one device count together (one fork)."""
     return request.param
@@ -411,6 +411,7 @@ def test_a_float64_parameter_under_float32_is_said_once(tmp_path):
     assert len(said) == 1 and "W is float64, and on the devices it computes and is kept in float32" in said[0]
 
 
+@pytest.mark.slow
 def test_a_training_step_takes_wider_data_with_allow_input_downcast_as_pytensor_function_does(devices, rng):
     """The tutorials' ``theano.function(..., allow_input_downcast=True)``: int64 labels into an
     ivector and float64 rows into a float32 model, narrowed; without it the step names the

@@ -11,7 +11,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close, forked
+from helpers import DEVICE_COUNTS, close, forked
 from pytensor_ml import optim
 from pytensor_ml.activations import ReLU
 from pytensor_ml.layers import BatchNorm, Linear, Sequential
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 BATCHES = [13, 8, 11, 13]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def device_count(request):
     """Module-scoped so that pytest runs every test of one device count together (one fork)."""
     return request.param

@@ -11,7 +11,7 @@ import numpy as np
 import pytensor
 import pytest
 from conftest import synk_segments, worker_children
-from helpers import source_env
+from helpers import DEVICE_COUNTS, source_env
 
 pm = pytest.importorskip("pymc")
 az = pytest.importorskip("arviz")
@@ -192,7 +192,7 @@ def assert_equals_pymc(f, name):
         np.testing.assert_allclose(grad, dlogp(point), rtol=1e-9, atol=1e-12)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def devices(request):
     if session.active() is not None:
         synk.close()
@@ -295,6 +295,7 @@ def test_sample_takes_what_pm_sample_takes_and_agrees_with_it(synk2):
     assert not np.allclose(tuned.posterior["mu"].values[0], tuned.posterior["mu"].values[1])
 
 
+@pytest.mark.slow
 def test_sample_refuses_what_it_cannot_serve_and_says_cores_once(synk2):
     model = hierarchical(n=20)
     with model:
@@ -587,6 +588,7 @@ def test_as_many_groups_as_rows_names_the_pm_data_index_and_that_index_splits(sy
     np.testing.assert_allclose(f(point)[1], by_data.compile_dlogp()(point), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_a_density_copied_before_pm_set_data_is_refused_and_one_built_after_equals_pymc(synk2):
     """The devices hold a copy of the model's data (its rows, and what reads data alone, computed
     once); ``pm.set_data``, or a ``set_value`` of a plain shared variable (PyMC3's way), gives the

@@ -259,6 +259,7 @@ def test_a_launcher_in_a_flood_hears_why_and_close_ends_every_connection():
         assert server._open == 0
 
 
+@pytest.mark.slow
 def test_a_launcher_refused_by_a_busy_rendezvous_tries_again_and_runs_its_round(tmp_path):
     """A flood of strangers' connections fills the rendezvous: a launcher arriving then is told it
     is busy, tries again once the strangers are dropped (their join time), and runs its script."""
@@ -507,6 +508,7 @@ def test_an_assertion_of_the_users_graph_is_said_to_go_unchecked_once_naming_it(
         synk.function([y], (y.sum(), "sum"))    # a graph without an assertion says nothing
 
 
+@pytest.mark.slow
 def test_float32_parameters_under_float64_floatx_train_and_keep_their_dtype(devices):
     """PyTensor's JAX backend computes a float32 parameter's gradient in float64 under the default
     floatX (float64): every update keeps its variable's dtype, the flat gradient's all-reduce among
@@ -564,6 +566,7 @@ def _counted_step(name):
     return build, w, count
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_whole_step(own_runtime):
     """A step of several commands (the gradient function, the all-reduce, the update) stores its
     state updates (a step counter) with the gradient: a Ctrl-C landing before the update stored
@@ -595,8 +598,8 @@ def test_a_ctrl_c_between_a_steps_gradient_and_its_update_leaves_the_state_of_a_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("collectives", ["shm", "jax"])
-@pytest.mark.parametrize("failing_step", [8, 5])
+@pytest.mark.parametrize("collectives", ["shm", pytest.param("jax", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("failing_step", [pytest.param(8, marks=pytest.mark.slow), 5])
 def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whole_step(collectives, failing_step):
     """A step of train.run fails on rank 1 (a host check of its rows) while the master waits in the
     all-reduce, its counter stored: the runtime is shut down, and the values the script keeps are
@@ -634,7 +637,7 @@ def test_a_rank_failing_in_a_loop_step_leaves_the_masters_state_of_the_last_whol
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("collectives", ["shm", "jax"])
+@pytest.mark.parametrize("collectives", [pytest.param("shm", marks=pytest.mark.slow), "jax"])
 def test_a_fault_the_teardown_meets_itself_tears_down_once(collectives):
     """A teardown asks the workers to stop and waits for them; a worker it killed a moment before
     (after a Ctrl-C) is seen dead by that wait, a fault of its own: it goes on once, and neither
@@ -672,6 +675,7 @@ def test_a_fault_the_teardown_meets_itself_tears_down_once(collectives):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("collectives", ["shm", "jax"])
+@pytest.mark.slow
 def test_a_ctrl_c_while_a_steps_update_runs_in_a_thread_keeps_a_whole_step(collectives):
     """A step called by the script: with collectives="jax" its all-reduce and update run in a thread
     of the master while the main thread watches, and a Ctrl-C lands in the main thread. The thread's
@@ -715,6 +719,7 @@ def test_a_ctrl_c_while_a_steps_update_runs_in_a_thread_keeps_a_whole_step(colle
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.slow
 def test_a_ctrl_c_while_the_loop_runs_in_a_thread_ends_it_after_a_whole_step(presses):
     """With collectives="jax" the master's loop runs in a thread of its own while the main thread
     watches the workers, and a Ctrl-C lands in the main thread: the loop ends after the step it is

@@ -8,7 +8,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close
+from helpers import DEVICE_COUNTS, close
 from test_programs import forked
 
 import synkhronos as synk
@@ -17,7 +17,7 @@ from synkhronos.extensions import train, updates
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def device_count(request):
     return request.param
 
@@ -67,6 +67,7 @@ def test_scalar_inputs_keep_their_place_among_scattered_inputs(devices, rng):
         close(ours, theirs, rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_a_scalar_input_beside_time_major_inputs(devices, rng):
     x, scale, mask = pt.matrix("x"), pt.scalar("scale"), pt.matrix("mask")      # (time, samples)
     outputs = [((x * mask * scale).sum(axis=0), "gather"), ((x * scale).sum(), "sum")]

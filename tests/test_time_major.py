@@ -10,7 +10,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close, reference
+from helpers import DEVICE_COUNTS, close, reference
 
 import synkhronos as synk
 from synkhronos.runtime import session
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 T, N = 6, 11                        # time steps, samples
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def runtime(request):
     if session.active() is not None:
         synk.close()
@@ -213,6 +213,7 @@ def test_training_helpers_count_the_step_rows_on_axis_0_of_x(runtime, rng):
     close(step(x_dat, m_dat, y_dat, batch=[1, 2]), single(X[[1, 2]], M[:, [1, 2]], Y[[1, 2]]))
 
 
+@pytest.mark.slow
 def test_a_scan_over_an_embedding_of_the_rows_is_refused_and_the_bcast_route_runs(runtime):
     """DeepLearningTutorials' rnnslu: a sentence's word indices, read through an embedding and
     reshaped, then scanned with a carried state. Split, each device would restart the recurrence
@@ -237,6 +238,7 @@ def test_a_scan_over_an_embedding_of_the_rows_is_refused_and_the_bcast_route_run
     np.testing.assert_array_equal(whole(sentence), want)
 
 
+@pytest.mark.slow
 def test_a_training_step_on_time_major_inputs_trains_as_one_process(runtime, rng):
     """make_train_function(..., split_axes={x: 1, mask: 1}): each device takes whole sequences of
     its own samples and weighs its gradient by them (11 samples as 6/5 and 3/4/4, 7 as 3/4 and

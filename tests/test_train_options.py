@@ -7,7 +7,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from helpers import close
+from helpers import DEVICE_COUNTS, close
 from test_programs import forked, tutorial_model
 
 import synkhronos as synk
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 BATCHES = [8, 11, 10, 9]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}dev")
+@pytest.fixture(scope="module", params=DEVICE_COUNTS, ids=lambda n: f"{n}dev")
 def device_count(request):
     return request.param
 
