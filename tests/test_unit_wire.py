@@ -285,3 +285,26 @@ def test_epoch_order_is_the_same_permutation_on_every_rank() -> None:
     assert sorted(first.tolist()) == list(range(50)) and first.dtype == np.int64
     assert not np.array_equal(first, epoch_order(50, 4, 7))
     np.testing.assert_array_equal(epoch_order(4, 9, 9, shuffle=False), [0, 1, 2, 3])
+
+
+def test_what_nodes_compare_of_a_function_tells_apart_every_part_of_its_graphs():
+    """A function's compared text differs when any part of what it computes differs: a constant in
+    the middle of a large one (printed abbreviated), the variable a givens replaces, a shared
+    variable of the same name and shape, the variables it slices; and not between two builds of
+    the same graph."""
+    x = pt.vector("x")
+    a, b, c = (pytensor.shared(np.zeros(3), name=name) for name in "abc")
+    w, w_twin = pytensor.shared(np.ones(3), name="w"), pytensor.shared(np.ones(3), name="w")
+    table = np.arange(1000.0)
+    uids = {a: 0, b: 1, c: 2, w: 3, w_twin: 4}
+
+    def text(constant=table, replaced=a, weights=w, sliced=()):
+        spec = FunctionSpec(0, "f", [x], [], [(((x + a + 2 * b) * weights).sum() + pt.constant(constant).sum(),
+                                               "sum")], [], [(replaced, c)], list(sliced))
+        return spec.compared_text(uids.__getitem__)
+
+    changed = table.copy()
+    changed[500] = -1.0
+    assert text() == text()
+    others = [text(constant=changed), text(replaced=b), text(weights=w_twin), text(sliced=[c])]
+    assert len({text(), *others}) == 5

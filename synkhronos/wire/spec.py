@@ -107,8 +107,8 @@ class FunctionSpec:
     def compared_text(self, uid_of: Callable[[SharedVariable], int]) -> str:
         """What the masters of several nodes compare of this function: a digest of its graphs, as
         :meth:`digest` reads them, and of every constant's whole value (PyTensor prints a large one
-        abbreviated) and the shared variables it reads and writes, by ``uid_of`` (their ids in the
-        runtime).
+        abbreviated) and the shared variables it reads, writes, replaces by givens and slices, by
+        ``uid_of`` (their ids in the runtime).
 
         Nodes that built a function of one name from other graphs (another learning rate, another
         layer) would mix what their devices compute silently.
@@ -133,7 +133,9 @@ class FunctionSpec:
                 digest.update(f"{value.dtype.str}{value.shape};".encode())
                 digest.update(_without_addresses(repr(var.data)).encode() if value.dtype.hasobject
                               else np.ascontiguousarray(value).view(np.uint8))
-        digest.update(repr([uid_of(var) for var in self.shared_variables()]).encode())
+        replaced = [uid_of(var) if isinstance(var, SharedVariable) else None for var, _ in self.givens]
+        digest.update(repr([[uid_of(var) for var in self.shared_variables()], replaced,
+                            [uid_of(var) for var in self.sliceable_shareds]]).encode())
         return f"graph digest {digest.hexdigest()[:8]}"
 
     def _described(self) -> list[str]:
@@ -143,7 +145,8 @@ class FunctionSpec:
         from pytensor.printing import debugprint
         parts = [pytensor.config.floatX, repr(sorted(self.kwargs.items(), key=str)),
                  repr([(v.name, str(v.type)) for v in self.all_inputs + self.sliceable_shareds]),
-                 repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs])]
+                 repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs]),
+                 repr([(str(var), str(var.type)) for var, _ in self.givens])]
         graphs = self.graph_vars()
         parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
         return [_without_addresses(part) for part in parts]
