@@ -332,14 +332,21 @@ def test_nodes_making_different_calls_both_raise_naming_them(tmp_path, per_node)
         refused = got["errors"]["refused"]
         assert refused.startswith("TypeError" if node == 1 else "NodesDiverged"), got
         assert node == 1 or "refused on its node before it ran" in refused, got
+        refused_set = got["errors"]["set_value refused"]
+        assert refused_set.startswith("TypeError" if node == 1 else "NodesDiverged"), got
+        assert node == 1 or "set_value (refused on its node before it ran)" in refused_set, got
         for what in ("set_value", "get_value"):
             assert "of held" in got["errors"][what] and "of other" in got["errors"][what], (what, got)
         assert "checkpoint: digests of" in got["errors"]["save"], got
+        # a restore whose variables node 1's checkpoint does not hold: refused there, named on node 0
         restored = got["errors"]["restore"]
-        assert restored and restored.startswith("NodesDiverged") and "restore of held" in restored, got
+        assert restored.startswith("ValueError" if node == 1 else "NodesDiverged"), got
+        assert node == 1 or "restore (refused on its node before it ran)" in restored, got
         # a step whose update each node built with another learning rate: its graphs differ
         rate = got["errors"]["learning rate"]
         assert rate and rate.startswith("NodesDiverged") and "graph digest" in rate, got
+        run_rate = got["errors"]["train.run rate"]
+        assert run_rate and "train.run of" in run_rate and "graph digest" in run_rate, got
         assert got["unstepped"] == [[0.0, 0.0]] * (2 * per_node), got
         assert got["errors"]["keywords"] is None and got["errors"]["index type"] is None, got
         assert np.isfinite(got["first_step"]), got

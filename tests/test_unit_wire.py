@@ -308,3 +308,21 @@ def test_what_nodes_compare_of_a_function_tells_apart_every_part_of_its_graphs()
     assert text() == text()
     others = [text(constant=changed), text(replaced=b), text(weights=w_twin), text(sliced=[c])]
     assert len({text(), *others}) == 5
+
+
+def test_what_nodes_compare_reaches_inner_graphs_and_split_axes():
+    """A large constant inside an OpFromGraph (printed abbreviated there too) and the axis a
+    scattered input is split along are compared."""
+    from pytensor.compile.builders import OpFromGraph
+    x = pt.matrix("x")
+
+    def text(middle=0.0, axes=(0,)):
+        table = np.arange(1000.0)
+        table[500] = middle
+        inner_x = pt.matrix("inner_x")
+        op = OpFromGraph([inner_x], [inner_x.sum() + pt.constant(table).sum()])
+        spec = FunctionSpec(0, "f", [x], [], [(op(x), "sum")], [], [], [], input_axes=list(axes))
+        return spec.compared_text(id)
+
+    assert text() == text()
+    assert len({text(), text(middle=-1.0), text(axes=(1,))}) == 3

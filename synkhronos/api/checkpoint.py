@@ -459,12 +459,32 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     the messages): a caller that looked into the checkpoint first sets the variables from the same
     read, not from a second one of a file that may have changed since."""
     state = current()
-    meta, extra, tensors = contents
-    variables = default_variables() if variables is None else _check_variables(variables)
-    any_count = _check_any_count(any_count, variables)
+    try:
+        variables = default_variables() if variables is None else _check_variables(variables)
+        any_count = _check_any_count(any_count, variables)
+        replicated, per_rank = _restored_values(path, contents[0], contents[2], variables, any_count,
+                                                state.n_parallel)
+    except Exception as e:
+        if state.nodes is not None and state.is_open:
+            state.nodes.tell_refused("checkpoint: restore", e)
+        raise
     if state.nodes is not None:       # (nodes restoring other variables would pair other collectives)
         state.nodes.exchange(("checkpoint: restore of", ", ".join(str(var) for var in variables),
                               "any_count", ", ".join(str(var) for var in any_count)), None)
+    for var, (value,) in replicated:
+        var.set_value(value)
+    if replicated:
+        collectives.broadcast([var for var, _ in replicated])
+    for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
+        if per_rank:
+            state.collectives.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
+    return {"step": contents[0]["step"], "extra": contents[1]}
+
+
+def _restored_values(path: str, meta: dict, tensors: dict, variables: Sequence[SharedVariable],
+                     any_count: Sequence[SharedVariable], n_parallel: int) -> tuple[list, list]:
+    """``(replicated, per_rank)``: each variable with its saved values (one, or one per device), the
+    checkpoint's layout checked against ``variables`` (an error naming the fix)."""
     layout = meta["variables"]
     if len(layout) != len(variables):
         raise ValueError(f"{path} holds {len(layout)} variables but {len(variables)} were given to "
@@ -477,25 +497,18 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
                              f"variables= in the order they were saved")
         if entry["per_rank"]:
             saved_on = meta["n_devices"]
-            if saved_on != state.n_parallel and not any(var is v for v in any_count):
+            if saved_on != n_parallel and not any(var is v for v in any_count):
                 raise ValueError(f"{var} was saved per device from {saved_on} devices; it "
-                                 f"needs as many to restore (running: {state.n_parallel}), unless "
+                                 f"needs as many to restore (running: {n_parallel}), unless "
                                  f"given in any_count= (device r then takes saved device r mod "
                                  f"{saved_on}'s)")
-            values = [tensors[f"{entry['key']}@{r % saved_on}"] for r in range(state.n_parallel)]
+            values = [tensors[f"{entry['key']}@{r % saved_on}"] for r in range(n_parallel)]
         else:
             values = [tensors[entry["key"]]]
         for value in values:
             _check_fits(var, value, path)
         (per_rank if entry["per_rank"] else replicated).append((var, values))
-    for var, (value,) in replicated:
-        var.set_value(value)
-    if replicated:
-        collectives.broadcast([var for var, _ in replicated])
-    for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
-        if per_rank:
-            state.collectives.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
-    return {"step": meta["step"], "extra": extra}
+    return replicated, per_rank
 
 
 def _check_fits(var: SharedVariable, value: np.ndarray, path: str) -> None:

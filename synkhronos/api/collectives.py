@@ -476,17 +476,22 @@ def set_value(rank: int, shared_vars: Shareds, values: Any, batch: Any = None) -
     them); the node holding ``rank`` applies its ``values``.
     """
     state = current()
-    rank = _check_rank(state, rank)
-    vars_, _ = resolve_shareds(shared_vars)
-    values = _values_list(values, len(vars_), "values")
-    arrays = []
-    for var, value in zip(vars_, values):
-        arr = np.asarray(value.data if isinstance(value, Data) else value)
-        if batch is not None:
-            arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
-        arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
+    try:
+        rank = _check_rank(state, rank)
+        vars_, _ = resolve_shareds(shared_vars)
+        values = _values_list(values, len(vars_), "values")
+        arrays = []
+        for var, value in zip(vars_, values):
+            arr = np.asarray(value.data if isinstance(value, Data) else value)
+            if batch is not None:
+                arr = arr[slice(0, batch) if isinstance(batch, (int, np.integer)) else batch]
+            arrays.append(condition_value(arr, var.type.dtype, var.type.ndim, what=f"value for {var}",
                                           cast_hint=_COLLECTIVE_CAST))
-        check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
+            check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
+    except Exception as e:
+        if state.nodes is not None and state.is_open:
+            state.nodes.tell_refused("set_value", e)
+        raise
     if state.nodes is not None:       # (nodes naming other variables raise before any sets them)
         names = ", ".join(str(var) for var in vars_)
         state.nodes.exchange(("set_value", rank, f"of {names}"), None)

@@ -12,7 +12,6 @@ the results.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Sequence, Union
@@ -23,7 +22,7 @@ from pytensor.graph.basic import Variable
 from pytensor.tensor.type import TensorType
 
 from ..comm.reduction import owned, reduce_outputs
-from ..errors import Failure, NodesDiverged, WorkerError
+from ..errors import Failure, WorkerError
 from ..ipc.packing import dtype_code
 from ..platform.jax_init import backend_exists, drop_backend, set_precision
 from ..platform.values import store, stored
@@ -563,10 +562,7 @@ def _as_its_input(var: Any, value: Any) -> Any:
 
 
 def _refused_on_this_node(state: State, name: str, error: Exception) -> None:
-    """On several nodes: a call refused here before it ran is said to the other nodes, whose same
-    call then raises (NodesDiverged, naming this one) instead of pairing with this node's next
-    call; this node raises its own ``error``."""
-    if state.nodes is None or not state.is_open:
-        return
-    with contextlib.suppress(NodesDiverged):
-        state.nodes.tell_failed(("a call of", name, "(refused on its node before it ran)"), error)
+    """On several nodes: a call refused here before it ran is said to the other nodes
+    (``NodeLink.tell_refused``); this node raises its own ``error``."""
+    if state.nodes is not None and state.is_open:
+        state.nodes.tell_refused(f"a call of {name}", error)

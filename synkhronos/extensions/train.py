@@ -396,7 +396,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
                                     f"{saving.resumed_step()}:{total}, checks every {check_every}, "
                                     f"checkpoints every {saving.every}, shuffle {order.shuffle} (seed "
                                     f"{order.seed}), {rule_record(sync)}, functions {spec.grad_fid} "
-                                    f"and {spec.update_fid}, data "
+                                    f"({f_grad.graph_compared()}) and {spec.update_fid} "
+                                    f"({f_update.graph_compared()}), data "
                                     f"{[(ref.data_id, tuple(ref.shape)) for ref in refs]}"))
     history = History(sync, center_values=lambda: serialized(state.loops.center_values,
                                                              name="train.run")(spec))

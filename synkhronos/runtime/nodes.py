@@ -146,7 +146,19 @@ class NodeLink:
         ``tolerate_loss``: a node other than node 0 lost before or during the
         exchange gives None (it joins :attr:`lost`, this node's runtime goes
         on); else, and always for node 0 (it serves the runtime), it raises.
+        A Ctrl-C meanwhile shuts this node's runtime down as a fault does (its
+        exchanges are out of step with the others' for good), and the other
+        nodes are told at once, naming it; then it is raised.
         """
+        try:
+            return self._exchanged(what, obj, tolerate_loss)
+        except KeyboardInterrupt:
+            # (the others would wait for this node's next exchange, or its close, until a stall)
+            self.fault_reason = f"a Ctrl-C stopped it in {_describe(what)}"
+            self.on_fault()
+            raise
+
+    def _exchanged(self, what: What, obj: Any, tolerate_loss: bool) -> list[Any]:
         t, seq = self.topology, self.seq
         self.seq += 1
         directory = f"synk/x/{seq // _PER_DIRECTORY}"
@@ -302,6 +314,13 @@ class NodeLink:
     def tell_failed(self, what: What, error: BaseException) -> None:
         """After this node failed a command: let the others raise too."""
         self.exchange(what, ("failed", f"{type(error).__name__}: {error}"))
+
+    def tell_refused(self, what: str, error: BaseException) -> None:
+        """After this node refused ``what`` (a call, a set_value) before making its exchange: the
+        others' same exchange raises NodesDiverged naming it ("refused on its node before it ran"),
+        instead of pairing with this node's next one; this node then raises its own error."""
+        with contextlib.suppress(NodesDiverged):
+            self.tell_failed((what, "(refused on its node before it ran)"), error)
 
     def results_of_every_node(self, what: What, rows: list[int], columns: list[Any]
                               ) -> tuple[list[int], list[Any]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from pytensor.graph.traversal import ancestors
 
 if TYPE_CHECKING:
     from pytensor.compile.mode import Mode
-    from pytensor.graph.basic import Variable
+    from pytensor.graph.basic import Constant, Variable
 
 __all__ = ["FunctionSpec", "shared_variables", "JAX_MODE", "SHAPES_KEPT"]
 
@@ -35,6 +35,20 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 def _without_addresses(text: str) -> str:
     """``text`` without the memory addresses a default ``repr`` names (other in every process)."""
     return _ADDRESS.sub("", text)
+
+
+def _constants_within(graph_vars: Iterable[Variable]) -> Iterator[Constant]:
+    """Every constant of the graphs of ``graph_vars``, those of their ops' inner graphs too (an
+    OpFromGraph's, a scan's), in a stable order."""
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.op import HasInnerGraph
+    seen: set[int] = set()
+    for var in ancestors(graph_vars):
+        if isinstance(var, Constant):
+            yield var
+        elif var.owner is not None and isinstance(var.owner.op, HasInnerGraph) and id(var.owner) not in seen:
+            seen.add(id(var.owner))
+            yield from _constants_within(var.owner.op.inner_outputs)
 
 
 def shared_variables(graph_vars: Iterable[Variable]) -> list[SharedVariable]:
@@ -125,14 +139,12 @@ class FunctionSpec:
         False
         """
         import xxhash
-        from pytensor.graph.basic import Constant
         digest = xxhash.xxh3_64("\n".join(self._described()).encode())
-        for var in ancestors(self.graph_vars()):
-            if isinstance(var, Constant):
-                value = np.asarray(var.data)
-                digest.update(f"{value.dtype.str}{value.shape};".encode())
-                digest.update(_without_addresses(repr(var.data)).encode() if value.dtype.hasobject
-                              else np.ascontiguousarray(value).view(np.uint8))
+        for var in _constants_within(self.graph_vars()):
+            value = np.asarray(var.data)
+            digest.update(f"{value.dtype.str}{value.shape};".encode())
+            digest.update(_without_addresses(repr(var.data)).encode() if value.dtype.hasobject
+                          else np.ascontiguousarray(value).view(np.uint8))
         replaced = [uid_of(var) if isinstance(var, SharedVariable) else None for var, _ in self.givens]
         digest.update(repr([[uid_of(var) for var in self.shared_variables()], replaced,
                             [uid_of(var) for var in self.sliceable_shareds]]).encode())
@@ -146,7 +158,8 @@ class FunctionSpec:
         parts = [pytensor.config.floatX, repr(sorted(self.kwargs.items(), key=str)),
                  repr([(v.name, str(v.type)) for v in self.all_inputs + self.sliceable_shareds]),
                  repr([(s.name, m) for s, _, m in self.updates]), repr([m for _, m in self.outputs]),
-                 repr([(str(var), str(var.type)) for var, _ in self.givens])]
+                 repr([(str(var), str(var.type)) for var, _ in self.givens]),
+                 repr((self.input_axes, self.gather_axes))]
         graphs = self.graph_vars()
         parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
         return [_without_addresses(part) for part in parts]

@@ -3,11 +3,11 @@
 function of a broadcast scalar on other scalars, the tutorials' givens idiom on other minibatch
 indices, a scatter of other values or other rows, all-reduces of other variables or by other ops,
 train.run of other batch sizes or with an on_check that stops on one node only, a training step
-built with another learning rate on each node (its update's graph differs), a call whose
-arguments one node refuses, set_value, get_value, a checkpoint and a restore of other variables; and the same calls in
-other words (keywords in another order, values of other types that the inputs take alike), which
-must not raise. Each node writes the errors it got, and what calls made alike afterwards gave, to
-OUT/node<R>.json, then both close."""
+built with another learning rate on each node (its update's graph differs), called and run by
+train.run, a call whose arguments one node refuses, set_value, get_value, a checkpoint and a
+restore of other variables; and the same calls in other words (keywords in another order, values
+of other types that the inputs take alike), which must not raise. Each node writes the errors it
+got, and what calls made alike afterwards gave, to OUT/node<R>.json, then both close."""
 
 import json
 import os
@@ -63,6 +63,8 @@ calls["all_reduce"] = lambda: synk.all_reduce(held if node == 0 else other)
 calls["all_reduce op"] = lambda: synk.all_reduce(held, op="sum" if node == 0 else "max")
 calls["refused"] = lambda: f(x_data if node == 0 else np.ones(3))     # node 1's is refused there
 calls["set_value"] = lambda: synk.set_value(len(ranks) - 1, held if node == 0 else other, np.zeros((2, 2)))
+calls["set_value refused"] = lambda: synk.set_value(len(ranks) - 1, held,        # refused on node 1
+                                                    np.zeros((2, 2)) if node == 0 else np.zeros(3))
 calls["get_value"] = lambda: synk.get_value(0, held if node == 0 else other)
 calls["learning rate"] = lambda: step_lr(x_data, synk.data(np.zeros(6)))
 calls["save"] = lambda: synk.checkpoint.save(os.path.join(sys.argv[1], "held.safetensors"),
@@ -94,6 +96,11 @@ try:
     errors["train.run"] = None
 except synk.NodesDiverged as e:
     errors["train.run"] = str(e)
+try:                                    # a run of a step whose update differs by node
+    train.run(step_lr, run_x, run_y, 8, steps=4)
+    errors["train.run rate"] = None
+except synk.NodesDiverged as e:
+    errors["train.run rate"] = str(e)
 untrained = synk.get_value(0, w).tolist()
 first_step = float(np.asarray(step(run_x, run_y)))       # a master-driven step, then a run
 train.run(step, run_x, run_y, 8, steps=4)
