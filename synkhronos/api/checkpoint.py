@@ -459,14 +459,13 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     the messages): a caller that looked into the checkpoint first sets the variables from the same
     read, not from a second one of a file that may have changed since."""
     state = current()
+    meta, extra, tensors = contents
     try:
         variables = default_variables() if variables is None else _check_variables(variables)
         any_count = _check_any_count(any_count, variables)
-        replicated, per_rank = _restored_values(path, contents[0], contents[2], variables, any_count,
-                                                state.n_parallel)
+        replicated, per_rank = _restored_values(path, meta, tensors, variables, any_count, state.n_parallel)
     except Exception as e:
-        if state.nodes is not None and state.is_open:
-            state.nodes.tell_refused("checkpoint: restore", e)
+        state.tell_nodes_refused("checkpoint: restore", e)
         raise
     if state.nodes is not None:       # (nodes restoring other variables would pair other collectives)
         state.nodes.exchange(("checkpoint: restore of", ", ".join(str(var) for var in variables),
@@ -478,7 +477,7 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
         if per_rank:
             state.collectives.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
-    return {"step": contents[0]["step"], "extra": contents[1]}
+    return {"step": meta["step"], "extra": extra}
 
 
 def _restored_values(path: str, meta: dict, tensors: dict, variables: Sequence[SharedVariable],

@@ -35,7 +35,7 @@ from ..runtime.session import State, current, serialized
 from ..wire.batch import Batch, chunk
 from ..wire.collective import Keep, dtype_groups, group_bytes, shapes_of
 from ..wire.control import Words
-from ..wire.plan import values_text
+from ..wire.digests import values_text
 from .data import Data, condition_value, release_large_staging, staging_data
 from .function_parts.batch import parse_batch
 from .function_parts.shapes import check_shared_shape
@@ -97,7 +97,7 @@ def _old_nccl(state: State, nccl: bool | None, what: str) -> None:
         raise TypeError(f"{what}(nccl=False): the collective path is chosen per runtime now; for the "
                         f"shared-memory CPU path use synk.fork(collectives='shm') (CPU only)")
     warn(f"{what}(nccl=...) is no longer needed: the path is chosen by "
-                  f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning)
+         f"synk.fork(collectives=...), here {state.comm_kind!r}", DeprecationWarning)
 
 
 def _check_rank(state: State, rank: Any) -> int:
@@ -489,8 +489,7 @@ def set_value(rank: int, shared_vars: Shareds, values: Any, batch: Any = None) -
                                           cast_hint=_COLLECTIVE_CAST))
             check_shared_shape(var, arrays[-1].shape, f"set_value({rank}, ...)")
     except Exception as e:
-        if state.nodes is not None and state.is_open:
-            state.nodes.tell_refused("set_value", e)
+        state.tell_nodes_refused("set_value", e)
         raise
     if state.nodes is not None:       # (nodes naming other variables raise before any sets them)
         names = ", ".join(str(var) for var in vars_)

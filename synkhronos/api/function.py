@@ -29,7 +29,8 @@ from ..platform.values import store, stored
 from ..rank.compiled import CompiledFunction
 from ..runtime.session import State, active, current, serialized
 from ..tracing import trace
-from ..wire.plan import CallPlan, InputRef, result_record, values_text
+from ..wire.digests import values_text
+from ..wire.plan import CallPlan, InputRef, result_record
 from ..wire.spec import SHAPES_KEPT
 from .data import Data, as_pytensor_takes, condition_value, data, release_large_staging
 from .function_parts.batch import check_num_slices, node_local, parse_batch, parse_batch_s, with_new_indices
@@ -268,7 +269,7 @@ class Function:
         try:
             args, kwargs, plan = self._planned(args, kwargs, batch, batch_s, num_slices, output_subset)
         except Exception as e:
-            _refused_on_this_node(state, self.name, e)
+            state.tell_nodes_refused(f"a call of {self.name}", e)
             raise
         state.registry.ensure_shipped()
         if not state.registry.is_registered(self.spec.fid):
@@ -559,10 +560,3 @@ def _as_its_input(var: Any, value: Any) -> Any:
         return np.asarray(value, dtype=var.type.dtype)
     except (TypeError, ValueError):
         return value
-
-
-def _refused_on_this_node(state: State, name: str, error: Exception) -> None:
-    """On several nodes: a call refused here before it ran is said to the other nodes
-    (``NodeLink.tell_refused``); this node raises its own ``error``."""
-    if state.nodes is not None and state.is_open:
-        state.nodes.tell_refused(f"a call of {name}", error)

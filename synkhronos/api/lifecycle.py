@@ -230,7 +230,7 @@ def timeline(path: str) -> Iterator[None]:
                         raise
                     # the block's own exception is the one the user needs: it is not replaced
                     warn(f"the timeline could not be written to {path} ({type(e).__name__}: "
-                                  f"{e})")
+                         f"{e})")
 
 
 def _writable(path: str | os.PathLike[str]) -> str:

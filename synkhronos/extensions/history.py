@@ -113,8 +113,8 @@ class History:
         for node in sorted(lost - {n for _, n in self.lost_nodes}):
             self.lose_node(node, step)
             warn(f"train.run: node {node} was lost (not heard from) by step {step}; the "
-                          f"asynchronous run goes on with the other nodes, and the minibatches its "
-                          f"devices had claimed are not trained on")
+                 f"asynchronous run goes on with the other nodes, and the minibatches its "
+                 f"devices had claimed are not trained on")
 
     def resize(self, change: Resize) -> None:
         """Record that the run resumed on another set of nodes or devices, and warn once saying so."""
@@ -122,8 +122,8 @@ class History:
         nodes = (f"{change.nodes_before} to {change.nodes_after} nodes, "
                  if change.nodes_before is not None and change.nodes_before != change.nodes_after else "")
         warn(f"train.run: resumed at step {change.step} on {nodes}{change.devices_before} to "
-                      f"{change.devices_after} devices from its checkpoint: the same global batch and "
-                      f"data order go on, split over the devices there are")
+             f"{change.devices_after} devices from its checkpoint: the same global batch and "
+             f"data order go on, split over the devices there are")
 
     def __len__(self) -> int:
         return len(self.checks)

@@ -392,13 +392,12 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
     if state.nodes is not None:
         # every node's phases must end at the same steps, or one would wait in a collective for
         # a node waiting elsewhere: the nodes compare the run before any of them starts it
-        _said_on_every_node(state, ("train.run of", f"{batch_size} rows a step, steps "
-                                    f"{saving.resumed_step()}:{total}, checks every {check_every}, "
-                                    f"checkpoints every {saving.every}, shuffle {order.shuffle} (seed "
-                                    f"{order.seed}), {rule_record(sync)}, functions {spec.grad_fid} "
-                                    f"({f_grad.graph_compared()}) and {spec.update_fid} "
-                                    f"({f_update.graph_compared()}), data "
-                                    f"{[(ref.data_id, tuple(ref.shape)) for ref in refs]}"))
+        run_text = (f"{batch_size} rows a step, steps {saving.resumed_step()}:{total}, checks every "
+                    f"{check_every}, checkpoints every {saving.every}, shuffle {order.shuffle} "
+                    f"(seed {order.seed}), {rule_record(sync)}, functions {spec.grad_fid} "
+                    f"({f_grad.graph_compared()}) and {spec.update_fid} ({f_update.graph_compared()}), "
+                    f"data {[(ref.data_id, tuple(ref.shape)) for ref in refs]}")
+        _said_on_every_node(state, ("train.run of", run_text))
     history = History(sync, center_values=lambda: serialized(state.loops.center_values,
                                                              name="train.run")(spec))
     done, elapsed = saving.resumed_step(), 0.0
@@ -408,8 +407,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
             history.resize(Resize(done, nodes, state.topology.n_nodes, devices, state.n_parallel))
     if done >= total:
         warn(f"the checkpoint {saving.path} is at step {done}, at or past this run's "
-                      f"end ({total} steps): nothing is left to train; ask for more steps or epochs "
-                      f"to go on")
+             f"end ({total} steps): nothing is left to train; ask for more steps or epochs "
+             f"to go on")
     stats, seconds = 0.0, 0.0
     try:
         while done < total:

@@ -131,7 +131,7 @@ def usable_directory(compile_cache: str | os.PathLike | bool | None = None) -> s
     except OSError as e:
         if compile_cache is None or compile_cache is True:
             warn(f"the compile cache is off: {path} cannot be made ({e}); set "
-                          f"fork(compile_cache=DIRECTORY) or {ENV_VAR} to a writable directory")
+                 f"fork(compile_cache=DIRECTORY) or {ENV_VAR} to a writable directory")
             return None
         raise ValueError(f"fork(compile_cache={compile_cache!r}): {path} cannot be made ({e}); give a "
                          f"writable directory, or compile_cache=False to compile without one") from None

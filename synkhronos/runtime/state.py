@@ -287,6 +287,13 @@ class State:
         else:
             nodes.leave()
 
+    def tell_nodes_refused(self, what: str, error: BaseException) -> None:
+        """On several nodes, while the runtime runs: ``what`` (a call, a set_value, a restore),
+        refused on this node before its exchange, is said to the other nodes
+        (:meth:`~.nodes.NodeLink.tell_refused`); the caller raises its own ``error``."""
+        if self.nodes is not None and self.is_open:
+            self.nodes.tell_refused(what, error)
+
     def abort(self) -> None:
         """Tear everything down after a fault (dead worker, stall, Ctrl-C); another Ctrl-C meanwhile
         is raised once everything is down (the process could not start again otherwise). A fault

@@ -10,9 +10,9 @@ header read instead of a decode.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -55,33 +55,6 @@ def _digest(indices: np.ndarray | None) -> str:
     """A short digest of an index array (which node drew which batch)."""
     import hashlib
     return hashlib.blake2b(np.ascontiguousarray(indices).view(np.uint8), digest_size=4).hexdigest()
-
-
-def values_text(values: Iterable[Any]) -> str:
-    """What nodes compare of a call's arguments given as values (numpy arrays, numbers, the rows
-    a givens index selects), not as Data: a digest of their bytes, types and shapes ("" for none).
-
-    Every node gives such an argument whole, and every device takes its share of it: arguments
-    that differ between nodes would mix the nodes' values silently.
-
-    Examples
-    --------
-    >>> values_text([np.arange(3), 2.0]) == values_text([np.arange(3), 2.0])
-    True
-    >>> values_text([np.arange(3)]) == values_text([np.arange(3) + 1]), values_text([])
-    (False, '')
-    """
-    import xxhash
-    digest, n = xxhash.xxh3_64(), 0
-    for value in values:
-        array = np.asarray(value)
-        digest.update(f"{array.dtype.str}{array.shape};".encode())
-        if array.dtype.hasobject:
-            digest.update(repr(value).encode())
-        else:
-            digest.update(np.ascontiguousarray(array).view(np.uint8))
-        n += 1
-    return f", values given (digest {digest.hexdigest()[:8]})" if n else ""
 
 
 def put_batch(words: Words, batch: Batch) -> None:

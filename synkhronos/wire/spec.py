@@ -8,14 +8,14 @@ every process compiles it for its own device
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 from pytensor.graph.traversal import ancestors
+
+from .digests import update_with_values, without_addresses
 
 if TYPE_CHECKING:
     from pytensor.compile.mode import Mode
@@ -28,13 +28,6 @@ JAX_MODE = "JAX"
 #: graphs a function keeps compiled per argument shape on each device, by default
 #: (``synk.function(shapes_kept=...)``): enough for every bucket length of a padded sequence model
 SHAPES_KEPT = 256
-#: a memory address in a default ``repr`` ("<Mode object at 0x7f...>")
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _without_addresses(text: str) -> str:
-    """``text`` without the memory addresses a default ``repr`` names (other in every process)."""
-    return _ADDRESS.sub("", text)
 
 
 def _constants_within(graph_vars: Iterable[Variable]) -> Iterator[Constant]:
@@ -140,11 +133,7 @@ class FunctionSpec:
         """
         import xxhash
         digest = xxhash.xxh3_64("\n".join(self._described()).encode())
-        for var in _constants_within(self.graph_vars()):
-            value = np.asarray(var.data)
-            digest.update(f"{value.dtype.str}{value.shape};".encode())
-            digest.update(_without_addresses(repr(var.data)).encode() if value.dtype.hasobject
-                          else np.ascontiguousarray(value).view(np.uint8))
+        update_with_values(digest, (var.data for var in _constants_within(self.graph_vars())))
         replaced = [uid_of(var) if isinstance(var, SharedVariable) else None for var, _ in self.givens]
         digest.update(repr([[uid_of(var) for var in self.shared_variables()], replaced,
                             [uid_of(var) for var in self.sliceable_shareds]]).encode())
@@ -162,7 +151,7 @@ class FunctionSpec:
                  repr((self.input_axes, self.gather_axes))]
         graphs = self.graph_vars()
         parts.append(str(debugprint(graphs, file="str", print_type=True)) if graphs else "")
-        return [_without_addresses(part) for part in parts]
+        return [without_addresses(part) for part in parts]
 
     def shared_variables(self) -> list[SharedVariable]:
         """Every shared variable the function reads or updates (the workers must hold them)."""

@@ -113,11 +113,11 @@ def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Va
         found = sum_over_rows(var, rows)
         if found is not None:
             warn(f"{name}'s output {var} is a sum over the rows ({found.owner.op}), scaled by "
-                          f"constants at most, reduced with 'avg', the default: each device sums its own "
-                          f"rows, and the call returns their average, weighted by rows, not the batch's "
-                          f"value; give ({var}, 'sum') for the batch's, or divide by the rows' count "
-                          f"(x.shape[0]) for a mean (a gradient of it, all-reduced by rows, needs 'sum' "
-                          f"as well)")
+                 f"constants at most, reduced with 'avg', the default: each device sums its own "
+                 f"rows, and the call returns their average, weighted by rows, not the batch's "
+                 f"value; give ({var}, 'sum') for the batch's, or divide by the rows' count "
+                 f"(x.shape[0]) for a mean (a gradient of it, all-reduced by rows, needs 'sum' "
+                 f"as well)")
 
 
 def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool, list[int]]:
@@ -259,15 +259,15 @@ def _say_once_if_a_float64_cast_computes_in_32_bits(spec: FunctionSpec) -> None:
     if wide:
         _SAID_64_BITS[0] = True
         warn(f"{spec.name}: {wide[0]} is float64, and on the devices it computes and is kept in "
-                      f"float32: floatX is float32, which turns JAX's 64-bit types off (said once); "
-                      f"declare it float32, or set floatX to float64")
+             f"float32: floatX is float32, which turns JAX's 64-bit types off (said once); "
+             f"declare it float32, or set floatX to float64")
         return
     for node in apply_ancestors(spec.graph_vars()):
         if isinstance(node.op, Elemwise) and isinstance(node.op.scalar_op, Cast) and \
                 node.outputs[0].type.dtype == "float64" and node.inputs[0].type.dtype in ("float16", "float32"):
             _SAID_64_BITS[0] = True
             warn(f"{spec.name}: {node.op} of {node.inputs[0]} computes in float32 on the "
-                          f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)")
+                 f"devices: floatX is float32, which turns JAX's 64-bit types off (said once)")
             return
 
 
@@ -284,8 +284,8 @@ def _say_if_assertions_go_unchecked(spec: FunctionSpec) -> None:
     if checks:
         more = f" (and {len(checks) - 1} more)" if len(checks) > 1 else ""
         warn(f"{spec.name}: the assertion {checks[0][1]!r} of {checks[0][0]}{more} is not "
-                      f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
-                      f"backend skips it; check the values before the call")
+             f"checked on the devices: a compiled JAX program cannot raise, so PyTensor's JAX "
+             f"backend skips it; check the values before the call")
 
 
 def _check_jax_can_sample(spec: FunctionSpec) -> None:
