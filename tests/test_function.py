@@ -158,6 +158,25 @@ def test_more_plans_than_the_cache_holds(synk2, rng):
     assert {w.filename for w in said} == {__file__}      # the user's line, from deep in a call
 
 
+def test_a_warning_the_scripts_filters_make_an_error_is_raised_as_itself_and_the_call_changes_nothing(synk2):
+    """Under ``-W error`` the shapes warning, given in this process's share of a call, reaches the
+    script as the SynkWarning it is (not a WorkerError); the call changes no rank, and the next runs."""
+    x = pt.vector("x")
+    w = pytensor.shared(np.zeros(()), name="w_warned")
+    f = synk.function([x], [(x.sum(), "sum")], updates=[(w, w + x.sum())], local_updates=True, name="warned")
+    synk.distribute()
+    added = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", synk.SynkWarning)
+        with pytest.raises(synk.SynkWarning, match="warned has been called with 16"):
+            for n in range(2, 40):
+                f(np.ones(n))
+                added += n
+    assert sum(synk.get_value(rank, w) for rank in range(2)) == added    # the failed call added nothing
+    close(f(np.ones(5)), 5.0)
+    assert sum(synk.get_value(rank, w) for rank in range(2)) == added + 5
+
+
 def test_repeated_numpy_calls_reuse_their_plan_and_compute_each_calls_values(synk2, rng):
     """numpy arguments of a repeated shape skip validation (their plan is kept), and are staged
     anew at every call: other values, shapes that come back after another, a Python scalar for a

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NodesDiverged, SynkError
+from ..errors import NodesDiverged
 from ..ipc.packing import read_pickle, unpack_arrays, write_bytes
 from ..ipc.segments import GrowableSegment, SegmentMirror, unlink_if_ours
 from ..platform.cpu_tuning import on_cores
 from ..wire.control import ControlBlock, Decision, Op, Status
-from .reports import RankReports
+from .reports import RAISED_AS_THEY_ARE, RankReports
 from .watch import Watch
 
 __all__ = ["Channel"]
@@ -244,7 +244,7 @@ class Channel:
             else:
                 result, error = self.watch.run_local(local)
             if error is not None:
-                if isinstance(error, SynkError):
+                if isinstance(error, RAISED_AS_THEY_ARE):
                     raise error
                 # a peer that died or raised makes this rank's collective fail too: its end is the
                 # cause to name, if it shows

@@ -17,7 +17,12 @@ from ..ipc.packing import read_pickle
 from ..ipc.segments import SegmentMirror
 from ..wire.control import ControlBlock, Status
 
-__all__ = ["RankReports", "one_report", "Reported"]
+__all__ = ["RankReports", "one_report", "Reported", "RAISED_AS_THEY_ARE"]
+
+#: errors of this process's own share of a command that reach the user as they are, not as a
+#: WorkerError: synkhronos's own, and a warning that the script's filters made an error here
+#: (``python -W error``), which the script catches by its class
+RAISED_AS_THEY_ARE = (SynkError, Warning)
 
 
 class Reported(Protocol):
@@ -54,8 +59,10 @@ class RankReports:
         that raised the same error (:attr:`WorkerError.ranks`), and lists the
         ranks that raised another (:attr:`WorkerError.others`). It is also an
         instance of the original builtin type (see :meth:`WorkerError.raised`).
+        This process's own error is raised as it is when it is one of
+        :data:`RAISED_AS_THEY_ARE`.
         """
-        if isinstance(local_error, SynkError):
+        if isinstance(local_error, RAISED_AS_THEY_ARE):
             raise local_error
         errors = [] if local_error is None else [self.own_error(local_error)]
         errors += self.worker_errors(ranks)
