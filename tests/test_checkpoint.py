@@ -57,6 +57,46 @@ def test_save_and_restore_replicated_and_per_device_values(synk2, tmp_path):
     np.testing.assert_allclose(f(np.ones((4, 3))), expected, rtol=1e-12)
 
 
+def test_a_ctrl_c_inside_restore_leaves_the_scripts_values_all_restored_or_none(synk2, tmp_path):
+    """A SIGINT landing while restore sets the master's variables one by one: the script keeps
+    every value of the checkpoint (replicated and its own per-device ones), never a mixture."""
+    x = pt.matrix("x")
+    many = [pytensor.shared(np.zeros(5), name=f"many_{i}") for i in range(6)]
+    own = pytensor.shared(np.full(2, -1.0), name="own_per_device")
+    synk.function([x], [(x.sum(), "sum")] + [(v.sum(), None) for v in many + [own]])
+    synk.distribute()
+    for rank in range(N_PARALLEL):
+        synk.set_value(rank, own, np.full(2, float(rank)))
+    path = tmp_path / "c.safetensors"
+    synk.checkpoint.save(path, many + [own])
+    for var in many:
+        var.set_value(np.full(5, -1.0))
+    own.set_value(np.full(2, -1.0))
+    class_set = type(many[2]).set_value
+
+    def interrupted(value, borrow=False):         # a Ctrl-C while the third of six is set
+        os.kill(os.getpid(), signal.SIGINT)
+        class_set(many[2], value, borrow)
+    many[2].set_value = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            synk.checkpoint.restore(path, many + [own])
+    finally:
+        del many[2].set_value
+    for var in many:
+        np.testing.assert_array_equal(var.get_value(), np.zeros(5))
+    np.testing.assert_array_equal(own.get_value(), np.zeros(2))      # the master's, rank 0's
+
+
+def test_a_complex_variable_is_refused_naming_it_before_anything_is_written(synk2, tmp_path):
+    z = pytensor.shared(np.ones(3, dtype="complex128"), name="z_complex")
+    v = pt.vector("v")
+    synk.function([v], [(v.sum(), "sum"), (z.real.sum(), None)])
+    with pytest.raises(TypeError, match="z_complex holds complex128, which a checkpoint"):
+        synk.checkpoint.save(tmp_path / "c.safetensors", [z])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_ships_functions_built_since_the_last_call(synk2, tmp_path):
     w = pytensor.shared(np.arange(3.0), name="w_new")
     synk.function([], (w.sum(), "sum"))                     # built, never called nor distributed

@@ -331,6 +331,31 @@ def test_a_loss_summed_over_the_rows_is_refused_when_its_step_is_built_and_its_m
             close(synk.get_value(rank, p), p1.get_value())
 
 
+def test_a_summed_output_adding_a_term_of_no_rows_is_said_when_built(synk2):
+    """A summed loss plus a penalty on the weights, reduced with 'sum': every device adds the
+    penalty, so the call counts it once per device. Said when built, naming it; a sum of row terms,
+    a product with a weight, an output or a function without rows are not."""
+    from synkhronos.errors import SynkWarning
+    x, y = pt.matrix("penalised_x"), pt.vector("penalised_y")
+    w = pytensor.shared(np.array([1.5, 2.0, -1.0]), name="w_penalised")
+    X, Y = np.arange(15.0).reshape(5, 3), np.arange(5.0)
+    loss = ((x @ w - y) ** 2).sum()
+    with pytest.warns(SynkWarning, match=r"reduced with 'sum' and adds .*reads none of the call's rows.*once "
+                                         r"per device and slice"):
+        penalised = synk.function([x, y], (loss + 0.1 * (w ** 2).sum(), "sum"), name="penalised")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fine = synk.function([x, y], [(loss + x.sum(), "sum"), (loss * w.sum(), "sum"), (w.sum(), "sum")],
+                             name="row_terms")
+        rowless = synk.function([], ((w ** 2).sum(), "sum"), name="rowless")
+    synk.distribute()
+    whole = ((X @ w.get_value() - Y) ** 2).sum()
+    close(fine(X, Y), [whole + X.sum(), whole * w.get_value().sum(), 2 * w.get_value().sum()])
+    penalty = 0.1 * (w.get_value() ** 2).sum()
+    close(penalised(X, Y), whole + 2 * penalty)              # what the warning said: once per device
+    close(rowless(), 2 * (w.get_value() ** 2).sum())
+
+
 def test_an_output_summed_over_the_rows_and_averaged_by_default_is_said_when_built(synk2):
     """An output averaged by default that sums over the rows returns the devices' average of their
     own sums: said when the function is built (naming 'sum' and the rows' count). An explicit mode,

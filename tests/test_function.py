@@ -177,6 +177,40 @@ def test_a_warning_the_scripts_filters_make_an_error_is_raised_as_itself_and_the
     assert sum(synk.get_value(rank, w) for rank in range(2)) == added + 5
 
 
+@pytest.mark.parametrize("num_slices", [2, 3])
+def test_an_accumulating_update_over_slices_counts_its_value_once(synk2, rng, num_slices):
+    """``s + x.sum(0)`` and ``seen + x.shape[0]`` under "sum" are accumulators: over slices their
+    changes add up, as in a call in one slice; a sum over the rows alone and a running maximum too."""
+    def made(tag):
+        s = pytensor.shared(np.full(3, 10.0), name=f"s_{tag}")
+        seen = pytensor.shared(np.int64(100), name=f"seen_{tag}")
+        batch_sum = pytensor.shared(np.zeros(3), name=f"batch_sum_{tag}")
+        top = pytensor.shared(np.full(3, -np.inf), name=f"top_{tag}")
+        x = pt.matrix("x")
+        f = synk.function([x], [(x.sum(), "sum")], local_updates=True, name=f"accumulating_{tag}",
+                          updates=[(s, s + x.sum(0), "sum"), (seen, seen + x.shape[0], "sum"),
+                                   (batch_sum, x.sum(0), "sum"), (top, pt.maximum(top, x.max(0)), "max")])
+        return f, [s, seen, batch_sum, top]
+    (sliced, held), (whole, truth) = made(f"sliced{num_slices}"), made(f"whole{num_slices}")
+    synk.distribute()
+    X = rng.normal(size=(7, 3))
+    close(sliced(X, num_slices=num_slices), X.sum())
+    close(whole(X), X.sum())
+    for rank in range(2):
+        for ours, theirs in zip(held, truth):
+            close(synk.get_value(rank, ours), synk.get_value(rank, theirs), rtol=1e-13)
+    close(sum(synk.get_value(rank, held[0]) - 10.0 for rank in range(2)), X.sum(0))
+    assert sum(synk.get_value(rank, held[1]) - 100 for rank in range(2)) == 7
+
+
+@pytest.mark.parametrize("update, mode", [("0.9 * s + x.sum(0)", "sum"), ("s * x.prod(0)", "prod")])
+def test_an_update_whose_slices_cannot_be_combined_is_refused_when_built(synk2, update, mode):
+    s, x = pytensor.shared(np.ones(3), name="s"), pt.matrix("x")
+    with pytest.raises(ValueError, match=r"the update of s reads s .* once per slice"):
+        synk.function([x], (x.sum(), "sum"), updates=[(s, eval(update), mode)], local_updates=True)
+    close(synk.function([x], (x.sum(), "sum"))(np.ones((4, 3))), 12.0)
+
+
 def test_repeated_numpy_calls_reuse_their_plan_and_compute_each_calls_values(synk2, rng):
     """numpy arguments of a repeated shape skip validation (their plan is kept), and are staged
     anew at every call: other values, shapes that come back after another, a Python scalar for a
@@ -372,11 +406,13 @@ def test_updates_with_slices_apply_once_from_original_values(synk2, rng, num_sli
     x = pt.matrix("x")
     v_avg = pytensor.shared(np.ones(2), name="v_avg")
     v_sum = pytensor.shared(np.ones(2), name="v_sum")
+    v_rows = pytensor.shared(np.ones(2), name="v_rows")
     v_max = pytensor.shared(np.ones(2), name="v_max")
     g = x.mean(0)
     f = synk.function([x], (x.sum(), "sum"),
-                      updates=[(v_avg, 0.9 * v_avg + g, "avg"), (v_sum, 0.9 * v_sum + g, "sum"),
-                               (v_max, 0.9 * v_max + x.max(0), "max")], local_updates=True)
+                      updates=[(v_avg, 0.9 * v_avg + g, "avg"), (v_sum, v_sum + 0.5 * x.sum(0), "sum"),
+                               (v_rows, (x ** 2).sum(0), "sum"), (v_max, 0.9 * v_max + x.max(0), "max")],
+                      local_updates=True)
     X = rng.normal(size=(11, 2))
     f(X, num_slices=num_slices)
     for rank, (lo, hi) in enumerate([(0, 5), (5, 11)]):
@@ -385,7 +421,9 @@ def test_updates_with_slices_apply_once_from_original_values(synk2, rng, num_sli
                   for k in range(num_slices)]
         slices = [s for s in slices if len(s)]
         close(synk.get_value(rank, v_avg), 0.9 + rows.mean(0))
-        close(synk.get_value(rank, v_sum), sum(0.9 + s.mean(0) for s in slices))
+        assert len(slices) == min(num_slices, len(rows))
+        close(synk.get_value(rank, v_sum), 1 + 0.5 * rows.sum(0))     # its value once, the slices' changes
+        close(synk.get_value(rank, v_rows), (rows ** 2).sum(0))
         close(synk.get_value(rank, v_max), 0.9 + rows.max(0))
 
 
@@ -397,9 +435,9 @@ def test_functions_after_distribute_share_state(synk2, rng):
     inc()
     inc()
     # built after distribute(): shipped on its first call, and it sees the same w on every rank
-    read = synk.function([x], [(x.sum() * 0 + w.sum(), "sum")])
+    read = synk.function([x], [(x.sum() * 0 + w.sum(), "avg")])
     X = rng.normal(size=(4, 2))
-    close(read(X), 2 * 4.0)  # each of 2 ranks holds w = [2, 2]
+    close(read(X), 4.0)  # each of 2 ranks holds w = [2, 2]
     fresh = pytensor.shared(np.full(2, 5.0), name="fresh_late")
     late = synk.function([], [(fresh.sum() + w.sum(), "avg")])
     close(late(), 14.0)

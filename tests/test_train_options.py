@@ -45,6 +45,29 @@ def regression(seed, name):
     return x, y, w, loss, state
 
 
+def test_a_counter_of_rows_summed_over_slices_counts_each_row_once(devices, rng):
+    """A state update ``seen + rows`` under "sum" counts the step's rows on each device whatever
+    ``num_slices`` is; the weights equal a step in one slice."""
+    X, Y = rng.normal(size=(40, 4)), rng.normal(size=40)
+    made = []
+    for tag in ("sliced", "whole"):
+        x, y, w, loss, _ = regression(7, f"rows_{tag}")
+        seen = pytensor.shared(np.array(0.0), name=f"seen_{tag}")
+        made.append((train.make_train_function(loss, [w], x, y, updates.adam, learning_rate=0.05, state_updates=[
+            (seen, seen + pt.cast(x.shape[0], "float64"), "sum")]), w, seen))
+    x_dat, y_dat = synk.data(X), synk.data(Y)
+    for num_slices in (1, 2, 3, 3, 2):
+        batch = rng.permutation(40)[:7]
+        for (step, _, _), slices in zip(made, (num_slices, 1)):
+            step(x_dat, y_dat, batch=batch, num_slices=slices)
+    (_, w, seen), (_, w_whole, seen_whole) = made
+    n = synk.local_devices()
+    for rank in range(n):
+        close(synk.get_value(rank, w), synk.get_value(rank, w_whole), rtol=1e-12)
+        assert synk.get_value(rank, seen) == synk.get_value(rank, seen_whole)
+    assert sum(synk.get_value(rank, seen) for rank in range(n)) == 5 * 7
+
+
 @pytest.mark.slow
 def test_state_updates_are_applied_with_the_step_as_one_pytensor_function(devices, rng):
     X, Y = rng.normal(size=(40, 4)), rng.normal(size=40)

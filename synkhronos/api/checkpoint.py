@@ -36,6 +36,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from ..compile import randomness
 from ..errors import is_whole
+from ..platform.interrupt_hold import held
 from ..runtime.nodes import joined_over_nodes
 from ..runtime.session import active, current, serialized
 from ..seams.rule import Rule, flag, rule_difference, rule_record, settle
@@ -82,6 +83,10 @@ def _check_variables(variables: Iterable[SharedVariable]) -> list[SharedVariable
         if randomness.is_generator(var):
             raise TypeError(f"{var} is a random generator; checkpoints hold tensors only (its draws "
                             f"restart from its seed)")
+        if np.dtype(var.type.dtype).kind == "c":
+            raise TypeError(f"{var} holds {var.type.dtype}, which a checkpoint (safetensors) cannot hold; "
+                            f"give variables= without it, and keep its real and imaginary parts as "
+                            f"float variables of their own")
     collectives.resolve_shareds(variables)       # each known to the devices: as collectives refuse
     return variables
 
@@ -470,13 +475,18 @@ def restore_read(path: str, contents: tuple[dict, Any, dict], variables: Sequenc
     if state.nodes is not None:       # (nodes restoring other variables would pair other collectives)
         state.nodes.exchange(("checkpoint: restore of", ", ".join(str(var) for var in variables),
                               "any_count", ", ".join(str(var) for var in any_count)), None)
-    for var, (value,) in replicated:
-        var.set_value(value)
+    per_rank_vars = [var for var, _ in per_rank]
+    own = state.master_rank
+    with held():    # the script's own values: all the checkpoint's or none, wherever a Ctrl-C lands
+        for var, (value,) in replicated:
+            var.set_value(value)
+        if per_rank:
+            state.collectives.set_values(own, per_rank_vars, [values[own] for _, values in per_rank])
     if replicated:
         collectives.broadcast([var for var, _ in replicated])
     for rank in state.topology.ranks_of(state.topology.node_rank):    # every node sets its own
-        if per_rank:
-            state.collectives.set_values(rank, [var for var, _ in per_rank], [values[rank] for _, values in per_rank])
+        if per_rank and rank != own:
+            state.collectives.set_values(rank, per_rank_vars, [values[rank] for _, values in per_rank])
     return {"step": meta["step"], "extra": extra}
 
 

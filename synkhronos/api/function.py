@@ -365,7 +365,8 @@ class Function:
         if spec.updates and rows and min(rows) == 0:
             raise ValueError(f"{self.name} has updates but a device would get no rows (rows per "
                              f"device: {rows}): it would skip its updates and its state would drift; "
-                             f"give at least one row per device")
+                             f"give at least one row per device ({len(rows)} rows or more), e.g. drop "
+                             f"a last batch shorter than that, as train.run does")
         if n_scat:
             self._batch_shaped.check(batch_plan.total, rows)
         return plan

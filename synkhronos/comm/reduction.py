@@ -91,21 +91,33 @@ def check_update_mode(shared: Any, mode: str | None) -> str | None:
 class Accumulator:
     """Accumulates one value over the slices a rank computes.
 
-    Works on device arrays (jax) or numpy alike: only ``+``, ``*`` and the
-    ``xp`` module's minimum/maximum/concatenate are used. ``"gather"``
-    concatenates along ``axis``.
+    Works on device arrays (jax) or numpy alike: only ``+``, ``-``, ``*`` and
+    the ``xp`` module's minimum/maximum/concatenate are used. ``"gather"``
+    concatenates along ``axis``. With an ``origin`` (an update's value before
+    the call, under ``"sum"``), the slices' changes from it are summed onto it.
+
+    Examples
+    --------
+    >>> counter = Accumulator("sum", np, origin=np.array(100))
+    >>> for value in (102, 103, 105):        # each slice: 100 + its rows
+    ...     counter.add(np.array(value), 1)
+    >>> int(counter.result())
+    110
     """
 
-    def __init__(self, mode: str | None, xp: ModuleType, axis: int = 0) -> None:
+    def __init__(self, mode: str | None, xp: ModuleType, axis: int = 0, origin: Any = None) -> None:
         self.mode = mode
         self.xp = xp
         self.axis = axis
+        self.origin = origin
         self.value: Any = None
         self.parts: list[Any] = []
         self.rows = 0
 
     def add(self, value: Any, rows: int) -> None:
         mode, xp = self.mode, self.xp
+        if self.origin is not None:
+            value = value - self.origin
         if mode == GATHER:
             self.parts.append(value)
         elif self.value is None:
@@ -129,7 +141,7 @@ class Accumulator:
             return self.parts[0] if len(self.parts) == 1 else concatenated(self.parts, self.axis, self.xp)
         if self.mode == "avg":
             return self.value / self.rows
-        return self.value
+        return self.value if self.origin is None else self.origin + self.value
 
 
 def concatenated(parts: Collection[Any], axis: int, xp: ModuleType = np) -> Any:

@@ -340,7 +340,8 @@ def run(train_fn: TrainStep, x_data: Any, y_data: Any = None, batch_size: int | 
         and round in the checkpoint and continues exactly. What each device
         keeps for itself (its optimizer's state under local steps) resumes on
         another number of devices by rank: device ``r`` takes saved device
-        ``r mod N``'s.
+        ``r mod N``'s. A checkpoint keeps no random generator: a step that
+        draws (dropout) draws from its generators' seeds again after a resume.
     **shorthands
         The groups' settings as keywords, each instead of its group:
         ``shuffle``, ``seed`` (``order``); ``check_every``, ``on_check``

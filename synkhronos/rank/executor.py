@@ -214,7 +214,8 @@ def run_share(context: CallContext, plan: CallPlan) -> tuple[int, list[Any]]:
         return share.rows, [values[i] for i in plan.subset]
     import jax.numpy as jnp
     outs = [Accumulator(compiled.output_modes[i], jnp, spec.gather_axis(i)) for i in plan.subset]
-    upds = [Accumulator(mode, jnp) for _, _, mode in spec.updates]
+    upds = [Accumulator(mode, jnp, origin=stored(shared) if spec.sums_changes_of(i) else None)
+            for i, (shared, _, mode) in enumerate(spec.updates)]
     for a, b in pieces:
         n = (b - a) if share.counts_rows else 1
         values, new = traced(compiled.run_deferred(args_for(a, b), context.undo) if upds else

@@ -73,10 +73,17 @@ class FunctionSpec:
     input_axes: list = field(default_factory=list)
     #: per output, the axis a ``"gather"`` concatenates the ranks' and the slices' results along
     gather_axes: list = field(default_factory=list)
+    #: per update, whether it is its variable plus a change combined by "sum": over slices, the
+    #: changes are summed onto the value before the call (see api.function_parts.sliced_updates)
+    sums_changes: list = field(default_factory=list)
 
     def input_axis(self, i: int) -> int | None:
         """The axis scattered input ``i`` is declared split along, or None (a Data's own, else 0)."""
         return self.input_axes[i] if self.input_axes else None
+
+    def sums_changes_of(self, i: int) -> bool:
+        """Whether update ``i``'s slices sum their changes onto its value before the call."""
+        return bool(self.sums_changes) and self.sums_changes[i]
 
     def gather_axis(self, i: int) -> int:
         """The axis output ``i`` is gathered along (0 unless ``split_axes`` names the output)."""

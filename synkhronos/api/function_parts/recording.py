@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Variable
+from pytensor.graph.basic import Constant, Variable
 from pytensor.graph.traversal import ancestors
 
 from ...comm.reduction import check_output_mode, check_update_mode
@@ -31,6 +32,7 @@ from ...wire.spec import FunctionSpec
 from .givens import RECIPE, RowsFromGivens
 from .row_sums import sum_over_rows
 from .shapes import declared_rows, shape_text
+from .sliced_updates import added_terms, sums_its_changes
 from .split_axes import declared_axes
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
         inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
     _say_if_an_average_sums_rows([pairs[i][0] for i in averaged_by_default], row_axes,
                                  name or "synk.function")
+    _say_if_a_sum_adds_what_reads_no_rows(pairs, scattered_rows + list(sliceable_shareds or []), givens,
+                                          name or "synk.function")
     seen: set[int] = set()
     for var in inputs + bcast_inputs:
         if id(var) in seen:
@@ -80,6 +84,7 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
     spec.name = name or f"synk_function_{spec.fid}"
     spec.input_axes = input_axes if rows is None else rows.scattered_axes(input_axes)
     spec.gather_axes = gather_axes
+    spec.sums_changes = [sums_its_changes(shared, value, mode) for shared, value, mode in triples]
     spec.generator_updates = generators + randomness.generator_updates(
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)
@@ -118,6 +123,33 @@ def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Va
                  f"value; give ({var}, 'sum') for the batch's, or divide by the rows' count "
                  f"(x.shape[0]) for a mean (a gradient of it, all-reduced by rows, needs 'sum' "
                  f"as well)")
+
+
+def _say_if_a_sum_adds_what_reads_no_rows(pairs: Sequence[tuple[Variable, str | None]], rows: Sequence[Variable],
+                                          givens: Sequence[tuple[Variable, Variable]], name: str) -> None:
+    """Warn of an output reduced with ``"sum"`` that adds a term reading none of the rows to terms
+    that read them (a penalty on the weights beside a summed loss): every device and every slice
+    adds it.
+
+    The rows are ``rows`` and what ``givens`` replace with them; a zero (Python's ``sum()``
+    starts from one) is no term. An output that reads no rows at all is not said: the devices'
+    own values of a variable their updates keep apart (``local_updates``) are summed so."""
+    if not rows:            # (no rows: every device computes the whole function, as asked)
+        return
+    row_set = set(rows)
+    row_set |= {key for key, value in givens if row_set.intersection(ancestors([value]))}
+    for var, mode in pairs:
+        if mode != "sum":
+            continue
+        terms = added_terms(var)
+        rowless = [term for term in terms if not row_set.intersection(ancestors([term]))
+                   and not (isinstance(term, Constant) and not np.any(term.data))]
+        if rowless and len(rowless) < len(terms):
+            warn(f"{name}'s output {var} is reduced with 'sum' and adds {rowless[0]}"
+                 f"{f' (and {len(rowless) - 1} more)' if len(rowless) > 1 else ''}, which reads none "
+                 f"of the call's rows: every device, and every slice of num_slices, adds it, so the "
+                 f"call counts it once per device and slice where one process counts it once; add "
+                 f"it to the call's result yourself (an output of its own, with mode None)")
 
 
 def _normalize_outputs(outputs: Any) -> tuple[list[tuple[Variable, str | None]], bool, list[int]]:
