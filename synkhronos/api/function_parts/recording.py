@@ -12,14 +12,13 @@ cannot travel. The tutorials' ``givens`` idiom is rewritten here
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import pytensor.tensor as pt
 from pytensor.compile.mode import get_mode
 from pytensor.compile.sharedvalue import SharedVariable
-from pytensor.graph.basic import Constant, Variable
+from pytensor.graph.basic import Variable
 from pytensor.graph.traversal import ancestors
 
 from ...comm.reduction import check_output_mode, check_update_mode
@@ -30,7 +29,7 @@ from ...platform.internals import unsampleable_in_jax
 from ...rank.compiled import CompiledFunction
 from ...wire.spec import FunctionSpec
 from .givens import RECIPE, RowsFromGivens
-from .row_sums import sum_over_rows
+from .row_sums import is_zero, sum_over_rows
 from .shapes import declared_rows, shape_text
 from .sliced_updates import added_terms, sums_its_changes
 from .split_axes import declared_axes
@@ -84,7 +83,8 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
     spec.name = name or f"synk_function_{spec.fid}"
     spec.input_axes = input_axes if rows is None else rows.scattered_axes(input_axes)
     spec.gather_axes = gather_axes
-    spec.sums_changes = [sums_its_changes(shared, value, mode) for shared, value, mode in triples]
+    reads_rows = _row_reader([*scattered_rows, *sliceable], givens)
+    spec.sums_changes = [sums_its_changes(shared, value, mode, reads_rows) for shared, value, mode in triples]
     spec.generator_updates = generators + randomness.generator_updates(
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)
@@ -125,6 +125,17 @@ def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Va
                  f"as well)")
 
 
+def _row_reader(rows: Sequence[Variable], givens: Sequence[tuple[Variable, Variable]]
+                ) -> Callable[[Variable], bool] | None:
+    """Whether a variable reads any of ``rows`` or of what ``givens`` replace with them; None if
+    there are no rows."""
+    if not rows:
+        return None
+    row_set = set(rows)
+    row_set |= {key for key, value in givens if row_set.intersection(ancestors([value]))}
+    return lambda var: bool(row_set.intersection(ancestors([var])))
+
+
 def _say_if_a_sum_adds_what_reads_no_rows(pairs: Sequence[tuple[Variable, str | None]], rows: Sequence[Variable],
                                           givens: Sequence[tuple[Variable, Variable]], name: str) -> None:
     """Warn of an output reduced with ``"sum"`` that adds a term reading none of the rows to terms
@@ -134,16 +145,14 @@ def _say_if_a_sum_adds_what_reads_no_rows(pairs: Sequence[tuple[Variable, str | 
     The rows are ``rows`` and what ``givens`` replace with them; a zero (Python's ``sum()``
     starts from one) is no term. An output that reads no rows at all is not said: the devices'
     own values of a variable their updates keep apart (``local_updates``) are summed so."""
-    if not rows:            # (no rows: every device computes the whole function, as asked)
+    reads_rows = _row_reader(rows, givens)
+    if reads_rows is None:          # (no rows: every device computes the whole function, as asked)
         return
-    row_set = set(rows)
-    row_set |= {key for key, value in givens if row_set.intersection(ancestors([value]))}
     for var, mode in pairs:
         if mode != "sum":
             continue
         terms = added_terms(var)
-        rowless = [term for term in terms if not row_set.intersection(ancestors([term]))
-                   and not (isinstance(term, Constant) and not np.any(term.data))]
+        rowless = [term for term in terms if not reads_rows(term) and not is_zero(term)]
         if rowless and len(rowless) < len(terms):
             warn(f"{name}'s output {var} is reduced with 'sum' and adds {rowless[0]}"
                  f"{f' (and {len(rowless) - 1} more)' if len(rowless) > 1 else ''}, which reads none "

@@ -37,7 +37,7 @@ from pytensor.tensor.exceptions import NotScalarConstantError
 from pytensor.tensor.rewriting.shape import ShapeFeature
 from pytensor.tensor.shape import Shape, Shape_i
 
-__all__ = ["sum_over_rows"]
+__all__ = ["sum_over_rows", "is_zero"]
 
 #: the elementwise operations a scaled sum passes through unchanged in kind
 _PASS_THROUGH = (ps.Add, ps.Sub, ps.Neg, ps.Cast, ps.Identity)
@@ -105,7 +105,7 @@ class _Search:
             return None if self.reads_rows(denominator) else self.scaled_sum(numerator)
         if isinstance(scalar, ps.Mul):
             reading = [v for v in node.inputs if self.reads_rows(v)]
-            if len(reading) != 1 or any(_is_zero(v) for v in node.inputs):
+            if len(reading) != 1 or any(is_zero(v) for v in node.inputs):
                 return None        # (0 * y.sum(): an input read for its name alone, counting nothing)
             return self.scaled_sum(reading[0])
         return None
@@ -195,7 +195,7 @@ class _Search:
         return any(self._counts_rows(v, seen) for v in node.inputs)
 
 
-def _is_zero(var: Variable) -> bool:
+def is_zero(var: Variable) -> bool:
     """Whether ``var`` is a constant zero (broadcast or cast as it may be)."""
     try:
         return float(get_underlying_scalar_constant_value(var)) == 0.0
