@@ -85,6 +85,8 @@ BUILD_MISUSE = [
     ("shared as input", lambda x, w: synk.function([w], x.sum()), TypeError, "symbolic input"),
     ("unused sliceable", lambda x, w: synk.function([x], x.sum(), sliceable_shareds=[
         pytensor.shared(np.zeros(2))]), ValueError, "not used"),
+    ("sliceable not shared", lambda x, w: synk.function([x], (x.sum(), "sum"), sliceable_shareds=[np.zeros(2)]),
+     TypeError, "sliceable_shareds must be shared variables"),
     ("duplicate input", lambda x, w: synk.function([x], x.sum(), bcast_inputs=[x]), ValueError, "more than once"),
     ("bad output", lambda x, w: synk.function([x], ["loss"]), TypeError, "output"),
     ("C backend mode", lambda x, w: synk.function([x], x.sum(), mode="FAST_RUN"), ValueError,

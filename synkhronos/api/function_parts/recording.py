@@ -67,8 +67,6 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
         inputs, bcast_inputs, givens = rows.inputs, rows.bcast_inputs, rows.givens
     _say_if_an_average_sums_rows([pairs[i][0] for i in averaged_by_default], row_axes,
                                  name or "synk.function")
-    _say_if_a_sum_adds_what_reads_no_rows(pairs, scattered_rows + list(sliceable_shareds or []), givens,
-                                          name or "synk.function")
     seen: set[int] = set()
     for var in inputs + bcast_inputs:
         if id(var) in seen:
@@ -83,11 +81,12 @@ def record(fid: int, inputs: Iterable[Variable] | None, outputs: Any, bcast_inpu
     spec.name = name or f"synk_function_{spec.fid}"
     spec.input_axes = input_axes if rows is None else rows.scattered_axes(input_axes)
     spec.gather_axes = gather_axes
-    reads_rows = _row_reader([*scattered_rows, *sliceable], givens)
-    spec.sums_changes = [sums_its_changes(shared, value, mode, reads_rows) for shared, value, mode in triples]
     spec.generator_updates = generators + randomness.generator_updates(
         inputs + bcast_inputs, spec.graph_vars(), written={g for g, _ in generators})
     _check_sliceables(spec, sliceable, givens)
+    reads_rows = _row_reader([*scattered_rows, *sliceable], givens)
+    _say_if_a_sum_adds_what_reads_no_rows(pairs, reads_rows, name or "synk.function")
+    spec.sums_changes = [sums_its_changes(shared, value, mode, reads_rows) for shared, value, mode in triples]
     _check_jax_can_sample(spec)
     _say_once_if_a_float64_cast_computes_in_32_bits(spec)
     _say_if_assertions_go_unchecked(spec)
@@ -125,27 +124,32 @@ def _say_if_an_average_sums_rows(averaged: Sequence[Variable], row_axes: dict[Va
                  f"as well)")
 
 
-def _row_reader(rows: Sequence[Variable], givens: Sequence[tuple[Variable, Variable]]
-                ) -> Callable[[Variable], bool] | None:
-    """Whether a variable reads any of ``rows`` or of what ``givens`` replace with them; None if
-    there are no rows."""
-    if not rows:
-        return None
+def _row_variables(rows: Sequence[Variable], givens: Sequence[tuple[Variable, Variable]]) -> set[Variable]:
+    """``rows`` and what ``givens`` replace with values read from them: every variable that stands
+    for the call's rows in the function's graphs."""
     row_set = set(rows)
     row_set |= {key for key, value in givens if row_set.intersection(ancestors([value]))}
+    return row_set
+
+
+def _row_reader(rows: Sequence[Variable], givens: Sequence[tuple[Variable, Variable]]
+                ) -> Callable[[Variable], bool] | None:
+    """Whether a variable reads any of :func:`_row_variables`; None if there are no rows."""
+    if not rows:
+        return None
+    row_set = _row_variables(rows, givens)
     return lambda var: bool(row_set.intersection(ancestors([var])))
 
 
-def _say_if_a_sum_adds_what_reads_no_rows(pairs: Sequence[tuple[Variable, str | None]], rows: Sequence[Variable],
-                                          givens: Sequence[tuple[Variable, Variable]], name: str) -> None:
+def _say_if_a_sum_adds_what_reads_no_rows(pairs: Sequence[tuple[Variable, str | None]],
+                                          reads_rows: Callable[[Variable], bool] | None, name: str) -> None:
     """Warn of an output reduced with ``"sum"`` that adds a term reading none of the rows to terms
     that read them (a penalty on the weights beside a summed loss): every device and every slice
     adds it.
 
-    The rows are ``rows`` and what ``givens`` replace with them; a zero (Python's ``sum()``
-    starts from one) is no term. An output that reads no rows at all is not said: the devices'
-    own values of a variable their updates keep apart (``local_updates``) are summed so."""
-    reads_rows = _row_reader(rows, givens)
+    ``reads_rows``: :func:`_row_reader`'s. A zero (Python's ``sum()`` starts from one) is no
+    term. An output that reads no rows at all is not said: the devices' own values of a variable
+    their updates keep apart (``local_updates``) are summed so."""
     if reads_rows is None:          # (no rows: every device computes the whole function, as asked)
         return
     for var, mode in pairs:
@@ -220,10 +224,9 @@ def written_from_rows(spec: FunctionSpec, given_rows: Sequence[Variable] = ()) -
     several calls, a moving average) holds more than this call's rows: it is
     not one.
     """
-    rows = set(spec.inputs) | set(given_rows) | set(spec.sliceable_shareds)
+    rows = _row_variables([*spec.inputs, *given_rows, *spec.sliceable_shareds], spec.givens)
     if not rows:
         return frozenset()
-    rows |= {key for key, value in spec.givens if rows.intersection(ancestors([value]))}
     written = set()
     for shared, value, _ in spec.updates:
         read = set(ancestors([value]))

@@ -64,7 +64,7 @@ def sums_its_changes(shared: SharedVariable, value: Variable, mode: str | None,
         own = [(term, sign) for term, sign in terms if term is shared]
         change = [term for term, _ in terms if term is not shared]
         if own == [(shared, 1)] and not any(shared in ancestors([term]) for term in change):
-            rowless = [t for t in change if reads_rows is not None and not reads_rows(t) and not is_zero(t)]
+            rowless = [] if reads_rows is None else [t for t in change if not reads_rows(t) and not is_zero(t)]
             if rowless:
                 raise ValueError(
                     f"the update of {shared} is combined over slices by 'sum' and adds {rowless[0]}, which "
